@@ -1,0 +1,24 @@
+VENV := .venv
+PY := $(VENV)/bin/python
+LAUNCH := $(PY) -m tpflow.launch
+
+.PHONY: test demo clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+# The seed scenarios through the launcher (CPU processes over gloo when there is no GPU).
+demo: $(VENV)/.installed
+	$(LAUNCH) --nproc_per_node 2 examples/data_parallel.py
+	$(LAUNCH) --nproc_per_node 2 examples/model_parallel.py
+	$(LAUNCH) --nproc_per_node 2 examples/pipeline_two_stage.py
+	$(LAUNCH) --nproc_per_node 4 examples/hybrid_module_model.py
+	$(LAUNCH) --nproc_per_node 2 examples/data_parallel_training.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,125 @@
+"""Multi-rank test harness: a pool of real gloo processes per world size, kept for the session.
+
+``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank and returns the per-rank
+results. A rank that raises fails the test with its traceback; a pool whose ranks stop
+answering (a hang) is killed after the timeout and replaced, so one bad test cannot stall
+the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+COLLECTIVE_TIMEOUT_S = 60  # gloo collectives of a broken test fail after this instead of hanging
+GRACE_S = 10  # after one rank fails, how long the others get to finish before the pool is replaced
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TPFLOW_TIMEOUT=str(COLLECTIVE_TIMEOUT_S))
+    torch.set_num_threads(1)
+    import tpflow
+
+    tpflow.init_distributed()
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            torch.distributed.destroy_process_group()
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - the parent reports every failure with its traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+class Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size, port = world_size, _free_port()
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, fn, args: tuple, timeout: float) -> list:
+        for conn in self.conns:
+            conn.send((fn, args))
+        results: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
+            if any(kind == "error" for kind, _ in results.values()):
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+            pending = [c for r, c in enumerate(self.conns) if r not in results]
+            ready = wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = self.conns.index(conn)
+                try:
+                    results[rank] = conn.recv()
+                except EOFError:
+                    results[rank] = ("error", f"rank {rank} died (exit code {self.procs[rank].exitcode})")
+        errors = {r: text for r, (kind, text) in sorted(results.items()) if kind == "error"}
+        missing = [r for r in range(self.world_size) if r not in results]
+        if errors or missing:
+            self.close(kill=True)
+            report = "".join(f"\n--- rank {r} ---\n{text}" for r, text in errors.items())
+            if missing:
+                report += f"\nranks {missing} gave no answer (hung, or stuck waiting on a failed rank)"
+            raise AssertionError(f"{fn.__name__} failed on world size {self.world_size}:{report}")
+        return [results[r][1] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=0 if kill else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.procs = []
+
+
+_pools: dict[int, Pool] = {}
+
+
+def run(world_size: int, fn, *args, timeout: float = 120) -> list:
+    """``fn(*args)`` on every rank of a ``world_size`` gloo world; the list of their results."""
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        pool = _pools[world_size] = Pool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    finally:
+        if not pool.procs:
+            del _pools[world_size]
+
+
+def shutdown() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

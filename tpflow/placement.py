@@ -1,0 +1,194 @@
+"""Placements: which ranks hold a global tensor, as a cached ``DeviceMesh``.
+
+The process group is set up lazily from the launcher's environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``...): gloo for CPU tensors, NCCL for CUDA ones. A plain ``python script.py`` is a
+world of one, so every script also runs as one process.
+
+Creating a mesh of a subset of ranks calls ``new_group``, which every rank of the world must
+call in the same order. A placement therefore builds its mesh when it is constructed, and SPMD
+scripts construct the same placements in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Placement", "placement", "get_rank", "get_world_size", "init_distributed", "placement_of_mesh"]
+
+_DEVICE_TYPES = ("cpu", "cuda")
+_MESHES: dict[tuple[str, tuple], DeviceMesh] = {}
+
+
+def _timeout() -> datetime.timedelta:
+    """Collective timeout: a rank that never arrives fails the job instead of hanging it."""
+    return datetime.timedelta(seconds=float(os.environ.get("TPFLOW_TIMEOUT", "300")))
+
+
+def init_distributed() -> None:
+    """Set up the default process group once: from torchrun's environment, else a world of one."""
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=_timeout())
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_timeout())
+
+
+def get_rank() -> int:
+    """This process's rank in the world (0 in a plain one-process run)."""
+    init_distributed()
+    return dist.get_rank()
+
+
+def get_world_size() -> int:
+    """Number of processes in the world (1 in a plain one-process run)."""
+    init_distributed()
+    return dist.get_world_size()
+
+
+def _as_rank_tuple(ranks: object) -> tuple:
+    """Nested lists (or a tensor / array) of ints -> nested tuples, rejecting anything else."""
+    if hasattr(ranks, "tolist"):
+        ranks = ranks.tolist()
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        return (ranks,)
+    if not isinstance(ranks, Sequence) or isinstance(ranks, str) or len(ranks) == 0:
+        raise TypeError(f"ranks must be a non-empty list of ints such as [0, 1] or [[0, 1], [2, 3]], got {ranks!r}")
+    if all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        return tuple(ranks)
+    rows = tuple(_as_rank_tuple(r) for r in ranks)
+    if any(not all(isinstance(r, int) for r in row) for row in rows) or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"ranks {ranks!r} must be a flat list or a rectangular 2-D list of ints")
+    return rows
+
+
+def _flat(ranks: tuple) -> list[int]:
+    return [r for row in ranks for r in row] if isinstance(ranks[0], tuple) else list(ranks)
+
+
+class Placement:
+    """The ranks a global tensor lives on: ``placement("cuda", ranks=[[0, 1], [2, 3]])``.
+
+    ``hierarchy`` is the shape of ``ranks`` (one entry per axis); the SBP of a tensor on this
+    placement has one entry per axis. Placements are hashable and compare by type and ranks.
+    """
+
+    def __init__(self, type: str, ranks: object) -> None:
+        if type not in _DEVICE_TYPES:
+            raise ValueError(f"placement type must be one of {_DEVICE_TYPES}, got {type!r}")
+        self._type = type
+        self._ranks = _as_rank_tuple(ranks)
+        flat = _flat(self._ranks)
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"placement ranks {self.ranks} list a rank twice: each rank may appear once")
+        rows = self._ranks if isinstance(self._ranks[0], tuple) else (self._ranks,)
+        lines = list(rows) + list(zip(*rows))
+        if any(list(line) != sorted(line) for line in lines):
+            raise ValueError(
+                f"placement ranks {self.ranks} must increase along every axis (torch process groups order their "
+                f"ranks, so a collective over [3, 2] would return rank 2's block first): use e.g. "
+                f"{sorted(self.flat_ranks)[:2]} instead of {self.flat_ranks[:2]}"
+            )
+        init_distributed()
+        world = dist.get_world_size()
+        outside = [r for r in flat if not 0 <= r < world]
+        if outside:
+            raise ValueError(
+                f"placement ranks {self.ranks} include {outside}, outside this world of {world} process(es) "
+                f"(ranks 0..{world - 1}); launch more processes with `python -m tpflow.launch --nproc_per_node N` "
+                f"or use ranks below {world}"
+            )
+        if type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("placement type 'cuda' needs a GPU, and none is visible: use placement('cpu', ...)")
+        key = (type, self._ranks)
+        if key not in _MESHES:
+            _MESHES[key] = DeviceMesh(type, torch.tensor(self._ranks, dtype=torch.int64))
+        self._mesh = _MESHES[key]
+
+    @classmethod
+    def all(cls, type: str) -> Placement:
+        """Every rank of the world, 1-D (OneFlow's ``placement.all``)."""
+        return cls(type, list(range(get_world_size())))
+
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def ranks(self) -> list:
+        """The ranks as nested lists, as they were given."""
+        return [list(row) for row in self._ranks] if isinstance(self._ranks[0], tuple) else list(self._ranks)
+
+    @property
+    def flat_ranks(self) -> list[int]:
+        """The ranks in row-major order: position ``i`` holds the mesh coordinate ``i``."""
+        return _flat(self._ranks)
+
+    @property
+    def hierarchy(self) -> tuple[int, ...]:
+        """The mesh shape: ``(2,)`` for ``[0, 1]``, ``(2, 2)`` for ``[[0, 1], [2, 3]]``."""
+        return tuple(self._mesh.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.hierarchy)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's local shards live."""
+        if self._type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def coordinate(self, rank: int | None = None) -> tuple[int, ...] | None:
+        """Mesh coordinate of ``rank`` (default: this rank), or None when it is outside."""
+        rank = dist.get_rank() if rank is None else rank
+        flat = self.flat_ranks
+        if rank not in flat:
+            return None
+        index, coord = flat.index(rank), []
+        for size in reversed(self.hierarchy):
+            coord.append(index % size)
+            index //= size
+        return tuple(reversed(coord))
+
+    def rank_at(self, coord: Sequence[int]) -> int:
+        index = 0
+        for c, size in zip(coord, self.hierarchy):
+            index = index * size + c
+        return self.flat_ranks[index]
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.flat_ranks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Placement) and (self._type, self._ranks) == (other._type, other._ranks)
+
+    def __hash__(self) -> int:
+        return hash((self._type, self._ranks))
+
+    def __repr__(self) -> str:
+        return f'placement(type="{self._type}", ranks={self.ranks})'
+
+
+placement = Placement
+
+
+def placement_of_mesh(mesh: DeviceMesh) -> Placement:
+    """The placement of a DTensor's mesh, registering meshes that torch code built itself."""
+    key = (mesh.device_type, _as_rank_tuple(mesh.mesh.tolist()))
+    _MESHES.setdefault(key, mesh)
+    return Placement(*key)
