@@ -9,7 +9,6 @@ behind the same bug in the checker.
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.distributed as dist
@@ -58,7 +57,6 @@ def logical(t) -> torch.Tensor | None:
     blocks: list = [None] * dist.get_world_size()
     dist.all_gather_object(blocks, t.to_local().detach().clone())
     out = torch.zeros(t.shape, dtype=t.dtype)
-    replicas = math.prod(k for s, k in zip(sbps, pl.hierarchy) if isinstance(s, Broadcast))
     seen: dict = {}
     for rank in pl.flat_ranks:
         coord = pl.coordinate(rank)
@@ -69,9 +67,10 @@ def logical(t) -> torch.Tensor | None:
         key = tuple(c for s, c in zip(sbps, coord) if not isinstance(s, Broadcast))
         if key in seen and not torch.equal(seen[key], blocks[rank]):
             return None
-        seen.setdefault(key, blocks[rank])
-        block(out, offsets, lengths).add_(blocks[rank])
-    return out / replicas
+        if key not in seen:
+            seen[key] = blocks[rank]
+            block(out, offsets, lengths).add_(blocks[rank])
+    return out
 
 
 def grad_block(g: torch.Tensor, t) -> torch.Tensor:

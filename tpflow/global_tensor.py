@@ -503,10 +503,10 @@ class _Matmul(torch.autograd.Function):
             local = kernels.matmul(g, b_local.mT) if member else None
             grad_a = _box(_wrap(local, pl, sbps, a_shape, grad.dtype), pl, sbps, pl, dual(a_sbps))
         if ctx.needs_input_grad[1]:  # dB = A^T @ dY, batch dims folded into rows when B is 2-D
-            if b_nd == 2:
+            if b_nd == 2 and a_nd > 2:
                 a_sbps, g_sbps = _as_rows(a_sbps, a_nd), _as_rows(g_sbps, g_nd)
                 if member:
-                    a_local, g = a_local.reshape(-1, a_shape[-1]), g.reshape(-1, g.shape[-1])
+                    a_local, g = a_local.flatten(0, -2), g.flatten(0, -2)
             sbps = matmul_out_sbp(_transposed(a_sbps, b_nd), g_sbps, b_nd, b_nd)
             local = kernels.matmul(a_local.mT, g) if member else None
             grad_b = _box(_wrap(local, pl, sbps, b_shape, grad.dtype), pl, sbps, pl, dual(b_sbps))
