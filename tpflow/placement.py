@@ -38,6 +38,12 @@ def init_distributed() -> None:
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(
+                f"RANK and WORLD_SIZE are set but {' and '.join(missing)} are not: start multi-process runs with "
+                "`python -m tpflow.launch --nproc_per_node N script.py`, or unset RANK/WORLD_SIZE for one process"
+            )
         dist.init_process_group(backend, timeout=_timeout())
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_timeout())

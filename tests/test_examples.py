@@ -1,0 +1,45 @@
+"""Every seed scenario in examples/ runs through the launcher (and as one plain process) and
+checks its own values against one device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = {
+    "data_parallel.py": 2,
+    "model_parallel.py": 2,
+    "pipeline_two_stage.py": 2,
+    "hybrid_module_model.py": 4,
+    "data_parallel_training.py": 2,
+}
+
+
+def _run(args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_every_example_is_listed():
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_under_launcher(name):
+    nproc = EXAMPLES[name]
+    proc = _run(["-m", "tpflow.launch", "--nproc_per_node", str(nproc), f"examples/{name}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("matches one device") + proc.stdout.count("w = [") >= nproc, proc.stdout
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_as_one_process(name):
+    proc = _run([f"examples/{name}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,0 +1,93 @@
+"""The launcher: worlds of 1, 2 and 4 CPU processes, fail-fast with the failing rank's error,
+clear errors for flags that make no sense, and the same script as one plain process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tpflow.launch import build_parser, torchrun_args
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    import tpflow as tpf
+
+    rank, world = tpf.get_rank(), tpf.get_world_size()
+    if "--fail" in sys.argv and rank == world - 1:
+        raise ValueError(f"boom from rank {rank}")
+    total = tpf.to_global(torch.tensor([float(rank)]), placement=tpf.placement.all("cpu"), sbp=tpf.sbp.partial_sum)
+    value = tpf.to_local(tpf.to_global(total, sbp=tpf.sbp.broadcast)).item()
+    print(f"rank {rank} of {world}: sum of ranks {value:g}, args {sys.argv[1:]}")
+""")
+
+
+def _launch(args, tmp_path, script_args=("x",), timeout=180):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, *(["-m", "tpflow.launch", *args] if args is not None else []), str(script), *script_args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_world_of_n(nproc, tmp_path):
+    proc, _ = _launch(["--nproc_per_node", str(nproc)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    total = sum(range(nproc))
+    for rank in range(nproc):
+        assert f"rank {rank} of {nproc}: sum of ranks {total}, args ['x']" in proc.stdout
+
+
+def test_plain_process_is_a_world_of_one(tmp_path):
+    proc, _ = _launch(None, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 of 1: sum of ranks 0" in proc.stdout
+
+
+def test_failing_rank_stops_the_launch(tmp_path):
+    # ranks 0 and 1 wait in a collective for rank 2, which raises: the launch must end at once
+    proc, elapsed = _launch(["--nproc_per_node", "3", "--logdir", str(tmp_path / "logs")], tmp_path, ["--fail"])
+    assert proc.returncode != 0
+    assert "ValueError: boom from rank 2" in proc.stderr
+    assert "tpflow.launch FAILED" in proc.stderr or "Root Cause" in proc.stderr
+    assert elapsed < 60, f"the launch took {elapsed:.0f}s to fail: ranks were left waiting"
+    assert list((tmp_path / "logs").rglob("stderr.log")), "--logdir kept no per-rank logs"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "2", "--node_rank", "2"], "--node_rank must be in 0..1"),
+    (["--nproc_per_node", "0"], "--nproc_per_node must be at least 1"),
+    (["--nnodes", "0"], "--nnodes must be at least 1"),
+    (["--master_port", "70000", "--nnodes", "2"], "--master_port must be a TCP port"),
+])
+def test_nonsense_flags(flags, message):
+    with pytest.raises(ValueError, match=message):
+        torchrun_args(build_parser().parse_args([*flags, "script.py"]))
+
+
+def test_nonsense_flags_exit_with_usage_error(tmp_path):
+    proc, _ = _launch(["--nnodes", "2", "--node_rank", "2"], tmp_path)
+    assert proc.returncode == 2 and "--node_rank must be in 0..1 for --nnodes 2, got 2" in proc.stderr
+
+
+def test_flags_map_to_torchrun():
+    ns = build_parser().parse_args(["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2", "--master_addr",
+                                    "10.0.0.1", "--master_port", "7788", "train.py", "--lr", "0.1"])
+    args = torchrun_args(ns)
+    assert args[args.index("--nnodes") + 1] == "2" and args[args.index("--node_rank") + 1] == "1"
+    assert args[args.index("--master_addr") + 1] == "10.0.0.1" and args[args.index("--master_port") + 1] == "7788"
+    assert args[-3:] == ["train.py", "--lr", "0.1"] and "--standalone" not in args
+    single = torchrun_args(build_parser().parse_args(["--nproc_per_node", "4", "train.py"]))
+    assert "--standalone" in single
