@@ -341,6 +341,25 @@ def to_local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local()
 
 
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_MAX_NDIM = 16
+
+
+def _all_gather_meta(local: torch.Tensor, device: torch.device) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Every rank's (shape, dtype), in one fixed-size all-gather over the world."""
+    if local.ndim > _MAX_NDIM:
+        raise ValueError(f"tpflow handles tensors of up to {_MAX_NDIM} dims, got {local.ndim}")
+    code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else len(_DTYPES)
+    meta = torch.tensor([local.ndim, code, *local.shape] + [0] * (_MAX_NDIM - local.ndim), device=device)
+    metas = torch.empty(dist.get_world_size() * meta.numel(), dtype=meta.dtype, device=device)
+    dist.all_gather_into_tensor(metas, meta)
+    out = []
+    for ndim, code, *shape in metas.view(-1, meta.numel()).tolist():
+        out.append((tuple(shape[:ndim]), _DTYPES[code] if code < len(_DTYPES) else "unsupported"))
+    return out
+
+
 def _global_shape(local: torch.Tensor, pl: Placement, sbp: object,
                   shape: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[Sbp, ...]]:
     """(global shape, SBPs) of per-rank blocks, checked on every rank so a mismatch fails everywhere."""
@@ -354,9 +373,7 @@ def _global_shape(local: torch.Tensor, pl: Placement, sbp: object,
                 f"with sbp {sbps} on {pl} gives it {local_region(shape, sbps, pl.hierarchy, coord)[1]}"
             )
         return shape, sbps
-    metas: list = [None] * dist.get_world_size()
-    dist.all_gather_object(metas, (tuple(local.shape), local.dtype))
-    members = {r: metas[r] for r in pl.flat_ranks}
+    members = {r: meta for r, meta in enumerate(_all_gather_meta(local, pl.device)) if r in pl}
     if len({m[1] for m in members.values()}) > 1:
         raise ValueError(f"the ranks of {pl} hold blocks of different dtypes: {members}")
     if len({len(m[0]) for m in members.values()}) > 1:
