@@ -35,8 +35,9 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if local_rank < torch.cuda.device_count():  # more ranks than GPUs: the extra ones run CPU placements only
+        torch.cuda.set_device(local_rank)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
