@@ -163,3 +163,23 @@ def _module_to_global():
 
 def test_module_to_global():
     harness.run(3, _module_to_global)
+
+
+def _bytes_moved():
+    """Direct hand-offs move exactly the blocks; the general route sends each block once."""
+    p01, p23 = tpf.placement("cpu", [0, 1]), tpf.placement("cpu", [2, 3])
+    x = tpf.randn(6, 6, placement=p01, sbp=S0)
+    tpf.comm.stats.reset()
+    tpf.to_global(x, placement=p23, sbp=S0)  # rank r sends its 3 x 6 block to rank r + 2
+    direct = tpf.comm.stats.bytes_sent, tpf.comm.stats.messages_sent
+    tpf.comm.stats.reset()
+    tpf.to_global(x, placement=tpf.placement("cpu", [1, 2, 3]), sbp=S1)  # gather on [0, 1], one block each
+    general = tpf.comm.stats.bytes_sent, tpf.comm.stats.messages_sent
+    return direct, general
+
+
+def test_bytes_moved_across_placements():
+    results = harness.run(4, _bytes_moved)
+    assert [r[0] for r in results] == [(72, 1), (72, 1), (0, 0), (0, 0)]
+    # 6 x 2 blocks for ranks 2 and 3 (rank 1 cuts its own from the gathered value): senders 0 and 1
+    assert [r[1] for r in results] == [(48, 1), (48, 1), (0, 0), (0, 0)]

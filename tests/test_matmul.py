@@ -111,3 +111,32 @@ def _float_tolerance(world):
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_partial_sums_within_fp32_rounding(world_size):
     harness.run(world_size, _float_tolerance, world_size)
+
+
+def _debug_log():
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("tpflow")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        pl = tpf.placement("cpu", [0, 1])
+        a = tpf.randn(64, 8, placement=pl, sbp=S0)
+        b = tpf.randn(8, 4, placement=pl, sbp=S0)
+        tpf.matmul(a, b)
+        tpf.to_global(a, placement=tpf.placement("cpu", [1]), sbp=B)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.WARNING)
+    return [r.getMessage() for r in records]
+
+
+def test_debug_log_names_signature_choice_and_routes():
+    messages = harness.run(2, _debug_log)[0]
+    text = "\n".join(messages)
+    assert "has no signature" in text and "boxing to (sbp.split(dim=0),) x (sbp.broadcast,)" in text, text
+    assert "redistribute to (sbp.broadcast,)" in text, text
+    assert "gather on source, send blocks, slice on destination" in text, text

@@ -194,8 +194,15 @@ class Placement:
 placement = Placement
 
 
+_PLACEMENTS: dict[int, Placement] = {}
+
+
 def placement_of_mesh(mesh: DeviceMesh) -> Placement:
-    """The placement of a DTensor's mesh, registering meshes that torch code built itself."""
-    key = (mesh.device_type, _as_rank_tuple(mesh.mesh.tolist()))
-    _MESHES.setdefault(key, mesh)
-    return Placement(*key)
+    """The placement of a DTensor's mesh (cached: this runs on every boxing and matmul),
+    registering meshes that torch code built itself."""
+    found = _PLACEMENTS.get(id(mesh))
+    if found is None or found.mesh is not mesh:
+        key = (mesh.device_type, _as_rank_tuple(mesh.mesh.tolist()))
+        _MESHES.setdefault(key, mesh)
+        found = _PLACEMENTS[id(mesh)] = Placement(*key)
+    return found
