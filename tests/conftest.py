@@ -1,6 +1,13 @@
-import pytest
+import os
 
-from tests import harness
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run through the interpreter; read when tpflow is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests import harness  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,112 @@
+"""The tiled matmul and linear kernels against torch, on CPU through Triton's interpreter and
+compiled on a GPU. Tolerance scales with the dtype's own error:
+err(kernel, fp64) <= 2 * err(torch in the same dtype, fp64) + atol."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tpflow.kernels import linear, linear_ref, matmul, matmul_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # interpreter: no bf16
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _triton_kernels(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TPFLOW_KERNELS", "triton")
+
+
+def _close(got, want_torch, ref64, dtype):
+    assert got.shape == ref64.shape and got.dtype == want_torch.dtype
+    if not got.numel():
+        return
+    err = (got.double() - ref64).abs().max().item()
+    bound = 2 * (want_torch.double() - ref64).abs().max().item() + ATOL[dtype] * max(1.0, ref64.abs().max().item())
+    assert err <= bound, f"error {err:.3g} > bound {bound:.3g}"
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m, k, n", [(1, 9, 41), (9, 41, 127), (41, 127, 9), (127, 1, 256), (256, 256, 256),
+                                     (127, 41, 1), (64, 64, 64)])
+def test_shapes(m, k, n, dtype):
+    a, b = _rand(m, k, dtype=dtype, seed=1), _rand(k, n, dtype=dtype, seed=2)
+    _close(matmul(a, b), matmul_ref(a, b), matmul_ref(a, b, upcast=True), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("has_bias, activation, has_acc",
+                         list(itertools.product([False, True], [None, "relu", "gelu", "silu"], [False, True])))
+def test_epilogues(has_bias, activation, has_acc, dtype):
+    a, b = _rand(41, 127, dtype=dtype, seed=1), _rand(127, 9, dtype=dtype, seed=2)
+    bias = _rand(9, dtype=dtype, seed=3) if has_bias else None
+    acc = _rand(41, 9, dtype=torch.float32, seed=4) if has_acc else None  # partials travel in fp32
+    kw = dict(bias=bias, activation=activation, acc=acc)
+    _close(matmul(a, b, **kw), matmul_ref(a, b, **kw), matmul_ref(a, b, upcast=True, **kw), dtype)
+
+
+def test_transposed_and_sliced_operands_are_read_in_place():
+    base_a, base_b = _rand(50, 80, dtype=torch.float32, seed=1), _rand(60, 90, dtype=torch.float32, seed=2)
+    a = base_a.mT[3:40, 5:45]  # [37, 40], column-major and offset
+    b = base_b[10:50, ::4]  # [40, 23], stride 4 along columns
+    assert not a.is_contiguous() and not b.is_contiguous()
+    _close(matmul(a, b), matmul_ref(a, b), matmul_ref(a, b, upcast=True), torch.float32)
+
+
+@pytest.mark.parametrize("row_start, row_end, tile_offset", [(0, 127, 0), (3, 70, 1), (64, 127, 5), (5, 5, 0)])
+def test_row_ranges(row_start, row_end, tile_offset):
+    a, b = _rand(127, 33, dtype=torch.float32, seed=1), _rand(33, 70, dtype=torch.float32, seed=2)
+    acc = _rand(row_end - row_start, 70, dtype=torch.float32, seed=3)
+    out = torch.full((row_end - row_start, 70), float("nan"), device=DEVICE)
+    got = matmul(a, b, acc=acc, out=out, row_start=row_start, row_end=row_end, tile_offset=tile_offset)
+    assert got.data_ptr() == out.data_ptr() and not out.isnan().any()  # every tile written exactly where it belongs
+    ref = matmul_ref(a, b, upcast=True)[row_start:row_end] + acc.double()
+    _close(got, matmul_ref(a[row_start:row_end], b, acc=acc), ref, torch.float32)
+
+
+def test_out_dtype_and_batched_rows():
+    a, b = _rand(2, 3, 17, 40, dtype=torch.float16, seed=1), _rand(40, 24, dtype=torch.float16, seed=2)
+    got = matmul(a, b, out_dtype=torch.float32)
+    assert got.shape == (2, 3, 17, 24) and got.dtype == torch.float32
+    _close(got, matmul_ref(a, b, out_dtype=torch.float32), matmul_ref(a, b, upcast=True), torch.float16)
+
+
+def test_bad_arguments():
+    a, b = _rand(8, 4, dtype=torch.float32, seed=1), _rand(4, 5, dtype=torch.float32, seed=2)
+    with pytest.raises(ValueError, match="inner sizes differ"):
+        matmul(a, a)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        matmul(a, b, activation="tanh")
+    with pytest.raises(ValueError, match="outside the 8 rows"):
+        matmul(a, b, row_start=2, row_end=9)
+    with pytest.raises(ValueError, match=r"acc must hold the rows of the range: shape \(2, 5\)"):
+        matmul(a, b, acc=torch.zeros(8, 5, device=DEVICE), row_start=2, row_end=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu"])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_linear_gradients(activation, has_bias, dtype):
+    x = _rand(3, 9, 41, dtype=dtype, seed=1).requires_grad_()
+    w = _rand(17, 41, dtype=dtype, seed=2).requires_grad_()
+    b = _rand(17, dtype=dtype, seed=3).requires_grad_() if has_bias else None
+    g = _rand(3, 9, 17, dtype=dtype, seed=4)
+    leaves = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad(linear(x, w, b, activation), leaves, g)
+    want = torch.autograd.grad(linear_ref(x, w, b, activation), leaves, g)
+    as64 = [t.detach().double().requires_grad_() for t in leaves]
+    out64 = linear_ref(as64[0], as64[1], as64[2] if has_bias else None, activation)
+    ref = torch.autograd.grad(out64, as64, g.double())
+    _close(linear(x, w, b, activation), linear_ref(x, w, b, activation), out64.detach(), dtype)
+    for got_t, want_t, ref_t in zip(got, want, ref):
+        _close(got_t, want_t, ref_t, dtype)

@@ -1,0 +1,87 @@
+"""``y = act(x @ W^T + b)`` as an autograd function on the tiled matmul kernel.
+
+    x  [M, K]   (leading dims folded into M)     W  [N, K]  (nn.Linear's layout; the math reads W^T [K, N])
+    forward   y  = act(x @ W^T + b)              one kernel, bias and activation fused
+    dgrad     dx = dz @ W                        dz = dy * act'(z)
+    wgrad     dW = dz^T @ x,  db = sum_rows(dz)  transposes are strides: no copies
+
+Saved for backward: x and W always; for relu the output (its sign is the mask); for gelu and
+silu the pre-activation z, written by the same kernel launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tpflow.kernels.matmul import ACTIVATIONS, matmul
+
+__all__ = ["linear", "linear_ref"]
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               activation: str | None = None) -> torch.Tensor:
+    """torch reference of ``linear`` (differentiable by autograd)."""
+    y = F.linear(x, weight, bias)
+    if activation == "relu":
+        return torch.relu(y)
+    if activation == "gelu":
+        return F.gelu(y, approximate="tanh")
+    if activation == "silu":
+        return F.silu(y)
+    return y
+
+
+def _activation_grad(dy: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """dz from dy: ``saved`` is the output for relu and the pre-activation z otherwise."""
+    if activation is None:
+        return dy
+    if activation == "relu":
+        return dy * (saved > 0)
+    z = saved.float()
+    if activation == "gelu":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
+        slope = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
+    else:
+        s = torch.sigmoid(z)
+        slope = s * (1 + z * (1 - s))
+    return (dy.float() * slope).to(dy.dtype)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        x2 = x.flatten(0, -2) if x.ndim > 2 else x.reshape(-1, x.shape[-1])
+        pre = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) \
+            if activation in ("gelu", "silu") else None
+        y = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre)
+        ctx.activation, ctx.has_bias, ctx.x_shape = activation, bias is not None, x.shape
+        ctx.save_for_backward(x2, weight, y if activation == "relu" else pre)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, saved = ctx.saved_tensors
+        dz = _activation_grad(dy.reshape(-1, weight.shape[0]), saved, ctx.activation)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = matmul(dz, weight).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = matmul(dz.mT, x2, out_dtype=weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dz.sum(0, dtype=torch.float32).to(dz.dtype)
+        return dx, dw, db, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: str | None = None) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[1]}")
+    return _Linear.apply(x, weight, bias, activation)
