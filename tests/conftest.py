@@ -2,8 +2,11 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels run through the interpreter; read when tpflow is imported
+# read when tpflow is imported: on CPU the Triton kernels run through the interpreter; on a GPU the
+# tests compile one tile config instead of autotuning every shape they try
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TPFLOW_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

@@ -140,3 +140,24 @@ def test_debug_log_names_signature_choice_and_routes():
     assert "has no signature" in text and "boxing to (sbp.split(dim=0),) x (sbp.broadcast,)" in text, text
     assert "redistribute to (sbp.broadcast,)" in text, text
     assert "gather on source, send blocks, slice on destination" in text, text
+
+
+def _through_triton_kernels(world):
+    """tpf.matmul's local products and their backward run tpflow's Triton kernel when asked."""
+    import os
+
+    os.environ["TPFLOW_KERNELS"] = "triton"
+    try:
+        pl = tpf.placement("cpu", list(range(world)))
+        a_ref, b_ref = ints((9, 41), 1), ints((41, 13), 2)
+        return [f for f in (_check_product(pl, a_ref, b_ref, (S1,), (S0,), (P,)),
+                            _check_product(pl, a_ref, b_ref, (S0,), (B,), (S0,))) if f]
+    finally:
+        del os.environ["TPFLOW_KERNELS"]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_global_matmul_on_triton_kernels(world_size):
+    pytest.importorskip("triton")
+    for failures in harness.run(world_size, _through_triton_kernels, world_size):
+        assert not failures, "\n".join(failures)
