@@ -85,6 +85,8 @@ def test_bad_arguments():
     a, b = _rand(8, 4, dtype=torch.float32, seed=1), _rand(4, 5, dtype=torch.float32, seed=2)
     with pytest.raises(ValueError, match="inner sizes differ"):
         matmul(a, a)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        matmul(a, b.double())
     with pytest.raises(ValueError, match="activation must be one of"):
         matmul(a, b, activation="tanh")
     with pytest.raises(ValueError, match="outside the 8 rows"):

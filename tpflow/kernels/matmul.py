@@ -201,6 +201,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul inner sizes differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul operands must share a dtype: a is {a.dtype}, b is {b.dtype}")
     if bias is not None and bias.shape != (b.shape[-1],):
         raise ValueError(f"bias must have shape ({b.shape[-1]},), got {tuple(bias.shape)}")
     out_dtype = out_dtype or a.dtype
