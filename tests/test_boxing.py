@@ -35,14 +35,7 @@ def _convert_and_check(ref, src_pl, src, dst_pl, dst, grad_sbp=None):
 
 
 def _within_matrix(ranks, shapes):
-    pl = tpf.placement("cpu", ranks)
-    failures = []
-    for shape in shapes:
-        ref = ints(shape, seed=sum(shape))
-        for src in sbp_tuples(pl.ndim):
-            for dst in sbp_tuples(pl.ndim):
-                failures.append(_convert_and_check(ref, pl, src, pl, dst))
-    return [f for f in failures if f]
+    return _cross_matrix([(ranks, ranks)], shapes)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
