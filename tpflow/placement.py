@@ -94,7 +94,7 @@ class Placement:
             raise ValueError(f"placement type must be one of {_DEVICE_TYPES}, got {type!r}")
         self._type = type
         self._ranks = _as_rank_tuple(ranks)
-        flat = _flat(self._ranks)
+        self._flat = flat = _flat(self._ranks)
         if len(set(flat)) != len(flat):
             raise ValueError(f"placement ranks {self.ranks} list a rank twice: each rank may appear once")
         rows = self._ranks if isinstance(self._ranks[0], tuple) else (self._ranks,)
@@ -120,6 +120,11 @@ class Placement:
         if key not in _MESHES:
             _MESHES[key] = DeviceMesh(type, torch.tensor(self._ranks, dtype=torch.int64))
         self._mesh = _MESHES[key]
+        # rank -> mesh coordinate, row-major: asked on every boxing and matmul, so computed once
+        strides = [1] * self.ndim
+        for axis in range(self.ndim - 2, -1, -1):
+            strides[axis] = strides[axis + 1] * self.hierarchy[axis + 1]
+        self._coords = {r: tuple(i // st % n for st, n in zip(strides, self.hierarchy)) for i, r in enumerate(flat)}
 
     @classmethod
     def all(cls, type: str) -> Placement:
@@ -138,7 +143,7 @@ class Placement:
     @property
     def flat_ranks(self) -> list[int]:
         """The ranks in row-major order: position ``i`` holds the mesh coordinate ``i``."""
-        return _flat(self._ranks)
+        return list(self._flat)
 
     @property
     def hierarchy(self) -> tuple[int, ...]:
@@ -162,24 +167,16 @@ class Placement:
 
     def coordinate(self, rank: int | None = None) -> tuple[int, ...] | None:
         """Mesh coordinate of ``rank`` (default: this rank), or None when it is outside."""
-        rank = dist.get_rank() if rank is None else rank
-        flat = self.flat_ranks
-        if rank not in flat:
-            return None
-        index, coord = flat.index(rank), []
-        for size in reversed(self.hierarchy):
-            coord.append(index % size)
-            index //= size
-        return tuple(reversed(coord))
+        return self._coords.get(dist.get_rank() if rank is None else rank)
 
     def rank_at(self, coord: Sequence[int]) -> int:
         index = 0
         for c, size in zip(coord, self.hierarchy):
             index = index * size + c
-        return self.flat_ranks[index]
+        return self._flat[index]
 
     def __contains__(self, rank: int) -> bool:
-        return rank in self.flat_ranks
+        return rank in self._coords
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Placement) and (self._type, self._ranks) == (other._type, other._ranks)
@@ -194,15 +191,15 @@ class Placement:
 placement = Placement
 
 
-_PLACEMENTS: dict[int, Placement] = {}
+_PLACEMENTS: dict[DeviceMesh, Placement] = {}
 
 
 def placement_of_mesh(mesh: DeviceMesh) -> Placement:
     """The placement of a DTensor's mesh (cached: this runs on every boxing and matmul),
     registering meshes that torch code built itself."""
-    found = _PLACEMENTS.get(id(mesh))
-    if found is None or found.mesh is not mesh:
+    found = _PLACEMENTS.get(mesh)
+    if found is None:
         key = (mesh.device_type, _as_rank_tuple(mesh.mesh.tolist()))
         _MESHES.setdefault(key, mesh)
-        found = _PLACEMENTS[id(mesh)] = Placement(*key)
+        found = _PLACEMENTS[mesh] = Placement(*key)
     return found

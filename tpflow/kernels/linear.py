@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tpflow.kernels.matmul import ACTIVATIONS, matmul
+from tpflow.kernels.matmul import ACTIVATIONS, activate, matmul
 
 __all__ = ["linear", "linear_ref"]
 
@@ -26,14 +26,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                activation: str | None = None) -> torch.Tensor:
     """torch reference of ``linear`` (differentiable by autograd)."""
-    y = F.linear(x, weight, bias)
-    if activation == "relu":
-        return torch.relu(y)
-    if activation == "gelu":
-        return F.gelu(y, approximate="tanh")
-    if activation == "silu":
-        return F.silu(y)
-    return y
+    return activate(F.linear(x, weight, bias), activation)
 
 
 def _activation_grad(dy: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -55,7 +48,7 @@ def _activation_grad(dy: torch.Tensor, saved: torch.Tensor, activation: str | No
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
-        x2 = x.flatten(0, -2) if x.ndim > 2 else x.reshape(-1, x.shape[-1])
+        x2 = x.flatten(0, -2) if x.ndim > 1 else x.unsqueeze(0)
         pre = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) \
             if activation in ("gelu", "silu") else None
         y = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre)

@@ -30,10 +30,21 @@ try:
 except ImportError:  # CPU installs without triton run torch's matmul
     triton = None
 
-__all__ = ["ACTIVATIONS", "matmul", "matmul_ref", "use_triton"]
+__all__ = ["ACTIVATIONS", "activate", "matmul", "matmul_ref", "use_triton"]
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "silu": 3}  # gelu is the tanh form
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The epilogue's activations in torch (gelu is the tanh form)."""
+    if activation == "relu":
+        return torch.relu(y)
+    if activation == "gelu":
+        return F.gelu(y, approximate="tanh")
+    if activation == "silu":
+        return F.silu(y)
+    return y
 
 
 def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, activation: str | None = None,
@@ -48,12 +59,7 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = 
     y = torch.matmul(a, b)
     if bias is not None:
         y = y + bias
-    if activation == "relu":
-        y = torch.relu(y)
-    elif activation == "gelu":
-        y = F.gelu(y, approximate="tanh")
-    elif activation == "silu":
-        y = F.silu(y)
+    y = activate(y, activation)
     if acc is not None:
         y = y + acc
     return y if upcast else y.to(out_dtype)
@@ -168,7 +174,7 @@ def _triton_matmul(a, b, bias, activation, acc, out, pre, row_start, row_end, ti
     N = b.shape[1]
     acc_arg = acc if acc is not None else out
     fp32 = a.dtype == torch.float32 and not (a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
-    meta = _configs()[0].kwargs if _INTERPRET else {}
+    meta = _configs()[0].kwargs if _INTERPRET else {}  # the interpreter's kernel is not autotuned
 
     def grid(META):
         return (triton.cdiv(row_end - row_start, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)
