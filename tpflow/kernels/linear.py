@@ -11,16 +11,12 @@ silu the pre-activation z, written by the same kernel launch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from tpflow.kernels.matmul import ACTIVATIONS, activate, matmul
+from tpflow.kernels.matmul import ACTIVATIONS, activate, activation_grad, matmul, needs_pre, saved_for_grad
 
 __all__ = ["linear", "linear_ref"]
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -29,37 +25,21 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return activate(F.linear(x, weight, bias), activation)
 
 
-def _activation_grad(dy: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """dz from dy: ``saved`` is the output for relu and the pre-activation z otherwise."""
-    if activation is None:
-        return dy
-    if activation == "relu":
-        return dy * (saved > 0)
-    z = saved.float()
-    if activation == "gelu":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
-        slope = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
-    else:
-        s = torch.sigmoid(z)
-        slope = s * (1 + z * (1 - s))
-    return (dy.float() * slope).to(dy.dtype)
-
-
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
         x2 = x.flatten(0, -2) if x.ndim > 1 else x.unsqueeze(0)
         pre = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) \
-            if activation in ("gelu", "silu") else None
+            if needs_pre(activation) else None
         y = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre)
         ctx.activation, ctx.has_bias, ctx.x_shape = activation, bias is not None, x.shape
-        ctx.save_for_backward(x2, weight, y if activation == "relu" else pre)
+        ctx.save_for_backward(x2, weight, saved_for_grad(y, pre, activation))
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, saved = ctx.saved_tensors
-        dz = _activation_grad(dy.reshape(-1, weight.shape[0]), saved, ctx.activation)
+        dz = activation_grad(dy.reshape(-1, weight.shape[0]), saved, ctx.activation)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = matmul(dz, weight).reshape(ctx.x_shape)

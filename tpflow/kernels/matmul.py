@@ -19,6 +19,7 @@ tests check it without a GPU; the interpreter mishandles bfloat16, so CPU tests 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -30,10 +31,12 @@ try:
 except ImportError:  # CPU installs without triton run torch's matmul
     triton = None
 
-__all__ = ["ACTIVATIONS", "activate", "matmul", "matmul_ref", "use_triton"]
+__all__ = ["ACTIVATIONS", "activate", "activation_grad", "matmul", "matmul_ref", "needs_pre", "saved_for_grad",
+           "use_triton"]
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "silu": 3}  # gelu is the tanh form
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -45,6 +48,33 @@ def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation == "silu":
         return F.silu(y)
     return y
+
+
+def activation_grad(dy: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """dz from dy for ``y = act(z)``: ``saved`` is the output y for relu and the pre-activation z otherwise."""
+    if activation is None:
+        return dy
+    if activation == "relu":
+        return dy * (saved > 0)
+    wide = torch.promote_types(saved.dtype, torch.float32)  # fp16 / bf16 slopes in fp32; fp64 stays fp64
+    z = saved.to(wide)
+    if activation == "gelu":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
+        slope = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
+    else:
+        s = torch.sigmoid(z)
+        slope = s * (1 + z * (1 - s))
+    return (dy.to(wide) * slope).to(dy.dtype)
+
+
+def saved_for_grad(y: torch.Tensor, pre: torch.Tensor | None, activation: str | None) -> torch.Tensor | None:
+    """What ``activation_grad`` needs of a forward: the output for relu, the pre-activation for gelu / silu."""
+    return y if activation == "relu" else pre
+
+
+def needs_pre(activation: str | None) -> bool:
+    """Whether a forward must store the pre-activation for its backward."""
+    return activation in ("gelu", "silu")
 
 
 def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, activation: str | None = None,
@@ -211,7 +241,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         raise ValueError(f"matmul operands must share a dtype: a is {a.dtype}, b is {b.dtype}")
     if bias is not None and bias.shape != (b.shape[-1],):
         raise ValueError(f"bias must have shape ({b.shape[-1]},), got {tuple(bias.shape)}")
-    out_dtype = out_dtype or a.dtype
+    if out is not None and out_dtype not in (None, out.dtype):
+        raise ValueError(f"out is {out.dtype} but out_dtype is {out_dtype}: give one of them")
+    out_dtype = out.dtype if out is not None else out_dtype or a.dtype
     if a.ndim > 2 and b.ndim == 2 and row_end is None and out is None and pre is None:
         y = matmul(a.flatten(0, -2), b, bias=bias, activation=activation,
                    acc=None if acc is None else acc.flatten(0, -2), out_dtype=out_dtype)

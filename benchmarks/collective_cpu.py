@@ -1,0 +1,167 @@
+"""CPU benchmarks of the ring collectives: real gloo ranks, and an emulated link.
+
+    python -m tpflow.launch --nproc_per_node 2 benchmarks/collective_cpu.py gloo [--size 1024]
+    python benchmarks/collective_cpu.py fake
+
+``gloo``: each rank one thread, fp32, M = N = K = size with K split over the ranks. Side by
+side, interleaved so drift hits all alike: torch.matmul + dist.reduce_scatter_tensor (gloo's
+is an all-reduce underneath), the ring with two and with one message per chunk, and the
+all-gather + matmul mirror against dist.all_gather_into_tensor + torch.matmul. Bytes and
+messages come from tpflow's counters.
+
+``fake``: ranks as threads on a FakeWorld whose link bandwidth is set from the measured compute
+time, so the transfer would take 0.5x and 2x of it. Hidden = 1 - (ring time - compute-only ring
+time) / transfer time: the share of the link's time the schedule hides.
+
+Results go to ``benchmarks/results/collective_<mode>_<cpu>_<date>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from tpflow.comm import stats
+from tpflow.kernels import FakeWorld, all_gather_matmul, as_transport, matmul_reduce_scatter, row_bounds
+
+
+def cpu_name() -> str:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def write(name: str, lines: list[str], out: str) -> pathlib.Path:
+    device = cpu_name().replace(" ", "-").replace("/", "-")
+    path = pathlib.Path(out) / f"collective_{name}_{device}_{datetime.date.today()}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def bench_gloo(size: int, reps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(size, size // world, generator=gen)  # K shard: a row layer's input
+    w = torch.randn(size // world, size, generator=gen)
+    rows = row_bounds(size, world)
+    own = slice(*rows[rank])
+    x_rows = torch.randn(size, size, generator=gen)[own].contiguous()  # M shard: a sequence-parallel input
+    w_cols = torch.randn(size, size // world, generator=gen)
+    library = as_transport(None)  # the library collectives, with their bytes counted
+
+    def torch_rs():
+        return library.reduce_scatter(torch.matmul(x, w), rows)
+
+    def torch_ag():
+        return torch.matmul(library.all_gather(x_rows, rows), w_cols)
+
+    cases = {
+        "matmul + reduce_scatter_tensor (torch)": torch_rs,
+        "matmul_reduce_scatter ring, 2 msgs/chunk": lambda: matmul_reduce_scatter(x, w, algo="ring"),
+        "matmul_reduce_scatter ring, 1 msg/chunk": lambda: matmul_reduce_scatter(x, w, algo="ring", splits=1),
+        "all_gather_into_tensor + matmul (torch)": torch_ag,
+        "all_gather_matmul ring": lambda: all_gather_matmul(x_rows, w_cols, algo="ring"),
+    }
+    torch.testing.assert_close(matmul_reduce_scatter(x, w, algo="ring"), torch_rs())
+    torch.testing.assert_close(all_gather_matmul(x_rows, w_cols, algo="ring"), torch_ag())
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    traffic = {}
+    for rep in range(reps + 2):  # two warm-up rounds
+        for name, fn in cases.items():
+            dist.barrier()
+            stats.reset()
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if rep >= 2:
+                times[name].append(elapsed)
+            traffic[name] = (stats.bytes_sent, stats.messages_sent)
+    slowest = {name: max(dist_times(times[name])) for name in cases}  # a step ends with its slowest rank
+    if rank:
+        return
+    rs_base, ag_base = list(cases)[0], list(cases)[3]
+    lines = [f"# Ring collectives on gloo, {world} ranks x 1 thread, fp32, M = N = K = {size}",
+             "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. Median of "
+             f"{reps} interleaved repetitions; each is the slowest rank's time.",
+             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/collective_cpu.py gloo "
+             f"--size {size} --reps {reps}`", "",
+             "| case | median ms | vs torch | bytes sent / rank | messages / rank |", "|---|---:|---:|---:|---:|"]
+    for name in cases:
+        nbytes, msgs = traffic[name]
+        base = slowest[rs_base if "reduce" in name else ag_base]
+        lines.append(f"| {name} | {slowest[name] * 1e3:.2f} | {slowest[name] / base:.2f}x | {nbytes:,} | {msgs} |")
+    print("\n".join(lines))
+    print(f"wrote {write('gloo', lines, out)}")
+
+
+def dist_times(local: list[float]) -> list[float]:
+    """Every rank's median, gathered (a case is as slow as its slowest rank)."""
+    mine = torch.tensor([statistics.median(local)])
+    every = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.item() for t in every]
+
+
+def bench_fake(size: int, world: int, reps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(size, size // world, generator=gen) for _ in range(world)]
+    ws = [torch.randn(size // world, size, generator=gen) for _ in range(world)]
+
+    def step(t, splits):
+        return matmul_reduce_scatter(xs[t.rank], ws[t.rank], t, algo="ring", splits=splits)
+
+    def timed(fake: FakeWorld, splits: int) -> float:
+        samples = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fake.run(step, splits)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    nbytes = (world - 1) * (size // world) * size * 4  # per rank, fp32 partials
+    lines = [f"# Ring matmul + reduce-scatter on an emulated link ({world} ranks as threads, fp32, M = N = K = {size})",
+             "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}; median of "
+             f"{reps}. Command: `python benchmarks/collective_cpu.py fake --size {size} --world {world}`", "",
+             "Transfer = bytes per rank / bandwidth. Hidden = 1 - (ring - compute-only ring) / transfer.", "",
+             "| link | msgs/chunk | compute-only ms | transfer ms | ring ms | hidden |", "|---|---:|---:|---:|---:|---:|"]
+    for splits in (2, 1):
+        compute = timed(FakeWorld(world), splits)
+        for ratio in (0.5, 2.0):
+            transfer = ratio * compute
+            ring = timed(FakeWorld(world, bandwidth=nbytes / transfer), splits)
+            hidden = 1 - (ring - compute) / transfer
+            lines.append(f"| transfer = {ratio}x compute | {splits} | {compute * 1e3:.1f} | {transfer * 1e3:.1f} | "
+                         f"{ring * 1e3:.1f} | {hidden:.0%} |")
+    print("\n".join(lines))
+    print(f"wrote {write('fake', lines, out)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=["gloo", "fake"])
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--world", type=int, default=2, help="fake: ranks")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if args.mode == "gloo":
+        bench_gloo(args.size, args.reps, args.out)
+    else:
+        bench_fake(args.size, args.world, args.reps, args.out)
+
+
+if __name__ == "__main__":
+    main()

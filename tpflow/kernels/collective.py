@@ -1,0 +1,257 @@
+"""Matmul + reduce-scatter and all-gather + matmul, walked around a ring so transfers hide behind compute.
+
+    matmul_reduce_scatter   x [M, K_r] @ w [K_r, N] on every rank is a partial sum;
+                            rank r gets rows chunk(r) of the sum                      -> [M_r, N]
+    all_gather_matmul       x_r [M_r, K] holds rows chunk(r); every rank gets
+                            act(gather(x) @ w + b)                                   -> [M, N]
+
+Rows are chunked by ``torch.chunk``'s rule, tpflow's split(0). Reduce-scatter: at step s rank r
+computes chunk (r - s - 1) mod W, adding the partial received from r - 1 in the matmul's
+epilogue, and sends the sum on to r + 1; the last step leaves chunk r fully reduced. All-gather:
+rank r computes on the rows it holds while forwarding them and receiving the next.
+
+Each one's backward is the other: d(matmul_reduce_scatter) all-gathers dy and computes
+dx = dy @ w^T chunk by chunk, with the weight gradient x^T @ dy of each chunk computed as it
+arrives; d(all_gather_matmul) reduce-scatters dz @ w^T, with x^T @ dz of each chunk between
+the steps.
+
+Below ``RING_MIN_FLOPS`` of matmul per chunk, per-step overheads outweigh what the ring hides, and
+``algo="auto"`` runs one matmul and the plain collective instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tpflow.kernels.matmul import activation_grad, matmul, matmul_ref, needs_pre, saved_for_grad
+from tpflow.kernels.transport import Transport, as_transport, row_bounds
+
+__all__ = ["RING_MIN_FLOPS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter",
+           "matmul_reduce_scatter_ref"]
+
+# Matmul FLOPs of one chunk from which the ring pays, by device type (see benchmarks/collective_cpu.py).
+RING_MIN_FLOPS = {"cpu": 2**27, "cuda": 2**33}
+_ALGOS = ("auto", "ring", "naive")
+SPLITS = 2  # messages per chunk of the reduce-scatter ring: two is what lets a transfer overlap compute
+
+Group = dist.ProcessGroup | Transport | None
+
+
+def _use_ring(algo: str, t: Transport, flops_per_chunk: int, device: torch.device) -> bool:
+    if algo not in _ALGOS:
+        raise ValueError(f"algo must be one of {_ALGOS}, got {algo!r}")
+    if t.world_size == 1 or algo == "naive":
+        return False
+    return algo == "ring" or flops_per_chunk >= RING_MIN_FLOPS.get(device.type, RING_MIN_FLOPS["cuda"])
+
+
+def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, name: str) -> None:
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"{name} takes 2-D x and w (fold leading dims into rows), got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"{name}: inner sizes differ: x {tuple(x.shape)} @ w {tuple(w.shape)}")
+    if bias is not None and bias.shape != (w.shape[1],):
+        raise ValueError(f"{name}: bias must have shape ({w.shape[1]},), got {tuple(bias.shape)}")
+
+
+def _chunk_flops(rows: int, w: torch.Tensor, world: int) -> int:
+    return 2 * -(-rows // world) * w.shape[0] * w.shape[1]
+
+
+# The two schedules on plain tensors. ``wgrad`` hooks let each backward fold its weight
+# gradient into the ring: ``wgrad(start, end)`` runs once per chunk of rows, between transfers.
+
+def _reduce_scatter_product(x: torch.Tensor, w: torch.Tensor, t: Transport, bounds: list, *, ring: bool,
+                            bias: torch.Tensor | None, out_dtype: torch.dtype, partial_dtype: torch.dtype,
+                            splits: int, wgrad: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """Rows ``bounds[rank]`` of sum over ranks of ``x @ w``, plus ``bias``."""
+    own_start, own_end = bounds[t.rank]
+    if not ring:
+        out = t.reduce_scatter(matmul(x, w, out_dtype=partial_dtype), bounds)
+        if wgrad is not None:
+            wgrad(0, x.shape[0])
+        return (out if bias is None else out + bias).to(out_dtype)
+    out = torch.empty(own_end - own_start, w.shape[1], dtype=out_dtype, device=x.device)
+
+    def compute(start: int, end: int, acc: torch.Tensor | None, last: bool) -> torch.Tensor:
+        if last:
+            part = matmul(x, w, bias=bias, acc=acc, row_start=start, row_end=end,
+                          out=out[start - own_start:end - own_start])
+        else:
+            part = matmul(x, w, acc=acc, row_start=start, row_end=end, out_dtype=partial_dtype)
+        if wgrad is not None and end > start:
+            wgrad(start, end)
+        return part
+
+    t.ring_reduce_scatter(bounds, compute, width=w.shape[1], dtype=partial_dtype, device=x.device, splits=splits)
+    return out
+
+
+def _all_gather_product(x: torch.Tensor, w: torch.Tensor | None, t: Transport, bounds: list, *, ring: bool,
+                        bias: torch.Tensor | None = None, activation: str | None = None,
+                        out_dtype: torch.dtype | None = None, pre: bool = False,
+                        wgrad: Callable[[torch.Tensor, int, int], None] | None = None):
+    """(act(gather(x) @ w + bias), gather(x), pre-activation or None); with ``w`` None, only the gather (and hook)."""
+    rows = bounds[-1][1]
+    y = None if w is None else torch.empty(rows, w.shape[1], dtype=out_dtype, device=x.device)
+    z = torch.empty_like(y) if pre else None
+
+    def compute(start: int, end: int) -> None:
+        if y is not None:
+            matmul(gathered[start:end], w, bias=bias, activation=activation, out=y[start:end],
+                   pre=None if z is None else z[start:end])
+        if wgrad is not None:
+            wgrad(gathered, start, end)
+
+    if ring:
+        gathered = x.new_empty(rows, x.shape[1])
+        gathered[slice(*bounds[t.rank])] = x
+        t.ring_all_gather(gathered, bounds, compute)
+    else:
+        gathered = t.all_gather(x.contiguous(), bounds)
+        compute(0, rows)
+    return y, gathered, z
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _GradSum:
+    """A weight gradient summed chunk by chunk in (at least) fp32: ``add(a, b)`` is ``sum += a @ b``, the
+    add fused into the matmul's epilogue."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.sum = torch.zeros(weight.shape, dtype=_sum_dtype(weight.dtype), device=weight.device)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        matmul(a, b, acc=self.sum, out=self.sum)
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, t, bounds, ring, out_dtype, partial_dtype, splits):
+        ctx.save_for_backward(x, w)
+        ctx.t, ctx.bounds, ctx.ring, ctx.has_bias = t, bounds, ring, bias is not None
+        return _reduce_scatter_product(x, w, t, bounds, ring=ring, bias=bias, out_dtype=out_dtype,
+                                       partial_dtype=partial_dtype, splits=splits)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dw = _GradSum(w) if need_w else None
+
+        def wgrad(gathered: torch.Tensor, start: int, end: int) -> None:
+            dw.add(x[start:end].mT, gathered[start:end])
+
+        dy = dy.to(x.dtype)
+        dx, _, _ = _all_gather_product(dy, w.mT if need_x else None, ctx.t, ctx.bounds, ring=ctx.ring,
+                                       out_dtype=x.dtype, wgrad=wgrad if need_w else None)
+        db = dy.sum(0, dtype=_sum_dtype(dy.dtype)).to(dy.dtype) if ctx.has_bias and need_b else None
+        return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 6
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, t, bounds, ring, activation, out_dtype):
+        y, gathered, z = _all_gather_product(x, w, t, bounds, ring=ring, bias=bias, activation=activation,
+                                             out_dtype=out_dtype, pre=needs_pre(activation))
+        ctx.save_for_backward(gathered, w, saved_for_grad(y, z, activation))
+        ctx.t, ctx.bounds, ctx.ring, ctx.activation, ctx.has_bias = t, bounds, ring, activation, bias is not None
+        ctx.x_dtype = x.dtype
+        ctx.mark_non_differentiable(gathered)
+        return y, gathered
+
+    @staticmethod
+    def backward(ctx, dy, _):
+        gathered, w, saved = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dz = activation_grad(dy, saved, ctx.activation).to(w.dtype)
+        dw = dx = None
+        if need_w:
+            dw = _GradSum(w)
+            if not need_x:
+                dw.add(gathered.mT, dz)
+        if need_x:
+            def wgrad(start: int, end: int) -> None:
+                dw.add(gathered[start:end].mT, dz[start:end])
+
+            dx = _reduce_scatter_product(dz, w.mT, ctx.t, ctx.bounds, ring=ctx.ring, bias=None,
+                                         out_dtype=ctx.x_dtype, partial_dtype=_sum_dtype(dz.dtype), splits=SPLITS,
+                                         wgrad=wgrad if need_w else None)
+        db = dz.sum(0, dtype=_sum_dtype(dz.dtype)).to(dz.dtype) if ctx.has_bias and need_b else None
+        return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 5
+
+
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None, *,
+                          bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                          partial_dtype: torch.dtype | None = None, splits: int = SPLITS,
+                          algo: str = "auto") -> torch.Tensor:
+    """This rank's rows of ``sum over ranks (x @ w) + bias``; ``x [M, K_r]`` and ``w [K_r, N]`` hold its K shard.
+
+    Every rank passes the same M; rank r gets rows ``chunk(r)`` (``torch.chunk``'s rule). ``group``
+    is a process group (default: the world) or a ``Transport``. Partials travel in
+    ``partial_dtype`` (default: fp32, or fp64 for fp64 inputs; one rounding at the end), each chunk as ``splits`` messages so that
+    the link works while the next piece computes. ``algo``: ``"ring"``, ``"naive"`` (one matmul,
+    then the plain reduce-scatter), or ``"auto"`` (the ring from ``RING_MIN_FLOPS`` per chunk).
+
+    Differentiable. The bias is added once, on each row's owner, so the bias gradient returned on a
+    rank sums only its own rows: sum it over ranks for the gradient of a bias shared by all.
+    """
+    _check_operands(x, w, bias, "matmul_reduce_scatter")
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    t = as_transport(group)
+    bounds = row_bounds(x.shape[0], t.world_size)
+    ring = _use_ring(algo, t, _chunk_flops(x.shape[0], w, t.world_size), x.device)
+    return _MatmulReduceScatter.apply(x, w, bias, t, bounds, ring, out_dtype or x.dtype,
+                                      partial_dtype or _sum_dtype(x.dtype), splits)
+
+
+def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, rows: int | None = None,
+                      bias: torch.Tensor | None = None, activation: str | None = None,
+                      out_dtype: torch.dtype | None = None, return_gathered: bool = False,
+                      algo: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``act(gather(x) @ w + bias)`` ``[M, N]``, where this rank's ``x [M_r, K]`` holds rows ``chunk(r)`` of M.
+
+    ``rows`` is M, the same on every rank; without it the rows must split evenly (M = W * M_r).
+    A rank's row count is checked against M before any transfer: gloo would pass a message of
+    the wrong size without complaint. ``return_gathered`` also returns ``gather(x)`` (no
+    gradient), which a caller can keep instead of gathering again. ``group`` and ``algo`` as in
+    ``matmul_reduce_scatter``. Differentiable.
+    """
+    _check_operands(x, w, bias, "all_gather_matmul")
+    t = as_transport(group)
+    rows = x.shape[0] * t.world_size if rows is None else rows
+    bounds = row_bounds(rows, t.world_size)
+    start, end = bounds[t.rank]
+    if x.shape[0] != end - start:
+        raise ValueError(f"all_gather_matmul: rank {t.rank} holds {x.shape[0]} rows, but chunk {t.rank} of "
+                         f"{rows} rows over {t.world_size} ranks has {end - start}: pass rows= (the total) when "
+                         f"rows split unevenly")
+    ring = _use_ring(algo, t, _chunk_flops(rows, w, t.world_size), x.device)
+    y, gathered = _AllGatherMatmul.apply(x, w, bias, t, bounds, ring, activation, out_dtype or x.dtype)
+    return (y, gathered) if return_gathered else y
+
+
+def matmul_reduce_scatter_ref(x: torch.Tensor, w: torch.Tensor, group: Group = None, *,
+                              bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The unfused reference: ``torch.matmul``, then the library's reduce-scatter (not differentiable)."""
+    t = as_transport(group)
+    out = t.reduce_scatter(torch.matmul(x, w), row_bounds(x.shape[0], t.world_size))
+    return (out if bias is None else out + bias).to(out_dtype or x.dtype)
+
+
+def all_gather_matmul_ref(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, rows: int | None = None,
+                          bias: torch.Tensor | None = None, activation: str | None = None,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The unfused reference: the library's all-gather, then ``torch.matmul`` (not differentiable)."""
+    t = as_transport(group)
+    gathered = t.all_gather(x.contiguous(), row_bounds(x.shape[0] * t.world_size if rows is None else rows,
+                                                       t.world_size))
+    return matmul_ref(gathered, w, bias=bias, activation=activation, out_dtype=out_dtype)

@@ -1,0 +1,233 @@
+"""How the ring collectives move tensors: a small interface, and its torch.distributed transport.
+
+    sends, recvs = transport.post(sends=[(tensor, peer)], recvs=[(buffer, peer)])   # start all at once
+    recvs.wait()                                                                   # buffers are filled
+
+A step's send and receive are posted together: on NCCL they go into one group, which is what keeps
+a two-rank ring (both ranks sending to each other) from deadlocking. Peers are ranks of the
+transport's group. Every transport counts the bytes and messages it sends.
+
+The rings themselves are written once, here, over ``post``: ``ring_reduce_scatter`` and
+``ring_all_gather`` take a hook that does the compute of each chunk, so the fused kernels put a
+matmul there and the plain collectives a copy or an add.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tpflow.comm import CommStats, stats
+
+__all__ = ["DistTransport", "Handle", "Transport", "as_transport", "row_bounds"]
+
+Pairs = Sequence[tuple[torch.Tensor, int]]
+
+
+def row_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` chunks of ``rows``, by ``torch.chunk``'s rule (tpflow's split)."""
+    step = -(-rows // parts) if rows else 0
+    return [(min(i * step, rows), min((i + 1) * step, rows)) for i in range(parts)]
+
+
+def _sub_bounds(start: int, end: int, parts: int) -> list[tuple[int, int]]:
+    return [(start + a, start + b) for a, b in row_bounds(end - start, parts)]
+
+
+class Handle:
+    """Completion of a set of posted operations."""
+
+    def __init__(self, works: Sequence = ()) -> None:
+        self._works = list(works)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+class Transport(ABC):
+    """Point-to-point messages between the ``world_size`` ranks of one group."""
+
+    rank: int
+    world_size: int
+    stats: CommStats
+
+    @abstractmethod
+    def post(self, sends: Pairs = (), recvs: Pairs = (), tag: int = 0) -> tuple[Handle, Handle]:
+        """Start every send and receive; returns (handle of the sends, handle of the receives).
+
+        A send's tensor must not change until its handle is waited on; a receive's buffer is
+        filled once its handle is. Messages between two ranks arrive in the order they were
+        posted; ``tag`` keeps concurrent streams of messages apart."""
+
+    def _count(self, sends: Pairs) -> None:
+        for tensor, _ in sends:
+            self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+            self.stats.messages_sent += 1
+
+    # The two rings. ``bounds[c]`` are the rows of chunk c, which rank c owns.
+
+    def ring_reduce_scatter(self, bounds: Sequence[tuple[int, int]], compute: Callable, *, width: int,
+                            dtype: torch.dtype, device: torch.device, splits: int = 1) -> None:
+        """Reduce chunk c's partials of every rank onto rank c, around the ring r -> r + 1.
+
+        At step s this rank computes chunk ``(r - s - 1) mod W``: ``compute(start, end, acc, last)``
+        returns the partial of rows ``[start, end)`` plus ``acc`` (the sum so far, received from
+        r - 1 as ``[end - start, width]`` of ``dtype``; None at step 0). That is sent on to r + 1,
+        except at the last step (``last``), where the chunk is this rank's own and fully reduced.
+
+        Each chunk travels as ``splits`` pieces. With one piece a rank must wait, every step, for
+        its neighbour's chunk to cross the link, because the neighbour finished computing it at
+        the same moment it did; with two, the first piece crosses while the second computes.
+        Sends the rows of every chunk but its own, in ``splits * (W - 1)`` messages.
+        """
+        W, r = self.world_size, self.rank
+        right, left = (r + 1) % W, (r - 1) % W
+        inbox: list[tuple[Handle, torch.Tensor | None]] = [(Handle(), None)] * splits
+        in_flight: list[Handle] = []
+        for s in range(W):
+            last = s == W - 1
+            pieces = _sub_bounds(*bounds[(r - s - 1) % W], splits)
+            upcoming = None if last else _sub_bounds(*bounds[(r - s - 2) % W], splits)
+            for j, (start, end) in enumerate(pieces):
+                got, acc = inbox[j]
+                got.wait()
+                part = compute(start, end, acc, last)
+                if upcoming is not None:
+                    rows = upcoming[j][1] - upcoming[j][0]
+                    buf = torch.empty(rows, width, dtype=dtype, device=device) if rows else None
+                    sent, got = self.post(sends=[(part, right)] if end > start else [],
+                                          recvs=[(buf, left)] if rows else [], tag=j)
+                    in_flight.append(sent)
+                    inbox[j] = (got, buf)
+        for handle in in_flight:
+            handle.wait()
+
+    def ring_all_gather(self, out: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                        on_chunk: Callable[[int, int], None]) -> None:
+        """Gather every rank's rows into ``out`` (this rank's own rows already there), around the ring.
+
+        A received chunk is forwarded to r + 1 before ``on_chunk(start, end)`` computes on it, so the
+        next chunk is on the wire during the compute. Sends (W-1)/W of the rows in W-1 messages.
+        """
+        W, r = self.world_size, self.rank
+        right, left = (r + 1) % W, (r - 1) % W
+        got, in_flight = Handle(), []
+        for s in range(W):
+            got.wait()
+            start, end = bounds[(r - s) % W]
+            if s < W - 1:
+                n_start, n_end = bounds[(r - s - 1) % W]
+                sent, got = self.post(sends=[(out[start:end], right)] if end > start else [],
+                                      recvs=[(out[n_start:n_end], left)] if n_end > n_start else [])
+                in_flight.append(sent)
+            if end > start:
+                on_chunk(start, end)
+        for handle in in_flight:
+            handle.wait()
+
+    # Plain collectives (no compute inside): the fallback below the size where rings pay.
+
+    def reduce_scatter(self, full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """This rank's rows of the sum over ranks of the 2-D ``full``."""
+        out = []
+
+        def add(start: int, end: int, acc: torch.Tensor | None, last: bool) -> torch.Tensor:
+            part = full[start:end] if acc is None else full[start:end] + acc
+            if last:
+                out.append(part.clone() if acc is None else part)
+            return part
+
+        self.ring_reduce_scatter(bounds, add, width=full.shape[1], dtype=full.dtype, device=full.device)
+        return out[0]
+
+    def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Every rank's rows, concatenated in rank order."""
+        out = part.new_empty((bounds[-1][1], *part.shape[1:]))
+        out[slice(*bounds[self.rank])] = part
+        self.ring_all_gather(out, bounds, lambda start, end: None)
+        return out
+
+
+class DistTransport(Transport):
+    """torch.distributed point-to-point over a process group: gloo on CPU, NCCL on CUDA.
+
+    On NCCL a step's operations are one group launched on NCCL's own stream, ordered after the
+    kernels already queued on the current stream, and ``wait`` only makes the current stream wait
+    for them: the host never blocks, and the next chunk's matmul runs beside the transfer.
+    Its bytes count into ``tpflow.comm.stats`` with the rest of this rank's traffic.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.stats = stats
+
+    def post(self, sends: Pairs = (), recvs: Pairs = (), tag: int = 0) -> tuple[Handle, Handle]:
+        ops = [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer, tag=tag) for buf, peer in recvs]
+        ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=peer, tag=tag) for t, peer in sends]
+        if not ops:
+            return Handle(), Handle()
+        self._count(sends)
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # NCCL coalesces the group into one work
+            both = Handle(works)
+            return both, both
+        return Handle(works[len(recvs):]), Handle(works[:len(recvs)])
+
+    def reduce_scatter(self, full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The library's reduce-scatter (gloo's is an all-reduce underneath: counted as one).
+        Uneven chunks are padded to the first chunk's rows, the largest by ``torch.chunk``'s rule."""
+        start, end = bounds[self.rank]
+        padded = self._pad(full, bounds)
+        out = full.new_empty((padded.shape[0] // self.world_size, *full.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=self.group)
+        self._count_collective(padded, 1 if full.is_cuda else 2)
+        return out[:end - start]
+
+    def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The library's all-gather (uneven chunks padded, as in ``reduce_scatter``)."""
+        rows = bounds[0][1] - bounds[0][0]
+        padded = part.new_zeros((rows, *part.shape[1:]))
+        padded[:part.shape[0]] = part
+        out = part.new_empty((rows * self.world_size, *part.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=self.group)
+        self._count_collective(out, 1)
+        return torch.cat([out[i * rows:i * rows + e - s] for i, (s, e) in enumerate(bounds)])
+
+    @staticmethod
+    def _pad(full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+        rows = bounds[0][1] - bounds[0][0]
+        if all(e - s == rows for s, e in bounds):
+            return full.contiguous()
+        padded = full.new_zeros((rows * len(bounds), *full.shape[1:]))
+        for i, (s, e) in enumerate(bounds):
+            padded[i * rows:i * rows + e - s] = full[s:e]
+        return padded
+
+    def _count_collective(self, full: torch.Tensor, passes: int) -> None:
+        """A ring collective's cost: (W-1)/W of the tensor in W-1 messages per pass."""
+        W = self.world_size
+        self.stats.bytes_sent += passes * (W - 1) * full.numel() * full.element_size() // W
+        self.stats.messages_sent += passes * (W - 1)
+
+
+_TRANSPORTS: dict = {}
+
+
+def as_transport(group: dist.ProcessGroup | Transport | None) -> Transport:
+    """The transport of ``group``: itself if it is one, else the (cached) torch.distributed one."""
+    if isinstance(group, Transport):
+        return group
+    if not dist.is_initialized():
+        raise RuntimeError("the collective kernels need a process group: call tpflow.init_distributed() (or run "
+                           "under python -m tpflow.launch), or pass a Transport")
+    key = group or dist.group.WORLD
+    if key not in _TRANSPORTS:
+        _TRANSPORTS[key] = DistTransport(key)
+    return _TRANSPORTS[key]
