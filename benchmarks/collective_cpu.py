@@ -10,8 +10,9 @@ all-gather + matmul mirror against dist.all_gather_into_tensor + torch.matmul. B
 messages come from tpflow's counters.
 
 ``fake``: ranks as threads on a FakeWorld whose link bandwidth is set from the measured compute
-time, so the transfer would take 0.5x and 2x of it. Hidden = 1 - (ring time - compute-only ring
-time) / transfer time: the share of the link's time the schedule hides.
+time, so the transfer would take 0.5x and 2x of it; overlap efficiency E = (compute + transfer -
+ring) / min(compute, transfer). Keep ``--world`` at most the core count: with more threads than
+cores, the compute-only baseline itself stalls on the ring's order.
 
 Results go to ``benchmarks/results/collective_<mode>_<cpu>_<date>.md``.
 """
@@ -88,30 +89,31 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
             if rep >= 2:
                 times[name].append(elapsed)
             traffic[name] = (stats.bytes_sent, stats.messages_sent)
-    slowest = {name: max(dist_times(times[name])) for name in cases}  # a step ends with its slowest rank
+    slowest = {name: step_times(times[name]) for name in cases}  # a step ends with its slowest rank
     if rank:
         return
     rs_base, ag_base = list(cases)[0], list(cases)[3]
     lines = [f"# Ring collectives on gloo, {world} ranks x 1 thread, fp32, M = N = K = {size}",
-             "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. Median of "
-             f"{reps} interleaved repetitions; each is the slowest rank's time.",
+             "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. {reps} "
+             "interleaved repetitions; a repetition's time is its slowest rank's. The ratio is the median of "
+             "each repetition's ratio to the torch case run just before it (paired, so drift cancels).",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/collective_cpu.py gloo "
              f"--size {size} --reps {reps}`", "",
              "| case | median ms | vs torch | bytes sent / rank | messages / rank |", "|---|---:|---:|---:|---:|"]
     for name in cases:
         nbytes, msgs = traffic[name]
         base = slowest[rs_base if "reduce" in name else ag_base]
-        lines.append(f"| {name} | {slowest[name] * 1e3:.2f} | {slowest[name] / base:.2f}x | {nbytes:,} | {msgs} |")
+        ratio = statistics.median(t / b for t, b in zip(slowest[name], base))
+        lines.append(f"| {name} | {statistics.median(slowest[name]) * 1e3:.2f} | {ratio:.2f}x | {nbytes:,} | {msgs} |")
     print("\n".join(lines))
     print(f"wrote {write('gloo', lines, out)}")
 
 
-def dist_times(local: list[float]) -> list[float]:
-    """Every rank's median, gathered (a case is as slow as its slowest rank)."""
-    mine = torch.tensor([statistics.median(local)])
-    every = [torch.zeros(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [t.item() for t in every]
+def step_times(local: list[float]) -> list[float]:
+    """Each repetition's time on its slowest rank."""
+    every = [torch.zeros(len(local), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor(local, dtype=torch.float64))
+    return torch.stack(every).amax(0).tolist()
 
 
 def bench_fake(size: int, world: int, reps: int, out: str) -> None:
@@ -135,16 +137,17 @@ def bench_fake(size: int, world: int, reps: int, out: str) -> None:
     lines = [f"# Ring matmul + reduce-scatter on an emulated link ({world} ranks as threads, fp32, M = N = K = {size})",
              "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}; median of "
              f"{reps}. Command: `python benchmarks/collective_cpu.py fake --size {size} --world {world}`", "",
-             "Transfer = bytes per rank / bandwidth. Hidden = 1 - (ring - compute-only ring) / transfer.", "",
-             "| link | msgs/chunk | compute-only ms | transfer ms | ring ms | hidden |", "|---|---:|---:|---:|---:|---:|"]
-    for splits in (2, 1):
+             "Transfer = bytes per rank / bandwidth. Overlap E = (compute + transfer - ring) / min(compute, "
+             "transfer): the share of the shorter of the two hidden behind the other (1 = perfect).", "",
+             "| link | msgs/chunk | compute-only ms | transfer ms | ring ms | overlap E |", "|---|---:|---:|---:|---:|---:|"]
+    for splits in (4, 2, 1):
         compute = timed(FakeWorld(world), splits)
         for ratio in (0.5, 2.0):
             transfer = ratio * compute
             ring = timed(FakeWorld(world, bandwidth=nbytes / transfer), splits)
-            hidden = 1 - (ring - compute) / transfer
+            overlap = (compute + transfer - ring) / min(compute, transfer)
             lines.append(f"| transfer = {ratio}x compute | {splits} | {compute * 1e3:.1f} | {transfer * 1e3:.1f} | "
-                         f"{ring * 1e3:.1f} | {hidden:.0%} |")
+                         f"{ring * 1e3:.1f} | {overlap:.0%} |")
     print("\n".join(lines))
     print(f"wrote {write('fake', lines, out)}")
 

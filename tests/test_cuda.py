@@ -7,6 +7,7 @@ import torch
 
 import tpflow as tpf
 from tests import harness
+from tpflow import kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -35,3 +36,53 @@ def _cuda_matmul_and_boxing():
 
 def test_cuda_world_of_one():
     harness.run(1, _cuda_matmul_and_boxing)
+
+
+# The ring collectives with compiled Triton kernels: ranks as threads on one GPU (the schedule and
+# the fused accumulator epilogue in bf16 / fp16), and over NCCL where there are two GPUs.
+
+def _ring_case(group, X, Wt, b, rows, k_cols):
+    t = kernels.as_transport(group)
+    rs = kernels.matmul_reduce_scatter(X[:, slice(*k_cols[t.rank])], Wt[slice(*k_cols[t.rank])], group, bias=b,
+                                       algo="ring")
+    ag = kernels.all_gather_matmul(X[slice(*rows[t.rank])], Wt, group, rows=X.shape[0], bias=b, activation="gelu",
+                                   algo="ring")
+    return rs, ag
+
+
+def _check_rings(results, X, Wt, b, dtype):
+    X64, Wt64, b64 = X.double(), Wt.double(), b.double()
+    for got, ref64, ref in (
+        (torch.cat([r[0] for r in results]), kernels.matmul_ref(X64, Wt64, bias=b64),
+         kernels.matmul_ref(X, Wt, bias=b)),
+        (results[-1][1], kernels.matmul_ref(X64, Wt64, bias=b64, activation="gelu"),
+         kernels.matmul_ref(X, Wt, bias=b, activation="gelu")),
+    ):
+        err, torch_err = (got.to(ref64.device).double() - ref64).abs().max(), (ref.double() - ref64).abs().max()
+        atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype] * ref64.abs().max()
+        assert err <= 2 * torch_err + atol, f"{dtype}: error {err:.3g} > {2 * torch_err + atol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rings_compiled_on_one_gpu(dtype):
+    world, (m, k, n) = 3, (1000, 768, 512)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    X, Wt, b = (torch.randn(*s, device="cuda", generator=gen).to(dtype) for s in ((m, k), (k, n), (n,)))
+    rows, k_cols = kernels.row_bounds(m, world), kernels.row_bounds(k, world)
+    _check_rings(kernels.FakeWorld(world).run(_ring_case, X, Wt, b, rows, k_cols), X, Wt, b, dtype)
+
+
+def _nccl_rings(dtype):
+    torch.manual_seed(0)  # every rank draws the same full operands
+    X, Wt, b = (torch.randn(*s, device="cuda").to(dtype) for s in ((1000, 768), (768, 512), (512,)))
+    world = torch.distributed.get_world_size()
+    rs, ag = _ring_case(None, X, Wt, b, kernels.row_bounds(1000, world), kernels.row_bounds(768, world))
+    return rs.cpu(), ag.cpu(), X.cpu(), Wt.cpu(), b.cpu()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rings_over_nccl(dtype):
+    results = harness.run(2, _nccl_rings, dtype)
+    X, Wt, b = results[0][2:]
+    _check_rings([(r[0], r[1]) for r in results], X.cuda(), Wt.cuda(), b.cuda(), dtype)

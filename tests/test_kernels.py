@@ -55,6 +55,25 @@ def test_epilogues(has_bias, activation, has_acc, dtype):
     _close(matmul(a, b, **kw), matmul_ref(a, b, **kw), matmul_ref(a, b, upcast=True, **kw), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("has_bias, activation, has_acc, into",
+                         list(itertools.product([False, True], [None, "relu"], [False, True], ["new", "out", "acc"])))
+def test_torch_path(monkeypatch, has_bias, activation, has_acc, into, dtype):
+    """CPU tensors without TPFLOW_KERNELS: torch's BLAS (addmm where the epilogue is only adds), same results."""
+    if into == "acc" and not has_acc:
+        pytest.skip("accumulating in place needs an accumulator")
+    monkeypatch.delenv("TPFLOW_KERNELS")
+    a, b = _rand(37, 20, dtype=dtype, seed=1).cpu(), _rand(20, 9, dtype=dtype, seed=2).cpu()
+    bias = _rand(9, dtype=dtype, seed=3).cpu() if has_bias else None
+    acc = _rand(33, 9, dtype=torch.float32, seed=4).cpu() if has_acc else None
+    kw = dict(bias=bias, activation=activation, acc=acc, row_start=4, row_end=37)
+    out = {"new": None, "out": torch.empty(33, 9, dtype=torch.float32), "acc": acc}[into]
+    want = matmul_ref(a[4:], b, bias=bias, activation=activation, acc=acc, out_dtype=torch.float32)
+    got = matmul(a, b, out=out, out_dtype=None if out is not None else torch.float32, **kw)
+    assert out is None or got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, want)
+
+
 def test_transposed_and_sliced_operands_are_read_in_place():
     base_a, base_b = _rand(50, 80, dtype=torch.float32, seed=1), _rand(60, 90, dtype=torch.float32, seed=2)
     a = base_a.mT[3:40, 5:45]  # [37, 40], column-major and offset

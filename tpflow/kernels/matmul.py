@@ -221,6 +221,18 @@ def _triton_matmul(a, b, bias, activation, acc, out, pre, row_start, row_end, ti
     )
 
 
+def _torch_matmul(a, b, bias, activation, acc, out_dtype, out) -> torch.Tensor:
+    """The torch path: one BLAS call when the epilogue is only adds (the rings' accumulator), else the reference."""
+    if activation is None and out_dtype == a.dtype:
+        base = acc if bias is None else bias if acc is None else acc + bias
+        if base is None:
+            return torch.matmul(a, b, out=out)
+        if base.dtype == a.dtype:
+            return out.addmm_(a, b) if out is base else torch.addmm(base, a, b, out=out)
+    y = matmul_ref(a, b, bias=bias, activation=activation, acc=acc, out_dtype=out_dtype)
+    return y if out is None else out.copy_(y)
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, activation: str | None = None,
            acc: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            pre: torch.Tensor | None = None, row_start: int = 0, row_end: int | None = None,
@@ -264,8 +276,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         rows = a[row_start:row_end]
         if pre is not None:
             pre.copy_(matmul_ref(rows, b, bias=bias, out_dtype=pre.dtype))
-        y = matmul_ref(rows, b, bias=bias, activation=activation, acc=acc, out_dtype=out_dtype)
-        return y if out is None else out.copy_(y)
+        return _torch_matmul(rows, b, bias, activation, acc, out_dtype, out)
     out = torch.empty(shape, dtype=out_dtype, device=a.device) if out is None else out
     if pre is not None and pre.stride() != out.stride():
         raise ValueError(f"pre must have out's strides {out.stride()}, got {pre.stride()}")
