@@ -32,9 +32,10 @@ def _rand(*shape, seed, dtype=F64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype)
 
 
-def _problem(m, k, n, bias, seed=0, dtype=F64):
-    return (_rand(m, k, seed=seed, dtype=dtype), _rand(k, n, seed=seed + 1, dtype=dtype),
-            _rand(n, seed=seed + 2, dtype=dtype) if bias else None, _rand(m, n, seed=seed + 3, dtype=dtype))
+def _problem(m, k, n, bias, seed=0, dtype=F64, inner=()):
+    """x [m, *inner, k], w [k, n], bias [n], dy [m, *inner, n]."""
+    return (_rand(m, *inner, k, seed=seed, dtype=dtype), _rand(k, n, seed=seed + 1, dtype=dtype),
+            _rand(n, seed=seed + 2, dtype=dtype) if bias else None, _rand(m, *inner, n, seed=seed + 3, dtype=dtype))
 
 
 def _leaf(t):
@@ -55,8 +56,8 @@ def _reset(group):
 def _rs_rank(group, X, Wt, bias, dY, splits, algo):
     """A row layer: K split over ranks, the output's rows reduce-scattered."""
     t = as_transport(group)
-    k = slice(*row_bounds(X.shape[1], t.world_size)[t.rank])
-    x, w, b = _leaf(X[:, k]), _leaf(Wt[k]), _leaf(bias)
+    k = slice(*row_bounds(X.shape[-1], t.world_size)[t.rank])
+    x, w, b = _leaf(X[..., k]), _leaf(Wt[k]), _leaf(bias)
     _reset(group)
     y = matmul_reduce_scatter(x, w, group, bias=b, splits=splits, algo=algo)
     traffic = _traffic(group)
@@ -73,7 +74,7 @@ def _ag_rank(group, X, Wt, bias, dY, activation, algo):
     y, gathered = all_gather_matmul(x, w, group, rows=X.shape[0], bias=b, activation=activation, algo=algo,
                                     return_gathered=True)
     traffic = _traffic(group)
-    y.backward(dY[:, n])
+    y.backward(dY[..., n])
     return y.detach(), x.grad, w.grad, None if b is None else b.grad, traffic, gathered
 
 
@@ -91,7 +92,7 @@ def _close(got, want, what):
 def _check_rs(results, X, Wt, bias, dY):
     y, dx, dw, db = _reference(X, Wt, bias, dY)
     _close(torch.cat([r[0] for r in results]), y, "output")
-    _close(torch.cat([r[1] for r in results], 1), dx, "dx")
+    _close(torch.cat([r[1] for r in results], -1), dx, "dx")
     _close(torch.cat([r[2] for r in results]), dw, "dw")
     if bias is not None:  # each rank's bias gradient covers its own rows: their sum is the whole
         _close(sum(r[3] for r in results), db, "dbias")
@@ -99,7 +100,7 @@ def _check_rs(results, X, Wt, bias, dY):
 
 def _check_ag(results, X, Wt, bias, dY, activation):
     y, dx, dw, db = _reference(X, Wt, bias, dY, activation)
-    _close(torch.cat([r[0] for r in results], 1), y, "output")
+    _close(torch.cat([r[0] for r in results], -1), y, "output")
     _close(torch.cat([r[1] for r in results]), dx, "dx")
     _close(torch.cat([r[2] for r in results], 1), dw, "dw")
     if bias is not None:
@@ -147,6 +148,15 @@ def test_all_gather_matmul(world, m, k, n, activation, algo, bias):
         right = (rank + 1) % world
         sent = [e - s for c, (s, e) in enumerate(bounds) if c != right and e > s]
         assert r[4] == (sum(sent) * k * 8, len(sent)), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("algo", ["ring", "naive"])
+def test_sequence_dims_fold_into_rows(world, algo):
+    """x [S, B, K] split on S (sequence parallelism's layout), S = 5 uneven over the ranks."""
+    X, Wt, b, dY = _problem(5, 8, 6, True, inner=(3,))
+    _check_rs(FakeWorld(world).run(_rs_rank, X, Wt, b, dY, 2, algo), X, Wt, b, dY)
+    _check_ag(FakeWorld(world).run(_ag_rank, X, Wt, b, dY, "gelu", algo), X, Wt, b, dY, "gelu")
 
 
 def test_ring_moves_half_of_gloos_reduce_scatter_bytes():
@@ -230,8 +240,8 @@ def test_bad_input_is_named():
     x, w = torch.randn(6, 4), torch.randn(4, 5)
     with pytest.raises(ValueError, match="inner sizes differ"):
         matmul_reduce_scatter(x, torch.randn(3, 5), world.transports[0])
-    with pytest.raises(ValueError, match="2-D"):
-        all_gather_matmul(x[None], w, world.transports[0])
+    with pytest.raises(ValueError, match=r"x \[rows, ..., K\] and a 2-D w"):
+        all_gather_matmul(x[0], w, world.transports[0])
     with pytest.raises(ValueError, match="algo must be one of"):
         matmul_reduce_scatter(x, w, world.transports[0], algo="fast")
     with pytest.raises(ValueError, match="splits must be >= 1"):

@@ -1,8 +1,18 @@
-"""Point-to-point transfers between ranks of the world, with byte counters.
+"""Communication on local shards, with byte counters.
 
-Boxing across placements moves blocks between ranks that share no mesh, so it talks over
-the default (world) group with ``isend`` / ``irecv``: gloo on CPU, NCCL on CUDA. Every
-transfer is counted, so tests and benchmarks can check how many bytes a route moved.
+- ``exchange``: point-to-point transfers over the world group, for boxing across placements
+  (ranks that share no mesh).
+- ``all_gather`` / ``reduce_scatter`` along a dim, uneven chunks (``torch.chunk``'s rule)
+  included: the library collectives, padded to equal chunks where sizes differ.
+- Autograd-aware collectives in conjugate pairs, the forward of one being the backward of the
+  other, for the parallel layers' hot path: ``copy`` (identity / all-reduce), ``reduce``
+  (all-reduce / identity), ``gather`` (all-gather / take own chunk), ``scatter`` (own chunk /
+  all-gather), ``gather_rows`` (all-gather / reduce-scatter) and ``scatter_rows``
+  (reduce-scatter / all-gather). Each is a no-op on a group of one.
+
+Every transfer is counted in ``stats``; a library collective counts the bytes of the ring
+algorithm that implements it ((W-1)/W of the tensor per pass; gloo's reduce-scatter is an
+all-reduce underneath, two passes).
 """
 
 from __future__ import annotations
@@ -13,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "stats", "exchange"]
+__all__ = ["CommStats", "all_gather", "all_reduce", "bounds", "copy", "exchange", "gather", "gather_rows", "reduce",
+           "reduce_scatter", "scatter", "scatter_rows", "stats"]
 
 
 @dataclass
@@ -49,3 +60,165 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
             stats.messages_sent += 1
     for work in works:
         work.wait()
+
+
+def bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` chunks of ``size``, by ``torch.chunk``'s rule (tpflow's split)."""
+    step = -(-size // parts) if size else 0
+    return [(min(i * step, size), min((i + 1) * step, size)) for i in range(parts)]
+
+
+def _count_ring(t: torch.Tensor, world: int, passes: int) -> None:
+    stats.bytes_sent += passes * (world - 1) * t.numel() * t.element_size() // world
+    stats.messages_sent += passes * (world - 1)
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """Sum ``t`` in place over ``group``; with ``async_op`` the work to wait on."""
+    _count_ring(t, dist.get_world_size(group), 2)
+    return dist.all_reduce(t, group=group, async_op=async_op)
+
+
+def all_gather(part: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's chunk of a dim of ``size``, concatenated in rank order along ``dim``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = bounds(size, world)
+    part = part.movedim(dim, 0)
+    if part.shape[0] != chunks[rank][1] - chunks[rank][0]:
+        raise ValueError(f"all_gather: rank {rank} holds {part.shape[0]} of {size} along dim {dim}, but its chunk "
+                         f"over {world} ranks has {chunks[rank][1] - chunks[rank][0]}")
+    step = chunks[0][1] - chunks[0][0]
+    padded = part.new_zeros((step, *part.shape[1:]))
+    padded[:part.shape[0]] = part
+    out = part.new_empty((step * world, *part.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    _count_ring(out, world, 1)
+    if step * world != size:
+        out = torch.cat([out[i * step:i * step + e - s] for i, (s, e) in enumerate(chunks)])
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(full: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's chunk along ``dim`` of the sum over ``group`` of ``full``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = full.movedim(dim, 0)
+    chunks = bounds(full.shape[0], world)
+    step = chunks[0][1] - chunks[0][0]
+    if step * world == full.shape[0]:
+        padded = full.contiguous()
+    else:
+        padded = full.new_zeros((step * world, *full.shape[1:]))
+        for i, (s, e) in enumerate(chunks):
+            padded[i * step:i * step + e - s] = full[s:e]
+    out = full.new_empty((step, *full.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    _count_ring(padded, world, 1 if full.is_cuda else 2)
+    return out[:chunks[rank][1] - chunks[rank][0]].movedim(0, dim)
+
+
+def _chunk(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    start, end = bounds(t.shape[dim], dist.get_world_size(group))[dist.get_rank(group)]
+    return t.narrow(dim, start, end - start)
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.contiguous()
+        all_reduce(dy, ctx.group)
+        return dy, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, size, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, size, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _chunk(dy, ctx.dim, ctx.group).contiguous(), None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.size = dim, group, x.shape[dim]
+        return _chunk(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather(dy.contiguous(), ctx.dim, ctx.size, ctx.group), None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, size, group):
+        ctx.group = group
+        return all_gather(x.contiguous(), 0, size, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter(dy, 0, ctx.group), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.size = group, x.shape[0]
+        return reduce_scatter(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather(dy.contiguous(), 0, ctx.size, ctx.group), None
+
+
+def _single(group: dist.ProcessGroup | None) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def copy(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Identity forward, all-reduce backward: a replicated input entering rank-local compute."""
+    return x if _single(group) else _Copy.apply(x, group)
+
+
+def reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-reduce forward, identity backward: partial sums leaving as one replicated value."""
+    return x if _single(group) else _Reduce.apply(x, group)
+
+
+def gather(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather along ``dim`` (of full ``size``) forward; backward keeps this rank's chunk of the gradient."""
+    return x if _single(group) else _Gather.apply(x, dim, size, group)
+
+
+def scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's chunk along ``dim`` forward (no transfer); all-gather of the gradient backward."""
+    return x if _single(group) else _Scatter.apply(x, dim, group)
+
+
+def gather_rows(x: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather of dim 0 (of full ``size``) forward, reduce-scatter backward: sequence parallelism's pair."""
+    return x if _single(group) else _GatherRows.apply(x, size, group)
+
+
+def scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Reduce-scatter of dim 0 forward, all-gather backward."""
+    return x if _single(group) else _ScatterRows.apply(x, group)

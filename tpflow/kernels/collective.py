@@ -5,7 +5,8 @@
     all_gather_matmul       x_r [M_r, K] holds rows chunk(r); every rank gets
                             act(gather(x) @ w + b)                                   -> [M, N]
 
-Rows are chunked by ``torch.chunk``'s rule, tpflow's split(0). Reduce-scatter: at step s rank r
+Rows are dim 0, chunked by ``torch.chunk``'s rule (tpflow's split(0)); x may have more dims
+([S, B, K] in sequence parallelism), which fold into the rows of each chunk. Reduce-scatter: at step s rank r
 computes chunk (r - s - 1) mod W, adding the partial received from r - 1 in the matmul's
 epilogue, and sends the sum on to r + 1; the last step leaves chunk r fully reduced. All-gather:
 rank r computes on the rows it holds while forwarding them and receiving the next.
@@ -21,6 +22,7 @@ Below ``RING_MIN_FLOPS`` of matmul per chunk, per-step overheads outweigh what t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -49,17 +51,22 @@ def _use_ring(algo: str, t: Transport, flops_per_chunk: int, device: torch.devic
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, name: str) -> None:
-    if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"{name} takes 2-D x and w (fold leading dims into rows), got {tuple(x.shape)} and "
+    if x.ndim < 2 or w.ndim != 2:
+        raise ValueError(f"{name} takes x [rows, ..., K] and a 2-D w [K, N], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
-    if x.shape[1] != w.shape[0]:
+    if x.shape[-1] != w.shape[0]:
         raise ValueError(f"{name}: inner sizes differ: x {tuple(x.shape)} @ w {tuple(w.shape)}")
     if bias is not None and bias.shape != (w.shape[1],):
         raise ValueError(f"{name}: bias must have shape ({w.shape[1]},), got {tuple(bias.shape)}")
 
 
-def _chunk_flops(rows: int, w: torch.Tensor, world: int) -> int:
-    return 2 * -(-rows // world) * w.shape[0] * w.shape[1]
+def _flat_bounds(rows: int, world: int, inner: int) -> list[tuple[int, int]]:
+    """Chunks of dim 0 (``rows``), as ranges of the rows of x flattened to 2-D (``inner`` per dim-0 index)."""
+    return [(s * inner, e * inner) for s, e in row_bounds(rows, world)]
+
+
+def _chunk_flops(bounds: list[tuple[int, int]], w: torch.Tensor) -> int:
+    return 2 * (bounds[0][1] - bounds[0][0]) * w.shape[0] * w.shape[1]
 
 
 # The two schedules on plain tensors. ``wgrad`` hooks let each backward fold its weight
@@ -192,9 +199,9 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
                           bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                           partial_dtype: torch.dtype | None = None, splits: int = SPLITS,
                           algo: str = "auto") -> torch.Tensor:
-    """This rank's rows of ``sum over ranks (x @ w) + bias``; ``x [M, K_r]`` and ``w [K_r, N]`` hold its K shard.
+    """This rank's rows of ``sum over ranks (x @ w) + bias``; ``x [M, ..., K_r]`` and ``w [K_r, N]`` hold its K shard.
 
-    Every rank passes the same M; rank r gets rows ``chunk(r)`` (``torch.chunk``'s rule). ``group``
+    Every rank passes the same shape; rank r gets ``chunk(r)`` of dim 0 (``torch.chunk``'s rule). ``group``
     is a process group (default: the world) or a ``Transport``. Partials travel in
     ``partial_dtype`` (default: fp32, or fp64 for fp64 inputs; one rounding at the end), each chunk as ``splits`` messages so that
     the link works while the next piece computes. ``algo``: ``"ring"``, ``"naive"`` (one matmul,
@@ -207,17 +214,19 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     t = as_transport(group)
-    bounds = row_bounds(x.shape[0], t.world_size)
-    ring = _use_ring(algo, t, _chunk_flops(x.shape[0], w, t.world_size), x.device)
-    return _MatmulReduceScatter.apply(x, w, bias, t, bounds, ring, out_dtype or x.dtype,
-                                      partial_dtype or _sum_dtype(x.dtype), splits)
+    bounds = _flat_bounds(x.shape[0], t.world_size, math.prod(x.shape[1:-1]))
+    ring = _use_ring(algo, t, _chunk_flops(bounds, w), x.device)
+    y = _MatmulReduceScatter.apply(x.reshape(bounds[-1][1], x.shape[-1]), w, bias, t, bounds, ring, out_dtype or x.dtype,
+                                   partial_dtype or _sum_dtype(x.dtype), splits)
+    start, end = row_bounds(x.shape[0], t.world_size)[t.rank]
+    return y.reshape(end - start, *x.shape[1:-1], w.shape[1])
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, rows: int | None = None,
                       bias: torch.Tensor | None = None, activation: str | None = None,
                       out_dtype: torch.dtype | None = None, return_gathered: bool = False,
                       algo: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``act(gather(x) @ w + bias)`` ``[M, N]``, where this rank's ``x [M_r, K]`` holds rows ``chunk(r)`` of M.
+    """``act(gather(x) @ w + bias)`` ``[M, ..., N]``, where this rank's ``x [M_r, ..., K]`` holds ``chunk(r)`` of dim 0.
 
     ``rows`` is M, the same on every rank; without it the rows must split evenly (M = W * M_r).
     A rank's row count is checked against M before any transfer: gloo would pass a message of
@@ -228,14 +237,16 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
     _check_operands(x, w, bias, "all_gather_matmul")
     t = as_transport(group)
     rows = x.shape[0] * t.world_size if rows is None else rows
-    bounds = row_bounds(rows, t.world_size)
-    start, end = bounds[t.rank]
+    start, end = row_bounds(rows, t.world_size)[t.rank]
     if x.shape[0] != end - start:
         raise ValueError(f"all_gather_matmul: rank {t.rank} holds {x.shape[0]} rows, but chunk {t.rank} of "
                          f"{rows} rows over {t.world_size} ranks has {end - start}: pass rows= (the total) when "
                          f"rows split unevenly")
-    ring = _use_ring(algo, t, _chunk_flops(rows, w, t.world_size), x.device)
-    y, gathered = _AllGatherMatmul.apply(x, w, bias, t, bounds, ring, activation, out_dtype or x.dtype)
+    bounds = _flat_bounds(rows, t.world_size, math.prod(x.shape[1:-1]))
+    ring = _use_ring(algo, t, _chunk_flops(bounds, w), x.device)
+    y, gathered = _AllGatherMatmul.apply(x.reshape(x[..., 0].numel(), x.shape[-1]), w, bias, t, bounds, ring, activation,
+                                         out_dtype or x.dtype)
+    y, gathered = y.reshape(rows, *x.shape[1:-1], w.shape[1]), gathered.reshape(rows, *x.shape[1:])
     return (y, gathered) if return_gathered else y
 
 
@@ -243,7 +254,9 @@ def matmul_reduce_scatter_ref(x: torch.Tensor, w: torch.Tensor, group: Group = N
                               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The unfused reference: ``torch.matmul``, then the library's reduce-scatter (not differentiable)."""
     t = as_transport(group)
-    out = t.reduce_scatter(torch.matmul(x, w), row_bounds(x.shape[0], t.world_size))
+    y = torch.matmul(x, w)
+    out = t.reduce_scatter(y.reshape(x.shape[0], -1), row_bounds(x.shape[0], t.world_size))
+    out = out.reshape(-1, *y.shape[1:])
     return (out if bias is None else out + bias).to(out_dtype or x.dtype)
 
 
@@ -252,6 +265,6 @@ def all_gather_matmul_ref(x: torch.Tensor, w: torch.Tensor, group: Group = None,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The unfused reference: the library's all-gather, then ``torch.matmul`` (not differentiable)."""
     t = as_transport(group)
-    gathered = t.all_gather(x.contiguous(), row_bounds(x.shape[0] * t.world_size if rows is None else rows,
-                                                       t.world_size))
-    return matmul_ref(gathered, w, bias=bias, activation=activation, out_dtype=out_dtype)
+    rows = x.shape[0] * t.world_size if rows is None else rows
+    gathered = t.all_gather(x.reshape(x.shape[0], -1).contiguous(), row_bounds(rows, t.world_size))
+    return matmul_ref(gathered.reshape(rows, *x.shape[1:]), w, bias=bias, activation=activation, out_dtype=out_dtype)

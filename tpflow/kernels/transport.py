@@ -20,17 +20,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from tpflow import comm
 from tpflow.comm import CommStats, stats
+from tpflow.comm import bounds as row_bounds
 
 __all__ = ["DistTransport", "Handle", "Transport", "as_transport", "row_bounds"]
 
 Pairs = Sequence[tuple[torch.Tensor, int]]
-
-
-def row_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each of ``parts`` chunks of ``rows``, by ``torch.chunk``'s rule (tpflow's split)."""
-    step = -(-rows // parts) if rows else 0
-    return [(min(i * step, rows), min((i + 1) * step, rows)) for i in range(parts)]
 
 
 def _sub_bounds(start: int, end: int, parts: int) -> list[tuple[int, int]]:
@@ -181,40 +177,12 @@ class DistTransport(Transport):
         return Handle(works[len(recvs):]), Handle(works[:len(recvs)])
 
     def reduce_scatter(self, full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The library's reduce-scatter (gloo's is an all-reduce underneath: counted as one).
-        Uneven chunks are padded to the first chunk's rows, the largest by ``torch.chunk``'s rule."""
-        start, end = bounds[self.rank]
-        padded = self._pad(full, bounds)
-        out = full.new_empty((padded.shape[0] // self.world_size, *full.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded, group=self.group)
-        self._count_collective(padded, 1 if full.is_cuda else 2)
-        return out[:end - start]
+        """The library's reduce-scatter (uneven chunks padded)."""
+        return comm.reduce_scatter(full, 0, self.group)
 
     def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The library's all-gather (uneven chunks padded, as in ``reduce_scatter``)."""
-        rows = bounds[0][1] - bounds[0][0]
-        padded = part.new_zeros((rows, *part.shape[1:]))
-        padded[:part.shape[0]] = part
-        out = part.new_empty((rows * self.world_size, *part.shape[1:]))
-        dist.all_gather_into_tensor(out, padded, group=self.group)
-        self._count_collective(out, 1)
-        return torch.cat([out[i * rows:i * rows + e - s] for i, (s, e) in enumerate(bounds)])
-
-    @staticmethod
-    def _pad(full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-        rows = bounds[0][1] - bounds[0][0]
-        if all(e - s == rows for s, e in bounds):
-            return full.contiguous()
-        padded = full.new_zeros((rows * len(bounds), *full.shape[1:]))
-        for i, (s, e) in enumerate(bounds):
-            padded[i * rows:i * rows + e - s] = full[s:e]
-        return padded
-
-    def _count_collective(self, full: torch.Tensor, passes: int) -> None:
-        """A ring collective's cost: (W-1)/W of the tensor in W-1 messages per pass."""
-        W = self.world_size
-        self.stats.bytes_sent += passes * (W - 1) * full.numel() * full.element_size() // W
-        self.stats.messages_sent += passes * (W - 1)
+        """The library's all-gather (uneven chunks padded)."""
+        return comm.all_gather(part, 0, bounds[-1][1], self.group)
 
 
 _TRANSPORTS: dict = {}
