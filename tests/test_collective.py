@@ -6,12 +6,14 @@ kernels through the interpreter."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
 import torch
 
 from tests import harness
+from tpflow.kernels import collective
 from tpflow.comm import stats
 from tpflow.kernels import (
     FakeWorld,
@@ -159,6 +161,28 @@ def test_sequence_dims_fold_into_rows(world, algo):
     _check_ag(FakeWorld(world).run(_ag_rank, X, Wt, b, dY, "gelu", algo), X, Wt, b, dY, "gelu")
 
 
+@pytest.mark.parametrize("threshold, ring", [(24, True), (25, False)])
+def test_auto_decides_alike_on_every_rank(monkeypatch, threshold, ring):
+    """K = 9 over 2 ranks gives shards of 5 and 4 columns; the choice must not depend on them."""
+    monkeypatch.setitem(collective.RING_MIN_ELEMENTS, "cpu", threshold)  # a message is 4 rows x 6 = 24 elements
+    X, Wt, b, dY = _problem(8, 9, 6, True)
+    results = FakeWorld(2).run(_rs_rank, X, Wt, b, dY, 2, "auto")
+    _check_rs(results, X, Wt, b, dY)
+    assert [r[4][1] for r in results] == [2 if ring else 1] * 2
+
+
+def test_debug_checks_that_rows_split_evenly(monkeypatch):
+    """Without rows=, uneven rows (7 over 4 ranks) cannot be seen locally; TPFLOW_DEBUG=1 checks them."""
+    monkeypatch.setattr(collective, "_DEBUG", True)
+    X, w = _rand(7, 5, seed=0), _rand(5, 3, seed=1)
+
+    def uneven(t):
+        return all_gather_matmul(X[slice(*row_bounds(7, 4)[t.rank])], w, t)
+
+    with pytest.raises(ValueError, match=r"the ranks hold \[2, 2, 2, 1\] rows: pass rows="):
+        FakeWorld(4).run(uneven)
+
+
 def test_ring_moves_half_of_gloos_reduce_scatter_bytes():
     """Even rows, W = 4: the ring sends exactly (W-1)/W of the fp32 output in 2 (W-1) messages."""
     X, Wt, _, dY = _problem(16, 8, 6, False, dtype=torch.float32)
@@ -221,7 +245,7 @@ def test_fake_link_reads_the_send_buffer_on_arrival():
             t.post(recvs=[(buf, 0)])[1].wait()
         return buf
 
-    assert torch.equal(FakeWorld(2, latency=0.05).run(reuse)[1], torch.full((4,), 7.0))
+    assert torch.equal(FakeWorld(2, latency=0.2).run(reuse)[1], torch.full((4,), 7.0))
 
 
 def test_fake_world_checks_message_sizes():
@@ -246,30 +270,31 @@ def test_bad_input_is_named():
         matmul_reduce_scatter(x, w, world.transports[0], algo="fast")
     with pytest.raises(ValueError, match="splits must be >= 1"):
         matmul_reduce_scatter(x, w, world.transports[0], splits=0)
-    with pytest.raises(ValueError, match="rank 1 holds 3 rows, but chunk 1 of 5 rows .* has 2: pass rows="):
+    with pytest.raises(ValueError, match="rank 1 holds 3 rows, but chunk 1 of 5 rows over 2 ranks has 2"):
         all_gather_matmul(torch.randn(3, 4), w, world.transports[1], rows=5)
 
 
 # Real processes over gloo: the torch.distributed transport against the library's own collectives.
 
-def _gloo_rank(world_size, m, k, n, algo):
-    X, Wt, b, dY = _problem(m, k, n, True, seed=world_size)
+def _gloo_rank(world_size, m, inner, k, n, algo):
+    X, Wt, b, dY = _problem(m, k, n, True, seed=world_size, inner=inner)
     rs = _rs_rank(None, X, Wt, b, dY, 2, algo)
     ag = _ag_rank(None, X, Wt, b, dY, "gelu", algo)
     t = as_transport(None)
     k_own = slice(*row_bounds(k, t.world_size)[t.rank])
-    rs_ref = matmul_reduce_scatter_ref(X[:, k_own], Wt[k_own], bias=b)
+    rs_ref = matmul_reduce_scatter_ref(X[..., k_own], Wt[k_own], bias=b)
     rows = slice(*row_bounds(m, t.world_size)[t.rank])
     ag_ref = all_gather_matmul_ref(X[rows], Wt, rows=m, bias=b, activation="gelu")
-    return rs, ag, rs_ref, ag_ref, stats.bytes_sent
+    return rs, ag, rs_ref, ag_ref
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("algo", ["ring", "naive"])
-def test_gloo(world, algo):
-    m, k, n = 11, 9, 7
-    results = harness.run(world, _gloo_rank, world, m, k, n, algo)
-    X, Wt, b, dY = _problem(m, k, n, True, seed=world)
+@pytest.mark.parametrize("m, inner", [(11, ()), (3, (2,))], ids=["11 rows", "3x2 rows"])  # 3 < W = 4: an empty chunk
+def test_gloo(world, algo, m, inner):
+    k, n = 9, 7
+    results = harness.run(world, _gloo_rank, world, m, inner, k, n, algo)
+    X, Wt, b, dY = _problem(m, k, n, True, seed=world, inner=inner)
     _check_rs([r[0] for r in results], X, Wt, b, dY)
     _check_ag([r[1] for r in results], X, Wt, b, dY, "gelu")
     y = matmul_ref(X, Wt, bias=b)
@@ -280,7 +305,7 @@ def test_gloo(world, algo):
     if algo == "ring":
         bounds = row_bounds(m, world)
         for rank, r in enumerate(results):  # counted in tpflow.comm.stats, with the rest of the rank's traffic
-            assert r[0][4][0] == (m - (bounds[rank][1] - bounds[rank][0])) * n * 8
+            assert r[0][4][0] == (m - (bounds[rank][1] - bounds[rank][0])) * math.prod(inner) * n * 8
 
 
 # The Triton kernels (row ranges, the received partial added in the epilogue) through the interpreter.

@@ -59,7 +59,8 @@ def test_epilogues(has_bias, activation, has_acc, dtype):
 @pytest.mark.parametrize("has_bias, activation, has_acc, into",
                          list(itertools.product([False, True], [None, "relu"], [False, True], ["new", "out", "acc"])))
 def test_torch_path(monkeypatch, has_bias, activation, has_acc, into, dtype):
-    """CPU tensors without TPFLOW_KERNELS: torch's BLAS (addmm where the epilogue is only adds), same results."""
+    """CPU tensors without TPFLOW_KERNELS: torch's BLAS (addmm where the epilogue is only adds), accumulating
+    in fp32 like the kernel, whatever the input dtype."""
     if into == "acc" and not has_acc:
         pytest.skip("accumulating in place needs an accumulator")
     monkeypatch.delenv("TPFLOW_KERNELS")
@@ -68,10 +69,18 @@ def test_torch_path(monkeypatch, has_bias, activation, has_acc, into, dtype):
     acc = _rand(33, 9, dtype=torch.float32, seed=4).cpu() if has_acc else None
     kw = dict(bias=bias, activation=activation, acc=acc, row_start=4, row_end=37)
     out = {"new": None, "out": torch.empty(33, 9, dtype=torch.float32), "acc": acc}[into]
-    want = matmul_ref(a[4:], b, bias=bias, activation=activation, acc=acc, out_dtype=torch.float32)
+    want = matmul_ref(a[4:], b, bias=bias, activation=activation, acc=acc, upcast=True).float()
     got = matmul(a, b, out=out, out_dtype=None if out is not None else torch.float32, **kw)
     assert out is None or got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, want)
+
+
+def test_torch_path_accumulates_fp16_in_fp32(monkeypatch):
+    """A sum past fp16's range (65504) into an fp32 accumulator stays finite and exact, as in the kernel."""
+    monkeypatch.delenv("TPFLOW_KERNELS")
+    a, b = torch.full((8, 4096), 30.0, dtype=torch.float16), torch.ones(4096, 3, dtype=torch.float16)
+    acc = torch.zeros(8, 3)
+    assert torch.equal(matmul(a, b, acc=acc, out=acc), torch.full((8, 3), 122880.0))
 
 
 def test_transposed_and_sliced_operands_are_read_in_place():

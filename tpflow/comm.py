@@ -79,32 +79,35 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     return dist.all_reduce(t, group=group, async_op=async_op)
 
 
-def all_gather(part: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's chunk of a dim of ``size``, concatenated in rank order along ``dim``."""
+Chunks = Sequence[tuple[int, int]]
+
+
+def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's chunk along ``dim`` (rank i holds ``[start, end) = chunks[i]``), concatenated in rank order."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunks = bounds(size, world)
     part = part.movedim(dim, 0)
     if part.shape[0] != chunks[rank][1] - chunks[rank][0]:
-        raise ValueError(f"all_gather: rank {rank} holds {part.shape[0]} of {size} along dim {dim}, but its chunk "
-                         f"over {world} ranks has {chunks[rank][1] - chunks[rank][0]}")
-    step = chunks[0][1] - chunks[0][0]
-    padded = part.new_zeros((step, *part.shape[1:]))
-    padded[:part.shape[0]] = part
+        raise ValueError(f"all_gather: rank {rank} holds {part.shape[0]} along dim {dim}, but its chunk "
+                         f"{list(chunks[rank])} has {chunks[rank][1] - chunks[rank][0]}")
+    step = max(e - s for s, e in chunks)
+    even = all(e - s == step for s, e in chunks)
+    padded = part.contiguous() if even else part.new_zeros((step, *part.shape[1:]))
+    if not even:
+        padded[:part.shape[0]] = part
     out = part.new_empty((step * world, *part.shape[1:]))
     dist.all_gather_into_tensor(out, padded, group=group)
     _count_ring(out, world, 1)
-    if step * world != size:
+    if not even:
         out = torch.cat([out[i * step:i * step + e - s] for i, (s, e) in enumerate(chunks)])
     return out.movedim(0, dim)
 
 
-def reduce_scatter(full: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's chunk along ``dim`` of the sum over ``group`` of ``full``."""
+def reduce_scatter(full: torch.Tensor, dim: int, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's chunk (``chunks[rank]`` along ``dim``) of the sum over ``group`` of ``full``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     full = full.movedim(dim, 0)
-    chunks = bounds(full.shape[0], world)
-    step = chunks[0][1] - chunks[0][0]
-    if step * world == full.shape[0]:
+    step = max(e - s for s, e in chunks)
+    if all(e - s == step for s, e in chunks) and chunks[-1][1] == full.shape[0]:
         padded = full.contiguous()
     else:
         padded = full.new_zeros((step * world, *full.shape[1:]))
@@ -150,7 +153,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, size, group):
         ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, size, group)
+        return all_gather(x, dim, bounds(size, dist.get_world_size(group)), group)
 
     @staticmethod
     def backward(ctx, dy):
@@ -165,29 +168,29 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather(dy.contiguous(), ctx.dim, ctx.size, ctx.group), None, None
+        return all_gather(dy, ctx.dim, bounds(ctx.size, dist.get_world_size(ctx.group)), ctx.group), None, None
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, size, group):
-        ctx.group = group
-        return all_gather(x.contiguous(), 0, size, group)
+        ctx.group, ctx.chunks = group, bounds(size, dist.get_world_size(group))
+        return all_gather(x, 0, ctx.chunks, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return reduce_scatter(dy, 0, ctx.group), None, None
+        return reduce_scatter(dy, 0, ctx.chunks, ctx.group), None, None
 
 
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, ctx.size = group, x.shape[0]
-        return reduce_scatter(x, 0, group)
+        ctx.group, ctx.chunks = group, bounds(x.shape[0], dist.get_world_size(group))
+        return reduce_scatter(x, 0, ctx.chunks, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather(dy.contiguous(), 0, ctx.size, ctx.group), None
+        return all_gather(dy, 0, ctx.chunks, ctx.group), None
 
 
 def _single(group: dist.ProcessGroup | None) -> bool:

@@ -16,13 +16,16 @@ dx = dy @ w^T chunk by chunk, with the weight gradient x^T @ dy of each chunk co
 arrives; d(all_gather_matmul) reduce-scatters dz @ w^T, with x^T @ dz of each chunk between
 the steps.
 
-Below ``RING_MIN_FLOPS`` of matmul per chunk, per-step overheads outweigh what the ring hides, and
-``algo="auto"`` runs one matmul and the plain collective instead.
+Below ``RING_MIN_ELEMENTS`` per message (a chunk of the output for reduce-scatter, of the input
+for all-gather), per-step overheads outweigh what the ring hides, and ``algo="auto"`` runs one
+matmul and the plain collective instead. The rule reads only sizes every rank shares, so all
+ranks take the same path.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -31,23 +34,26 @@ import torch.distributed as dist
 from tpflow.kernels.matmul import activation_grad, matmul, matmul_ref, needs_pre, saved_for_grad
 from tpflow.kernels.transport import Transport, as_transport, row_bounds
 
-__all__ = ["RING_MIN_FLOPS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter",
+__all__ = ["RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter",
            "matmul_reduce_scatter_ref"]
 
-# Matmul FLOPs of one chunk from which the ring pays, by device type (see benchmarks/collective_cpu.py).
-RING_MIN_FLOPS = {"cpu": 2**27, "cuda": 2**33}
+# Elements per message from which the ring pays, by device type. CPU: measured with
+# benchmarks/collective_cpu.py (2 gloo ranks: 2^17 loses, 2^19 wins); CUDA: an estimate until measured.
+RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**22}
 _ALGOS = ("auto", "ring", "naive")
 SPLITS = 2  # messages per chunk of the reduce-scatter ring: two is what lets a transfer overlap compute
 
 Group = dist.ProcessGroup | Transport | None
 
 
-def _use_ring(algo: str, t: Transport, flops_per_chunk: int, device: torch.device) -> bool:
+def _use_ring(algo: str, t: Transport, bounds: list[tuple[int, int]], width: int, device: torch.device) -> bool:
+    """Whether to run the ring: ``width`` is the row length of a message, the same on every rank."""
     if algo not in _ALGOS:
         raise ValueError(f"algo must be one of {_ALGOS}, got {algo!r}")
     if t.world_size == 1 or algo == "naive":
         return False
-    return algo == "ring" or flops_per_chunk >= RING_MIN_FLOPS.get(device.type, RING_MIN_FLOPS["cuda"])
+    per_message = (bounds[0][1] - bounds[0][0]) * width
+    return algo == "ring" or per_message >= RING_MIN_ELEMENTS.get(device.type, RING_MIN_ELEMENTS["cuda"])
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, name: str) -> None:
@@ -60,17 +66,24 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"{name}: bias must have shape ({w.shape[1]},), got {tuple(bias.shape)}")
 
 
+_DEBUG = os.environ.get("TPFLOW_DEBUG") == "1"
+
+
+def _check_even_rows(t: Transport, rows: int) -> None:
+    """Every rank holds the same number of rows (one tiny all-gather)."""
+    counts = t.all_gather(torch.tensor([[rows]]), row_bounds(t.world_size, t.world_size))
+    if len(set(counts.flatten().tolist())) > 1:
+        raise ValueError(f"all_gather_matmul: the ranks hold {counts.flatten().tolist()} rows: pass rows= (the total) "
+                         f"when rows split unevenly")
+
+
 def _flat_bounds(rows: int, world: int, inner: int) -> list[tuple[int, int]]:
     """Chunks of dim 0 (``rows``), as ranges of the rows of x flattened to 2-D (``inner`` per dim-0 index)."""
     return [(s * inner, e * inner) for s, e in row_bounds(rows, world)]
 
 
-def _chunk_flops(bounds: list[tuple[int, int]], w: torch.Tensor) -> int:
-    return 2 * (bounds[0][1] - bounds[0][0]) * w.shape[0] * w.shape[1]
-
-
 # The two schedules on plain tensors. ``wgrad`` hooks let each backward fold its weight
-# gradient into the ring: ``wgrad(start, end)`` runs once per chunk of rows, between transfers.
+# gradient into the ring: it runs once per chunk of rows, after that chunk's transfer has started.
 
 def _reduce_scatter_product(x: torch.Tensor, w: torch.Tensor, t: Transport, bounds: list, *, ring: bool,
                             bias: torch.Tensor | None, out_dtype: torch.dtype, partial_dtype: torch.dtype,
@@ -86,15 +99,12 @@ def _reduce_scatter_product(x: torch.Tensor, w: torch.Tensor, t: Transport, boun
 
     def compute(start: int, end: int, acc: torch.Tensor | None, last: bool) -> torch.Tensor:
         if last:
-            part = matmul(x, w, bias=bias, acc=acc, row_start=start, row_end=end,
+            return matmul(x, w, bias=bias, acc=acc, row_start=start, row_end=end,
                           out=out[start - own_start:end - own_start])
-        else:
-            part = matmul(x, w, acc=acc, row_start=start, row_end=end, out_dtype=partial_dtype)
-        if wgrad is not None and end > start:
-            wgrad(start, end)
-        return part
+        return matmul(x, w, acc=acc, row_start=start, row_end=end, out_dtype=partial_dtype)
 
-    t.ring_reduce_scatter(bounds, compute, width=w.shape[1], dtype=partial_dtype, device=x.device, splits=splits)
+    t.ring_reduce_scatter(bounds, compute, width=w.shape[1], dtype=partial_dtype, device=x.device, splits=splits,
+                          after=wgrad)
     return out
 
 
@@ -205,7 +215,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     is a process group (default: the world) or a ``Transport``. Partials travel in
     ``partial_dtype`` (default: fp32, or fp64 for fp64 inputs; one rounding at the end), each chunk as ``splits`` messages so that
     the link works while the next piece computes. ``algo``: ``"ring"``, ``"naive"`` (one matmul,
-    then the plain reduce-scatter), or ``"auto"`` (the ring from ``RING_MIN_FLOPS`` per chunk).
+    then the plain reduce-scatter), or ``"auto"`` (the ring from ``RING_MIN_ELEMENTS`` per message).
 
     Differentiable. The bias is added once, on each row's owner, so the bias gradient returned on a
     rank sums only its own rows: sum it over ranks for the gradient of a bias shared by all.
@@ -215,7 +225,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
         raise ValueError(f"splits must be >= 1, got {splits}")
     t = as_transport(group)
     bounds = _flat_bounds(x.shape[0], t.world_size, math.prod(x.shape[1:-1]))
-    ring = _use_ring(algo, t, _chunk_flops(bounds, w), x.device)
+    ring = _use_ring(algo, t, bounds, w.shape[1], x.device)
     y = _MatmulReduceScatter.apply(x.reshape(bounds[-1][1], x.shape[-1]), w, bias, t, bounds, ring, out_dtype or x.dtype,
                                    partial_dtype or _sum_dtype(x.dtype), splits)
     start, end = row_bounds(x.shape[0], t.world_size)[t.rank]
@@ -228,22 +238,25 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
                       algo: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``act(gather(x) @ w + bias)`` ``[M, ..., N]``, where this rank's ``x [M_r, ..., K]`` holds ``chunk(r)`` of dim 0.
 
-    ``rows`` is M, the same on every rank; without it the rows must split evenly (M = W * M_r).
-    A rank's row count is checked against M before any transfer: gloo would pass a message of
-    the wrong size without complaint. ``return_gathered`` also returns ``gather(x)`` (no
+    ``rows`` is M, the same on every rank; each rank checks its row count against it. Without
+    it the rows must split evenly (M = W * M_r, Megatron's contract), which only a collective
+    can check: ``TPFLOW_DEBUG=1`` does (gloo would pass a message of the wrong size without
+    complaint). ``return_gathered`` also returns ``gather(x)`` (no
     gradient), which a caller can keep instead of gathering again. ``group`` and ``algo`` as in
     ``matmul_reduce_scatter``. Differentiable.
     """
     _check_operands(x, w, bias, "all_gather_matmul")
     t = as_transport(group)
-    rows = x.shape[0] * t.world_size if rows is None else rows
+    if rows is None:
+        if _DEBUG:
+            _check_even_rows(t, x.shape[0])
+        rows = x.shape[0] * t.world_size
     start, end = row_bounds(rows, t.world_size)[t.rank]
     if x.shape[0] != end - start:
-        raise ValueError(f"all_gather_matmul: rank {t.rank} holds {x.shape[0]} rows, but chunk {t.rank} of "
-                         f"{rows} rows over {t.world_size} ranks has {end - start}: pass rows= (the total) when "
-                         f"rows split unevenly")
+        raise ValueError(f"all_gather_matmul: rank {t.rank} holds {x.shape[0]} rows, but chunk {t.rank} of {rows} "
+                         f"rows over {t.world_size} ranks has {end - start}")
     bounds = _flat_bounds(rows, t.world_size, math.prod(x.shape[1:-1]))
-    ring = _use_ring(algo, t, _chunk_flops(bounds, w), x.device)
+    ring = _use_ring(algo, t, bounds, x.shape[-1], x.device)
     y, gathered = _AllGatherMatmul.apply(x.reshape(x[..., 0].numel(), x.shape[-1]), w, bias, t, bounds, ring, activation,
                                          out_dtype or x.dtype)
     y, gathered = y.reshape(rows, *x.shape[1:-1], w.shape[1]), gathered.reshape(rows, *x.shape[1:])
@@ -255,8 +268,8 @@ def matmul_reduce_scatter_ref(x: torch.Tensor, w: torch.Tensor, group: Group = N
     """The unfused reference: ``torch.matmul``, then the library's reduce-scatter (not differentiable)."""
     t = as_transport(group)
     y = torch.matmul(x, w)
-    out = t.reduce_scatter(y.reshape(x.shape[0], -1), row_bounds(x.shape[0], t.world_size))
-    out = out.reshape(-1, *y.shape[1:])
+    out = t.reduce_scatter(y.flatten(1), row_bounds(x.shape[0], t.world_size))
+    out = out.reshape(out.shape[0], *y.shape[1:])
     return (out if bias is None else out + bias).to(out_dtype or x.dtype)
 
 
@@ -266,5 +279,5 @@ def all_gather_matmul_ref(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     """The unfused reference: the library's all-gather, then ``torch.matmul`` (not differentiable)."""
     t = as_transport(group)
     rows = x.shape[0] * t.world_size if rows is None else rows
-    gathered = t.all_gather(x.reshape(x.shape[0], -1).contiguous(), row_bounds(rows, t.world_size))
+    gathered = t.all_gather(x.flatten(1).contiguous(), row_bounds(rows, t.world_size))
     return matmul_ref(gathered.reshape(rows, *x.shape[1:]), w, bias=bias, activation=activation, out_dtype=out_dtype)

@@ -5,7 +5,10 @@ shake the schedule with random delays; benchmarks give each link a bandwidth and
 measure how much of the transfer time the rings hide behind compute.
 
 A message crosses its link after ``latency + bytes / bandwidth`` (plus up to ``jitter`` at
-random), one message at a time per link and in order, like a wire. The sender's tensor is read
+random), one message at a time per link and in order, like a wire.
+
+CUDA tensors work in forward only: autograd runs every thread's CUDA backward on one device
+thread, so emulated ranks waiting for each other inside backward would block that thread. The sender's tensor is read
 when the message arrives, not when it was posted, so a schedule that reuses a buffer before its
 send has completed hands the receiver the wrong numbers, as real hardware would.
 """
@@ -129,7 +132,7 @@ class FakeWorld:
                 if not ok:
                     raise RuntimeError(f"rank {dst}: no message {index} from rank {src} (tag {tag}) after "
                                        f"{self.timeout}s: the schedule deadlocks")
-                msg = self._sent[key][index]
+                msg, self._sent[key][index] = self._sent[key][index], None  # delivered: the world lets it go
             data = msg.data()
             if data.shape != buf.shape or data.dtype != buf.dtype:
                 raise RuntimeError(f"rank {dst}: message from rank {src} is {tuple(data.shape)} {data.dtype}, but the "

@@ -11,6 +11,8 @@ silu the pre-activation z, written by the same kernel launch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -27,12 +29,12 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, activation):
+    def forward(ctx, x, weight, bias, activation, dgrad_hook):
         x2 = x.flatten(0, -2) if x.ndim > 1 else x.unsqueeze(0)
         pre = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) \
             if needs_pre(activation) else None
         y = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre)
-        ctx.activation, ctx.has_bias, ctx.x_shape = activation, bias is not None, x.shape
+        ctx.activation, ctx.has_bias, ctx.x_shape, ctx.dgrad_hook = activation, bias is not None, x.shape, dgrad_hook
         ctx.save_for_backward(x2, weight, saved_for_grad(y, pre, activation))
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -40,21 +42,30 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight, saved = ctx.saved_tensors
         dz = activation_grad(dy.reshape(-1, weight.shape[0]), saved, ctx.activation)
-        dx = dw = db = None
+        dx = dw = db = pending = None
         if ctx.needs_input_grad[0]:
             dx = matmul(dz, weight).reshape(ctx.x_shape)
+            if ctx.dgrad_hook is not None:  # e.g. an async all-reduce of dx, running during the wgrad below
+                pending = ctx.dgrad_hook(dx)
         if ctx.needs_input_grad[1]:
             dw = matmul(dz.mT, x2, out_dtype=weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dz.sum(0, dtype=torch.float32).to(dz.dtype)
-        return dx, dw, db, None
+        if pending is not None:
+            pending.wait()
+        return dx, dw, db, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           activation: str | None = None) -> torch.Tensor:
-    """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout)."""
+           activation: str | None = None, *, dgrad_hook: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout).
+
+    ``dgrad_hook(dx)`` is called in backward as soon as the input gradient is computed and may
+    start work on it in place (an async all-reduce); what it returns is ``wait()``-ed after the
+    weight gradient, so that work overlaps the weight-gradient matmul.
+    """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[1]}")
-    return _Linear.apply(x, weight, bias, activation)
+    return _Linear.apply(x, weight, bias, activation, dgrad_hook)

@@ -222,13 +222,17 @@ def _triton_matmul(a, b, bias, activation, acc, out, pre, row_start, row_end, ti
 
 
 def _torch_matmul(a, b, bias, activation, acc, out_dtype, out) -> torch.Tensor:
-    """The torch path: one BLAS call when the epilogue is only adds (the rings' accumulator), else the reference."""
-    if activation is None and out_dtype == a.dtype:
+    """The torch path. Like the kernel, it accumulates in the widest dtype involved (fp16 inputs
+    with an fp32 output or accumulator are multiplied in fp32), and makes one BLAS call when the
+    epilogue is only adds (the rings' accumulator)."""
+    wide = torch.promote_types(a.dtype, out_dtype if acc is None else torch.promote_types(out_dtype, acc.dtype))
+    if wide != a.dtype:
+        a, b, bias = a.to(wide), b.to(wide), None if bias is None else bias.to(wide)
+    if activation is None and out_dtype == wide:
         base = acc if bias is None else bias if acc is None else acc + bias
         if base is None:
             return torch.matmul(a, b, out=out)
-        if base.dtype == a.dtype:
-            return out.addmm_(a, b) if out is base else torch.addmm(base, a, b, out=out)
+        return out.addmm_(a, b) if out is base else torch.addmm(base.to(wide), a, b, out=out)
     y = matmul_ref(a, b, bias=bias, activation=activation, acc=acc, out_dtype=out_dtype)
     return y if out is None else out.copy_(y)
 

@@ -58,7 +58,8 @@ class Transport(ABC):
 
         A send's tensor must not change until its handle is waited on; a receive's buffer is
         filled once its handle is. Messages between two ranks arrive in the order they were
-        posted; ``tag`` keeps concurrent streams of messages apart."""
+        posted, and both ends must post them in the same order: ``tag`` is honoured by gloo and
+        the fake transport, but NCCL matches by order alone."""
 
     def _count(self, sends: Pairs) -> None:
         for tensor, _ in sends:
@@ -68,17 +69,23 @@ class Transport(ABC):
     # The two rings. ``bounds[c]`` are the rows of chunk c, which rank c owns.
 
     def ring_reduce_scatter(self, bounds: Sequence[tuple[int, int]], compute: Callable, *, width: int,
-                            dtype: torch.dtype, device: torch.device, splits: int = 1) -> None:
+                            dtype: torch.dtype, device: torch.device, splits: int = 1,
+                            after: Callable[[int, int], None] | None = None) -> None:
         """Reduce chunk c's partials of every rank onto rank c, around the ring r -> r + 1.
 
         At step s this rank computes chunk ``(r - s - 1) mod W``: ``compute(start, end, acc, last)``
         returns the partial of rows ``[start, end)`` plus ``acc`` (the sum so far, received from
         r - 1 as ``[end - start, width]`` of ``dtype``; None at step 0). That is sent on to r + 1,
         except at the last step (``last``), where the chunk is this rank's own and fully reduced.
+        ``after(start, end)``, if given, runs once the piece's send has started: other work on
+        those rows (a weight gradient) that the transfer can hide behind.
 
-        Each chunk travels as ``splits`` pieces. With one piece a rank must wait, every step, for
-        its neighbour's chunk to cross the link, because the neighbour finished computing it at
-        the same moment it did; with two, the first piece crosses while the second computes.
+        Each chunk travels as ``splits`` pieces. ``compute`` adds ``acc`` inside the matmul, so it
+        cannot start before ``acc`` arrives; with one piece a rank would wait, every step, for its
+        neighbour's whole chunk to cross the link, since the neighbour finished computing it at
+        the same moment. With two, the first piece crosses while the second computes. (Computing
+        the product first and adding ``acc`` in a separate pass hides as much with one message,
+        at the price of that extra pass over the chunk.)
         Sends the rows of every chunk but its own, in ``splits * (W - 1)`` messages.
         """
         W, r = self.world_size, self.rank
@@ -100,6 +107,8 @@ class Transport(ABC):
                                           recvs=[(buf, left)] if rows else [], tag=j)
                     in_flight.append(sent)
                     inbox[j] = (got, buf)
+                if after is not None and end > start:
+                    after(start, end)
         for handle in in_flight:
             handle.wait()
 
@@ -178,11 +187,11 @@ class DistTransport(Transport):
 
     def reduce_scatter(self, full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The library's reduce-scatter (uneven chunks padded)."""
-        return comm.reduce_scatter(full, 0, self.group)
+        return comm.reduce_scatter(full, 0, bounds, self.group)
 
     def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The library's all-gather (uneven chunks padded)."""
-        return comm.all_gather(part, 0, bounds[-1][1], self.group)
+        return comm.all_gather(part, 0, bounds, self.group)
 
 
 _TRANSPORTS: dict = {}
