@@ -338,10 +338,13 @@ def test_triton_kernels_in_the_rings(world, dtype, bias, activation):
         err, torch_err = (got.double() - ref64).abs().max(), (ref.double() - ref64).abs().max()
         atol = (1e-5 if dtype == torch.float32 else 1e-3) * ref64.abs().max()
         assert err <= 2 * torch_err + atol, f"error {err:.3g} > {2 * torch_err + atol:.3g}"
-    _, dx, dw, _ = _reference(X64, Wt64, b64, dY64)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    _, dx, dw, _ = _reference(X64, Wt64, b64, dY64)
     torch.testing.assert_close(torch.cat([r[0][1] for r in results], 1).double(), dx, **tol)
     torch.testing.assert_close(torch.cat([r[0][2] for r in results]).double(), dw, **tol)
+    _, dx, dw, _ = _reference(X64, Wt64, b64, dY64, activation)
+    torch.testing.assert_close(torch.cat([r[1][1] for r in results]).double(), dx, **tol)
+    torch.testing.assert_close(torch.cat([r[1][2] for r in results], 1).double(), dw, **tol)
 
 
 @pytest.mark.parametrize("world, m", list(itertools.product([2, 4], [8, 10])))

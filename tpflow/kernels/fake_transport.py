@@ -10,7 +10,8 @@ random), one message at a time per link and in order, like a wire.
 CUDA tensors work in forward only: autograd runs every thread's CUDA backward on one device
 thread, so emulated ranks waiting for each other inside backward would block that thread. The sender's tensor is read
 when the message arrives, not when it was posted, so a schedule that reuses a buffer before its
-send has completed hands the receiver the wrong numbers, as real hardware would.
+send has completed hands the receiver the wrong numbers, as real hardware would; a receive
+buffer holds NaN until its handle is waited on.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class FakeWorld:
 
     def _recv(self, src: int, dst: int, tag: int, buf: torch.Tensor) -> Callable[[], None]:
         key = (src, dst, tag)
+        if buf.is_floating_point():
+            buf.fill_(float("nan"))  # read before its wait(), a receive buffer gives NaN, not stale numbers
         with self._cond:
             index = self._received[key]
             self._received[key] += 1
