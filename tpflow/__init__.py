@@ -25,10 +25,15 @@ from tpflow.global_tensor import (
     to_local,
     zeros,
 )
+from tpflow.layers import ColumnParallel, ColumnParallelLinear, RowParallel, RowParallelLinear, parallelize
 from tpflow.placement import Placement, get_rank, get_world_size, init_distributed, placement
 
 __all__ = [
+    "ColumnParallel",
+    "ColumnParallelLinear",
     "Placement",
+    "RowParallel",
+    "RowParallelLinear",
     "comm",
     "from_local",
     "full",
@@ -40,6 +45,7 @@ __all__ = [
     "kernels",
     "matmul",
     "ones",
+    "parallelize",
     "placement",
     "rand",
     "randn",

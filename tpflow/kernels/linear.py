@@ -41,7 +41,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, saved = ctx.saved_tensors
-        dz = activation_grad(dy.reshape(-1, weight.shape[0]), saved, ctx.activation)
+        dz = activation_grad(dy.reshape(x2.shape[0], weight.shape[0]), saved, ctx.activation)
         dx = dw = db = pending = None
         if ctx.needs_input_grad[0]:
             dx = matmul(dz, weight).reshape(ctx.x_shape)

@@ -1,0 +1,333 @@
+"""ColumnParallelLinear, RowParallelLinear and parallelize() against one device (nn.Linear) and against
+PyTorch's own tensor parallelism, W = 1..4, even and uneven features, forward and every gradient.
+Weights and inputs are small integers, so results are exact: compared with torch.equal."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tpflow as tpf
+from tests import harness
+from tests.checks import B, S0, backward_logical, ints, logical
+from tpflow.comm import bounds
+
+FEATURES = [(6, 8), (5, 7), (3, 2)]  # even for W = 2; uneven; fewer output features than ranks
+
+
+def _world():
+    return tpf.placement("cpu", list(range(dist.get_world_size())))
+
+
+def _linear(fin, fout, bias, seed):
+    lin = nn.Linear(fin, fout, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(ints((fout, fin), seed))
+        if bias:
+            lin.bias.copy_(ints((fout,), seed + 1))
+    return lin
+
+
+def _own(size):
+    return slice(*bounds(size, dist.get_world_size())[dist.get_rank()])
+
+
+def _assert_grads(layer, ref, weight_block):
+    assert torch.equal(layer.weight.grad.to_local(), ref.weight.grad[weight_block]), "weight gradient"
+    if ref.bias is not None:
+        col = weight_block[0] if isinstance(weight_block, tuple) else weight_block
+        want = ref.bias.grad[col] if isinstance(layer, tpf.ColumnParallelLinear) else ref.bias.grad
+        assert torch.equal(layer.bias.grad.to_local(), want), "bias gradient"
+
+
+def _column_rank(fin, fout, bias, gather_output):
+    ref = _linear(fin, fout, bias, seed=1)
+    layer = tpf.ColumnParallelLinear.from_linear(ref, placement=_world(), gather_output=gather_output)
+    x = ints((3, 4, fin), seed=2).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = layer(x), ref(x_ref)
+    cols = _own(fout)
+    assert torch.equal(y, y_ref if gather_output else y_ref[..., cols]), "output"
+    g = ints(y_ref.shape, seed=3)
+    y.backward(g if gather_output else g[..., cols])
+    y_ref.backward(g)
+    assert torch.equal(x.grad, x_ref.grad), "input gradient (all-reduced over the ranks)"
+    _assert_grads(layer, ref, cols)
+
+
+def _row_rank(fin, fout, bias, input_is_parallel):
+    ref = _linear(fin, fout, bias, seed=4)
+    layer = tpf.RowParallelLinear.from_linear(ref, placement=_world(), input_is_parallel=input_is_parallel)
+    x_ref = ints((3, 4, fin), seed=5).requires_grad_()
+    rows = _own(fin)
+    x = (x_ref.detach()[..., rows] if input_is_parallel else x_ref.detach()).clone().requires_grad_()
+    y, y_ref = layer(x), ref(x_ref)
+    assert torch.equal(y, y_ref), "output"
+    g = ints(y_ref.shape, seed=6)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(x.grad, x_ref.grad[..., rows] if input_is_parallel else x_ref.grad), "input gradient"
+    _assert_grads(layer, ref, (slice(None), rows))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("fin, fout", FEATURES)
+@pytest.mark.parametrize("bias, gather_output", [(True, False), (False, True)])
+def test_column(world, fin, fout, bias, gather_output):
+    harness.run(world, _column_rank, fin, fout, bias, gather_output)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("fin, fout", FEATURES)
+@pytest.mark.parametrize("bias, input_is_parallel", [(True, True), (False, False)])
+def test_row(world, fin, fout, bias, input_is_parallel):
+    harness.run(world, _row_rank, fin, fout, bias, input_is_parallel)
+
+
+# An MLP block through parallelize(): column -> relu -> row, plain and sequence-parallel.
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden, seed):
+        super().__init__()
+        self.fc1, self.fc2 = _linear(dim, hidden, True, seed), _linear(hidden, dim, True, seed + 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, dim, hidden, depth):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(dim, hidden, seed=10 * i) for i in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _mlp_rank(sequence_parallel, seq, hidden):
+    ref = Stack(5, hidden, depth=2)
+    plan = {"*.fc1": tpf.ColumnParallel(sequence_parallel=sequence_parallel),
+            "*.fc2": tpf.RowParallel(sequence_parallel=sequence_parallel)}
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=plan)
+    x_ref = ints((seq, 2, 5), seed=7).requires_grad_()  # [S, B, H]: sequence parallelism splits S
+    rows = _own(seq) if sequence_parallel else slice(None)
+    x = x_ref.detach()[rows].clone().requires_grad_()
+    y, y_ref = model(x), ref(x_ref)
+    assert torch.equal(y, y_ref[rows]), "output"
+    g = ints(y_ref.shape, seed=8)
+    y.backward(g[rows])
+    y_ref.backward(g)
+    assert torch.equal(x.grad, x_ref.grad[rows]), "input gradient"
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        full = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+        assert torch.equal(full, p_ref.grad), f"gradient of {name}"
+    return str(model)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_mlp_through_parallelize(world, sequence_parallel):
+    text = harness.run(world, _mlp_rank, sequence_parallel, 4 * world, 7)[0]
+    assert "ColumnParallelLinear(in_features=5, out_features=7" in text and "W split(1)" in text
+    assert "RowParallelLinear(in_features=7, out_features=5" in text and "W split(0)" in text
+
+
+# Global tensor inputs in any layout; outputs are global with the layer's SBP.
+
+def _global_rank():
+    P = _world()
+    ref = MLP(6, 9, seed=3)
+    col = tpf.ColumnParallelLinear.from_linear(ref.fc1, placement=P)
+    row = tpf.RowParallelLinear.from_linear(ref.fc2, placement=P)
+    col_sp = tpf.ColumnParallelLinear.from_linear(ref.fc1, placement=P, sequence_parallel=True)
+    row_sp = tpf.RowParallelLinear.from_linear(ref.fc2, placement=P, sequence_parallel=True)
+    x_ref = ints((5, 6), seed=11).requires_grad_()  # 5 rows: uneven over 2..4 ranks
+    h_ref = ref.fc1(x_ref)
+    y_ref = ref.fc2(torch.relu(h_ref))
+    g = ints(y_ref.shape, seed=12)
+    y_ref.backward(g)
+    for sbp in (B, S0, tpf.sbp.split(1), tpf.sbp.partial_sum):
+        for c, r, want in ((col, row, (B,)), (col_sp, row_sp, (S0,))):
+            x = tpf.tensor(x_ref.detach(), placement=P, sbp=sbp).requires_grad_()
+            h = c(x)
+            assert tpf.get_sbp(h) == (tpf.sbp.split(1),) and torch.equal(logical(h), h_ref), f"{sbp}: column output"
+            y = r(torch.relu(h))
+            assert tpf.get_sbp(y) == want and torch.equal(logical(y), y_ref), f"{sbp}: row output"
+            backward_logical(y, g)
+            assert torch.equal(logical(x.grad), x_ref.grad), f"{sbp}: input gradient"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_global_inputs(world):
+    harness.run(world, _global_rank)
+
+
+# Fresh layers, checkpoints and state.
+
+def _init_rank():
+    P = _world()
+    torch.manual_seed(3)
+    ref = nn.Linear(7, 5)
+    torch.manual_seed(3)
+    col = tpf.ColumnParallelLinear(7, 5, placement=P)
+    torch.manual_seed(3)
+    row = tpf.RowParallelLinear(7, 5, placement=P)
+    for layer in (col, row):
+        assert torch.equal(layer.weight.full_tensor(), ref.weight) and torch.equal(layer.bias.full_tensor(), ref.bias)
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    nn.Linear(7, 5)
+    assert torch.equal(after, torch.rand(1)), "a layer draws exactly what nn.Linear draws"
+    before = torch.get_rng_state()
+    tpf.RowParallelLinear.from_linear(ref, placement=P)
+    assert torch.equal(before, torch.get_rng_state()), "from_linear draws nothing"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fresh_layers_initialise_as_nn_linear(world):
+    harness.run(world, _init_rank)
+
+
+def _state_rank():
+    ref = Stack(6, 10, depth=1)
+    model = tpf.parallelize(Stack(6, 10, depth=1), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    missing = model.load_state_dict(ref.state_dict())  # a single-device checkpoint loads as is
+    assert not missing.missing_keys and not missing.unexpected_keys
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for key, value in ref.state_dict().items():
+        assert torch.equal(full[key], value), f"{key} does not gather back bit for bit"
+    with pytest.raises(ValueError, match=r"checkpoint blocks.0.fc1.weight has shape \(10, 5\)"):
+        model.load_state_dict({**ref.state_dict(), "blocks.0.fc1.weight": torch.zeros(10, 5)})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_single_device_state_round_trip(world):
+    harness.run(world, _state_rank)
+
+
+def _dcp_rank(path, save):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = tpf.parallelize(Stack(6, 10, depth=2), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = ints((4, 6), seed=1)
+    if save:
+        model(x).square().sum().backward()
+        opt.step()
+        model_sd, opt_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
+    else:
+        model_sd, opt_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": opt_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    state = [(p.detach().full_tensor(), opt.state[p]["exp_avg"].full_tensor(), opt.state[p]["exp_avg_sq"].full_tensor())
+             for p in model.parameters()]
+    return model(x).detach(), state
+
+
+def test_checkpoint_reshards_across_world_sizes(tmp_path):
+    """Saved with torch.distributed.checkpoint on 2 ranks, loaded on 1 and 4: the same parameters and Adam
+    moments bit for bit, and the same outputs (up to the order of the row layer's sum over ranks)."""
+    saved_y, saved = harness.run(2, _dcp_rank, str(tmp_path), True)[0]
+    for world in (1, 4):
+        for y, state in harness.run(world, _dcp_rank, str(tmp_path), False):
+            for got, want in zip(state, saved):
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), f"W={world}: parameters or Adam moments"
+            torch.testing.assert_close(y, saved_y, rtol=1e-5, atol=1e-3)
+
+
+# Against PyTorch's own tensor parallelism, on the same weights.
+
+def _torch_tp_rank():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    ref = Stack(6, 12, depth=1)  # 12 hidden features split evenly over 1-4 ranks: torch's layers need even shards
+    theirs = parallelize_module(copy.deepcopy(ref), _world().mesh,
+                                {"blocks.0.fc1": ColwiseParallel(), "blocks.0.fc2": RowwiseParallel()})
+    ours = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    x = ints((3, 6), seed=2)
+    y_ours, y_theirs, y_ref = ours(x), theirs(x), ref(x)
+    assert torch.equal(y_ours, y_ref)
+    torch.testing.assert_close(y_ours, y_theirs)  # not equal: torch splits the row layer's bias over the ranks
+    g = ints(y_ref.shape, seed=3)
+    for model in (ours, theirs, ref):
+        model(x).backward(g)
+    for (name, a), b, c in zip(ours.named_parameters(), theirs.parameters(), ref.parameters()):
+        assert torch.equal(a.grad.full_tensor(), c.grad), f"gradient of {name}"
+        assert torch.equal(b.grad.full_tensor(), c.grad), f"torch's gradient of {name}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matches_pytorch_tensor_parallel(world):
+    harness.run(world, _torch_tp_rank)
+
+
+def _compile_rank():
+    torch._dynamo.reset()
+    ref = Stack(6, 10, depth=1)
+    eager = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    compiled = torch.compile(copy.deepcopy(eager))
+    x = ints((3, 6), seed=2)
+    y, y_c = eager(x), compiled(x)
+    assert torch.equal(y, y_c)
+    y.square().sum().backward()
+    y_c.square().sum().backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), f"gradient of {name}"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_torch_compile_matches_eager(world):
+    harness.run(world, _compile_rank, timeout=600)
+
+
+# Bad input: a clear error on every rank at once.
+
+def _errors_rank():
+    P = _world()
+    W = dist.get_world_size()
+    col = tpf.ColumnParallelLinear(6, 8, placement=P)
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear\(6, 8\): the input has 5 features .* expects 6"):
+        col(torch.zeros(2, 5))
+    model = tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "column", "*.fc2": "row"})
+    local = model.blocks[0].fc2.weight.to_local().shape[1]
+    with pytest.raises(ValueError, match=rf"RowParallelLinear 'blocks.0.fc2': the input has 9 features .* expects "
+                                         rf"{local} \(this rank's block of the 8 input features\)"):
+        model.blocks[0].fc2(torch.zeros(2, 9))
+    with pytest.raises(ValueError, match="sequence_parallel needs input_is_parallel=True"):
+        tpf.RowParallelLinear(6, 8, placement=P, input_is_parallel=False, sequence_parallel=True)
+    if W > 1:
+        row_sp = tpf.RowParallelLinear(6, 8, placement=P, sequence_parallel=True)
+        with pytest.raises(ValueError, match=f"splits dim 0 of the input over {W} ranks, but it has {W + 1} rows"):
+            row_sp(torch.zeros(W + 1, row_sp.weight.to_local().shape[1]))
+    with pytest.raises(ValueError, match="plan pattern '\\*.fc3' matches no module of Stack; its nn.Linear modules"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc3": "column"})
+    with pytest.raises(ValueError, match="plan pattern 'blocks.0' matches 'blocks.0', a MLP, not an nn.Linear"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"blocks.0": "column"})
+    with pytest.raises(ValueError, match="matches both plan patterns"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "column", "blocks.*.fc*": "row"})
+    with pytest.raises(ValueError, match="must be 'column', 'row'"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "colwise"})
+    with pytest.raises(TypeError, match="placement must be a tpf.placement"):
+        tpf.ColumnParallelLinear(6, 8, placement=[0, 1])
+    if W > 1:  # a layer on rank 0 only: other ranks are told, not left hanging
+        solo = tpf.ColumnParallelLinear(6, 8, placement=tpf.placement("cpu", [0]))
+        if dist.get_rank() != 0:
+            with pytest.raises(ValueError, match=r"is not in the layer's placement \[0\]"):
+                solo(torch.zeros(2, 6))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bad_input_is_a_clear_error(world):
+    harness.run(world, _errors_rank)

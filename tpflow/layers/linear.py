@@ -1,0 +1,259 @@
+"""ColumnParallelLinear and RowParallelLinear: ``nn.Linear`` with its weight split over a placement.
+
+In the ``y = x @ W`` convention (W is in x out; ``nn.Linear`` stores ``weight = W.T``, out x in):
+
+    ColumnParallelLinear   W split(1): rank r holds output features chunk(r)   weight Shard(0), bias Shard(0)
+    RowParallelLinear      W split(0): rank r holds input features chunk(r)    weight Shard(1), bias Replicate
+
+Forward and backward run on local shards, with the collectives in conjugate pairs:
+
+    column            x --copy--> linear          backward: all-reduce of dx, overlapping the dW matmul
+    column, seq-par   x rows --all_gather_matmul  backward: reduce-scatter ring with dW folded in
+    row               linear --all-reduce--> + b  backward: no collective
+    row, seq-par      matmul_reduce_scatter       backward: all-gather ring with dW folded in
+
+On a placement of one rank every collective is skipped. On a 2-D placement the tensor-parallel
+axis is the last one; the others hold copies (data parallelism). Parameters are DTensors, so
+state dicts, ``torch.distributed.checkpoint`` and optimizers see the global tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpflow import comm
+from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
+from tpflow.kernels import all_gather_matmul, linear, matmul_reduce_scatter
+from tpflow.placement import Placement
+from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_region, split
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+class _ParallelLinear(nn.Module):
+    _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, placement: Placement,
+                 sequence_parallel: bool, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
+        device = torch.device(device) if device is not None else placement.device
+        if device.type != placement.type:
+            raise ValueError(f"device {device} does not match the placement's type {placement.type!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.placement, self.sequence_parallel = placement, sequence_parallel
+        self.label = f"{type(self).__name__}({in_features}, {out_features})"  # parallelize() names it by its path
+        coord = placement.coordinate()
+        self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
+        self._group = None
+        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init and RNG use
+        self._adopt(full.weight.detach(), None if full.bias is None else full.bias.detach())
+
+    # layouts
+
+    def _axes(self, tp: Sbp) -> tuple[Sbp, ...]:
+        return (broadcast,) * (self.placement.ndim - 1) + (tp,)
+
+    def _bias_sbp(self) -> tuple[Sbp, ...]:
+        raise NotImplementedError
+
+    def _adopt(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Take whole (single-device) values, the same on every rank, as this layer's parameters."""
+        pl = self.placement
+        self.weight = nn.Parameter(tensor(weight.to(pl.device), placement=pl, sbp=self._axes(split(self._weight_split))))
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(tensor(bias.to(pl.device), placement=pl, sbp=self._bias_sbp()))
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel process group (None on a single rank: nothing to communicate)."""
+        if self._tp_size == 1:
+            return None
+        if self._group is None:
+            self._group = self.placement.mesh.get_group(self.placement.ndim - 1)
+        return self._group
+
+    def _local_features(self, size: int) -> int:
+        start, end = comm.bounds(size, self._tp_size)[self._tp_rank]
+        return end - start
+
+    def _check_features(self, x: torch.Tensor, want: int, what: str) -> None:
+        if x.ndim == 0 or x.shape[-1] != want:
+            raise ValueError(f"{self.label}: the input has {x.shape[-1] if x.ndim else 0} features in its last dim, "
+                             f"but this layer expects {want} ({what})")
+
+    # inputs and outputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            return self._forward_global(x)
+        if self._tp_rank is None:
+            raise ValueError(f"{self.label}: rank {dist.get_rank()} is not in the layer's placement "
+                             f"{self.placement.ranks}: call it only there, or pass a global tensor (ranks outside "
+                             f"the placement then get an empty block)")
+        return self._forward_local(x, rows=None)
+
+    def _input_tp_sbp(self, ndim: int) -> Sbp:
+        raise NotImplementedError
+
+    def _output_tp_sbp(self, ndim: int) -> Sbp:
+        raise NotImplementedError
+
+    def _forward_global(self, x: DTensor) -> DTensor:
+        """A global tensor in any layout: converted to the one the layer computes on; the result is global too."""
+        pl, ndim = self.placement, x.ndim
+        kept = get_sbp(x)[:-1] if get_placement(x) == pl else (broadcast,) * (pl.ndim - 1)
+        kept = tuple(broadcast if isinstance(s, PartialSum) or s == Split(ndim - 1) else s for s in kept)
+        want = kept + (self._input_tp_sbp(ndim),)
+        if get_placement(x) != pl or get_sbp(x) != want:
+            x = to_global(x, placement=pl, sbp=want)
+        out_shape = (*x.shape[:-1], self.out_features)
+        out_sbp = kept + (self._output_tp_sbp(ndim),)
+        if self._tp_rank is None:  # outside the placement: an empty block, as DTensor has it
+            return from_local(x.to_local().new_empty(0), pl, out_sbp, shape=out_shape, sync_data=False)
+        coord = pl.coordinate()
+        rows = local_region(x.shape, kept + (broadcast,), pl.hierarchy, coord)[1][0] if ndim > 1 else None
+        y = self._forward_local(x.to_local(), rows=rows)
+        return from_local(y, pl, out_sbp, shape=out_shape, sync_data=False)
+
+    def _forward_local(self, x: torch.Tensor, rows: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _local(self, p: nn.Parameter | None) -> torch.Tensor | None:
+        return None if p is None else p.to_local()
+
+    @classmethod
+    def from_linear(cls, module: nn.Linear, *, placement: Placement, **options) -> _ParallelLinear:
+        """This layer holding ``module``'s values (each rank keeps its block; no RNG is drawn)."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"from_linear takes an nn.Linear, got {type(module).__name__}")
+        with torch.random.fork_rng(devices=[placement.device] if placement.type == "cuda" else []):
+            layer = cls(module.in_features, module.out_features, module.bias is not None, placement=placement,
+                        dtype=module.weight.dtype, **options)
+        layer._adopt(module.weight.detach(), None if module.bias is None else module.bias.detach())
+        return layer
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A single-device checkpoint (whole plain tensors) loads as is: each rank keeps its block."""
+        for name in ("weight", "bias"):
+            value, param = state_dict.get(prefix + name), getattr(self, name)
+            if param is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                if value.shape != param.shape:
+                    raise ValueError(f"{self.label}: checkpoint {prefix + name} has shape {tuple(value.shape)}, the "
+                                     f"layer's whole {name} is {tuple(param.shape)}")
+                state_dict[prefix + name] = tensor(value.to(param.dtype).to(self.placement.device),
+                                                   placement=self.placement, sbp=get_sbp(param))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        tp = f"W split({1 - self._weight_split})"
+        where = "not on this rank" if self._tp_rank is None else \
+            f"rank {dist.get_rank()} holds {tuple(self.weight.to_local().shape)} of weight {tuple(self.weight.shape)}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"placement={self.placement.type}:{self.placement.ranks}, {tp}, {where}"
+                + (", sequence_parallel" if self.sequence_parallel else ""))
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W + b`` with W split(1): each rank computes a block of the output features.
+
+    Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 0 (Shard(0)),
+    and ``bias`` is split the same way. A plain input is the whole x, the same on every rank
+    (Megatron's convention); the output is this rank's block of features, or the whole y with
+    ``gather_output``. With ``sequence_parallel`` the input is instead this rank's chunk of dim 0
+    (the sequence), gathered on the fly by ``all_gather_matmul``. A global input may have any
+    layout; the output is split on its last dim (broadcast with ``gather_output``).
+    """
+
+    _weight_split = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        self.gather_output = gather_output
+        super().__init__(in_features, out_features, bias, placement, sequence_parallel, device, dtype)
+
+    def _bias_sbp(self) -> tuple[Sbp, ...]:
+        return self._axes(split(0))
+
+    def _input_tp_sbp(self, ndim: int) -> Sbp:
+        return split(0) if self.sequence_parallel else broadcast
+
+    def _output_tp_sbp(self, ndim: int) -> Sbp:
+        return broadcast if self.gather_output else split(ndim - 1)
+
+    def _forward_local(self, x: torch.Tensor, rows: int | None) -> torch.Tensor:
+        self._check_features(x, self.in_features, "the whole input features")
+        w, b, group = self.weight.to_local(), self._local(self.bias), self.group
+        if group is None:
+            y = linear(x, w, b)
+        elif self.sequence_parallel:
+            y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b)
+        else:
+            y = linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True))
+        return comm.gather(y, -1, self.out_features, group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", gather_output" if self.gather_output else "")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W + b`` with W split(0): each rank multiplies its block of input features.
+
+    Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 1 (Shard(1));
+    ``bias`` is whole on every rank and added once, after the partial products are summed. A plain
+    input is this rank's block of features (``input_is_parallel``, the output of a column layer),
+    or the whole x with ``input_is_parallel=False``. The output is the whole y on every rank; with
+    ``sequence_parallel`` it is this rank's chunk of dim 0 instead, reduce-scattered by
+    ``matmul_reduce_scatter`` (a plain input's dim 0 must then split evenly).
+    """
+
+    _weight_split = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
+                             "feature-split output of a column layer)")
+        self.input_is_parallel = input_is_parallel
+        super().__init__(in_features, out_features, bias, placement, sequence_parallel, device, dtype)
+
+    def _bias_sbp(self) -> tuple[Sbp, ...]:
+        return self._axes(broadcast)
+
+    def _input_tp_sbp(self, ndim: int) -> Sbp:
+        return split(ndim - 1)
+
+    def _output_tp_sbp(self, ndim: int) -> Sbp:
+        return split(0) if self.sequence_parallel else broadcast
+
+    def _forward_local(self, x: torch.Tensor, rows: int | None) -> torch.Tensor:
+        group = self.group
+        if self.input_is_parallel or rows is not None:  # a global input arrives already split
+            self._check_features(x, self._local_features(self.in_features),
+                                 f"this rank's block of the {self.in_features} input features")
+        else:
+            self._check_features(x, self.in_features, "the whole input features")
+            x = comm.scatter(x, -1, group)
+        w, b = self.weight.to_local(), self._local(self.bias)
+        if group is None:
+            return linear(x, w, b)
+        if self.sequence_parallel:
+            if rows is None and x.shape[0] % self._tp_size:
+                raise ValueError(f"{self.label}: sequence parallelism splits dim 0 of the input over "
+                                 f"{self._tp_size} ranks, but it has {x.shape[0]} rows: pad it to a multiple of "
+                                 f"{self._tp_size}, or pass a global tensor (uneven chunks are fine there)")
+            # the bias is added on each row's owner, so its gradient is partial over the group: copy() sums it
+            return matmul_reduce_scatter(x, w.mT, group, bias=None if b is None else comm.copy(b, group))
+        y = comm.reduce(linear(x, w), group)
+        return y if b is None else y + b
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")

@@ -1,0 +1,92 @@
+"""``parallelize(model, placement=, plan=)``: swap a model's ``nn.Linear`` layers for parallel ones, in place.
+
+    plan = {"*.fc1": "column", "*.fc2": "row"}                       # fnmatch patterns of module names
+    plan = {"*.q_proj": "column", "*.o_proj": tpf.RowParallel(sequence_parallel=True)}
+
+Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block),
+so a model built and loaded on one device, the same on every rank, becomes a tensor-parallel one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from tpflow.layers.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
+from tpflow.placement import Placement
+
+__all__ = ["ColumnParallel", "RowParallel", "parallelize"]
+
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    """Plan entry for a ``ColumnParallelLinear`` (``"column"`` is ``ColumnParallel()``)."""
+
+    gather_output: bool = False
+    sequence_parallel: bool = False
+
+    def build(self, module: nn.Linear, placement: Placement) -> _ParallelLinear:
+        return ColumnParallelLinear.from_linear(module, placement=placement, gather_output=self.gather_output,
+                                                sequence_parallel=self.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """Plan entry for a ``RowParallelLinear`` (``"row"`` is ``RowParallel()``)."""
+
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+
+    def build(self, module: nn.Linear, placement: Placement) -> _ParallelLinear:
+        return RowParallelLinear.from_linear(module, placement=placement, input_is_parallel=self.input_is_parallel,
+                                             sequence_parallel=self.sequence_parallel)
+
+
+_NAMED = {"column": ColumnParallel(), "row": RowParallel()}
+
+
+def _style(pattern: str, style: object) -> ColumnParallel | RowParallel:
+    if isinstance(style, (ColumnParallel, RowParallel)):
+        return style
+    if isinstance(style, str) and style in _NAMED:
+        return _NAMED[style]
+    raise ValueError(f"plan[{pattern!r}] must be 'column', 'row', tpf.ColumnParallel(...) or tpf.RowParallel(...), "
+                     f"got {style!r}")
+
+
+def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object]) -> nn.Module:
+    """Replace the ``nn.Linear`` modules whose names match ``plan``'s patterns; returns ``model``.
+
+    Patterns are ``fnmatch`` patterns over ``named_modules()`` names (``*`` crosses dots, so
+    ``"*.fc1"`` matches ``"blocks.0.mlp.fc1"``). Every pattern must match at least one module,
+    each match must be an ``nn.Linear``, and no module may match two patterns: anything else is
+    an error naming the pattern, raised before the model is changed.
+    """
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
+    modules = dict(model.named_modules())
+    chosen: dict[str, tuple[str, ColumnParallel | RowParallel]] = {}
+    for pattern, style in plan.items():
+        style = _style(pattern, style)
+        names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not names:
+            linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+            raise ValueError(f"plan pattern {pattern!r} matches no module of {type(model).__name__}; its nn.Linear "
+                             f"modules are {linears}")
+        for name in names:
+            module = modules[name]
+            if type(module) is not nn.Linear:
+                raise ValueError(f"plan pattern {pattern!r} matches {name!r}, a {type(module).__name__}, not an "
+                                 f"nn.Linear")
+            if name in chosen:
+                raise ValueError(f"{name!r} matches both plan patterns {chosen[name][0]!r} and {pattern!r}")
+            chosen[name] = (pattern, style)
+    for name, (_, style) in chosen.items():
+        parent_name, _, child = name.rpartition(".")
+        layer = style.build(modules[name], placement)
+        layer.label = f"{type(layer).__name__} {name!r}"
+        setattr(model.get_submodule(parent_name), child, layer)
+    return model
