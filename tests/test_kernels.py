@@ -4,6 +4,7 @@ err(kernel, fp64) <= 2 * err(torch in the same dtype, fp64) + atol."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -140,3 +141,29 @@ def test_linear_gradients(activation, has_bias, dtype):
     _close(linear(x, w, b, activation), linear_ref(x, w, b, activation), out64.detach(), dtype)
     for got_t, want_t, ref_t in zip(got, want, ref):
         _close(got_t, want_t, ref_t, dtype)
+
+
+def test_linear_dgrad_hook_overlaps_the_weight_gradient(monkeypatch):
+    """The hook sees dx before the weight gradient is computed, and what it returns is waited after it."""
+    monkeypatch.delenv("TPFLOW_KERNELS")
+    events = []
+
+    class Pending:
+        def wait(self):
+            events.append("wait")
+
+    def hook(dx):
+        events.append("dgrad")
+        dx.mul_(2)  # in place, as an all-reduce would
+        return Pending()
+
+    linear_module = importlib.import_module("tpflow.kernels.linear")  # the package exports the function of that name
+    real = linear_module.matmul
+    monkeypatch.setattr(linear_module, "matmul", lambda *a, **k: events.append("matmul") or real(*a, **k))
+    x = torch.randn(5, 4, requires_grad=True)
+    w = torch.randn(3, 4, requires_grad=True)
+    linear(x, w, dgrad_hook=hook).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    linear_ref(x_ref, w.detach()).sum().backward()
+    assert events == ["matmul", "matmul", "dgrad", "matmul", "wait"]  # forward; dx; hook; dW; wait
+    torch.testing.assert_close(x.grad, 2 * x_ref.grad)

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import tpflow as tpf
@@ -331,3 +332,32 @@ def _errors_rank():
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_bad_input_is_a_clear_error(world):
     harness.run(world, _errors_rank)
+
+
+# A Llama-style decoder nobody wrote for tpflow (tests/models.py), through parallelize().
+
+def _llama_rank(lm_head_parallel):
+    from tests.models import LLAMA_PLAN, TinyLlama
+
+    torch.manual_seed(0)
+    ref = TinyLlama().double()  # hidden 44: uneven over 3 and 4 ranks; 8 query and 4 key/value heads
+    plan = {**LLAMA_PLAN, **({"lm_head": tpf.ColumnParallel(gather_output=True)} if lm_head_parallel else {})}
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=plan)
+    tokens = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    logits, logits_ref = model(tokens), ref(tokens)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-10, atol=1e-10)
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+    loss_ref = F.cross_entropy(logits_ref.flatten(0, 1), tokens.roll(-1, 1).flatten())
+    loss.backward()
+    loss_ref.backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+        torch.testing.assert_close(grad, p_ref.grad, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+    heads = model.layers[0].self_attn.q_proj.weight.to_local().shape[0] // model.layers[0].self_attn.head_dim
+    return heads
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("lm_head_parallel", [False, True], ids=["", "parallel lm_head"])
+def test_llama_decoder_through_parallelize(world, lm_head_parallel):
+    assert harness.run(world, _llama_rank, lm_head_parallel) == [8 // world] * world  # whole heads per rank
