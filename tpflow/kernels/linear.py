@@ -50,7 +50,7 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = matmul(dz.mT, x2, out_dtype=weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dz.sum(0, dtype=torch.float32).to(dz.dtype)
+            db = dz.sum(0, dtype=torch.promote_types(dz.dtype, torch.float32)).to(dz.dtype)
         if pending is not None:
             pending.wait()
         return dx, dw, db, None, None
