@@ -374,3 +374,40 @@ def _llama_rank(lm_head_parallel):
 @pytest.mark.parametrize("lm_head_parallel", [False, True], ids=["", "parallel lm_head"])
 def test_llama_decoder_through_parallelize(world, lm_head_parallel):
     assert harness.run(world, _llama_rank, lm_head_parallel) == [8 // world] * world  # whole heads per rank
+
+
+# 2-D placements: data parallel over axis 0, tensor parallel over axis 1, one model, one-device gradients.
+
+def _hybrid_rank(global_input, sequence_parallel):
+    P2 = tpf.placement("cpu", [[0, 1], [2, 3]])
+    ref = Stack(5, 7, depth=2)
+    plan = {"*.fc1": tpf.ColumnParallel(sequence_parallel=sequence_parallel),
+            "*.fc2": tpf.RowParallel(sequence_parallel=sequence_parallel)}
+    model = tpf.parallelize(copy.deepcopy(ref), placement=P2, plan=plan)
+    x_ref = ints((8, 3, 5), seed=4)
+    y_ref = ref(x_ref)
+    g = ints(y_ref.shape, seed=5)
+    y_ref.backward(g)
+    dp, tp = P2.coordinate()
+    if global_input:
+        x = tpf.tensor(x_ref, placement=P2, sbp=(S0, S0 if sequence_parallel else B))
+        y = model(x)
+        assert tpf.get_sbp(y) == tpf.get_sbp(x) and torch.equal(logical(y), y_ref.detach()), "output"
+        backward_logical(y, g)
+    else:  # each data-parallel group feeds its own rows (and, with sequence parallelism, each rank its chunk)
+        rows = slice(*bounds(8, 2)[dp])
+        x, want, grad = x_ref[rows], y_ref.detach()[rows], g[rows]
+        if sequence_parallel:
+            rows = slice(*bounds(4, 2)[tp])
+            x, want, grad = x[rows], want[rows], grad[rows]
+        y = model(x)
+        assert torch.equal(y, want), "output"
+        y.backward(grad)
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad.full_tensor(), p_ref.grad), f"gradient of {name}"
+
+
+@pytest.mark.parametrize("global_input", [False, True], ids=["plain", "global"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_data_x_tensor_parallel_on_2d_placement(global_input, sequence_parallel):
+    harness.run(4, _hybrid_rank, global_input, sequence_parallel)

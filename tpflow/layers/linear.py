@@ -13,7 +13,8 @@ Forward and backward run on local shards, with the collectives in conjugate pair
     row, seq-par      matmul_reduce_scatter       backward: all-gather ring with dW folded in
 
 On a placement of one rank every collective is skipped. On a 2-D placement the tensor-parallel
-axis is the last one; the others hold copies (data parallelism). Parameters are DTensors, so
+axis is the last one; the others hold copies (data parallelism), whose gradients are partial sums
+over the data they saw, reduced when read. Parameters are DTensors, so
 state dicts, ``torch.distributed.checkpoint`` and optimizers see the global tensors.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm
 from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
@@ -97,7 +98,7 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"{self.label}: rank {dist.get_rank()} is not in the layer's placement "
                              f"{self.placement.ranks}: call it only there, or pass a global tensor (ranks outside "
                              f"the placement then get an empty block)")
-        return self._forward_local(x, rows=None)
+        return self._forward_local(x, rows=None, data_split=(True,) * (self.placement.ndim - 1))
 
     def _input_tp_sbp(self, ndim: int) -> Sbp:
         raise NotImplementedError
@@ -119,14 +120,26 @@ class _ParallelLinear(nn.Module):
             return from_local(x.to_local().new_empty(0), pl, out_sbp, shape=out_shape, sync_data=False)
         coord = pl.coordinate()
         rows = local_region(x.shape, kept + (broadcast,), pl.hierarchy, coord)[1][0] if ndim > 1 else None
-        y = self._forward_local(x.to_local(), rows=rows)
+        data_split = tuple(isinstance(s, Split) for s in kept)
+        y = self._forward_local(x.to_local(), rows=rows, data_split=data_split)
         return from_local(y, pl, out_sbp, shape=out_shape, sync_data=False)
 
-    def _forward_local(self, x: torch.Tensor, rows: int | None) -> torch.Tensor:
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
         raise NotImplementedError
 
-    def _local(self, p: nn.Parameter | None) -> torch.Tensor | None:
-        return None if p is None else p.to_local()
+    def _locals(self, data_split: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's weight and bias blocks. On the axes before the tensor-parallel one, each copy of a
+        parameter sees its own rows of data when the input is split there, so its gradient is a partial sum
+        (reduced when read, as OneFlow's data parallelism does); with a broadcast input it is whole."""
+        def local(p: nn.Parameter | None) -> torch.Tensor | None:
+            if p is None:
+                return None
+            if not data_split:
+                return p.to_local()
+            other = [Partial() if split_here else Replicate() for split_here in data_split]
+            return p.to_local(grad_placements=[*other, p.placements[-1]])
+
+        return local(self.weight), local(self.bias)
 
     @classmethod
     def from_linear(cls, module: nn.Linear, *, placement: Placement, **options) -> _ParallelLinear:
@@ -188,9 +201,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def _output_tp_sbp(self, ndim: int) -> Sbp:
         return broadcast if self.gather_output else split(ndim - 1)
 
-    def _forward_local(self, x: torch.Tensor, rows: int | None) -> torch.Tensor:
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
         self._check_features(x, self.in_features, "the whole input features")
-        w, b, group = self.weight.to_local(), self._local(self.bias), self.group
+        (w, b), group = self._locals(data_split), self.group
         if group is None:
             y = linear(x, w, b)
         elif self.sequence_parallel:
@@ -234,7 +247,7 @@ class RowParallelLinear(_ParallelLinear):
     def _output_tp_sbp(self, ndim: int) -> Sbp:
         return split(0) if self.sequence_parallel else broadcast
 
-    def _forward_local(self, x: torch.Tensor, rows: int | None) -> torch.Tensor:
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
         group = self.group
         if self.input_is_parallel or rows is not None:  # a global input arrives already split
             self._check_features(x, self._local_features(self.in_features),
@@ -242,7 +255,7 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_features(x, self.in_features, "the whole input features")
             x = comm.scatter(x, -1, group)
-        w, b = self.weight.to_local(), self._local(self.bias)
+        w, b = self._locals(data_split)
         if group is None:
             return linear(x, w, b)
         if self.sequence_parallel:
