@@ -30,8 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from tpflow import comm
 from tpflow.comm import stats
-from tpflow.kernels import FakeWorld, all_gather_matmul, as_transport, matmul_reduce_scatter, row_bounds
+from tpflow.kernels import FakeWorld, all_gather_matmul, matmul_reduce_scatter, row_bounds
 
 
 def cpu_name() -> str:
@@ -60,13 +61,13 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     own = slice(*rows[rank])
     x_rows = torch.randn(size, size, generator=gen)[own].contiguous()  # M shard: a sequence-parallel input
     w_cols = torch.randn(size, size // world, generator=gen)
-    library = as_transport(None)  # the library collectives, with their bytes counted
+    group = dist.group.WORLD  # the library collectives, with their bytes counted by tpflow.comm
 
     def torch_rs():
-        return library.reduce_scatter(torch.matmul(x, w), rows)
+        return comm.reduce_scatter(torch.matmul(x, w), 0, rows, group)
 
     def torch_ag():
-        return torch.matmul(library.all_gather(x_rows, rows), w_cols)
+        return torch.matmul(comm.all_gather(x_rows, 0, rows, group), w_cols)
 
     cases = {
         "matmul + reduce_scatter_tensor (torch)": torch_rs,

@@ -171,8 +171,13 @@ def _global_rank():
             assert tpf.get_sbp(h) == (tpf.sbp.split(1),) and torch.equal(logical(h), h_ref), f"{sbp}: column output"
             y = r(torch.relu(h))
             assert tpf.get_sbp(y) == want and torch.equal(logical(y), y_ref), f"{sbp}: row output"
+            for p in (*c.parameters(), *r.parameters()):
+                p.grad = None
             backward_logical(y, g)
             assert torch.equal(logical(x.grad), x_ref.grad), f"{sbp}: input gradient"
+            for layer, lin in ((c, ref.fc1), (r, ref.fc2)):
+                for p, p_ref in ((layer.weight, lin.weight), (layer.bias, lin.bias)):
+                    assert torch.equal(p.grad.full_tensor(), p_ref.grad), f"{sbp}: {layer.label} parameter gradient"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -216,7 +221,7 @@ def _state_rank():
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     for key, value in ref.state_dict().items():
         assert torch.equal(full[key], value), f"{key} does not gather back bit for bit"
-    with pytest.raises(ValueError, match=r"checkpoint blocks.0.fc1.weight has shape \(10, 5\)"):
+    with pytest.raises(RuntimeError, match=r"size mismatch for blocks.0.fc1.weight"):
         model.load_state_dict({**ref.state_dict(), "blocks.0.fc1.weight": torch.zeros(10, 5)})
 
 
@@ -335,6 +340,13 @@ def _errors_rank():
         tpf.ColumnParallelLinear(6, 8, placement=[0, 1])
     with pytest.raises(ValueError, match="outside this world"):
         tpf.ColumnParallelLinear(6, 8, placement=tpf.placement("cpu", list(range(W + 1))))
+    row5 = tpf.RowParallelLinear(5, 3, placement=P)  # 5 input features: uneven blocks over 2 and 3 ranks
+    with pytest.raises(ValueError, match=r"the input has 4 features .* expects 5 \(the whole input features\)"):
+        row5(tpf.tensor(torch.zeros(2, 4), placement=P, sbp=B))  # checked on the global shape: all ranks at once
+    if W > 1:  # uneven rows into a sequence-parallel column layer: every rank is told, none hangs
+        col_sp = tpf.ColumnParallelLinear(6, 8, placement=P, sequence_parallel=True)
+        with pytest.raises(ValueError, match=r"the ranks hold \[3, 2.*\] rows"):
+            col_sp(torch.zeros(3 if dist.get_rank() == 0 else 2, 6))
     if W > 1:  # a layer on rank 0 only: other ranks are told, not left hanging
         solo = tpf.ColumnParallelLinear(6, 8, placement=tpf.placement("cpu", [0]))
         if dist.get_rank() != 0:
@@ -411,3 +423,138 @@ def _hybrid_rank(global_input, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_data_x_tensor_parallel_on_2d_placement(global_input, sequence_parallel):
     harness.run(4, _hybrid_rank, global_input, sequence_parallel)
+
+
+def _outside_rank():
+    """A layer on rank 1 only, fed a global tensor from ranks [0, 1]: rank 0 holds an empty block and still
+    takes part in the backward of the boxing, so nobody hangs and the gradients are right."""
+    ref = _linear(6, 4, True, seed=1)
+    layer = tpf.ColumnParallelLinear.from_linear(ref, placement=tpf.placement("cpu", [1]))
+    x_ref = ints((3, 6), seed=2).requires_grad_()
+    x = tpf.tensor(x_ref.detach(), placement=_world(), sbp=S0).requires_grad_()
+    y = layer(x)
+    y_ref = ref(x_ref)
+    g = ints(y_ref.shape, seed=3)
+    y_ref.backward(g)
+    backward_logical(y, g)
+    assert torch.equal(logical(x.grad), x_ref.grad)
+    if dist.get_rank() == 1:
+        assert torch.equal(layer.weight.grad.to_local(), ref.weight.grad)
+
+
+def test_rank_outside_the_layer_placement():
+    harness.run(2, _outside_rank)
+
+
+def _plan_keeps_state_rank():
+    P = _world()
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(10, 6), nn.Linear(6, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 4)
+            self.b = self.a
+            self.frozen = nn.Linear(4, 6)
+            self.frozen.requires_grad_(False)
+
+    with pytest.raises(ValueError, match=r"plan pattern 'head': the parameters of 'head' are shared with "
+                                         r"\['embed.weight'\]"):
+        tpf.parallelize(Tied(), placement=P, plan={"head": "column"})
+    model = tpf.parallelize(Shared(), placement=P, plan={"a": "column", "frozen": "row"})
+    assert model.a is model.b and isinstance(model.b, tpf.ColumnParallelLinear), "a shared module stays shared"
+    assert not any(p.requires_grad for p in model.frozen.parameters()), "a frozen layer stays frozen"
+    torch.manual_seed(dist.get_rank())  # each rank draws different values: replicas must still agree
+    row = tpf.RowParallelLinear.from_linear(nn.Linear(4, 3), placement=P)
+    biases = [None] * dist.get_world_size()
+    dist.all_gather_object(biases, row.bias.to_local())
+    assert all(torch.equal(b, biases[0]) for b in biases), "a broadcast parameter is the same on every rank"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_parallelize_keeps_ties_sharing_and_frozen_state(world):
+    harness.run(world, _plan_keeps_state_rank)
+
+
+def _bytes_rank():
+    """Each rank holds 1/W of a layer's parameters (chunks by torch.chunk's rule)."""
+    P, W, r = _world(), dist.get_world_size(), dist.get_rank()
+    col, row = tpf.ColumnParallelLinear(7, 10, placement=P), tpf.RowParallelLinear(10, 7, placement=P)
+    chunk = bounds(10, W)[r][1] - bounds(10, W)[r][0]
+    held = lambda layer: sum(p.to_local().numel() for p in layer.parameters())  # noqa: E731
+    assert held(col) == chunk * 7 + chunk
+    assert held(row) == 7 * chunk + 7  # the bias is whole on every rank
+    totals = [None] * W
+    dist.all_gather_object(totals, held(col))
+    assert sum(totals) == 7 * 10 + 10
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_parameter_bytes_per_rank(world):
+    harness.run(world, _bytes_rank)
+
+
+def _traffic_rank(kind):
+    """Bytes each layer kind moves per step, counted by tpflow, against the minimum for its layout (fp32)."""
+    from tpflow.comm import stats
+
+    P, W = _world(), dist.get_world_size()
+    s, b, h, f = 4 * W, 3, 6, 8  # [S, B, H] input, hidden f; S splits evenly
+    sp = kind.endswith("sp")
+    layer = (tpf.ColumnParallelLinear(h, f, placement=P, sequence_parallel=sp) if kind.startswith("column")
+             else tpf.RowParallelLinear(f, h, placement=P, sequence_parallel=sp))
+    rows = s // W if sp and kind.startswith("column") else s
+    x = torch.randn(rows, b, layer.weight.to_local().shape[1], requires_grad=True)
+    stats.reset()
+    y = layer(x)
+    forward = stats.bytes_sent
+    y.backward(torch.ones_like(y))
+    return forward, stats.bytes_sent - forward, tuple(y.shape)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["column", "row", "column sp", "row sp"])
+def test_communication_is_the_minimum(world, kind):
+    """column: all-reduce of dx in backward; row: all-reduce of y in forward (a ring all-reduce moves
+    2 (W-1)/W of the tensor); sequence parallel: (W-1)/W of the gathered or scattered tensor each way
+    (plus, for a plain column input, the 8-byte row count each rank sends per peer)."""
+    results = harness.run(world, _traffic_rank, kind)
+    s, b, h, f = 4 * world, 3, 6, 8
+    x_bytes, y_bytes = s * b * h * 4, s * b * (f if kind.startswith("column") else h) * 4
+    share = (world - 1) / world
+    want = {"column": (0, 2 * share * x_bytes), "row": (2 * share * y_bytes, 0),
+            "column sp": (share * x_bytes + 8 * (world - 1), share * x_bytes),
+            "row sp": (share * y_bytes, share * y_bytes)}[kind]
+    for forward, backward, _ in results:
+        assert (forward, backward) == want, f"{kind}: forward {forward}, backward {backward} bytes; minimum {want}"
+
+
+def _low_precision_rank(dtype):
+    """fp16 / bf16 layers against nn.Linear in the same dtype, both measured against fp64: partial sums
+    travel in fp32, so the parallel layers round once, as one device does (half-precision partials would
+    round W + 1 times)."""
+    torch.manual_seed(0)
+    ref64 = nn.Linear(1024, 48).double()
+    x64 = torch.randn(64, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cols, rows = _own(48), _own(1024)
+    ref = copy.deepcopy(ref64).to(dtype)
+    col = tpf.ColumnParallelLinear.from_linear(ref, placement=_world())
+    row = tpf.RowParallelLinear.from_linear(ref, placement=_world())
+    x = x64.to(dtype)
+    checks = [(col(x), ref(x)[..., cols], ref64(x64)[..., cols]),
+              (row(x[..., rows]), ref(x), ref64(x64))]
+    for got, torch_same_dtype, want in checks:
+        err = (got.double() - want).abs().max()
+        bound = 1.2 * (torch_same_dtype.double() - want).abs().max()  # one rounding, as on one device
+        assert err <= bound, f"{dtype}: error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision(world, dtype):
+    harness.run(world, _low_precision_rank, dtype)

@@ -132,7 +132,7 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        dy = dy.contiguous()
+        dy = dy.clone(memory_format=torch.contiguous_format)  # autograd may share dy with other inputs
         all_reduce(dy, ctx.group)
         return dy, None
 

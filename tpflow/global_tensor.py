@@ -310,7 +310,7 @@ class _LocalToGlobal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = _box(grad, ctx.pl, from_dtensor(grad.placements), ctx.pl, ctx.grad_sbps)
-        local = grad.to_local() if ctx.pl.coordinate() is not None else grad.new_zeros(ctx.local_shape)
+        local = grad.to_local() if ctx.pl.coordinate() is not None else grad.to_local().new_zeros(ctx.local_shape)
         return local, None, None, None, None, None
 
 

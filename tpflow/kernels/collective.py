@@ -25,7 +25,6 @@ ranks take the same path.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -66,15 +65,13 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"{name}: bias must have shape ({w.shape[1]},), got {tuple(bias.shape)}")
 
 
-_DEBUG = os.environ.get("TPFLOW_DEBUG") == "1"
-
-
-def _check_even_rows(t: Transport, rows: int) -> None:
-    """Every rank holds the same number of rows (one tiny all-gather)."""
-    counts = t.all_gather(torch.tensor([[rows]]), row_bounds(t.world_size, t.world_size))
-    if len(set(counts.flatten().tolist())) > 1:
-        raise ValueError(f"all_gather_matmul: the ranks hold {counts.flatten().tolist()} rows: pass rows= (the total) "
-                         f"when rows split unevenly")
+def _check_even_rows(t: Transport, rows: int, device: torch.device) -> None:
+    """Every rank holds the same number of rows: one tiny all-gather, so that a mismatch is an error on
+    every rank rather than ring messages of the wrong size (which gloo would pass without complaint)."""
+    counts = t.gather_ints(rows, device)
+    if len(set(counts)) > 1:
+        raise ValueError(f"all_gather_matmul: the ranks hold {counts} rows: pass rows= (the total) when rows split "
+                         f"unevenly")
 
 
 def _flat_bounds(rows: int, world: int, inner: int) -> list[tuple[int, int]]:
@@ -167,9 +164,10 @@ class _MatmulReduceScatter(torch.autograd.Function):
             dw.add(x[start:end].mT, gathered[start:end])
 
         dy = dy.to(x.dtype)
-        dx, _, _ = _all_gather_product(dy, w.mT if need_x else None, ctx.t, ctx.bounds, ring=ctx.ring,
-                                       out_dtype=x.dtype, wgrad=wgrad if need_w else None)
-        db = dy.sum(0, dtype=_sum_dtype(dy.dtype)).to(dy.dtype) if ctx.has_bias and need_b else None
+        dx, gathered, _ = _all_gather_product(dy, w.mT if need_x else None, ctx.t, ctx.bounds, ring=ctx.ring,
+                                              out_dtype=x.dtype, wgrad=wgrad if need_w else None)
+        # the bias was added to every row, so its gradient sums all of them: the gathered dy has them
+        db = gathered.sum(0, dtype=_sum_dtype(dy.dtype)).to(dy.dtype) if ctx.has_bias and need_b else None
         return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 6
 
 
@@ -217,8 +215,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     the link works while the next piece computes. ``algo``: ``"ring"``, ``"naive"`` (one matmul,
     then the plain reduce-scatter), or ``"auto"`` (the ring from ``RING_MIN_ELEMENTS`` per message).
 
-    Differentiable. The bias is added once, on each row's owner, so the bias gradient returned on a
-    rank sums only its own rows: sum it over ranks for the gradient of a bias shared by all.
+    Differentiable. The bias is added once, on each row's owner; its gradient (from the all-gathered
+    output gradient) is the whole one on every rank.
     """
     _check_operands(x, w, bias, "matmul_reduce_scatter")
     if splits < 1:
@@ -239,17 +237,16 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
     """``act(gather(x) @ w + bias)`` ``[M, ..., N]``, where this rank's ``x [M_r, ..., K]`` holds ``chunk(r)`` of dim 0.
 
     ``rows`` is M, the same on every rank; each rank checks its row count against it. Without
-    it the rows must split evenly (M = W * M_r, Megatron's contract), which only a collective
-    can check: ``TPFLOW_DEBUG=1`` does (gloo would pass a message of the wrong size without
-    complaint). ``return_gathered`` also returns ``gather(x)`` (no
+    it the rows must split evenly (M = W * M_r, Megatron's contract), which the ranks check
+    with one tiny all-gather (over the CPU backend where the group has one). ``return_gathered`` also returns ``gather(x)`` (no
     gradient), which a caller can keep instead of gathering again. ``group`` and ``algo`` as in
     ``matmul_reduce_scatter``. Differentiable.
     """
     _check_operands(x, w, bias, "all_gather_matmul")
     t = as_transport(group)
     if rows is None:
-        if _DEBUG:
-            _check_even_rows(t, x.shape[0])
+        if t.world_size > 1:
+            _check_even_rows(t, x.shape[0], x.device)
         rows = x.shape[0] * t.world_size
     start, end = row_bounds(rows, t.world_size)[t.rank]
     if x.shape[0] != end - start:

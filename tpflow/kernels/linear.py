@@ -29,22 +29,23 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, dgrad_hook):
+    def forward(ctx, x, weight, bias, activation, dgrad_hook, out_dtype, dgrad_dtype):
         x2 = x.flatten(0, -2) if x.ndim > 1 else x.unsqueeze(0)
         pre = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) \
             if needs_pre(activation) else None
-        y = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre)
+        y = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre, out_dtype=out_dtype)
         ctx.activation, ctx.has_bias, ctx.x_shape, ctx.dgrad_hook = activation, bias is not None, x.shape, dgrad_hook
+        ctx.dgrad_dtype = dgrad_dtype
         ctx.save_for_backward(x2, weight, saved_for_grad(y, pre, activation))
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, saved = ctx.saved_tensors
-        dz = activation_grad(dy.reshape(x2.shape[0], weight.shape[0]), saved, ctx.activation)
+        dz = activation_grad(dy.reshape(x2.shape[0], weight.shape[0]), saved, ctx.activation).to(weight.dtype)
         dx = dw = db = pending = None
         if ctx.needs_input_grad[0]:
-            dx = matmul(dz, weight).reshape(ctx.x_shape)
+            dx = matmul(dz, weight, out_dtype=ctx.dgrad_dtype).reshape(ctx.x_shape)
             if ctx.dgrad_hook is not None:  # e.g. an async all-reduce of dx, running during the wgrad below
                 pending = ctx.dgrad_hook(dx)
         if ctx.needs_input_grad[1]:
@@ -53,19 +54,25 @@ class _Linear(torch.autograd.Function):
             db = dz.sum(0, dtype=torch.promote_types(dz.dtype, torch.float32)).to(dz.dtype)
         if pending is not None:
             pending.wait()
-        return dx, dw, db, None, None
+        if dx is not None:
+            dx = dx.to(x2.dtype)
+        return dx, dw, db, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           activation: str | None = None, *, dgrad_hook: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
+           activation: str | None = None, *, out_dtype: torch.dtype | None = None,
+           dgrad_hook: Callable[[torch.Tensor], object] | None = None,
+           dgrad_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout).
 
-    ``dgrad_hook(dx)`` is called in backward as soon as the input gradient is computed and may
-    start work on it in place (an async all-reduce); what it returns is ``wait()``-ed after the
-    weight gradient, so that work overlaps the weight-gradient matmul.
+    ``out_dtype``: the output's dtype (e.g. fp32 partial sums of bf16 inputs, to be summed over ranks).
+    ``dgrad_hook(dx)`` is called in backward as soon as the input gradient is computed (in
+    ``dgrad_dtype``, default x's) and may start work on it in place (an async all-reduce); what it
+    returns is ``wait()``-ed after the weight gradient, so that work overlaps the weight-gradient
+    matmul. dx is then cast to x's dtype.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[1]}")
-    return _Linear.apply(x, weight, bias, activation, dgrad_hook)
+    return _Linear.apply(x, weight, bias, activation, dgrad_hook, out_dtype, dgrad_dtype)

@@ -150,6 +150,11 @@ class Transport(ABC):
         self.ring_reduce_scatter(bounds, add, width=full.shape[1], dtype=full.dtype, device=full.device)
         return out[0]
 
+    def gather_ints(self, value: int, device: torch.device | str = "cpu") -> list[int]:
+        """Every rank's ``value`` (a tiny all-gather, counted like any other)."""
+        one = row_bounds(self.world_size, self.world_size)
+        return self.all_gather(torch.tensor([[value]], device=device), one).flatten().tolist()
+
     def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Every rank's rows, concatenated in rank order."""
         out = part.new_empty((bounds[-1][1], *part.shape[1:]))
@@ -186,8 +191,16 @@ class DistTransport(Transport):
         return Handle(works[len(recvs):]), Handle(works[:len(recvs)])
 
     def reduce_scatter(self, full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The library's reduce-scatter (uneven chunks padded)."""
-        return comm.reduce_scatter(full, 0, bounds, self.group)
+        """NCCL's reduce-scatter on CUDA; on CPU the plain ring, since gloo's is an all-reduce underneath
+        (twice the bytes)."""
+        if full.is_cuda:
+            return comm.reduce_scatter(full, 0, bounds, self.group)
+        return super().reduce_scatter(full, bounds)
+
+    def gather_ints(self, value: int, device: torch.device | str = "cpu") -> list[int]:
+        """Every rank's ``value``, over the group's CPU backend when it has one (no wait on the GPU stream)."""
+        cpu = "gloo" in str(dist.get_backend(self.group))
+        return super().gather_ints(value, "cpu" if cpu else device)
 
     def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The library's all-gather (uneven chunks padded)."""

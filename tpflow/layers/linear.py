@@ -34,6 +34,24 @@ from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_regio
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _Outside(torch.autograd.Function):
+    """A rank outside the layer's placement gets an empty output that keeps the input in the graph, so that
+    in backward it still takes part in the boxing that brought the input to the placement."""
+
+    @staticmethod
+    def forward(ctx, x, pl, sbp, shape):
+        ctx.x = x.detach()
+        return from_local(torch.empty(0, dtype=x.dtype, device=pl.device), pl, sbp, shape=shape, sync_data=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(ctx.x), None, None, None
+
+
 class _ParallelLinear(nn.Module):
     _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
 
@@ -52,7 +70,7 @@ class _ParallelLinear(nn.Module):
         self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
         self._group = None
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init and RNG use
-        self._adopt(full.weight.detach(), None if full.bias is None else full.bias.detach())
+        self._adopt(full.weight, full.bias)
 
     # layouts
 
@@ -63,13 +81,19 @@ class _ParallelLinear(nn.Module):
         raise NotImplementedError
 
     def _adopt(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Take whole (single-device) values, the same on every rank, as this layer's parameters."""
-        pl = self.placement
-        self.weight = nn.Parameter(tensor(weight.to(pl.device), placement=pl, sbp=self._axes(split(self._weight_split))))
+        """Take whole (single-device) values as this layer's parameters: each rank keeps its block, and copies
+        along broadcast axes are taken from the axis' first rank, so replicas agree even if ranks' values differ."""
+        self.weight = self._parameter(weight, self._axes(split(self._weight_split)))
         if bias is None:
             self.register_parameter("bias", None)
         else:
-            self.bias = nn.Parameter(tensor(bias.to(pl.device), placement=pl, sbp=self._bias_sbp()))
+            self.bias = self._parameter(bias, self._bias_sbp())
+
+    def _parameter(self, value: torch.Tensor, sbp: tuple[Sbp, ...]) -> nn.Parameter:
+        pl = self.placement
+        block = tensor(value.detach().to(pl.device), placement=pl, sbp=sbp).to_local()
+        synced = from_local(block, pl, sbp, shape=value.shape, sync_data=True).detach()
+        return nn.Parameter(synced, requires_grad=value.requires_grad)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -109,6 +133,7 @@ class _ParallelLinear(nn.Module):
     def _forward_global(self, x: DTensor) -> DTensor:
         """A global tensor in any layout: converted to the one the layer computes on; the result is global too."""
         pl, ndim = self.placement, x.ndim
+        self._check_features(x, self.in_features, "the whole input features")  # the global shape: every rank agrees
         kept = get_sbp(x)[:-1] if get_placement(x) == pl else (broadcast,) * (pl.ndim - 1)
         kept = tuple(broadcast if isinstance(s, PartialSum) or s == Split(ndim - 1) else s for s in kept)
         want = kept + (self._input_tp_sbp(ndim),)
@@ -117,7 +142,7 @@ class _ParallelLinear(nn.Module):
         out_shape = (*x.shape[:-1], self.out_features)
         out_sbp = kept + (self._output_tp_sbp(ndim),)
         if self._tp_rank is None:  # outside the placement: an empty block, as DTensor has it
-            return from_local(x.to_local().new_empty(0), pl, out_sbp, shape=out_shape, sync_data=False)
+            return _Outside.apply(x, pl, out_sbp, out_shape)
         coord = pl.coordinate()
         rows = local_region(x.shape, kept + (broadcast,), pl.hierarchy, coord)[1][0] if ndim > 1 else None
         data_split = tuple(isinstance(s, Split) for s in kept)
@@ -149,23 +174,21 @@ class _ParallelLinear(nn.Module):
         with torch.random.fork_rng(devices=[placement.device] if placement.type == "cuda" else []):
             layer = cls(module.in_features, module.out_features, module.bias is not None, placement=placement,
                         dtype=module.weight.dtype, **options)
-        layer._adopt(module.weight.detach(), None if module.bias is None else module.bias.detach())
+        layer._adopt(module.weight, module.bias)
         return layer
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """A single-device checkpoint (whole plain tensors) loads as is: each rank keeps its block."""
         for name in ("weight", "bias"):
             value, param = state_dict.get(prefix + name), getattr(self, name)
-            if param is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                if value.shape != param.shape:
-                    raise ValueError(f"{self.label}: checkpoint {prefix + name} has shape {tuple(value.shape)}, the "
-                                     f"layer's whole {name} is {tuple(param.shape)}")
+            if param is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                    and value.shape == param.shape:  # a shape mismatch is left for torch to report
                 state_dict[prefix + name] = tensor(value.to(param.dtype).to(self.placement.device),
                                                    placement=self.placement, sbp=get_sbp(param))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        tp = f"W split({1 - self._weight_split})"
+        tp = f"W split({1 - self._weight_split}), weight sbp {get_sbp(self.weight)}"
         where = "not on this rank" if self._tp_rank is None else \
             f"rank {dist.get_rank()} holds {tuple(self.weight.to_local().shape)} of weight {tuple(self.weight.shape)}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -196,7 +219,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return self._axes(split(0))
 
     def _input_tp_sbp(self, ndim: int) -> Sbp:
-        return split(0) if self.sequence_parallel else broadcast
+        return split(0) if self.sequence_parallel and ndim > 1 else broadcast
 
     def _output_tp_sbp(self, ndim: int) -> Sbp:
         return broadcast if self.gather_output else split(ndim - 1)
@@ -208,8 +231,9 @@ class ColumnParallelLinear(_ParallelLinear):
             y = linear(x, w, b)
         elif self.sequence_parallel:
             y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b)
-        else:
-            y = linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True))
+        else:  # dx's partial sums travel in fp32 at least
+            y = linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
+                       dgrad_dtype=_wide(x.dtype))
         return comm.gather(y, -1, self.out_features, group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -245,7 +269,7 @@ class RowParallelLinear(_ParallelLinear):
         return split(ndim - 1)
 
     def _output_tp_sbp(self, ndim: int) -> Sbp:
-        return split(0) if self.sequence_parallel else broadcast
+        return split(0) if self.sequence_parallel and ndim > 1 else broadcast
 
     def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
         group = self.group
@@ -263,10 +287,9 @@ class RowParallelLinear(_ParallelLinear):
                 raise ValueError(f"{self.label}: sequence parallelism splits dim 0 of the input over "
                                  f"{self._tp_size} ranks, but it has {x.shape[0]} rows: pad it to a multiple of "
                                  f"{self._tp_size}, or pass a global tensor (uneven chunks are fine there)")
-            # the bias is added on each row's owner, so its gradient is partial over the group: copy() sums it
-            return matmul_reduce_scatter(x, w.mT, group, bias=None if b is None else comm.copy(b, group))
-        y = comm.reduce(linear(x, w), group)
-        return y if b is None else y + b
+            return matmul_reduce_scatter(x, w.mT, group, bias=b)
+        y = comm.reduce(linear(x, w, out_dtype=_wide(x.dtype)), group)  # partial sums travel in fp32 at least
+        return (y if b is None else y + b).to(x.dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")

@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     """
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen: dict[str, tuple[str, ColumnParallel | RowParallel]] = {}
     for pattern, style in plan.items():
         style = _style(pattern, style)
@@ -84,9 +84,29 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
             if name in chosen:
                 raise ValueError(f"{name!r} matches both plan patterns {chosen[name][0]!r} and {pattern!r}")
             chosen[name] = (pattern, style)
+    _check_ties(model, modules, chosen)
+    built: dict[int, nn.Module] = {}
     for name, (_, style) in chosen.items():
-        parent_name, _, child = name.rpartition(".")
-        layer = style.build(modules[name], placement)
-        layer.label = f"{type(layer).__name__} {name!r}"
-        setattr(model.get_submodule(parent_name), child, layer)
+        module = modules[name]
+        if id(module) not in built:
+            layer = built[id(module)] = style.build(module, placement)
+            layer.label = f"{type(layer).__name__} {name!r}"
+        for alias in (n for n, m in modules.items() if m is module):  # every name of a shared module
+            parent_name, _, child = alias.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, built[id(module)])
     return model
+
+
+def _check_ties(model: nn.Module, modules: dict[str, nn.Module], chosen: dict) -> None:
+    """A parameter of a replaced layer that another module also holds (a tied embedding) would come untied."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for name, (pattern, _) in chosen.items():
+        aliases = {n for n, m in modules.items() if m is modules[name]}
+        for param in modules[name].parameters():
+            others = [n for n in owners[id(param)] if n.rpartition(".")[0] not in aliases]
+            if others:
+                raise ValueError(f"plan pattern {pattern!r}: the parameters of {name!r} are shared with {others}; "
+                                 f"parallelizing it would untie them: untie them first, or leave {name!r} out of the "
+                                 f"plan")
