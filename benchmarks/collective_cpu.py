@@ -44,7 +44,7 @@ def cpu_name() -> str:
 
 def write(name: str, lines: list[str], out: str) -> pathlib.Path:
     device = cpu_name().replace(" ", "-").replace("/", "-")
-    path = pathlib.Path(out) / f"collective_{name}_{device}_{datetime.date.today()}.md"
+    path = pathlib.Path(out) / f"{name}_{device}_{datetime.date.today()}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -107,7 +107,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
         ratio = statistics.median(t / b for t, b in zip(slowest[name], base))
         lines.append(f"| {name} | {statistics.median(slowest[name]) * 1e3:.2f} | {ratio:.2f}x | {nbytes:,} | {msgs} |")
     print("\n".join(lines))
-    print(f"wrote {write('gloo', lines, out)}")
+    print(f"wrote {write('collective_gloo', lines, out)}")
 
 
 def step_times(local: list[float]) -> list[float]:
@@ -150,7 +150,7 @@ def bench_fake(size: int, world: int, reps: int, out: str) -> None:
             lines.append(f"| transfer = {ratio}x compute | {splits} | {compute * 1e3:.1f} | {transfer * 1e3:.1f} | "
                          f"{ring * 1e3:.1f} | {overlap:.0%} |")
     print("\n".join(lines))
-    print(f"wrote {write('fake', lines, out)}")
+    print(f"wrote {write('collective_fake', lines, out)}")
 
 
 def main() -> None:
