@@ -71,10 +71,10 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
 
     cases = {
         "matmul + reduce_scatter_tensor (torch)": torch_rs,
-        "matmul_reduce_scatter ring, 2 msgs/chunk": lambda: matmul_reduce_scatter(x, w, algo="ring"),
+        "matmul_reduce_scatter ring, 2 msgs/chunk": lambda: matmul_reduce_scatter(x, w, algo="ring", splits=2),
         "matmul_reduce_scatter ring, 1 msg/chunk": lambda: matmul_reduce_scatter(x, w, algo="ring", splits=1),
         "all_gather_into_tensor + matmul (torch)": torch_ag,
-        "all_gather_matmul ring": lambda: all_gather_matmul(x_rows, w_cols, algo="ring"),
+        "all_gather_matmul ring": lambda: all_gather_matmul(x_rows, w_cols, rows=size, algo="ring"),
     }
     torch.testing.assert_close(matmul_reduce_scatter(x, w, algo="ring"), torch_rs())
     torch.testing.assert_close(all_gather_matmul(x_rows, w_cols, algo="ring"), torch_ag())

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
@@ -25,8 +27,10 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import tpflow as tpf
-from benchmarks.collective_cpu import cpu_name, step_times, write
-from tests.models import LLAMA_PLAN, DecoderLayer
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repo root for these
+from benchmarks.collective_cpu import cpu_name, step_times, write  # noqa: E402
+from tests.models import LLAMA_PLAN, DecoderLayer  # noqa: E402
 
 
 class MLPStack(nn.Module):

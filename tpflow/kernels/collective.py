@@ -40,7 +40,10 @@ __all__ = ["RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmu
 # benchmarks/collective_cpu.py (2 gloo ranks: 2^17 loses, 2^19 wins); CUDA: an estimate until measured.
 RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**22}
 _ALGOS = ("auto", "ring", "naive")
-SPLITS = 2  # messages per chunk of the reduce-scatter ring: two is what lets a transfer overlap compute
+# Messages per chunk of the reduce-scatter ring, by device type. Two let a transfer overlap the next piece's
+# compute (on an emulated link as slow as half the compute, they hide ~80-95% of it; one hides ~0); on CPU
+# over gloo's loopback the transfer is short and one message measured faster (benchmarks/collective_cpu.py).
+SPLITS = {"cpu": 1, "cuda": 2}
 
 Group = dist.ProcessGroup | Transport | None
 
@@ -53,6 +56,10 @@ def _use_ring(algo: str, t: Transport, bounds: list[tuple[int, int]], width: int
         return False
     per_message = (bounds[0][1] - bounds[0][0]) * width
     return algo == "ring" or per_message >= RING_MIN_ELEMENTS.get(device.type, RING_MIN_ELEMENTS["cuda"])
+
+
+def _splits(device: torch.device) -> int:
+    return SPLITS.get(device.type, SPLITS["cuda"])
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, name: str) -> None:
@@ -197,7 +204,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 dw.add(gathered[start:end].mT, dz[start:end])
 
             dx = _reduce_scatter_product(dz, w.mT, ctx.t, ctx.bounds, ring=ctx.ring, bias=None,
-                                         out_dtype=ctx.x_dtype, partial_dtype=_sum_dtype(dz.dtype), splits=SPLITS,
+                                         out_dtype=ctx.x_dtype, partial_dtype=_sum_dtype(dz.dtype), splits=_splits(dz.device),
                                          wgrad=wgrad if need_w else None)
         db = dz.sum(0, dtype=_sum_dtype(dz.dtype)).to(dz.dtype) if ctx.has_bias and need_b else None
         return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 5
@@ -205,20 +212,21 @@ class _AllGatherMatmul(torch.autograd.Function):
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None, *,
                           bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                          partial_dtype: torch.dtype | None = None, splits: int = SPLITS,
+                          partial_dtype: torch.dtype | None = None, splits: int | None = None,
                           algo: str = "auto") -> torch.Tensor:
     """This rank's rows of ``sum over ranks (x @ w) + bias``; ``x [M, ..., K_r]`` and ``w [K_r, N]`` hold its K shard.
 
     Every rank passes the same shape; rank r gets ``chunk(r)`` of dim 0 (``torch.chunk``'s rule). ``group``
     is a process group (default: the world) or a ``Transport``. Partials travel in
-    ``partial_dtype`` (default: fp32, or fp64 for fp64 inputs; one rounding at the end), each chunk as ``splits`` messages so that
-    the link works while the next piece computes. ``algo``: ``"ring"``, ``"naive"`` (one matmul,
+    ``partial_dtype`` (default: fp32, or fp64 for fp64 inputs; one rounding at the end), each chunk as
+    ``splits`` messages (default ``SPLITS`` by device) so that the link works while the next piece computes. ``algo``: ``"ring"``, ``"naive"`` (one matmul,
     then the plain reduce-scatter), or ``"auto"`` (the ring from ``RING_MIN_ELEMENTS`` per message).
 
     Differentiable. The bias is added once, on each row's owner; its gradient (from the all-gathered
     output gradient) is the whole one on every rank.
     """
     _check_operands(x, w, bias, "matmul_reduce_scatter")
+    splits = _splits(x.device) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     t = as_transport(group)
