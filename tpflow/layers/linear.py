@@ -21,6 +21,7 @@ state dicts, ``torch.distributed.checkpoint`` and optimizers see the global tens
 from __future__ import annotations
 
 import dataclasses
+from abc import ABCMeta, abstractmethod
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ class _LocalBlock(torch.autograd.Function):
         return DTensor(grad.contiguous(), ctx.grad_spec, requires_grad=False), None
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module, metaclass=ABCMeta):
     _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
 
     def __init__(self, in_features: int, out_features: int, bias: bool, placement: Placement,
@@ -96,8 +97,9 @@ class _ParallelLinear(nn.Module):
     def _axes(self, tp: Sbp) -> tuple[Sbp, ...]:
         return (broadcast,) * (self.placement.ndim - 1) + (tp,)
 
+    @abstractmethod
     def _bias_sbp(self) -> tuple[Sbp, ...]:
-        raise NotImplementedError
+        """The bias's layout over the placement."""
 
     def _adopt(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Take whole (single-device) values as this layer's parameters: each rank keeps its block, and copies
@@ -143,11 +145,13 @@ class _ParallelLinear(nn.Module):
                              f"the placement then get an empty block)")
         return self._forward_local(x, rows=None, data_split=(True,) * (self.placement.ndim - 1))
 
+    @abstractmethod
     def _input_tp_sbp(self, ndim: int) -> Sbp:
-        raise NotImplementedError
+        """The layout over the tensor-parallel axis that the layer computes on, for an input of ``ndim`` dims."""
 
+    @abstractmethod
     def _output_tp_sbp(self, ndim: int) -> Sbp:
-        raise NotImplementedError
+        """The output's layout over the tensor-parallel axis."""
 
     def _forward_global(self, x: DTensor) -> DTensor:
         """A global tensor in any layout: converted to the one the layer computes on; the result is global too."""
@@ -168,8 +172,10 @@ class _ParallelLinear(nn.Module):
         y = self._forward_local(x.to_local(), rows=rows, data_split=data_split)
         return from_local(y, pl, out_sbp, shape=out_shape, sync_data=False)
 
+    @abstractmethod
     def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
-        raise NotImplementedError
+        """The layer on this rank's blocks: ``rows`` is dim 0's size before the tensor-parallel split (None
+        for a plain input); ``data_split`` says, per data-parallel axis, whether the input is split there."""
 
     def _locals(self, data_split: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's weight and bias blocks. On the axes before the tensor-parallel one, each copy of a
