@@ -180,6 +180,22 @@ def _global_rank():
                     assert torch.equal(p.grad.full_tensor(), p_ref.grad), f"{sbp}: {layer.label} parameter gradient"
 
 
+def _one_dim_rank():
+    """A 1-D global input (one token's features) through every kind of layer."""
+    P, ref = _world(), _linear(5, 7, True, seed=2)
+    x_ref = ints((5,), seed=3)
+    for layer in (tpf.ColumnParallelLinear.from_linear(ref, placement=P, sequence_parallel=True),
+                  tpf.RowParallelLinear.from_linear(ref, placement=P, input_is_parallel=False),
+                  tpf.RowParallelLinear.from_linear(ref, placement=P, sequence_parallel=True)):
+        y = layer(tpf.tensor(x_ref, placement=P, sbp=B))
+        assert torch.equal(logical(y), ref(x_ref).detach()), layer.label
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_one_dim_global_input(world):
+    harness.run(world, _one_dim_rank)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_global_inputs(world):
     harness.run(world, _global_rank)
@@ -466,6 +482,8 @@ def _plan_keeps_state_rank():
     with pytest.raises(ValueError, match=r"plan pattern 'head': the parameters of 'head' are shared with "
                                          r"\['embed.weight'\]"):
         tpf.parallelize(Tied(), placement=P, plan={"head": "column"})
+    with pytest.raises(ValueError, match="'b' is the same module as one matched by 'a'"):
+        tpf.parallelize(Shared(), placement=P, plan={"a": "column", "b": "row"})
     model = tpf.parallelize(Shared(), placement=P, plan={"a": "column", "frozen": "row"})
     assert model.a is model.b and isinstance(model.b, tpf.ColumnParallelLinear), "a shared module stays shared"
     assert not any(p.requires_grad for p in model.frozen.parameters()), "a frozen layer stays frozen"

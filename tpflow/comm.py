@@ -4,11 +4,11 @@
   (ranks that share no mesh).
 - ``all_gather`` / ``reduce_scatter`` along a dim, uneven chunks (``torch.chunk``'s rule)
   included: the library collectives, padded to equal chunks where sizes differ.
-- Autograd-aware collectives in conjugate pairs, the forward of one being the backward of the
-  other, for the parallel layers' hot path: ``copy`` (identity / all-reduce), ``reduce``
-  (all-reduce / identity), ``gather`` (all-gather / take own chunk), ``scatter`` (own chunk /
-  all-gather), ``gather_rows`` (all-gather / reduce-scatter) and ``scatter_rows``
-  (reduce-scatter / all-gather). Each is a no-op on a group of one.
+- Autograd-aware collectives for the parallel layers' hot path, each the conjugate of its
+  backward: ``reduce`` (all-reduce / identity), ``gather`` (all-gather / take own chunk) and
+  ``scatter`` (own chunk / all-gather); a no-op on a group of one. (Identity / all-reduce is
+  ``kernels.linear``'s ``dgrad_hook``, so that it overlaps the weight gradient; all-gather /
+  reduce-scatter pairs are the ring kernels.)
 
 Every transfer is counted in ``stats``; a library collective counts the bytes of the ring
 algorithm that implements it ((W-1)/W of the tensor per pass; gloo's reduce-scatter is an
@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "all_gather", "all_reduce", "bounds", "copy", "exchange", "gather", "gather_rows", "reduce",
-           "reduce_scatter", "scatter", "scatter_rows", "stats"]
+from tpflow.sbp import chunk_range
+
+__all__ = ["CommStats", "all_gather", "all_reduce", "bounds", "exchange", "gather", "reduce", "reduce_scatter", "scatter",
+           "stats"]
 
 
 @dataclass
@@ -64,8 +66,7 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
 
 def bounds(size: int, parts: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each of ``parts`` chunks of ``size``, by ``torch.chunk``'s rule (tpflow's split)."""
-    step = -(-size // parts) if size else 0
-    return [(min(i * step, size), min((i + 1) * step, size)) for i in range(parts)]
+    return [(offset, offset + length) for offset, length in (chunk_range(size, parts, i) for i in range(parts))]
 
 
 def _count_ring(t: torch.Tensor, world: int, passes: int) -> None:
@@ -124,23 +125,13 @@ def _chunk(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return t.narrow(dim, start, end - start)
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dy = dy.clone(memory_format=torch.contiguous_format)  # autograd may share dy with other inputs
-        all_reduce(dy, ctx.group)
-        return dy, None
-
-
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()
+        if x.is_contiguous():  # in place: autograd raises if anything still needed the partial sum
+            ctx.mark_dirty(x)
+        else:
+            x = x.contiguous()
         all_reduce(x, group)
         return x
 
@@ -171,35 +162,8 @@ class _Scatter(torch.autograd.Function):
         return all_gather(dy, ctx.dim, bounds(ctx.size, dist.get_world_size(ctx.group)), ctx.group), None, None
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, group):
-        ctx.group, ctx.chunks = group, bounds(size, dist.get_world_size(group))
-        return all_gather(x, 0, ctx.chunks, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return reduce_scatter(dy, 0, ctx.chunks, ctx.group), None, None
-
-
-class _ScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.chunks = group, bounds(x.shape[0], dist.get_world_size(group))
-        return reduce_scatter(x, 0, ctx.chunks, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_gather(dy, 0, ctx.chunks, ctx.group), None
-
-
 def _single(group: dist.ProcessGroup | None) -> bool:
     return group is None or dist.get_world_size(group) == 1
-
-
-def copy(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Identity forward, all-reduce backward: a replicated input entering rank-local compute."""
-    return x if _single(group) else _Copy.apply(x, group)
 
 
 def reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -215,13 +179,3 @@ def gather(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup | None
 def scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's chunk along ``dim`` forward (no transfer); all-gather of the gradient backward."""
     return x if _single(group) else _Scatter.apply(x, dim, group)
-
-
-def gather_rows(x: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-gather of dim 0 (of full ``size``) forward, reduce-scatter backward: sequence parallelism's pair."""
-    return x if _single(group) else _GatherRows.apply(x, size, group)
-
-
-def scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Reduce-scatter of dim 0 forward, all-gather backward."""
-    return x if _single(group) else _ScatterRows.apply(x, group)

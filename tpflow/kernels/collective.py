@@ -30,19 +30,30 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tpflow.kernels.matmul import activation_grad, matmul, matmul_ref, needs_pre, saved_for_grad
+from tpflow.kernels.matmul import (
+    accumulate_dtype,
+    activation_grad,
+    bias_grad,
+    matmul,
+    matmul_ref,
+    needs_pre,
+    saved_for_grad,
+)
 from tpflow.kernels.transport import Transport, as_transport, row_bounds
 
 __all__ = ["RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter",
            "matmul_reduce_scatter_ref"]
 
-# Elements per message from which the ring pays, by device type. CPU: measured with
-# benchmarks/collective_cpu.py (2 gloo ranks: 2^17 loses, 2^19 wins); CUDA: an estimate until measured.
+# Elements per message from which the ring pays, by device type. CPU, 2 gloo ranks x 1 thread
+# (`benchmarks/collective_cpu.py gloo --size {512,1024}`): 2^17 per message (size 512) ran 1.0-1.1x of
+# the plain path, 2^19 (size 1024) 0.8x. CUDA: an estimate until measured.
 RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**22}
 _ALGOS = ("auto", "ring", "naive")
 # Messages per chunk of the reduce-scatter ring, by device type. Two let a transfer overlap the next piece's
-# compute (on an emulated link as slow as half the compute, they hide ~80-95% of it; one hides ~0); on CPU
-# over gloo's loopback the transfer is short and one message measured faster (benchmarks/collective_cpu.py).
+# compute: on an emulated link as slow as half the compute they hid 78-96% of it over five runs, one ~0%
+# (`python benchmarks/collective_cpu.py fake`). On CPU over gloo's loopback the transfer is short and one
+# message measured faster, 0.75-0.86x against 0.80-0.92x of matmul + reduce_scatter_tensor over four runs
+# (`python -m tpflow.launch --nproc_per_node 2 benchmarks/collective_cpu.py gloo --reps 41`).
 SPLITS = {"cpu": 1, "cuda": 2}
 
 Group = dist.ProcessGroup | Transport | None
@@ -138,16 +149,12 @@ def _all_gather_product(x: torch.Tensor, w: torch.Tensor | None, t: Transport, b
     return y, gathered, z
 
 
-def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 class _GradSum:
     """A weight gradient summed chunk by chunk in (at least) fp32: ``add(a, b)`` is ``sum += a @ b``, the
     add fused into the matmul's epilogue."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.sum = torch.zeros(weight.shape, dtype=_sum_dtype(weight.dtype), device=weight.device)
+        self.sum = torch.zeros(weight.shape, dtype=accumulate_dtype(weight.dtype), device=weight.device)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         matmul(a, b, acc=self.sum, out=self.sum)
@@ -174,7 +181,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         dx, gathered, _ = _all_gather_product(dy, w.mT if need_x else None, ctx.t, ctx.bounds, ring=ctx.ring,
                                               out_dtype=x.dtype, wgrad=wgrad if need_w else None)
         # the bias was added to every row, so its gradient sums all of them: the gathered dy has them
-        db = gathered.sum(0, dtype=_sum_dtype(dy.dtype)).to(dy.dtype) if ctx.has_bias and need_b else None
+        db = bias_grad(gathered) if ctx.has_bias and need_b else None
         return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 6
 
 
@@ -204,9 +211,9 @@ class _AllGatherMatmul(torch.autograd.Function):
                 dw.add(gathered[start:end].mT, dz[start:end])
 
             dx = _reduce_scatter_product(dz, w.mT, ctx.t, ctx.bounds, ring=ctx.ring, bias=None,
-                                         out_dtype=ctx.x_dtype, partial_dtype=_sum_dtype(dz.dtype), splits=_splits(dz.device),
+                                         out_dtype=ctx.x_dtype, partial_dtype=accumulate_dtype(dz.dtype), splits=_splits(dz.device),
                                          wgrad=wgrad if need_w else None)
-        db = dz.sum(0, dtype=_sum_dtype(dz.dtype)).to(dz.dtype) if ctx.has_bias and need_b else None
+        db = bias_grad(dz) if ctx.has_bias and need_b else None
         return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 5
 
 
@@ -233,7 +240,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     bounds = _flat_bounds(x.shape[0], t.world_size, math.prod(x.shape[1:-1]))
     ring = _use_ring(algo, t, bounds, w.shape[1], x.device)
     y = _MatmulReduceScatter.apply(x.reshape(bounds[-1][1], x.shape[-1]), w, bias, t, bounds, ring, out_dtype or x.dtype,
-                                   partial_dtype or _sum_dtype(x.dtype), splits)
+                                   partial_dtype or accumulate_dtype(x.dtype), splits)
     start, end = row_bounds(x.shape[0], t.world_size)[t.rank]
     return y.reshape(end - start, *x.shape[1:-1], w.shape[1])
 

@@ -134,7 +134,7 @@ class FakeWorld:
                     raise RuntimeError(f"rank {dst}: gave up waiting for rank {src}: {self._failed}")
                 if not ok:
                     raise RuntimeError(f"rank {dst}: no message {index} from rank {src} (tag {tag}) after "
-                                       f"{self.timeout}s: the schedule deadlocks")
+                                       f"{self.timeout}s: the schedule deadlocks, or a rank is slower than the timeout")
                 msg, self._sent[key][index] = self._sent[key][index], None  # delivered: the world lets it go
             data = msg.data()
             if data.shape != buf.shape or data.dtype != buf.dtype:

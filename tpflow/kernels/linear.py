@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tpflow.kernels.matmul import ACTIVATIONS, activate, activation_grad, matmul, needs_pre, saved_for_grad
+from tpflow.kernels.matmul import ACTIVATIONS, activate, activation_grad, bias_grad, matmul, needs_pre, saved_for_grad
 
 __all__ = ["linear", "linear_ref"]
 
@@ -33,11 +33,14 @@ class _Linear(torch.autograd.Function):
         x2 = x.flatten(0, -2) if x.ndim > 1 else x.unsqueeze(0)
         pre = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) \
             if needs_pre(activation) else None
-        y = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre, out_dtype=out_dtype)
+        # the output is allocated in its final shape (not a view), so a caller may reduce it in place
+        y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+        y2 = matmul(x2, weight.mT, bias=bias, activation=activation, pre=pre,
+                    out=y.view(x2.shape[0], weight.shape[0]))
         ctx.activation, ctx.has_bias, ctx.x_shape, ctx.dgrad_hook = activation, bias is not None, x.shape, dgrad_hook
         ctx.dgrad_dtype = dgrad_dtype
-        ctx.save_for_backward(x2, weight, saved_for_grad(y, pre, activation))
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        ctx.save_for_backward(x2, weight, saved_for_grad(y2, pre, activation))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -51,7 +54,7 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = matmul(dz.mT, x2, out_dtype=weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dz.sum(0, dtype=torch.promote_types(dz.dtype, torch.float32)).to(dz.dtype)
+            db = bias_grad(dz)
         if pending is not None:
             pending.wait()
         if dx is not None:

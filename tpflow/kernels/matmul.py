@@ -31,7 +31,7 @@ try:
 except ImportError:  # CPU installs without triton run torch's matmul
     triton = None
 
-__all__ = ["ACTIVATIONS", "activate", "activation_grad", "matmul", "matmul_ref", "needs_pre", "saved_for_grad",
+__all__ = ["ACTIVATIONS", "accumulate_dtype", "activate", "activation_grad", "bias_grad", "matmul", "matmul_ref", "needs_pre", "saved_for_grad",
            "use_triton"]
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "silu": 3}  # gelu is the tanh form
@@ -50,13 +50,23 @@ def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return y
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where sums of ``dtype`` values are kept: fp32 for fp16 / bf16 / fp32, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def bias_grad(dz: torch.Tensor) -> torch.Tensor:
+    """The gradient of a bias added to every row of ``dz``'s 2-D rows, summed in ``accumulate_dtype``."""
+    return dz.sum(0, dtype=accumulate_dtype(dz.dtype)).to(dz.dtype)
+
+
 def activation_grad(dy: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
     """dz from dy for ``y = act(z)``: ``saved`` is the output y for relu and the pre-activation z otherwise."""
     if activation is None:
         return dy
     if activation == "relu":
         return dy * (saved > 0)
-    wide = torch.promote_types(saved.dtype, torch.float32)  # fp16 / bf16 slopes in fp32; fp64 stays fp64
+    wide = accumulate_dtype(saved.dtype)
     z = saved.to(wide)
     if activation == "gelu":
         t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
@@ -278,9 +288,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
             raise ValueError(f"{name} must hold the rows of the range: shape {shape}, got {tuple(t.shape)}")
     if not use_triton(a):
         rows = a[row_start:row_end]
-        if pre is not None:
-            pre.copy_(matmul_ref(rows, b, bias=bias, out_dtype=pre.dtype))
-        return _torch_matmul(rows, b, bias, activation, acc, out_dtype, out)
+        if pre is None:
+            return _torch_matmul(rows, b, bias, activation, acc, out_dtype, out)
+        z = _torch_matmul(rows, b, bias, None, None, accumulate_dtype(a.dtype), None)  # the product, once
+        pre.copy_(z)
+        y = activate(z, activation) if acc is None else activate(z, activation) + acc
+        return y.to(out_dtype) if out is None else out.copy_(y)
     out = torch.empty(shape, dtype=out_dtype, device=a.device) if out is None else out
     if pre is not None and pre.stride() != out.stride():
         raise ValueError(f"pre must have out's strides {out.stride()}, got {pre.stride()}")

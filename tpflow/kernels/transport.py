@@ -80,7 +80,8 @@ class Transport(ABC):
         ``after(start, end)``, if given, runs once the piece's send has started: other work on
         those rows (a weight gradient) that the transfer can hide behind.
 
-        Each chunk travels as ``splits`` pieces. ``compute`` adds ``acc`` inside the matmul, so it
+        Each chunk travels as ``splits`` pieces (``tpflow.kernels.SPLITS`` sets the default per device).
+        ``compute`` adds ``acc`` inside the matmul, so it
         cannot start before ``acc`` arrives; with one piece a rank would wait, every step, for its
         neighbour's whole chunk to cross the link, since the neighbour finished computing it at
         the same moment. With two, the first piece crosses while the second computes. (Computing

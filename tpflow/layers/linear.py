@@ -7,7 +7,7 @@ In the ``y = x @ W`` convention (W is in x out; ``nn.Linear`` stores ``weight = 
 
 Forward and backward run on local shards, with the collectives in conjugate pairs:
 
-    column            x --copy--> linear          backward: all-reduce of dx, overlapping the dW matmul
+    column            linear                      backward: all-reduce of dx, overlapping the dW matmul
     column, seq-par   x rows --all_gather_matmul  backward: reduce-scatter ring with dW folded in
     row               linear --all-reduce--> + b  backward: no collective
     row, seq-par      matmul_reduce_scatter       backward: all-gather ring with dW folded in
@@ -31,14 +31,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from tpflow import comm
 from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
 from tpflow.kernels import all_gather_matmul, linear, matmul_reduce_scatter
+from tpflow.kernels.matmul import accumulate_dtype
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_region, split
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 class _Outside(torch.autograd.Function):
@@ -169,13 +166,15 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         coord = pl.coordinate()
         rows = local_region(x.shape, kept + (broadcast,), pl.hierarchy, coord)[1][0] if ndim > 1 else None
         data_split = tuple(isinstance(s, Split) for s in kept)
-        y = self._forward_local(x.to_local(), rows=rows, data_split=data_split)
+        y = self._forward_local(x.to_local(), rows=rows, data_split=data_split, from_global=True)
         return from_local(y, pl, out_sbp, shape=out_shape, sync_data=False)
 
     @abstractmethod
-    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
-        """The layer on this rank's blocks: ``rows`` is dim 0's size before the tensor-parallel split (None
-        for a plain input); ``data_split`` says, per data-parallel axis, whether the input is split there."""
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
+                       from_global: bool = False) -> torch.Tensor:
+        """The layer on this rank's blocks. ``from_global``: x is a global input's block, already in the
+        layer's layout, and ``rows`` its dim 0's size before the tensor-parallel split (None for 1-D);
+        ``data_split`` says, per data-parallel axis, whether the input is split there."""
 
     def _locals(self, data_split: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's weight and bias blocks. On the axes before the tensor-parallel one, each copy of a
@@ -253,16 +252,17 @@ class ColumnParallelLinear(_ParallelLinear):
     def _output_tp_sbp(self, ndim: int) -> Sbp:
         return broadcast if self.gather_output else split(ndim - 1)
 
-    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
+                       from_global: bool = False) -> torch.Tensor:
         self._check_features(x, self.in_features, "the whole input features")
         (w, b), group = self._locals(data_split), self.group
         if group is None:
             y = linear(x, w, b)
-        elif self.sequence_parallel:
+        elif self.sequence_parallel and x.ndim > 1:
             y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b)
         else:  # dx's partial sums travel in fp32 at least
             y = linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
-                       dgrad_dtype=_wide(x.dtype))
+                       dgrad_dtype=accumulate_dtype(x.dtype))
         return comm.gather(y, -1, self.out_features, group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -300,9 +300,10 @@ class RowParallelLinear(_ParallelLinear):
     def _output_tp_sbp(self, ndim: int) -> Sbp:
         return split(0) if self.sequence_parallel and ndim > 1 else broadcast
 
-    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...]) -> torch.Tensor:
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
+                       from_global: bool = False) -> torch.Tensor:
         group = self.group
-        if self.input_is_parallel or rows is not None:  # a global input arrives already split
+        if self.input_is_parallel or from_global:  # a global input arrives already split
             self._check_features(x, self._local_features(self.in_features),
                                  f"this rank's block of the {self.in_features} input features")
         else:
@@ -311,13 +312,13 @@ class RowParallelLinear(_ParallelLinear):
         w, b = self._locals(data_split)
         if group is None:
             return linear(x, w, b)
-        if self.sequence_parallel:
-            if rows is None and x.shape[0] % self._tp_size:
+        if self.sequence_parallel and x.ndim > 1:
+            if not from_global and x.shape[0] % self._tp_size:
                 raise ValueError(f"{self.label}: sequence parallelism splits dim 0 of the input over "
                                  f"{self._tp_size} ranks, but it has {x.shape[0]} rows: pad it to a multiple of "
                                  f"{self._tp_size}, or pass a global tensor (uneven chunks are fine there)")
             return matmul_reduce_scatter(x, w.mT, group, bias=b)
-        y = comm.reduce(linear(x, w, out_dtype=_wide(x.dtype)), group)  # partial sums travel in fp32 at least
+        y = comm.reduce(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)  # partial sums travel in fp32 at least
         return (y if b is None else y + b).to(x.dtype)
 
     def extra_repr(self) -> str:

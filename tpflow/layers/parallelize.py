@@ -86,6 +86,12 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
             chosen[name] = (pattern, style)
     _check_ties(model, modules, chosen)
     built: dict[int, nn.Module] = {}
+    styles: dict[int, tuple[str, object]] = {}
+    for name, (pattern, style) in chosen.items():  # a shared module is one layer: its names must agree
+        first = styles.setdefault(id(modules[name]), (pattern, style))
+        if first[1] != style:
+            raise ValueError(f"{name!r} is the same module as one matched by {first[0]!r}, but plan pattern "
+                             f"{pattern!r} gives it another style")
     for name, (_, style) in chosen.items():
         module = modules[name]
         if id(module) not in built:
