@@ -43,6 +43,10 @@ class CommStats:
 
 stats = CommStats()
 
+# torch 2.13 renames the single-tensor collectives (the old names warn); 2.11 has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
     """Post every send and receive of one step at once, then wait for all of them.
@@ -96,7 +100,7 @@ def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.Process
     if not even:
         padded[:part.shape[0]] = part
     out = part.new_empty((step * world, *part.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    all_gather_single(out, padded, group=group)
     _count_ring(out, world, 1)
     if not even:
         out = torch.cat([out[i * step:i * step + e - s] for i, (s, e) in enumerate(chunks)])
@@ -115,7 +119,7 @@ def reduce_scatter(full: torch.Tensor, dim: int, chunks: Chunks, group: dist.Pro
         for i, (s, e) in enumerate(chunks):
             padded[i * step:i * step + e - s] = full[s:e]
     out = full.new_empty((step, *full.shape[1:]))
-    dist.reduce_scatter_tensor(out, padded, group=group)
+    reduce_scatter_single(out, padded, group=group)
     _count_ring(padded, world, 1 if full.is_cuda else 2)
     return out[:chunks[rank][1] - chunks[rank][0]].movedim(0, dim)
 

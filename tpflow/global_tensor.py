@@ -353,7 +353,7 @@ def _all_gather_meta(local: torch.Tensor, device: torch.device) -> list[tuple[tu
     code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else len(_DTYPES)
     meta = torch.tensor([local.ndim, code, *local.shape] + [0] * (_MAX_NDIM - local.ndim), device=device)
     metas = torch.empty(dist.get_world_size() * meta.numel(), dtype=meta.dtype, device=device)
-    dist.all_gather_into_tensor(metas, meta)
+    comm.all_gather_single(metas, meta)
     out = []
     for ndim, code, *shape in metas.view(-1, meta.numel()).tolist():
         out.append((tuple(shape[:ndim]), _DTYPES[code] if code < len(_DTYPES) else "unsupported"))
