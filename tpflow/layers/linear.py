@@ -54,8 +54,8 @@ class _Outside(torch.autograd.Function):
 
 class _LocalBlock(torch.autograd.Function):
     """A DTensor parameter's local block on the eager hot path. ``DTensor.to_local`` re-derives the
-    gradient's global layout on every call (two autograd functions, ~0.3 ms a parameter on CPU); this
-    wraps the gradient with a layout computed once per parameter."""
+    gradient's global layout on every call (two autograd functions: 0.15-0.3 ms a parameter per step on a
+    2-core CPU, by torch.profiler); this wraps the gradient with a layout computed once per parameter."""
 
     @staticmethod
     def forward(ctx, p, grad_spec):
