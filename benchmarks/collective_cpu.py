@@ -14,7 +14,7 @@ time, so the transfer would take 0.5x and 2x of it; overlap efficiency E = (comp
 ring) / min(compute, transfer). Keep ``--world`` at most the core count: with more threads than
 cores, the compute-only baseline itself stalls on the ring's order.
 
-Results go to ``benchmarks/results/collective_<mode>_<cpu>_<date>.md``.
+Each run is appended to ``benchmarks/results/collective_<mode>_<cpu>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ def cpu_name() -> str:
 
 
 def write(name: str, lines: list[str], out: str) -> pathlib.Path:
+    """Append this run to the day's file for ``name`` and this CPU: repeated runs stay side by side, so a
+    range quoted from them is backed by the file."""
     device = cpu_name().replace(" ", "-").replace("/", "-")
     path = pathlib.Path(out) / f"{name}_{device}_{datetime.date.today()}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    with path.open("a") as f:
+        f.write(("\n" if path.stat().st_size else "") + "\n".join(lines) + "\n")
     return path
 
 

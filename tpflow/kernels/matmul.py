@@ -7,9 +7,10 @@
         acc = act(acc + bias[cols]) + ACC[rows, cols]           # epilogue while acc is in registers
         C[rows, cols] = acc.to(C.dtype)
 
-Only the rows in ``[row_start, row_end)`` are computed, with the row tiles optionally rotated by
-``tile_offset``: the ring collectives compute one chunk of rows per step this way, without
-slicing (so no copies and one compiled variant per config). Any strides work, so a transposed
+Only the rows in ``[row_start, row_end)`` are computed: the ring collectives compute one chunk of
+rows per step this way, without slicing (so no copies and one compiled variant per config). The
+row tiles can start at a rotated ``tile_offset``, so that ranks sweeping the same operand at once
+need not all begin on the same tiles. Any strides work, so a transposed
 operand (``w.mT``) is read in place.
 
 Dispatch: CUDA tensors run the Triton kernel; CPU tensors run torch unless

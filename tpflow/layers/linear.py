@@ -319,7 +319,7 @@ class RowParallelLinear(_ParallelLinear):
                                  f"{self._tp_size}, or pass a global tensor (uneven chunks are fine there)")
             return matmul_reduce_scatter(x, w.mT, group, bias=b)
         y = comm.reduce(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)  # partial sums travel in fp32 at least
-        return (y if b is None else y + b).to(x.dtype)
+        return (y if b is None else y.add_(b)).to(x.dtype)  # the reduced sum is this layer's own: add in place
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")
