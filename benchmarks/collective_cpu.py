@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpflow import comm
+from tpflow import comm, init_distributed
 from tpflow.comm import stats
 from tpflow.kernels import FakeWorld, all_gather_matmul, matmul_reduce_scatter, row_bounds
 
@@ -55,7 +55,7 @@ def write(name: str, lines: list[str], out: str) -> pathlib.Path:
 
 def bench_gloo(size: int, reps: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(size, size // world, generator=gen)  # K shard: a row layer's input

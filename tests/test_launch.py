@@ -91,3 +91,36 @@ def test_flags_map_to_torchrun():
     assert args[-3:] == ["train.py", "--lr", "0.1"] and "--standalone" not in args
     single = torchrun_args(build_parser().parse_args(["--nproc_per_node", "4", "train.py"]))
     assert "--standalone" in single
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, os, torch
+    import tpflow as tpf
+    from tpflow.kernels import matmul_reduce_scatter
+
+    def gloo_threads():
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        return sum(n.startswith("pt_gloo") for n in names)
+
+    atexit.register(lambda: print("gloo threads after the exit hook:", gloo_threads()))  # runs after tpflow's
+    rank, world = tpf.get_rank(), tpf.get_world_size()
+    y = matmul_reduce_scatter(torch.ones(4, 3), torch.ones(3, 2), algo="ring")
+    every = [torch.zeros(1) for _ in range(world)]
+    torch.distributed.all_gather(every, torch.ones(1))  # a temporary the gloo worker frees last
+    print("gloo threads while running:", gloo_threads())
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread names from /proc")
+def test_exit_hook_joins_gloo_threads(tmp_path):
+    # left to interpreter finalization, gloo's workers can abort a finished run (pytorch/pytorch#179291)
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script)], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("gloo threads after the exit hook: 0") == 2, proc.stdout
+    assert "gloo threads while running: 0" not in proc.stdout, proc.stdout

@@ -11,8 +11,10 @@ scripts construct the same placements in the same order on every rank.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +25,7 @@ __all__ = ["Placement", "placement", "get_rank", "get_world_size", "init_distrib
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _MESHES: dict[tuple[str, tuple], DeviceMesh] = {}
+_EXIT_GRACE_S = 0.05  # at exit, time for gloo's threads to free their last tensors (see _shutdown)
 
 
 def _timeout() -> datetime.timedelta:
@@ -48,6 +51,20 @@ def init_distributed() -> None:
         dist.init_process_group(backend, timeout=_timeout())
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_timeout())
+    atexit.register(_shutdown)
+
+
+def _shutdown() -> None:
+    """Let gloo's threads finish before the interpreter is torn down. A gloo worker frees a collective's
+    tensors a moment after the caller's ``wait`` returns; when its reference is the last and Python is
+    already finalizing, taking the GIL to free them aborts a finished run (SIGABRT, "terminate called
+    without an active exception"; pytorch/pytorch#179291). So at exit the GIL is left free for a moment,
+    then the groups are destroyed, which joins their threads once nothing else holds them."""
+    if not dist.is_initialized():
+        return
+    time.sleep(_EXIT_GRACE_S)
+    _MESHES.clear()
+    dist.destroy_process_group()
 
 
 def get_rank() -> int:

@@ -208,17 +208,12 @@ class DistTransport(Transport):
         return comm.all_gather(part, 0, bounds, self.group)
 
 
-_TRANSPORTS: dict = {}
-
-
 def as_transport(group: dist.ProcessGroup | Transport | None) -> Transport:
-    """The transport of ``group``: itself if it is one, else the (cached) torch.distributed one."""
+    """The transport of ``group``: itself if it is one, else a torch.distributed one (3 us to make; not cached,
+    so that nothing here keeps a process group, and its gloo threads, alive past ``destroy_process_group``)."""
     if isinstance(group, Transport):
         return group
     if not dist.is_initialized():
         raise RuntimeError("the collective kernels need a process group: call tpflow.init_distributed() (or run "
                            "under python -m tpflow.launch), or pass a Transport")
-    key = group or dist.group.WORLD
-    if key not in _TRANSPORTS:
-        _TRANSPORTS[key] = DistTransport(key)
-    return _TRANSPORTS[key]
+    return DistTransport(group)
