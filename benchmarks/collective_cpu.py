@@ -20,6 +20,7 @@ Each run is appended to ``benchmarks/results/collective_<mode>_<cpu>_<date>.md``
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import os
 import pathlib
@@ -40,6 +41,24 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def hold_freed_memory() -> str:
+    """Have glibc keep freed memory in the process, for every case alike, and say so for the results header.
+
+    By default glibc hands freed blocks back to the OS once the heap's free top passes a threshold,
+    so the next step faults its pages in again: 10-15% of a CPU layer step on this VM, by an amount
+    that follows the order in which a step frees its tensors rather than the work it does. A
+    caching allocator (PyTorch's on CUDA, jemalloc) has no such cost.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return "the platform's allocator"
+    m_trim_threshold, m_mmap_threshold, limit = -1, -3, 32 << 20  # 32 MiB: glibc's largest mmap threshold
+    if libc.mallopt(m_trim_threshold, limit) and libc.mallopt(m_mmap_threshold, limit):
+        return "glibc malloc keeping freed memory (mallopt trim and mmap thresholds 32 MiB)"
+    return "glibc malloc defaults (mallopt refused)"
 
 
 def write(name: str, lines: list[str], out: str) -> pathlib.Path:

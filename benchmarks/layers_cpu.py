@@ -8,6 +8,8 @@ Workloads: an MLP stack (fc1 column -> GELU -> fc2 row, residual) and a Llama-st
 rank runs one thread. The cases are interleaved, repetition by repetition, and every ratio is the
 median of per-repetition ratios (paired, so drift cancels); a repetition's time is its slowest
 rank's. Bytes per step per rank are tpflow's own counters (DTensor's collectives are not counted).
+glibc is set to keep freed memory (``hold_freed_memory``; ``--malloc-defaults`` leaves it), so no case
+pays page faults whose number follows the order of its frees rather than its work.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import tpflow as tpf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repo root for these
-from benchmarks.collective_cpu import cpu_name, step_times, write  # noqa: E402
+from benchmarks.collective_cpu import cpu_name, hold_freed_memory, step_times, write  # noqa: E402
 from tests.models import LLAMA_PLAN, DecoderLayer  # noqa: E402
 
 
@@ -73,8 +75,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="leave glibc returning freed memory to the OS (each step then re-faults its pages)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    allocator = "glibc malloc defaults" if args.malloc_defaults else hold_freed_memory()
     tpf.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     P = tpf.placement("cpu", list(range(world)))
@@ -82,7 +87,9 @@ def main() -> None:
              "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. dim {args.dim}, "
              f"hidden {args.hidden}, {args.tokens} tokens; {args.reps} interleaved repetitions of forward + backward;"
              " ratios are medians of paired per-repetition ratios.",
-             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/layers_cpu.py --reps {args.reps}`",
+             f"Allocator: {allocator}, for every case.",
+             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/layers_cpu.py --reps {args.reps}"
+             f"{' --malloc-defaults' if args.malloc_defaults else ''}`",
              "", "| workload | case | median ms | vs baseline | tpflow bytes / rank / step |", "|---|---|---:|---:|---:|"]
     for name, model, plan, torch_plan, x in workloads(args.dim, args.hidden, args.tokens):
         ours = tpf.parallelize(copy.deepcopy(model), placement=P, plan=plan)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tpflow as tpf
+from benchmarks.collective_cpu import hold_freed_memory
 from benchmarks.layers_cpu import step, workloads
 
 
@@ -17,6 +18,7 @@ from benchmarks.layers_cpu import step, workloads
 @pytest.mark.parametrize("workload", [0, 1], ids=["MLP stack", "decoder layer"])
 def test_world_of_one(benchmark, workload, case):
     torch.set_num_threads(1)
+    hold_freed_memory()  # as layers_cpu.py: no per-step page faults, whose cost follows the order of frees
     tpf.init_distributed()
     name, model, plan, _, x = workloads(512, 1408, 256)[workload]
     benchmark.group = f"{name}, forward + backward, one rank"

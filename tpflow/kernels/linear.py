@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tpflow.kernels.matmul import ACTIVATIONS, activate, activation_grad, bias_grad, matmul, needs_pre, saved_for_grad
+from tpflow.kernels.matmul import (ACTIVATIONS, activate, activation_grad, bias_grad, matmul, needs_pre, saved_for_grad,
+                                    use_triton)
 
 __all__ = ["linear", "linear_ref"]
 
@@ -78,4 +79,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[1]}")
+    if dgrad_hook is None and out_dtype in (None, x.dtype) and dgrad_dtype in (None, x.dtype) and not use_triton(x):
+        return linear_ref(x, weight, bias, activation)  # the same products, with autograd's own backward (no Python)
     return _Linear.apply(x, weight, bias, activation, dgrad_hook, out_dtype, dgrad_dtype)
