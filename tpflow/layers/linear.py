@@ -52,20 +52,21 @@ class _Outside(torch.autograd.Function):
         return torch.zeros_like(ctx.x), None, None, None
 
 
-class _LocalBlock(torch.autograd.Function):
-    """A DTensor parameter's local block on the eager hot path. ``DTensor.to_local`` re-derives the
-    gradient's global layout on every call (two autograd functions: 0.15-0.3 ms a parameter per step on a
-    2-core CPU, by torch.profiler); this wraps the gradient with a layout computed once per parameter."""
+class _LocalBlocks(torch.autograd.Function):
+    """The local blocks of a layer's DTensor parameters on the eager hot path, as one autograd node.
+    ``DTensor.to_local`` re-derives the gradient's global layout on every call (two autograd functions
+    per parameter: 0.15-0.3 ms a parameter per step on a 2-core CPU, by torch.profiler); this wraps each
+    gradient with a layout computed once per parameter."""
 
     @staticmethod
-    def forward(ctx, p, grad_spec):
-        ctx.grad_spec = grad_spec
-        local = p._local_tensor
-        return local.view_as(local)
+    def forward(ctx, grad_specs, *params):
+        ctx.grad_specs = grad_specs
+        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
 
     @staticmethod
-    def backward(ctx, grad):
-        return DTensor(grad.contiguous(), ctx.grad_spec, requires_grad=False), None
+    def backward(ctx, *grads):
+        return None, *(None if g is None else DTensor(g.contiguous(), spec, requires_grad=False)
+                       for g, spec in zip(grads, ctx.grad_specs))
 
 
 class _ParallelLinear(nn.Module, metaclass=ABCMeta):
@@ -85,7 +86,7 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         coord = placement.coordinate()
         self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
         self._group = None
-        self._grad_specs: dict = {}  # (parameter, data axes split) -> (its layout, its gradient's layout)
+        self._grad_specs: dict = {}  # data axes split -> (the parameters' layouts, their gradients' layouts)
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init and RNG use
         self._adopt(full.weight, full.bias)
 
@@ -180,19 +181,18 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         """This rank's weight and bias blocks. On the axes before the tensor-parallel one, each copy of a
         parameter sees its own rows of data when the input is split there, so its gradient is a partial sum
         (reduced when read, as OneFlow's data parallelism does); with a broadcast input it is whole."""
-        def local(p: nn.Parameter | None) -> torch.Tensor | None:
-            if p is None:
-                return None
-            placements = (*(Partial() if split_here else Replicate() for split_here in data_split), p.placements[-1])
-            if torch.compiler.is_compiling():  # traced code takes DTensor's own path
-                return p.to_local(grad_placements=placements)
-            spec, grad_spec = self._grad_specs.get((id(p), data_split), (None, None))
-            if spec is not p._spec:
-                spec, grad_spec = p._spec, dataclasses.replace(p._spec, placements=placements)
-                self._grad_specs[(id(p), data_split)] = (spec, grad_spec)
-            return _LocalBlock.apply(p, grad_spec)
-
-        return local(self.weight), local(self.bias)
+        params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        data = tuple(Partial() if split_here else Replicate() for split_here in data_split)
+        if torch.compiler.is_compiling():  # traced code takes DTensor's own path
+            blocks = tuple(p.to_local(grad_placements=(*data, p.placements[-1])) for p in params)
+        else:
+            specs, grad_specs = self._grad_specs.get(data_split, ((), ()))
+            if len(specs) != len(params) or any(spec is not p._spec for spec, p in zip(specs, params)):
+                specs = tuple(p._spec for p in params)  # (re)computed when a parameter is replaced or reloaded
+                grad_specs = tuple(dataclasses.replace(p._spec, placements=(*data, p.placements[-1])) for p in params)
+                self._grad_specs[data_split] = (specs, grad_specs)
+            blocks = _LocalBlocks.apply(grad_specs, *params)
+        return blocks[0], blocks[1] if len(blocks) > 1 else None
 
     @classmethod
     def from_linear(cls, module: nn.Linear, *, placement: Placement, **options) -> _ParallelLinear:
