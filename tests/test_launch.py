@@ -102,12 +102,13 @@ EXIT_SCRIPT = textwrap.dedent("""
         names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
         return sum(n.startswith("pt_gloo") for n in names)
 
-    atexit.register(lambda: print("gloo threads after the exit hook:", gloo_threads()))  # runs after tpflow's
-    rank, world = tpf.get_rank(), tpf.get_world_size()
+    rank = os.environ["RANK"]
+    atexit.register(lambda: open(f"rank{rank}.txt", "a").write(f"after the exit hook: {gloo_threads()}"))  # before
+    world = tpf.get_world_size()  # sets up the process group and registers tpflow's exit hook, which runs first
     y = matmul_reduce_scatter(torch.ones(4, 3), torch.ones(3, 2), algo="ring")
     every = [torch.zeros(1) for _ in range(world)]
     torch.distributed.all_gather(every, torch.ones(1))  # a temporary the gloo worker frees last
-    print("gloo threads while running:", gloo_threads())
+    open(f"rank{rank}.txt", "w").write(f"while running: {gloo_threads()}; ")
 """)
 
 
@@ -122,5 +123,6 @@ def test_exit_hook_joins_gloo_threads(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script)], env=env,
                           capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("gloo threads after the exit hook: 0") == 2, proc.stdout
-    assert "gloo threads while running: 0" not in proc.stdout, proc.stdout
+    for rank in range(2):
+        running, after = (tmp_path / f"rank{rank}.txt").read_text().split("; ")
+        assert running != "while running: 0" and after == "after the exit hook: 0", (rank, running, after)
