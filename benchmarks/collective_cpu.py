@@ -26,6 +26,7 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -61,12 +62,26 @@ def hold_freed_memory() -> str:
     return "glibc malloc defaults (mallopt refused)"
 
 
+def source_version() -> str:
+    """The commit the benchmarked code is at, marked when the working tree differs from it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tpflow", "benchmarks"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return f"commit {sha}" + (" with local changes" if dirty else "")
+
+
 def write(name: str, lines: list[str], out: str) -> pathlib.Path:
-    """Append this run to the day's file for ``name`` and this CPU: repeated runs stay side by side, so a
-    range quoted from them is backed by the file."""
+    """Append this run to the day's file for ``name`` and this CPU, with the code's commit: repeated runs
+    stay side by side, so a range quoted from them is backed by the file."""
     device = cpu_name().replace(" ", "-").replace("/", "-")
     path = pathlib.Path(out) / f"{name}_{device}_{datetime.date.today()}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [*lines[:1], "", f"Code: tpflow {source_version()}.", *lines[1:]]
     with path.open("a") as f:
         f.write(("\n" if path.stat().st_size else "") + "\n".join(lines) + "\n")
     return path

@@ -80,6 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     allocator = "glibc malloc defaults" if args.malloc_defaults else hold_freed_memory()
+    flags = "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+                    if k != "out" and v != parser.get_default(k))
     tpf.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     P = tpf.placement("cpu", list(range(world)))
@@ -88,8 +90,7 @@ def main() -> None:
              f"hidden {args.hidden}, {args.tokens} tokens; {args.reps} interleaved repetitions of forward + backward;"
              " ratios are medians of paired per-repetition ratios.",
              f"Allocator: {allocator}, for every case.",
-             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/layers_cpu.py --reps {args.reps}"
-             f"{' --malloc-defaults' if args.malloc_defaults else ''}`",
+             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/layers_cpu.py{flags}`",
              "", "| workload | case | median ms | vs baseline | tpflow bytes / rank / step |", "|---|---|---:|---:|---:|"]
     for name, model, plan, torch_plan, x in workloads(args.dim, args.hidden, args.tokens):
         ours = tpf.parallelize(copy.deepcopy(model), placement=P, plan=plan)

@@ -1,6 +1,7 @@
 """pytest-benchmark suite of the layers in one process (a world of one): a parallelized model against the
 same model with plain ``nn.Linear`` layers, forward + backward. Multi-rank comparisons against
-``parallelize_module``, measured inside the ranks: ``benchmarks/layers_cpu.py``."""
+``parallelize_module``, measured inside the ranks: ``benchmarks/layers_cpu.py``. As there, glibc is set to
+keep freed memory, for the rest of this pytest process."""
 
 from __future__ import annotations
 

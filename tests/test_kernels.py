@@ -143,6 +143,23 @@ def test_linear_gradients(activation, has_bias, dtype):
         _close(got_t, want_t, ref_t, dtype)
 
 
+def test_linear_on_the_torch_path_is_autograds_own_unless_backward_adds_work(monkeypatch):
+    """CPU tensors without TPFLOW_KERNELS: plain calls are F.linear (native backward, same values); a dgrad
+    hook or a dtype change keeps the autograd function; mixed dtypes are refused on both paths."""
+    monkeypatch.delenv("TPFLOW_KERNELS")
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    w, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
+    for activation in (None, "gelu"):
+        y = linear(x, w, b, activation)
+        assert "_Linear" not in type(y.grad_fn).__name__, y.grad_fn
+        torch.testing.assert_close(y, linear_ref(x, w, b, activation), rtol=0, atol=0)
+    assert type(linear(x, w, dgrad_hook=lambda dx: None).grad_fn).__name__ == "_LinearBackward"
+    assert type(linear(x, w, out_dtype=torch.float64).grad_fn).__name__ == "_LinearBackward"
+    torch.testing.assert_close(linear(x, w, b.double()), linear_ref(x, w, b))  # a bias is cast, as in the kernel
+    with pytest.raises(ValueError, match="x is torch.float64 but weight is torch.float32"):
+        linear(x.double(), w)
+
+
 def test_linear_dgrad_hook_overlaps_the_weight_gradient(monkeypatch):
     """The hook sees dx before the weight gradient is computed, and what it returns is waited after it."""
     monkeypatch.delenv("TPFLOW_KERNELS")

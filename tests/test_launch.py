@@ -66,6 +66,32 @@ def test_failing_rank_stops_the_launch(tmp_path):
     assert list((tmp_path / "logs").rglob("stderr.log")), "--logdir kept no per-rank logs"
 
 
+PENDING_SCRIPT = textwrap.dedent("""
+    import time, torch
+    import tpflow as tpf
+
+    if tpf.get_rank() == 1:
+        work = torch.distributed.all_reduce(torch.ones(4), async_op=True)  # never joined by rank 0
+        raise ValueError("boom with a collective in flight")
+    time.sleep(120)  # busy elsewhere: only the launcher's teardown ends it
+""")
+
+
+def test_failing_rank_with_a_collective_in_flight_exits_at_once(tmp_path):
+    # destroying the process group at exit would wait for the unfinished all-reduce, i.e. for rank 0
+    script = tmp_path / "script.py"
+    script.write_text(PENDING_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script)], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and "boom with a collective in flight" in proc.stderr, proc.stderr[-4000:]
+    assert elapsed < 60, f"the launch took {elapsed:.0f}s to fail: the failing rank waited at exit"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nnodes", "2", "--node_rank", "2"], "--node_rank must be in 0..1"),
     (["--nproc_per_node", "0"], "--nproc_per_node must be at least 1"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ __all__ = ["Placement", "placement", "get_rank", "get_world_size", "init_distrib
 _DEVICE_TYPES = ("cpu", "cuda")
 _MESHES: dict[tuple[str, tuple], DeviceMesh] = {}
 _EXIT_GRACE_S = 0.05  # at exit, time for gloo's threads to free their last tensors (see _shutdown)
+_EXIT_HOOK_PID: int | None = None  # the process whose exit runs _shutdown (not a forked child)
 
 
 def _timeout() -> datetime.timedelta:
@@ -51,19 +53,30 @@ def init_distributed() -> None:
         dist.init_process_group(backend, timeout=_timeout())
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_timeout())
-    atexit.register(_shutdown)
+    global _EXIT_HOOK_PID
+    if _EXIT_HOOK_PID is None:
+        _EXIT_HOOK_PID = os.getpid()
+        atexit.register(_shutdown)
 
 
 def _shutdown() -> None:
-    """Let gloo's threads finish before the interpreter is torn down. A gloo worker frees a collective's
-    tensors a moment after the caller's ``wait`` returns; when its reference is the last and Python is
-    already finalizing, taking the GIL to free them aborts a finished run (SIGABRT, "terminate called
-    without an active exception"; pytorch/pytorch#179291). So at exit the GIL is left free for a moment,
-    then the groups are destroyed, which joins their threads once nothing else holds them."""
-    if not dist.is_initialized():
+    """Let gloo's threads finish before the interpreter is torn down.
+
+    A gloo worker frees a collective's tensors a moment after the caller's ``wait`` returns. When its
+    reference is the last one and Python is already finalizing, taking the GIL to free them aborts a
+    finished run (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291).
+    The fix is the pause: the GIL is left free for a moment so such a worker can finish. Destroying the
+    groups afterwards is best effort: it joins their threads only when nothing else holds them (a
+    ``DeviceMesh`` or DTensor's caches may). A rank leaving on an uncaught exception skips it, since
+    gloo would first wait for that rank's unfinished collectives and so delay the launcher's teardown.
+    """
+    if os.getpid() != _EXIT_HOOK_PID or not dist.is_initialized():
         return
     time.sleep(_EXIT_GRACE_S)
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return  # Python records the exception that ends the program there
     _MESHES.clear()
+    _PLACEMENTS.clear()
     dist.destroy_process_group()
 
 

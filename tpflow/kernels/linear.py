@@ -7,6 +7,10 @@
 
 Saved for backward: x and W always; for relu the output (its sign is the mask); for gelu and
 silu the pre-activation z, written by the same kernel launch.
+
+Where the products run in torch (CPU tensors without ``TPFLOW_KERNELS=triton``) and the backward
+has nothing to add (no ``dgrad_hook``, no dtype change), ``linear`` is ``F.linear`` and the
+activation, with autograd's own backward: the same products, without Python in the backward.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[1]}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}: cast one of them")
     if dgrad_hook is None and out_dtype in (None, x.dtype) and dgrad_dtype in (None, x.dtype) and not use_triton(x):
-        return linear_ref(x, weight, bias, activation)  # the same products, with autograd's own backward (no Python)
+        return linear_ref(x, weight, None if bias is None else bias.to(x.dtype), activation)  # see the module doc
     return _Linear.apply(x, weight, bias, activation, dgrad_hook, out_dtype, dgrad_dtype)

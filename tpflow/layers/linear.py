@@ -61,7 +61,12 @@ class _LocalBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, grad_specs, *params):
         ctx.grad_specs = grad_specs
-        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+        ctx.set_materialize_grads(False)  # an unused block's gradient stays None
+        blocks = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+        frozen = [b for b, p in zip(blocks, params) if not p.requires_grad]
+        if frozen:  # no weight gradient is computed for a frozen weight
+            ctx.mark_non_differentiable(*frozen)
+        return blocks
 
     @staticmethod
     def backward(ctx, *grads):
@@ -188,7 +193,7 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         else:
             specs, grad_specs = self._grad_specs.get(data_split, ((), ()))
             if len(specs) != len(params) or any(spec is not p._spec for spec, p in zip(specs, params)):
-                specs = tuple(p._spec for p in params)  # (re)computed when a parameter is replaced or reloaded
+                specs = tuple(p._spec for p in params)  # recomputed when a parameter is replaced or converted
                 grad_specs = tuple(dataclasses.replace(p._spec, placements=(*data, p.placements[-1])) for p in params)
                 self._grad_specs[data_split] = (specs, grad_specs)
             blocks = _LocalBlocks.apply(grad_specs, *params)
