@@ -63,12 +63,13 @@ def hold_freed_memory() -> str:
 
 
 def source_version() -> str:
-    """The commit the benchmarked code is at, marked when the working tree differs from it."""
+    """The commit the benchmarked code is at, marked when its code (not earlier results) differs from it."""
     root = pathlib.Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tpflow", "benchmarks"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tpflow", "benchmarks",
+                                ":(exclude)benchmarks/results"],
                                cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "not a git checkout"
