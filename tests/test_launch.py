@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(args, tmp_path, script_args=("x",), timeout=180):
+def _launch(args, tmp_path, script_args=("x",), timeout=180, text=SCRIPT):
     script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
+    script.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -79,15 +79,7 @@ PENDING_SCRIPT = textwrap.dedent("""
 
 def test_failing_rank_with_a_collective_in_flight_exits_at_once(tmp_path):
     # destroying the process group at exit would wait for the unfinished all-reduce, i.e. for rank 0
-    script = tmp_path / "script.py"
-    script.write_text(PENDING_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script)], env=env,
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    elapsed = time.monotonic() - start
+    proc, elapsed = _launch(["--nproc_per_node", "2"], tmp_path, (), text=PENDING_SCRIPT)
     assert proc.returncode != 0 and "boom with a collective in flight" in proc.stderr, proc.stderr[-4000:]
     assert elapsed < 60, f"the launch took {elapsed:.0f}s to fail: the failing rank waited at exit"
 
@@ -141,13 +133,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread names from /proc")
 def test_exit_hook_joins_gloo_threads(tmp_path):
     # left to interpreter finalization, gloo's workers can abort a finished run (pytorch/pytorch#179291)
-    script = tmp_path / "script.py"
-    script.write_text(EXIT_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script)], env=env,
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    proc, _ = _launch(["--nproc_per_node", "2"], tmp_path, (), text=EXIT_SCRIPT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         running, after = (tmp_path / f"rank{rank}.txt").read_text().split("; ")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from dataclasses import dataclass
+import dataclasses
 
 from torch import nn
 
@@ -21,28 +21,31 @@ from tpflow.placement import Placement
 __all__ = ["ColumnParallel", "RowParallel", "parallelize"]
 
 
-@dataclass(frozen=True)
-class ColumnParallel:
+class _Style:
+    """A plan entry: its fields are the options of its layer's ``from_linear``."""
+
+    layer: type[_ParallelLinear]
+
+    def build(self, module: nn.Linear, placement: Placement) -> _ParallelLinear:
+        return self.layer.from_linear(module, placement=placement, **dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnParallel(_Style):
     """Plan entry for a ``ColumnParallelLinear`` (``"column"`` is ``ColumnParallel()``)."""
 
+    layer = ColumnParallelLinear
     gather_output: bool = False
     sequence_parallel: bool = False
 
-    def build(self, module: nn.Linear, placement: Placement) -> _ParallelLinear:
-        return ColumnParallelLinear.from_linear(module, placement=placement, gather_output=self.gather_output,
-                                                sequence_parallel=self.sequence_parallel)
 
-
-@dataclass(frozen=True)
-class RowParallel:
+@dataclasses.dataclass(frozen=True)
+class RowParallel(_Style):
     """Plan entry for a ``RowParallelLinear`` (``"row"`` is ``RowParallel()``)."""
 
+    layer = RowParallelLinear
     input_is_parallel: bool = True
     sequence_parallel: bool = False
-
-    def build(self, module: nn.Linear, placement: Placement) -> _ParallelLinear:
-        return RowParallelLinear.from_linear(module, placement=placement, input_is_parallel=self.input_is_parallel,
-                                             sequence_parallel=self.sequence_parallel)
 
 
 _NAMED = {"column": ColumnParallel(), "row": RowParallel()}
