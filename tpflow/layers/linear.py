@@ -74,6 +74,12 @@ class _LocalBlocks(torch.autograd.Function):
                        for g, spec in zip(grads, ctx.grad_specs))
 
 
+def _grad_placements(p: DTensor, data_split: tuple[bool, ...]) -> tuple:
+    """A parameter gradient's layout: partial over the data axes the input is split on, the parameter's own
+    on the tensor-parallel axis."""
+    return (*(Partial() if split_here else Replicate() for split_here in data_split), p.placements[-1])
+
+
 class _ParallelLinear(nn.Module, metaclass=ABCMeta):
     _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
 
@@ -187,14 +193,14 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         parameter sees its own rows of data when the input is split there, so its gradient is a partial sum
         (reduced when read, as OneFlow's data parallelism does); with a broadcast input it is whole."""
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        data = tuple(Partial() if split_here else Replicate() for split_here in data_split)
         if torch.compiler.is_compiling():  # traced code takes DTensor's own path
-            blocks = tuple(p.to_local(grad_placements=(*data, p.placements[-1])) for p in params)
+            blocks = tuple(p.to_local(grad_placements=_grad_placements(p, data_split)) for p in params)
         else:
             specs, grad_specs = self._grad_specs.get(data_split, ((), ()))
             if len(specs) != len(params) or any(spec is not p._spec for spec, p in zip(specs, params)):
                 specs = tuple(p._spec for p in params)  # recomputed when a parameter is replaced or converted
-                grad_specs = tuple(dataclasses.replace(p._spec, placements=(*data, p.placements[-1])) for p in params)
+                grad_specs = tuple(dataclasses.replace(p._spec, placements=_grad_placements(p, data_split))
+                                   for p in params)
                 self._grad_specs[data_split] = (specs, grad_specs)
             blocks = _LocalBlocks.apply(grad_specs, *params)
         return blocks[0], blocks[1] if len(blocks) > 1 else None
