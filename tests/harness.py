@@ -119,6 +119,14 @@ def run(world_size: int, fn, *args, timeout: float = 120) -> list:
             del _pools[world_size]
 
 
+def discard(world_size: int) -> None:
+    """Kill the pool of ``world_size``: a test that leaves messages in flight (a failed pipeline) must not hand
+    them to the next test."""
+    pool = _pools.pop(world_size, None)
+    if pool is not None:
+        pool.close(kill=True)
+
+
 def shutdown() -> None:
     for pool in _pools.values():
         pool.close()

@@ -25,15 +25,28 @@ from tpflow.global_tensor import (
     to_local,
     zeros,
 )
-from tpflow.layers import ColumnParallel, ColumnParallelLinear, RowParallel, RowParallelLinear, parallelize
+from tpflow.layers import (
+    ColumnParallel,
+    ColumnParallelLinear,
+    Pipeline,
+    PipelineError,
+    RowParallel,
+    RowParallelLinear,
+    Stage,
+    parallelize,
+    stage,
+)
 from tpflow.placement import Placement, get_rank, get_world_size, init_distributed, placement
 
 __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
+    "Pipeline",
+    "PipelineError",
     "Placement",
     "RowParallel",
     "RowParallelLinear",
+    "Stage",
     "comm",
     "from_local",
     "full",
@@ -50,6 +63,7 @@ __all__ = [
     "rand",
     "randn",
     "sbp",
+    "stage",
     "tensor",
     "to_global",
     "to_local",

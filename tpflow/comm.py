@@ -1,7 +1,7 @@
 """Communication on local shards, with byte counters.
 
-- ``exchange``: point-to-point transfers over the world group, for boxing across placements
-  (ranks that share no mesh).
+- ``exchange`` / ``post``: point-to-point transfers over the world group, for boxing across
+  placements (ranks that share no mesh) and a pipeline's hand-offs between stages.
 - ``all_gather`` / ``reduce_scatter`` along a dim, uneven chunks (``torch.chunk``'s rule)
   included: the library collectives, padded to equal chunks where sizes differ.
 - Autograd-aware collectives for the parallel layers' hot path, each the conjugate of its
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from tpflow.sbp import chunk_range
 
-__all__ = ["CommStats", "all_gather", "all_reduce", "bounds", "exchange", "gather", "reduce", "reduce_scatter", "scatter",
-           "stats"]
+__all__ = ["CommStats", "Pending", "all_gather", "all_reduce", "bounds", "exchange", "gather", "post", "reduce",
+           "reduce_scatter", "scatter", "stats"]
 
 
 @dataclass
@@ -48,24 +48,43 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+class Pending:
+    """Posted point-to-point transfers; their send buffers stay alive until ``wait`` returns."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+        self.buffers: list[torch.Tensor] = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+
+
+def post(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], tag: int = 0,
+         pending: Pending | None = None) -> Pending:
+    """Post sends and receives without waiting (added to ``pending`` if given). ``recvs`` buffers are filled
+    in place once waited on; empty tensors travel nowhere, on both sides."""
+    pending = Pending() if pending is None else pending
+    for peer, buf in recvs:
+        if buf.numel():
+            pending.works.append(dist.irecv(buf, src=peer, tag=tag))
+    for peer, tensor in sends:
+        if tensor.numel():
+            pending.buffers.append(tensor.contiguous())
+            pending.works.append(dist.isend(pending.buffers[-1], dst=peer, tag=tag))
+            stats.bytes_sent += tensor.numel() * tensor.element_size()
+            stats.messages_sent += 1
+    return pending
+
+
 def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
     """Post every send and receive of one step at once, then wait for all of them.
 
     Posting all before waiting on any means two ranks that send to each other cannot
     deadlock. ``recvs`` buffers are filled in place; empty tensors are skipped.
     """
-    works, keep_alive = [], []  # the send buffers must outlive their works
-    for peer, buf in recvs:
-        if buf.numel():
-            works.append(dist.irecv(buf, src=peer))
-    for peer, tensor in sends:
-        if tensor.numel():
-            keep_alive.append(tensor.contiguous())
-            works.append(dist.isend(keep_alive[-1], dst=peer))
-            stats.bytes_sent += tensor.numel() * tensor.element_size()
-            stats.messages_sent += 1
-    for work in works:
-        work.wait()
+    post(sends, recvs).wait()
 
 
 def bounds(size: int, parts: int) -> list[tuple[int, int]]:

@@ -244,14 +244,17 @@ def _across_plan(src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst
     return direct, tuple(transfers)
 
 
-def _box_across(x: DTensor, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement,
-                dst: tuple[Sbp, ...]) -> DTensor:
-    rank, shape = dist.get_rank(), tuple(x.shape)
+def post_across(x: DTensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst: tuple[Sbp, ...],
+                shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0,
+                pending: comm.Pending | None = None) -> tuple[comm.Pending, torch.Tensor | None]:
+    """Post this rank's part of boxing ``x`` from ``src_pl`` to ``dst_pl`` without waiting: its sends (``x`` is
+    needed on the source ranks only) and receives. Returns the transfers and this rank's destination block
+    (None off ``dst_pl``), complete once they are waited on."""
+    rank = dist.get_rank()
     direct, transfers = _across_plan(src_pl, src, dst_pl, dst, shape)
-    if direct:
-        source = x.to_local() if rank in src_pl else None
-    else:
-        source = _box_within(x, src_pl, src, (broadcast,) * src_pl.ndim).to_local() if rank in src_pl else None
+    source = None
+    if rank in src_pl:
+        source = x.to_local() if direct else _box_within(x, src_pl, src, (broadcast,) * src_pl.ndim).to_local()
     sends, recvs, local = [], [], None
     for sender, receiver, offsets, lengths in transfers:
         piece = None
@@ -263,17 +266,24 @@ def _box_across(x: DTensor, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Pla
             if sender == rank:
                 local = piece.clone()
             else:
-                local = torch.empty(lengths, dtype=x.dtype, device=dst_pl.device)
+                local = torch.empty(lengths, dtype=dtype, device=dst_pl.device)
                 recvs.append((sender, local))
     before = comm.stats.bytes_sent
-    comm.exchange(sends, recvs)
+    pending = comm.post(sends, recvs, tag, pending)
     coord = dst_pl.coordinate()
     if coord is not None and local is None:  # a partial-sum block off coordinate 0
-        local = torch.zeros(local_region(shape, dst, dst_pl.hierarchy, coord)[1], dtype=x.dtype, device=dst_pl.device)
+        local = torch.zeros(local_region(shape, dst, dst_pl.hierarchy, coord)[1], dtype=dtype, device=dst_pl.device)
     log.debug("boxing %s on %s -> %s on %s: %s, %d message(s) and %d byte(s) sent by this rank", src, src_pl, dst,
               dst_pl, "direct send/recv" if direct else "gather on source, send blocks, slice on destination",
               len(sends), comm.stats.bytes_sent - before)
-    return _wrap(local, dst_pl, dst, shape, x.dtype)
+    return pending, local
+
+
+def _box_across(x: DTensor, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement,
+                dst: tuple[Sbp, ...]) -> DTensor:
+    pending, local = post_across(x, src_pl, src, dst_pl, dst, tuple(x.shape), x.dtype)
+    pending.wait()
+    return _wrap(local, dst_pl, dst, x.shape, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,22 +432,28 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: object, *, shape:
 
 
 def _module_to_global(module: nn.Module, pl: Placement, sbp: object) -> nn.Module:
-    """Every parameter and buffer, read as its whole (single-device) value, laid out as ``sbp``.
+    """Every parameter and buffer, read as its whole (single-device) value, laid out as ``sbp`` on ``pl``.
 
-    Plain tensors are taken from the placement's first rank, so every rank starts from the same
-    model whatever its own initialisation drew. Shared parameters stay shared.
+    With ``sbp=None`` a global tensor keeps its SBP (moving to ``pl`` if it lives elsewhere) and a plain
+    one is broadcast. Plain tensors are taken from the placement's first rank, so every rank starts from
+    the same model whatever its own initialisation drew. Shared parameters stay shared; a tensor already
+    in its layout is kept as it is (the same object).
     """
     entries = []  # validate every tensor before converting any, so an error leaves the module intact
     for mod_name, mod in module.named_modules():
         for kind in ("_parameters", "_buffers"):
             for name, t in getattr(mod, kind).items():
                 if t is not None:
+                    want = get_sbp(t) if sbp is None and isinstance(t, DTensor) else \
+                        (broadcast,) * pl.ndim if sbp is None else sbp
                     try:
-                        entries.append((getattr(mod, kind), name, t, normalize(sbp, pl.ndim, t.ndim)))
+                        entries.append((getattr(mod, kind), name, t, normalize(want, pl.ndim, t.ndim)))
                     except ValueError as e:
                         raise ValueError(f"{f'{mod_name}.{name}'.lstrip('.')}: {e}") from None
     converted: dict[int, torch.Tensor] = {}
     for table, name, t, sbps in entries:
+        if isinstance(t, DTensor) and (get_placement(t), get_sbp(t)) == (pl, sbps):
+            continue
         if id(t) not in converted:
             with torch.no_grad():
                 if isinstance(t, DTensor):
@@ -455,12 +471,13 @@ def to_global(x: torch.Tensor | nn.Module, placement: Placement | None = None, s
     """Box a global tensor to a new placement and/or SBP (any pair, autograd both ways).
 
     A plain tensor is read as this rank's block (see ``from_local``); an ``nn.Module`` has every
-    parameter and buffer converted. ``grad_sbp`` is the layout of the input's gradient
+    parameter and buffer converted (``sbp=None``: global ones keep their SBP, plain ones are broadcast).
+    ``grad_sbp`` is the layout of the input's gradient
     (default: the input's own SBP, with partial sums read as broadcast).
     """
     if isinstance(x, nn.Module):
-        if placement is None or sbp is None:
-            raise TypeError("to_global(module, placement=..., sbp=...) needs both placement and sbp")
+        if placement is None:
+            raise TypeError("to_global(module, placement=..., sbp=...) needs a placement")
         return _module_to_global(x, _check_placement(placement), sbp)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"to_global takes a torch.Tensor or an nn.Module, got {type(x).__name__}")

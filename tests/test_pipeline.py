@@ -1,0 +1,268 @@
+"""tpf.stage and tpf.Pipeline against one device on the whole batch: GPipe and 1F1B, 1-4 stages, stages of
+one and of several ranks (data parallel, tensor parallel, the seed's global-tensor modules), uneven
+micro-batches; two optimizer steps, so the loss and every gradient are checked before and after an update.
+Mistakes fail on every rank at once (never a hang)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tpflow as tpf
+from tests import harness
+
+B, S0, S1 = tpf.sbp.broadcast, tpf.sbp.split(0), tpf.sbp.split(1)
+
+
+def _on(*ranks):
+    return tpf.placement("cpu", list(ranks))
+
+
+def _chain(dims, seed):
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(dims, dims[1:])]
+
+
+def _batch(rows, fin, fout, seed=1, classes=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, fin, generator=g)
+    y = torch.randint(0, classes, (rows,), generator=g) if classes else torch.randn(rows, fout, generator=g)
+    return x, y
+
+
+def _train_and_compare(pipe, ref, x, y, loss_fn, steps=2):
+    """``steps`` SGD steps of the pipeline and of the one-device model; loss and gradients compared each step.
+    Returns how many parameter gradients this rank checked and whether it saw the loss."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    checked, saw_loss = 0, False
+    for _ in range(steps):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        loss = pipe.step(x, y)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        if loss is not None:
+            torch.testing.assert_close(loss, ref_loss.detach(), msg="loss")
+            saw_loss = True
+        for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+            assert p.shape == q.shape, name
+            if dist.get_rank() in tpf.get_placement(p):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+                checked += 1
+        opt.step()
+        opt_ref.step()
+    return checked, saw_loss
+
+
+def _one_rank_stages(schedule, micro_batches, rows):
+    p = dist.get_world_size()
+    dims = [5, 7, 6, 4, 3][:p + 1]
+    blocks = _chain(dims, seed=0)
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    stages = [tpf.stage(b, stage_id=i, placement=_on(i)) for i, b in enumerate(blocks)]
+    pipe = tpf.Pipeline(stages, micro_batches=micro_batches, schedule=schedule, loss_fn=F.mse_loss)
+    x, y = _batch(rows, dims[0], dims[-1])
+    return _train_and_compare(pipe, ref, x, y, F.mse_loss)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("extra, rows", [(0, 8), (2, 11)], ids=["even", "uneven"])
+def test_one_rank_stages_match_one_device(world, schedule, extra, rows):
+    results = harness.run(world, _one_rank_stages, schedule, world + extra, rows)
+    assert all(checked == 4 for checked, _ in results)  # every rank holds one stage: a weight and a bias, 2 steps
+    assert [saw for _, saw in results] == [False] * (world - 1) + [True]
+
+
+def _data_then_tensor_parallel(schedule):
+    """Stage 0 data parallel on ranks 0-1 (input split(0)), stage 1 tensor parallel on ranks 2-3."""
+    torch.manual_seed(0)
+    first, second = nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 10), nn.ReLU(),
+                                                                              nn.Linear(10, 4))
+    ref = nn.Sequential(copy.deepcopy(first), copy.deepcopy(second))
+    second = tpf.parallelize(second, placement=_on(2, 3), plan={"0": tpf.ColumnParallel(), "2": tpf.RowParallel()})
+    stages = [tpf.stage(first, stage_id=0, placement=_on(0, 1), sbp=S0),
+              tpf.stage(second, stage_id=1, placement=_on(2, 3), sbp=B)]
+    pipe = tpf.Pipeline(stages, micro_batches=3, schedule=schedule, loss_fn=F.cross_entropy)
+    x, y = _batch(11, 6, 4, classes=4)
+    return _train_and_compare(pipe, ref, x, y, F.cross_entropy)
+
+
+def _one_rank_then_data_parallel(schedule):
+    """Stage 0 on rank 0, stage 1 data parallel over ranks 1-3 with uneven (and empty) blocks."""
+    blocks = _chain([5, 6, 3], seed=2)
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    stages = [tpf.stage(blocks[0], stage_id=0, placement=_on(0)),
+              tpf.stage(blocks[1], stage_id=1, placement=_on(1, 2, 3), sbp=S0)]
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule=schedule, loss_fn=F.mse_loss)
+    x, y = _batch(9, 5, 3)  # micro-batches of 3, 2, 2 and 2 rows over 3 ranks
+    return _train_and_compare(pipe, ref, x, y, F.mse_loss)
+
+
+class StageModule(nn.Module):
+    """The seed's stage: a weight created as a global tensor, applied with tpf.matmul."""
+
+    def __init__(self, in_dims, out_dims, placement, sbp):
+        super().__init__()
+        self.w = nn.Parameter(tpf.randn(in_dims, out_dims, placement=placement, sbp=sbp))
+
+    def forward(self, x):
+        return tpf.matmul(x, self.w)
+
+
+class _Matmul(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = nn.Parameter(w)
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def _seed_module_model(schedule):
+    """The seed's 4-rank ModuleModel as a two-stage pipeline: data parallel on 0-1, model parallel (w split(1))
+    on 2-3, the stage-0 output gathered onto 2-3 on entry."""
+    torch.manual_seed(0)
+    m0 = StageModule(5, 8, _on(0, 1), B)
+    m1 = StageModule(8, 3, _on(2, 3), S1)
+    torch.manual_seed(0)
+    ref = nn.Sequential(_Matmul(torch.randn(5, 8)), _Matmul(torch.randn(8, 3)))
+    stages = [tpf.stage(m0, stage_id=0, placement=_on(0, 1), sbp=S0), tpf.stage(m1, stage_id=1, placement=_on(2, 3),
+                                                                                sbp=B)]
+    assert tpf.get_sbp(m1.w) == (S1,), "a global parameter keeps its SBP in a stage"
+    pipe = tpf.Pipeline(stages, micro_batches=2, schedule=schedule, loss_fn=F.mse_loss)
+    x, y = _batch(8, 5, 3)
+    return _train_and_compare(pipe, ref, x, y, F.mse_loss)
+
+
+def _two_by_two_stages(schedule):
+    """Three stages: rank 0, then a 2-D data x tensor parallel stage on [[1, 2]] x ..., here ranks [[1], [2]]
+    (data parallel over axis 0), then rank 3."""
+    torch.manual_seed(3)
+    blocks = [nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 2)]
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    middle = tpf.placement("cpu", [[1], [2]])
+    blocks[1] = tpf.parallelize(blocks[1], placement=middle, plan={"0": tpf.ColumnParallel()})
+    stages = [tpf.stage(blocks[0], stage_id=0, placement=_on(0)),
+              tpf.stage(blocks[1], stage_id=1, placement=middle, sbp=(S0, B)),
+              tpf.stage(blocks[2], stage_id=2, placement=_on(3))]
+    pipe = tpf.Pipeline(stages, micro_batches=3, schedule=schedule, loss_fn=F.mse_loss)
+    x, y = _batch(7, 4, 2)
+    return _train_and_compare(pipe, ref, x, y, F.mse_loss)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("case, grads", [(_data_then_tensor_parallel, [4, 4, 8, 8]),
+                                         (_one_rank_then_data_parallel, [4, 4, 4, 4]),
+                                         (_seed_module_model, [2, 2, 2, 2]),
+                                         (_two_by_two_stages, [4, 4, 4, 4])],
+                         ids=["dp-then-tp", "one-then-dp3", "seed-module-model", "2d-middle-stage"])
+def test_multi_rank_stages_match_one_device(schedule, case, grads):
+    results = harness.run(4, case, schedule)
+    assert [checked for checked, _ in results] == grads
+    assert results[-1][1]
+
+
+def _eager_stages():
+    """Without a Pipeline every rank calls every stage in order; stages may then share ranks."""
+    torch.manual_seed(0)
+    blocks = _chain([5, 6, 3], seed=4)
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    world = dist.get_world_size()
+    model = nn.Sequential(tpf.stage(blocks[0], stage_id=0, placement=_on(0)),
+                          tpf.stage(blocks[1], stage_id=1, placement=_on(world - 1)))
+    x, y = _batch(4, 5, 3)
+    out = model(x)
+    assert tpf.get_placement(out) == _on(world - 1) and out.shape == (4, 3)
+    loss = F.mse_loss(out, tpf.tensor(y, placement=_on(world - 1), sbp=B))
+    loss.backward()
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    if dist.get_rank() == world - 1:
+        torch.testing.assert_close(loss.full_tensor(), ref_loss.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if dist.get_rank() in tpf.get_placement(p):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+        else:
+            assert p.to_local().numel() == 0, "a stage's parameters live only on its ranks"
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stages_called_in_order_without_a_pipeline(world):
+    assert all(harness.run(world, _eager_stages))
+
+
+def _table(schedule):
+    pipe = tpf.Pipeline([tpf.stage(nn.Linear(2, 2), stage_id=i, placement=_on(i)) for i in range(2)],
+                        micro_batches=3, schedule=schedule, loss_fn=F.mse_loss)
+    return pipe.schedule_table()
+
+
+def test_schedule_table_is_printable():
+    gpipe, one_f_one_b = (harness.run(2, _table, s)[0] for s in ("gpipe", "1f1b"))
+    assert gpipe.splitlines()[2:] == ["stage 0  F0 F1 F2  .  . B0 B1 B2", "stage 1   . F0 F1 F2 B0 B1 B2  ."]
+    assert "bubble (p - 1) / (m + p - 1) = 25.0%" in one_f_one_b
+
+
+# ---------------------------------------------------------------------------------------------
+# mistakes: a clear error at construction, or the same error on every rank at once
+
+
+def _construction_error(kind):
+    linear = nn.Linear(2, 2)
+    if kind == "rank in two stages":
+        stages = [tpf.stage(linear, stage_id=0, placement=_on(0, 1)), tpf.stage(nn.Linear(2, 2), stage_id=1,
+                                                                              placement=_on(1))]
+    else:
+        stages = [tpf.stage(linear, stage_id=0, placement=_on(0)),
+                  tpf.stage(nn.Linear(2, 2), stage_id=2 if kind == "stage ids" else 1, placement=_on(1))]
+    m = 1 if kind == "micro-batches" else 2
+    with pytest.raises(ValueError) as err:
+        tpf.Pipeline(stages, micro_batches=m, loss_fn=F.mse_loss)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("kind, words", [("rank in two stages", "rank 1 is in stage 0 and stage 1"),
+                                         ("stage ids", "stage ids must be 0, 1"),
+                                         ("micro-batches", "at least as many micro-batches as stages")])
+def test_construction_errors(kind, words):
+    assert all(words in text for text in harness.run(2, _construction_error, kind))
+
+
+def _failing_step(kind, schedule):
+    dims = [4, 6, 5, 3]
+    blocks = _chain(dims, seed=0)
+    if kind == "activation shapes":
+        blocks[1] = nn.Linear(7, 5)  # stage 1 expects 7 features; stage 0 hands it 6
+    stages = [tpf.stage(b, stage_id=i, placement=_on(i)) for i, b in enumerate(blocks)]
+    loss_fn = F.mse_loss if kind != "loss" else (lambda y, t: F.mse_loss(y, t[:, :1]) + t.unknown)
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule=schedule, loss_fn=loss_fn)
+    x, y = _batch(3 if kind == "batch" else 8, 4, 3)
+    start = time.monotonic()
+    with pytest.raises(tpf.PipelineError) as err:
+        pipe.step(x, y)
+    return str(err.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind, words", [
+    ("activation shapes", "stage 1 (ranks [1]) failed on F0: RuntimeError"),
+    ("batch", "failed: ValueError: a batch of 3 rows cannot make 4 micro-batches"),
+    ("loss", "stage 2 (ranks [2]) failed on F0: AttributeError"),
+])
+def test_a_failing_stage_stops_every_rank(kind, words, schedule):
+    try:
+        results = harness.run(3, _failing_step, kind, schedule, timeout=60)
+    finally:
+        harness.discard(3)  # the failed step leaves sends that no rank will take
+    for text, seconds in results:
+        assert words in text, text
+        assert seconds < 10, f"the error took {seconds:.1f} s to reach every rank"

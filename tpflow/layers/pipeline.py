@@ -1,0 +1,309 @@
+"""``tpf.Pipeline``: stages on their own ranks, run over micro-batches by one executor of a schedule table.
+
+Every rank builds the same ``Pipeline`` (one SPMD script) and runs only its own stage's column of the
+table (``schedule.build``): forwards and backwards of micro-batches, and the hand-offs between stages.
+A hand-off is the cross-placement boxing of ``to_global`` split in two: the sending stage posts its
+blocks and goes on (asynchronous sends), the receiving stage waits for them when its table says so.
+Every hand-off is preceded by a small header from each sending rank to each receiving rank, carrying
+the tensor's shape, dtype and SBP, so a stage needs to know nothing of its neighbours' outputs in
+advance. A stage that fails sends an error header instead, on every link it still owes messages to:
+its neighbours raise the same error and pass it on, so a mistake in one stage stops the whole
+pipeline at once instead of leaving the other ranks waiting.
+
+Gradients end up as one full-batch step leaves them: each micro-batch's loss is weighted by its share
+of the batch (``loss_reduction="mean"``) or not at all (``"sum"``), and parameters accumulate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpflow import comm
+from tpflow.global_tensor import from_local, get_placement, get_sbp, post_across, tensor, to_global
+from tpflow.layers import schedule as schedules
+from tpflow.layers.stage import Stage
+from tpflow.placement import Placement
+from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, dual
+
+__all__ = ["Pipeline", "PipelineError"]
+
+_HEADER_BYTES = 1024
+_META_INTS = 32  # status, ndim, dtype, 16 dims, number of axes, 8 SBP codes; an error's text follows
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_OK, _FAILED = 0, 1
+
+
+class PipelineError(RuntimeError):
+    """A stage of the pipeline failed; every rank of every stage raises it with the failing stage's error."""
+
+
+def _sbp_code(s: Sbp) -> int:
+    return s.dim if isinstance(s, Split) else -1 if isinstance(s, Broadcast) else -2
+
+
+def _sbp_of(code: int) -> Sbp:
+    return Split(code) if code >= 0 else broadcast if code == -1 else PartialSum()
+
+
+def _header(status: int, shape: Sequence[int] = (), dtype: torch.dtype = torch.float32,
+            sbps: Sequence[Sbp] = (), message: str = "") -> torch.Tensor:
+    if len(shape) > 16 or len(sbps) > 8:
+        raise ValueError(f"a pipeline hands off tensors of up to 16 dims on placements of up to 8 axes, got "
+                         f"shape {tuple(shape)} and {len(sbps)} axes")
+    if dtype not in _DTYPES:
+        raise TypeError(f"a pipeline cannot hand off {dtype} tensors; use one of {_DTYPES}")
+    ints = [status, len(shape), _DTYPES.index(dtype), *shape, *[0] * (16 - len(shape)),
+            len(sbps), *map(_sbp_code, sbps), *[0] * (8 - len(sbps))]
+    ints += [0] * (_META_INTS - len(ints))
+    buf = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
+    buf[:_META_INTS * 8] = torch.tensor(ints, dtype=torch.int64).view(torch.uint8)
+    text = message.encode()[:_HEADER_BYTES - _META_INTS * 8]
+    buf[_META_INTS * 8:_META_INTS * 8 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    return buf
+
+
+def _read_header(buf: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype, tuple[Sbp, ...], str]:
+    ints = buf[:_META_INTS * 8].view(torch.int64).tolist()
+    status, ndim, dtype = ints[0], ints[1], _DTYPES[ints[2]]
+    shape, axes = tuple(ints[3:3 + ndim]), ints[19]
+    sbps = tuple(_sbp_of(c) for c in ints[20:20 + axes])
+    message = bytes(buf[_META_INTS * 8:].tolist()).rstrip(b"\0").decode(errors="replace")
+    return status, shape, dtype, sbps, message
+
+
+class _Link:
+    """The hand-offs between stage ``s`` (``src``) and stage ``s + 1`` (``dst``): activations forward, their
+    gradients back. Micro-batch ``i`` travels with tags ``2 i`` (header) and ``2 i + 1`` (blocks)."""
+
+    def __init__(self, src: Stage, dst: Stage) -> None:
+        self.src, self.dst = src, dst
+        self.sent = {"act": 0, "grad": 0}  # hand-offs this rank has posted, per direction
+        self.out_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: each received activation's SBP on src
+
+    def _post_headers(self, to: Placement, header: torch.Tensor, micro_batch: int, pending: comm.Pending) -> None:
+        comm.post([(r, header) for r in to.flat_ranks], [], tag=2 * micro_batch, pending=pending)
+
+    def _wait_headers(self, frm: Placement, micro_batch: int, stage: int) -> tuple[tuple[int, ...], torch.dtype,
+                                                                                    tuple[Sbp, ...]]:
+        bufs = [(r, torch.empty(_HEADER_BYTES, dtype=torch.uint8)) for r in frm.flat_ranks]
+        comm.post([], bufs, tag=2 * micro_batch).wait()
+        headers = [_read_header(b) for _, b in bufs]
+        for status, *_, message in headers:
+            if status == _FAILED:
+                raise PipelineError(message)
+        metas = {h[1:4] for h in headers}
+        if len(metas) > 1:
+            raise PipelineError(f"the ranks of stage {stage} hand off different tensors for micro-batch "
+                                f"{micro_batch}: {sorted(map(str, metas))}")
+        return metas.pop()
+
+    def send_act(self, y: DTensor, micro_batch: int, pending: comm.Pending) -> None:
+        src_pl, src_sbps = self.src.placement, get_sbp(y)
+        dst_sbps = self.dst.input_sbp(src_pl, src_sbps, y.ndim)
+        self._post_headers(self.dst.placement, _header(_OK, y.shape, y.dtype, src_sbps), micro_batch, pending)
+        post_across(y, src_pl, src_sbps, self.dst.placement, dst_sbps, tuple(y.shape), y.dtype, 2 * micro_batch + 1,
+                    pending)
+        self.sent["act"] += 1
+
+    def recv_act(self, micro_batch: int) -> DTensor:
+        src_pl, dst_pl = self.src.placement, self.dst.placement
+        shape, dtype, src_sbps = self._wait_headers(src_pl, micro_batch, self.src.stage_id)
+        dst_sbps = self.dst.input_sbp(src_pl, src_sbps, len(shape))
+        self.out_sbps[micro_batch] = src_sbps
+        pending, local = post_across(None, src_pl, src_sbps, dst_pl, dst_sbps, shape, dtype, 2 * micro_batch + 1)
+        pending.wait()
+        x = from_local(local, dst_pl, dst_sbps, shape=shape, sync_data=False)
+        return x.requires_grad_(dtype.is_floating_point or dtype.is_complex)
+
+    def send_grad(self, x: DTensor, micro_batch: int, pending: comm.Pending) -> None:
+        """The gradient of the input ``x`` this stage received, laid out as the sender's output needs it."""
+        pl, sbps = self.dst.placement, dual(get_sbp(x))
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        grad = to_global(grad, sbp=sbps)  # partial sums (several ranks' contributions) are reduced here
+        self._post_headers(self.src.placement, _header(_OK, grad.shape, grad.dtype, sbps), micro_batch, pending)
+        post_across(grad, pl, sbps, self.src.placement, dual(self.out_sbps.pop(micro_batch)), tuple(grad.shape), grad.dtype,
+                    2 * micro_batch + 1, pending)
+        self.sent["grad"] += 1
+
+    def recv_grad(self, y: DTensor, micro_batch: int) -> DTensor:
+        """The gradient of this stage's output ``y``, from the stage after."""
+        shape, dtype, dst_sbps = self._wait_headers(self.dst.placement, micro_batch, self.dst.stage_id)
+        if shape != tuple(y.shape):
+            raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {shape} for an output of "
+                                f"shape {tuple(y.shape)} (micro-batch {micro_batch})")
+        want = dual(get_sbp(y))
+        pending, local = post_across(None, self.dst.placement, dst_sbps, self.src.placement, want, shape, dtype,
+                                     2 * micro_batch + 1)
+        pending.wait()
+        return from_local(local, self.src.placement, want, shape=shape, sync_data=False)
+
+    def fail(self, message: str, towards: str, micro_batches: int, pending: comm.Pending) -> None:
+        """Post an error header where the peer stage waits next, if this rank still owes it messages."""
+        kind, to = ("act", self.dst.placement) if towards == "dst" else ("grad", self.src.placement)
+        if self.sent[kind] < micro_batches:
+            self._post_headers(to, _header(_FAILED, message=message), self.sent[kind], pending)
+
+
+def _collect(stages: object) -> list[Stage]:
+    """The stages, ordered by ``stage_id``, from a sequence of them or a module that holds them."""
+    if isinstance(stages, Stage):
+        found = [stages]
+    elif isinstance(stages, nn.Module):
+        found = [m for m in stages.modules() if isinstance(m, Stage)]
+    elif isinstance(stages, Sequence) and all(isinstance(st, Stage) for st in stages):
+        found = list(stages)
+    else:
+        raise TypeError("Pipeline takes a list of tpf.stage(...) modules, or a module that holds them")
+    ids = sorted(st.stage_id for st in found)
+    if ids != list(range(len(found))) or not found:
+        raise ValueError(f"a pipeline's stage ids must be 0, 1, ..., each once; got {ids}")
+    found.sort(key=lambda st: st.stage_id)
+    if len({st.placement.type for st in found}) > 1:
+        raise ValueError(f"a pipeline's stages must share a device type, got {[str(st.placement) for st in found]}")
+    owner: dict[int, int] = {}
+    for st in found:
+        for r in st.placement.flat_ranks:
+            if r in owner:
+                raise ValueError(f"rank {r} is in stage {owner[r]} and stage {st.stage_id}: a rank runs one stage of "
+                                 "a pipeline, so give each stage its own ranks (or call the stages in order without "
+                                 "a Pipeline, which lets stages share ranks)")
+            owner[r] = st.stage_id
+    return found
+
+
+class Pipeline(nn.Module):
+    """Stages run over ``micro_batches`` by ``schedule`` ("gpipe" or "1f1b"), one rank set per stage.
+
+    ``step(inputs, targets)`` runs forward and backward of one batch and returns its loss (on the last
+    stage's ranks; None elsewhere), leaving every parameter's gradient as one device would on the whole
+    batch. ``pipe(x)`` runs the stages in order eagerly, on every rank. ``trace`` holds the last step's
+    actions on this rank with their start and end times (seconds from the step's start).
+    """
+
+    def __init__(self, stages: Sequence[Stage] | nn.Module, *, micro_batches: int, loss_fn: Callable,
+                 schedule: str = "1f1b", loss_reduction: str = "mean") -> None:
+        super().__init__()
+        found = _collect(stages)
+        p = len(found)
+        if not isinstance(micro_batches, int) or micro_batches < p:
+            raise ValueError(f"micro_batches={micro_batches!r} for {p} stages: use at least as many micro-batches as "
+                             "stages, or each stage idles through most of the step")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' (loss_fn averages over its rows) or 'sum', "
+                             f"got {loss_reduction!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        self.stages = nn.ModuleList(found)
+        self.micro_batches, self.schedule, self.loss_fn, self.loss_reduction = \
+            micro_batches, schedule, loss_fn, loss_reduction
+        self.table = schedules.build(schedule, p, micro_batches)
+        for st in found:  # process groups are made by every rank, in one order: here, not lazily inside a stage
+            st.placement.mesh
+        rank = dist.get_rank()
+        self.stage_index = next((i for i, st in enumerate(found) if rank in st.placement), None)
+        self.links = [_Link(a, b) for a, b in zip(found, found[1:])]
+        self.trace: list[tuple[schedules.Action, float, float]] = []
+        self._unfinished = comm.Pending()  # a failed step's sends, kept alive: their peers may never take them
+
+    def schedule_table(self) -> str:
+        """The step as a grid of stages by time steps (unit time per forward and per backward)."""
+        p, m = len(self.stages), self.micro_batches
+        return (f"{self.schedule}: {p} stages, {m} micro-batches, bubble (p - 1) / (m + p - 1) = "
+                f"{(p - 1) / (m + p - 1):.1%}\n" + schedules.render(self.table))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for st in self.stages:
+            x = st(x)
+        return x
+
+    def _micro(self, batch: object, what: str) -> tuple[torch.Tensor, ...]:
+        if not isinstance(batch, torch.Tensor) or isinstance(batch, DTensor) or batch.ndim == 0:
+            raise TypeError(f"Pipeline.step takes the whole batch of {what} as a plain tensor with rows in dim 0 "
+                            f"(as one device would), got {type(batch).__name__}")
+        if batch.shape[0] < self.micro_batches:
+            raise ValueError(f"a batch of {batch.shape[0]} rows cannot make {self.micro_batches} micro-batches")
+        return torch.tensor_split(batch, self.micro_batches)
+
+    def _output(self, y: object, stage: Stage) -> DTensor:
+        if not isinstance(y, DTensor):
+            raise TypeError(f"a pipeline stage must return one global tensor on its placement, got "
+                            f"{type(y).__name__}: build the stage from global parameters and ops, or convert its "
+                            "output with tpf.to_global")
+        if get_placement(y) != stage.placement:
+            raise ValueError(f"stage {stage.stage_id} returned a tensor on {get_placement(y)}, not on its own "
+                             f"placement {stage.placement}")
+        return y
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """One batch forward and backward; the first stage reads ``inputs``, the last ``targets`` (plain whole
+        batches), so other ranks may pass None."""
+        s = self.stage_index
+        if s is None:
+            return None
+        p, links = len(self.stages), self.links
+        prev, nxt = links[s - 1] if s > 0 else None, links[s] if s < p - 1 else None
+        for link in (prev, nxt):
+            if link is not None:
+                link.sent, link.out_sbps = {"act": 0, "grad": 0}, {}
+        pending, self.trace, self._action = comm.Pending(), [], None
+        try:
+            loss = self._run(s, prev, nxt, inputs, targets, pending)
+            pending.wait()
+            return loss
+        except Exception as e:
+            where = "" if self._action is None else f" on {self._action}"
+            message = str(e) if isinstance(e, PipelineError) else (
+                f"stage {s} (ranks {self.stages[s].placement.ranks}) failed{where}: {type(e).__name__}: {e}")
+            if prev is not None:
+                prev.fail(message, "src", self.micro_batches, self._unfinished)
+            if nxt is not None:
+                nxt.fail(message, "dst", self.micro_batches, self._unfinished)
+            self._unfinished.buffers += pending.buffers
+            if isinstance(e, PipelineError):
+                raise
+            raise PipelineError(message) from e
+
+    def _run(self, s: int, prev: _Link | None, nxt: _Link | None, inputs: object, targets: object,
+             pending: comm.Pending) -> torch.Tensor | None:
+        stage, last = self.stages[s], s == len(self.stages) - 1
+        micro_inputs = self._micro(inputs, "inputs") if s == 0 else None
+        micro_targets = self._micro(targets, "targets") if last else None
+        rows = sum(t.shape[0] for t in micro_targets) if last else 0
+        received: dict[int, DTensor] = {}  # input activations, kept for their gradients
+        outputs: dict[int, torch.Tensor] = {}  # outputs (on the last stage, weighted losses) until their backward
+        grads: dict[int, DTensor] = {}
+        total = None
+        start = time.perf_counter()
+        for action in self.table[s]:
+            i, began, self._action = action.micro_batch, time.perf_counter(), action
+            if action.kind == "recv_act":
+                received[i] = prev.recv_act(i)
+            elif action.kind == "F":
+                y = self._output(stage(received[i] if s > 0 else micro_inputs[i]), stage)
+                if last:  # the loss sees the whole micro-batch on every rank: DTensor's mean over uneven
+                    # split(0) blocks averages the blocks' means (biased), and its nll_loss refuses them
+                    whole = (broadcast,) * stage.placement.ndim
+                    y = to_global(y, sbp=whole)
+                    target = tensor(micro_targets[i].to(stage.placement.device), placement=stage.placement, sbp=whole)
+                    weight = target.shape[0] / rows if self.loss_reduction == "mean" else 1.0
+                    y = self.loss_fn(y, target) * weight
+                    value = (y.detach().full_tensor() if isinstance(y, DTensor) else y.detach()).float()
+                    total = value if total is None else total + value
+                outputs[i] = y
+            elif action.kind == "send_act":
+                nxt.send_act(outputs[i].detach(), i, pending)
+            elif action.kind == "recv_grad":
+                grads[i] = nxt.recv_grad(outputs[i], i)
+            elif action.kind == "B":
+                torch.autograd.backward(outputs.pop(i), grads.pop(i, None))
+            elif action.kind == "send_grad":
+                prev.send_grad(received.pop(i), i, pending)
+            self.trace.append((action, began - start, time.perf_counter() - start))
+        return total
