@@ -19,6 +19,9 @@ demo: $(VENV)/.installed
 	$(LAUNCH) --nproc_per_node 2 examples/pipeline_two_stage.py
 	$(LAUNCH) --nproc_per_node 4 examples/hybrid_module_model.py
 	$(LAUNCH) --nproc_per_node 2 examples/data_parallel_training.py
+	$(LAUNCH) --nproc_per_node 2 examples/hybrid_mlp_digits.py
+	$(LAUNCH) --nproc_per_node 2 examples/pipeline_lenet.py
+	$(LAUNCH) --nproc_per_node 4 examples/pipeline_module_model.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

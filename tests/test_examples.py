@@ -11,13 +11,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = {
+EXAMPLES = {  # ranks under the launcher
     "data_parallel.py": 2,
     "model_parallel.py": 2,
     "pipeline_two_stage.py": 2,
     "hybrid_module_model.py": 4,
     "data_parallel_training.py": 2,
+    "hybrid_mlp_digits.py": 2,
+    "pipeline_lenet.py": 2,
+    "pipeline_module_model.py": 4,
 }
+PIPELINES = {"pipeline_lenet.py", "pipeline_module_model.py"}  # a rank per stage: no one-process run
 
 
 def _run(args):
@@ -39,7 +43,13 @@ def test_example_under_launcher(name):
     assert proc.stdout.count("matches one device") + proc.stdout.count("w = [") >= nproc, proc.stdout
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("name", sorted(set(EXAMPLES) - PIPELINES))
 def test_example_as_one_process(name):
     proc = _run([f"examples/{name}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_pipeline_example_says_how_to_launch_it(name):
+    proc = _run([f"examples/{name}"])
+    assert proc.returncode == 1 and f"python -m tpflow.launch --nproc_per_node {EXAMPLES[name]}" in proc.stderr

@@ -324,6 +324,27 @@ class _LocalToGlobal(torch.autograd.Function):
         return local, None, None, None, None, None
 
 
+class _OffPlacement(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pl, sbps, shape, dtype):
+        ctx.x = x.detach()
+        return _wrap(None, pl, sbps, shape, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(ctx.x), None, None, None, None
+
+
+def off_placement(x: torch.Tensor, pl: Placement, sbps: tuple[Sbp, ...], shape: Sequence[int], dtype: torch.dtype,
+                  requires_grad: bool) -> DTensor:
+    """What a rank outside ``pl`` holds of an output computed there from ``x``: an empty block with the output's
+    shape and SBP. It requires grad where the computed output does, and stays in the graph of ``x``, so that in
+    backward this rank still takes part in the boxings after it and in the one that brought ``x`` to ``pl``."""
+    if x.requires_grad:
+        return _OffPlacement.apply(x, pl, sbps, tuple(shape), dtype)
+    return _wrap(None, pl, sbps, shape, dtype).requires_grad_(requires_grad)
+
+
 # ---------------------------------------------------------------------------------------------
 # public conversions
 
@@ -351,7 +372,8 @@ def to_local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local()
 
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+DTYPES = [  # the dtypes a metadata message can name, by index
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _MAX_NDIM = 16
 
@@ -360,13 +382,13 @@ def _all_gather_meta(local: torch.Tensor, device: torch.device) -> list[tuple[tu
     """Every rank's (shape, dtype), in one fixed-size all-gather over the world."""
     if local.ndim > _MAX_NDIM:
         raise ValueError(f"tpflow handles tensors of up to {_MAX_NDIM} dims, got {local.ndim}")
-    code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else len(_DTYPES)
+    code = DTYPES.index(local.dtype) if local.dtype in DTYPES else len(DTYPES)
     meta = torch.tensor([local.ndim, code, *local.shape] + [0] * (_MAX_NDIM - local.ndim), device=device)
     metas = torch.empty(dist.get_world_size() * meta.numel(), dtype=meta.dtype, device=device)
     comm.all_gather_single(metas, meta)
     out = []
     for ndim, code, *shape in metas.view(-1, meta.numel()).tolist():
-        out.append((tuple(shape[:ndim]), _DTYPES[code] if code < len(_DTYPES) else "unsupported"))
+        out.append((tuple(shape[:ndim]), DTYPES[code] if code < len(DTYPES) else "unsupported"))
     return out
 
 

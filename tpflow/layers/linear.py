@@ -29,27 +29,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm
-from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
+from tpflow.global_tensor import from_local, get_placement, get_sbp, off_placement, tensor, to_global
 from tpflow.kernels import all_gather_matmul, linear, matmul_reduce_scatter
 from tpflow.kernels.matmul import accumulate_dtype
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_region, split
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
-
-
-class _Outside(torch.autograd.Function):
-    """A rank outside the layer's placement gets an empty output that keeps the input in the graph, so that
-    in backward it still takes part in the boxing that brought the input to the placement."""
-
-    @staticmethod
-    def forward(ctx, x, pl, sbp, shape):
-        ctx.x = x.detach()
-        return from_local(torch.empty(0, dtype=x.dtype, device=pl.device), pl, sbp, shape=shape, sync_data=False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.zeros_like(ctx.x), None, None, None
 
 
 class _LocalBlocks(torch.autograd.Function):
@@ -174,7 +160,8 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         out_shape = (*x.shape[:-1], self.out_features)
         out_sbp = kept + (self._output_tp_sbp(ndim),)
         if self._tp_rank is None:  # outside the placement: an empty block, as DTensor has it
-            return _Outside.apply(x, pl, out_sbp, out_shape)
+            trained = any(p.requires_grad for p in self.parameters())
+            return off_placement(x, pl, out_sbp, out_shape, x.dtype, x.requires_grad or trained)
         coord = pl.coordinate()
         rows = local_region(x.shape, kept + (broadcast,), pl.hierarchy, coord)[1][0] if ndim > 1 else None
         data_split = tuple(isinstance(s, Split) for s in kept)

@@ -29,54 +29,10 @@ from tpflow.global_tensor import from_local, get_placement, get_sbp, post_across
 from tpflow.layers import schedule as schedules
 from tpflow.layers.stage import Stage
 from tpflow.placement import Placement
-from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, dual
+from tpflow.layers.meta import FAILED, HEADER_BYTES, OK, PipelineError, header, read_header
+from tpflow.sbp import Sbp, broadcast, dual
 
 __all__ = ["Pipeline", "PipelineError"]
-
-_HEADER_BYTES = 1024
-_META_INTS = 32  # status, ndim, dtype, 16 dims, number of axes, 8 SBP codes; an error's text follows
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
-_OK, _FAILED = 0, 1
-
-
-class PipelineError(RuntimeError):
-    """A stage of the pipeline failed; every rank of every stage raises it with the failing stage's error."""
-
-
-def _sbp_code(s: Sbp) -> int:
-    return s.dim if isinstance(s, Split) else -1 if isinstance(s, Broadcast) else -2
-
-
-def _sbp_of(code: int) -> Sbp:
-    return Split(code) if code >= 0 else broadcast if code == -1 else PartialSum()
-
-
-def _header(status: int, shape: Sequence[int] = (), dtype: torch.dtype = torch.float32,
-            sbps: Sequence[Sbp] = (), message: str = "") -> torch.Tensor:
-    if len(shape) > 16 or len(sbps) > 8:
-        raise ValueError(f"a pipeline hands off tensors of up to 16 dims on placements of up to 8 axes, got "
-                         f"shape {tuple(shape)} and {len(sbps)} axes")
-    if dtype not in _DTYPES:
-        raise TypeError(f"a pipeline cannot hand off {dtype} tensors; use one of {_DTYPES}")
-    ints = [status, len(shape), _DTYPES.index(dtype), *shape, *[0] * (16 - len(shape)),
-            len(sbps), *map(_sbp_code, sbps), *[0] * (8 - len(sbps))]
-    ints += [0] * (_META_INTS - len(ints))
-    buf = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
-    buf[:_META_INTS * 8] = torch.tensor(ints, dtype=torch.int64).view(torch.uint8)
-    text = message.encode()[:_HEADER_BYTES - _META_INTS * 8]
-    buf[_META_INTS * 8:_META_INTS * 8 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    return buf
-
-
-def _read_header(buf: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype, tuple[Sbp, ...], str]:
-    ints = buf[:_META_INTS * 8].view(torch.int64).tolist()
-    status, ndim, dtype = ints[0], ints[1], _DTYPES[ints[2]]
-    shape, axes = tuple(ints[3:3 + ndim]), ints[19]
-    sbps = tuple(_sbp_of(c) for c in ints[20:20 + axes])
-    message = bytes(buf[_META_INTS * 8:].tolist()).rstrip(b"\0").decode(errors="replace")
-    return status, shape, dtype, sbps, message
-
 
 class _Link:
     """The hand-offs between stage ``s`` (``src``) and stage ``s + 1`` (``dst``): activations forward, their
@@ -87,18 +43,18 @@ class _Link:
         self.sent = {"act": 0, "grad": 0}  # hand-offs this rank has posted, per direction
         self.out_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: each received activation's SBP on src
 
-    def _post_headers(self, to: Placement, header: torch.Tensor, micro_batch: int, pending: comm.Pending) -> None:
-        comm.post([(r, header) for r in to.flat_ranks], [], tag=2 * micro_batch, pending=pending)
+    def _post_headers(self, to: Placement, buf: torch.Tensor, micro_batch: int, pending: comm.Pending) -> None:
+        comm.post([(r, buf) for r in to.flat_ranks], [], tag=2 * micro_batch, pending=pending)
 
     def _wait_headers(self, frm: Placement, micro_batch: int, stage: int) -> tuple[tuple[int, ...], torch.dtype,
                                                                                     tuple[Sbp, ...]]:
-        bufs = [(r, torch.empty(_HEADER_BYTES, dtype=torch.uint8)) for r in frm.flat_ranks]
+        bufs = [(r, torch.empty(HEADER_BYTES, dtype=torch.uint8)) for r in frm.flat_ranks]
         comm.post([], bufs, tag=2 * micro_batch).wait()
-        headers = [_read_header(b) for _, b in bufs]
-        for status, *_, message in headers:
-            if status == _FAILED:
+        headers = [read_header(b) for _, b in bufs]
+        for status, *_, message, _ in headers:
+            if status == FAILED:
                 raise PipelineError(message)
-        metas = {h[1:4] for h in headers}
+        metas = {h[1:4] for h in headers}  # shape, dtype, SBP
         if len(metas) > 1:
             raise PipelineError(f"the ranks of stage {stage} hand off different tensors for micro-batch "
                                 f"{micro_batch}: {sorted(map(str, metas))}")
@@ -107,7 +63,7 @@ class _Link:
     def send_act(self, y: DTensor, micro_batch: int, pending: comm.Pending) -> None:
         src_pl, src_sbps = self.src.placement, get_sbp(y)
         dst_sbps = self.dst.input_sbp(src_pl, src_sbps, y.ndim)
-        self._post_headers(self.dst.placement, _header(_OK, y.shape, y.dtype, src_sbps), micro_batch, pending)
+        self._post_headers(self.dst.placement, header(OK, y.shape, y.dtype, src_sbps), micro_batch, pending)
         post_across(y, src_pl, src_sbps, self.dst.placement, dst_sbps, tuple(y.shape), y.dtype, 2 * micro_batch + 1,
                     pending)
         self.sent["act"] += 1
@@ -127,7 +83,7 @@ class _Link:
         pl, sbps = self.dst.placement, dual(get_sbp(x))
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         grad = to_global(grad, sbp=sbps)  # partial sums (several ranks' contributions) are reduced here
-        self._post_headers(self.src.placement, _header(_OK, grad.shape, grad.dtype, sbps), micro_batch, pending)
+        self._post_headers(self.src.placement, header(OK, grad.shape, grad.dtype, sbps), micro_batch, pending)
         post_across(grad, pl, sbps, self.src.placement, dual(self.out_sbps.pop(micro_batch)), tuple(grad.shape), grad.dtype,
                     2 * micro_batch + 1, pending)
         self.sent["grad"] += 1
@@ -148,7 +104,7 @@ class _Link:
         """Post an error header where the peer stage waits next, if this rank still owes it messages."""
         kind, to = ("act", self.dst.placement) if towards == "dst" else ("grad", self.src.placement)
         if self.sent[kind] < micro_batches:
-            self._post_headers(to, _header(_FAILED, message=message), self.sent[kind], pending)
+            self._post_headers(to, header(FAILED, message=message), self.sent[kind], pending)
 
 
 def _collect(stages: object) -> list[Stage]:
@@ -231,16 +187,6 @@ class Pipeline(nn.Module):
             raise ValueError(f"a batch of {batch.shape[0]} rows cannot make {self.micro_batches} micro-batches")
         return torch.tensor_split(batch, self.micro_batches)
 
-    def _output(self, y: object, stage: Stage) -> DTensor:
-        if not isinstance(y, DTensor):
-            raise TypeError(f"a pipeline stage must return one global tensor on its placement, got "
-                            f"{type(y).__name__}: build the stage from global parameters and ops, or convert its "
-                            "output with tpf.to_global")
-        if get_placement(y) != stage.placement:
-            raise ValueError(f"stage {stage.stage_id} returned a tensor on {get_placement(y)}, not on its own "
-                             f"placement {stage.placement}")
-        return y
-
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
         """One batch forward and backward; the first stage reads ``inputs``, the last ``targets`` (plain whole
         batches), so other ranks may pass None."""
@@ -286,7 +232,7 @@ class Pipeline(nn.Module):
             if action.kind == "recv_act":
                 received[i] = prev.recv_act(i)
             elif action.kind == "F":
-                y = self._output(stage(received[i] if s > 0 else micro_inputs[i]), stage)
+                y = stage.compute(received[i] if s > 0 else micro_inputs[i])
                 if last:  # the loss sees the whole micro-batch on every rank: DTensor's mean over uneven
                     # split(0) blocks averages the blocks' means (biased), and its nll_loss refuses them
                     whole = (broadcast,) * stage.placement.ndim

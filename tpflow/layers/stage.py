@@ -10,15 +10,23 @@ only the stage's own ranks compute: elsewhere global tensors carry shapes and em
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
+import dataclasses
 
-from tpflow.global_tensor import get_placement, get_sbp, tensor, to_global
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from tpflow import comm
+from tpflow.global_tensor import from_local, get_placement, get_sbp, off_placement, tensor, to_global
+from tpflow.layers.linear import _LocalBlocks
+from tpflow.layers.meta import FAILED, HEADER_BYTES, OK, PipelineError, header, read_header
 from tpflow.placement import Placement
-from tpflow.sbp import Sbp, broadcast, normalize
+from tpflow.sbp import Broadcast, Sbp, Split, broadcast, normalize
 
 __all__ = ["Stage", "stage"]
+
+_TAG = 1 << 24  # the output header of an eager call, apart from a pipeline's per-micro-batch tags
 
 
 class Stage(nn.Module):
@@ -36,6 +44,8 @@ class Stage(nn.Module):
         self.stage_id, self.placement, self.sbp = stage_id, placement, sbp
         if sbp is not None:
             normalize(sbp, placement.ndim, 1)  # a malformed SBP fails here, not at the first call
+        self.plain = not any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
+        self._grad_specs: dict[tuple[bool, ...], tuple[tuple, tuple]] = {}  # split axes -> (specs, grad specs)
         self.module = to_global(module, placement=placement)
 
     def input_sbp(self, src: Placement, src_sbps: tuple[Sbp, ...], ndim: int) -> tuple[Sbp, ...]:
@@ -57,8 +67,76 @@ class Stage(nn.Module):
         sbps = self.input_sbp(get_placement(x), get_sbp(x), x.ndim)
         return to_global(x, placement=self.placement, sbp=sbps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(self.enter(x))
+    def check_output(self, y: object) -> DTensor:
+        if not isinstance(y, DTensor):
+            raise TypeError(f"stage {self.stage_id} must return one global tensor on its placement, got "
+                            f"{type(y).__name__}: build the stage from global parameters and ops, or convert its "
+                            "output with tpf.to_global")
+        if get_placement(y) != self.placement:
+            raise ValueError(f"stage {self.stage_id} returned a tensor on {get_placement(y)}, not on its own "
+                             f"placement {self.placement}")
+        return y
+
+    def compute(self, x: torch.Tensor) -> DTensor:
+        """The module on ``x`` moved onto the placement, on the stage's own ranks (as a pipeline runs it)."""
+        x = self.enter(x)
+        sbps = get_sbp(x)
+        if self.plain and x.ndim > 0 and all(s == Split(0) or isinstance(s, Broadcast) for s in sbps):
+            return self._compute_local(x, sbps)
+        return self.check_output(self.module(x))
+
+    def _blocks(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
+        """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
+        names, params = zip(*self.module.named_parameters()) if any(True for _ in self.module.parameters()) \
+            else ((), ())
+        specs, grad_specs = self._grad_specs.get(split, ((), ()))
+        if len(specs) != len(params) or any(spec is not p._spec for spec, p in zip(specs, params)):
+            specs = tuple(p._spec for p in params)  # recomputed when a parameter is replaced
+            grad_specs = tuple(dataclasses.replace(p._spec, placements=tuple(Partial() if on else Replicate()
+                                                                             for on in split)) for p in params)
+            self._grad_specs[split] = (specs, grad_specs)
+        blocks = dict(zip(names, _LocalBlocks.apply(grad_specs, *params))) if params else {}
+        return blocks | {name: b.to_local() for name, b in self.module.named_buffers()}
+
+    def _compute_local(self, x: DTensor, sbps: tuple[Sbp, ...]) -> DTensor:
+        split = tuple(s == Split(0) for s in sbps)
+        local = x.to_local()
+        y = torch.func.functional_call(self.module, self._blocks(split), (local,))
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"stage {self.stage_id} must return one tensor, got {type(y).__name__}")
+        if any(split) and (y.ndim == 0 or y.shape[0] != local.shape[0]):
+            raise ValueError(f"stage {self.stage_id} runs data parallel on split(0) rows, so its module must keep "
+                             f"one output row per input row: {tuple(local.shape)} -> {tuple(y.shape)}")
+        shape = (x.shape[0], *y.shape[1:]) if any(split) else y.shape
+        return from_local(y, self.placement, sbps, shape=shape, sync_data=False)
+
+    def forward(self, x: torch.Tensor) -> DTensor:
+        """Ranks outside the placement skip the module: its first rank sends them the output's shape and SBP,
+        and they hold an empty block of it (or raise the stage's error)."""
+        x, pl = self.enter(x), self.placement
+        outside = [r for r in range(dist.get_world_size()) if r not in pl]
+        if not outside:
+            return self.compute(x)
+        root = pl.flat_ranks[0]
+        if pl.coordinate() is None:
+            buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+            comm.post([], [(root, buf)], tag=_TAG).wait()
+            status, shape, dtype, sbps, message, requires_grad = read_header(buf)
+            if status == FAILED:
+                raise PipelineError(message)
+            return off_placement(x, pl, sbps, shape, dtype, requires_grad)
+        try:
+            y = self.compute(x)
+        except Exception as e:
+            if dist.get_rank() == root:
+                failed = header(FAILED, message=f"stage {self.stage_id} (ranks {pl.ranks}) failed: "
+                                                f"{type(e).__name__}: {e}")
+                comm.post([(r, failed) for r in outside], [], tag=_TAG).wait()
+            raise
+        if dist.get_rank() == root:
+            done = header(OK, y.shape, y.dtype, get_sbp(y), requires_grad=y.requires_grad)
+            comm.post([(r, done) for r in outside], [], tag=_TAG).wait()
+        return y
 
     def extra_repr(self) -> str:
         sbp = "" if self.sbp is None else f", sbp={self.sbp}"
