@@ -179,6 +179,30 @@ def test_multi_rank_stages_match_one_device(schedule, case, grads):
     assert results[-1][1]
 
 
+def _frozen_first_stage(schedule):
+    """A frozen first stage (a fixed feature extractor): no gradient flows back to it, the rest trains."""
+    blocks = _chain([5, 6, 4, 3], seed=5)
+    for p in blocks[0].parameters():
+        p.requires_grad_(False)
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    pipe = tpf.Pipeline([tpf.stage(b, stage_id=i, placement=_on(i)) for i, b in enumerate(blocks)], micro_batches=3,
+                        schedule=schedule, loss_fn=F.mse_loss)
+    x, y = _batch(6, 5, 3)
+    pipe.step(x, y)
+    F.mse_loss(ref(x), y).backward()
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        if dist.get_rank() in tpf.get_placement(p):
+            assert (p.grad is None) == (q.grad is None) == (not q.requires_grad)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+    return True
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_frozen_first_stage(schedule):
+    assert all(harness.run(3, _frozen_first_stage, schedule))
+
+
 def _eager_stages():
     """Without a Pipeline every rank calls every stage in order; stages may then share ranks."""
     torch.manual_seed(0)
@@ -258,7 +282,10 @@ def _failing_step(kind, schedule):
     start = time.monotonic()
     with pytest.raises(tpf.PipelineError) as err:
         pipe.step(x, y)
-    return str(err.value), time.monotonic() - start
+    seconds = time.monotonic() - start
+    with pytest.raises(tpf.PipelineError, match="an earlier step failed"):
+        pipe.step(x, y)
+    return str(err.value), seconds
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -47,14 +47,14 @@ class _Link:
         comm.post([(r, buf) for r in to.flat_ranks], [], tag=2 * micro_batch, pending=pending)
 
     def _wait_headers(self, frm: Placement, micro_batch: int, stage: int) -> tuple[tuple[int, ...], torch.dtype,
-                                                                                    tuple[Sbp, ...]]:
+                                                                                    tuple[Sbp, ...], bool]:
         bufs = [(r, torch.empty(HEADER_BYTES, dtype=torch.uint8)) for r in frm.flat_ranks]
         comm.post([], bufs, tag=2 * micro_batch).wait()
         headers = [read_header(b) for _, b in bufs]
         for status, *_, message, _ in headers:
             if status == FAILED:
                 raise PipelineError(message)
-        metas = {h[1:4] for h in headers}  # shape, dtype, SBP
+        metas = {(*h[1:4], h[5]) for h in headers}  # shape, dtype, SBP, requires_grad
         if len(metas) > 1:
             raise PipelineError(f"the ranks of stage {stage} hand off different tensors for micro-batch "
                                 f"{micro_batch}: {sorted(map(str, metas))}")
@@ -63,20 +63,21 @@ class _Link:
     def send_act(self, y: DTensor, micro_batch: int, pending: comm.Pending) -> None:
         src_pl, src_sbps = self.src.placement, get_sbp(y)
         dst_sbps = self.dst.input_sbp(src_pl, src_sbps, y.ndim)
-        self._post_headers(self.dst.placement, header(OK, y.shape, y.dtype, src_sbps), micro_batch, pending)
-        post_across(y, src_pl, src_sbps, self.dst.placement, dst_sbps, tuple(y.shape), y.dtype, 2 * micro_batch + 1,
+        self._post_headers(self.dst.placement, header(OK, y.shape, y.dtype, src_sbps, requires_grad=y.requires_grad),
+                           micro_batch, pending)
+        post_across(y.detach(), src_pl, src_sbps, self.dst.placement, dst_sbps, tuple(y.shape), y.dtype, 2 * micro_batch + 1,
                     pending)
         self.sent["act"] += 1
 
     def recv_act(self, micro_batch: int) -> DTensor:
         src_pl, dst_pl = self.src.placement, self.dst.placement
-        shape, dtype, src_sbps = self._wait_headers(src_pl, micro_batch, self.src.stage_id)
+        shape, dtype, src_sbps, requires_grad = self._wait_headers(src_pl, micro_batch, self.src.stage_id)
         dst_sbps = self.dst.input_sbp(src_pl, src_sbps, len(shape))
         self.out_sbps[micro_batch] = src_sbps
         pending, local = post_across(None, src_pl, src_sbps, dst_pl, dst_sbps, shape, dtype, 2 * micro_batch + 1)
         pending.wait()
         x = from_local(local, dst_pl, dst_sbps, shape=shape, sync_data=False)
-        return x.requires_grad_(dtype.is_floating_point or dtype.is_complex)
+        return x.requires_grad_(requires_grad)  # a frozen stage before this one wants no gradient back
 
     def send_grad(self, x: DTensor, micro_batch: int, pending: comm.Pending) -> None:
         """The gradient of the input ``x`` this stage received, laid out as the sender's output needs it."""
@@ -90,7 +91,7 @@ class _Link:
 
     def recv_grad(self, y: DTensor, micro_batch: int) -> DTensor:
         """The gradient of this stage's output ``y``, from the stage after."""
-        shape, dtype, dst_sbps = self._wait_headers(self.dst.placement, micro_batch, self.dst.stage_id)
+        shape, dtype, dst_sbps, _ = self._wait_headers(self.dst.placement, micro_batch, self.dst.stage_id)
         if shape != tuple(y.shape):
             raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {shape} for an output of "
                                 f"shape {tuple(y.shape)} (micro-batch {micro_batch})")
@@ -167,6 +168,7 @@ class Pipeline(nn.Module):
         self.links = [_Link(a, b) for a, b in zip(found, found[1:])]
         self.trace: list[tuple[schedules.Action, float, float]] = []
         self._unfinished = comm.Pending()  # a failed step's sends, kept alive: their peers may never take them
+        self._failed: str | None = None
 
     def schedule_table(self) -> str:
         """The step as a grid of stages by time steps (unit time per forward and per backward)."""
@@ -193,6 +195,9 @@ class Pipeline(nn.Module):
         s = self.stage_index
         if s is None:
             return None
+        if self._failed is not None:
+            raise PipelineError(f"an earlier step failed ({self._failed}); its messages may still be in flight, so "
+                                "this pipeline runs no more steps: restart the job")
         p, links = len(self.stages), self.links
         prev, nxt = links[s - 1] if s > 0 else None, links[s] if s < p - 1 else None
         for link in (prev, nxt):
@@ -207,6 +212,7 @@ class Pipeline(nn.Module):
             where = "" if self._action is None else f" on {self._action}"
             message = str(e) if isinstance(e, PipelineError) else (
                 f"stage {s} (ranks {self.stages[s].placement.ranks}) failed{where}: {type(e).__name__}: {e}")
+            self._failed = message
             if prev is not None:
                 prev.fail(message, "src", self.micro_batches, self._unfinished)
             if nxt is not None:
@@ -244,11 +250,13 @@ class Pipeline(nn.Module):
                     total = value if total is None else total + value
                 outputs[i] = y
             elif action.kind == "send_act":
-                nxt.send_act(outputs[i].detach(), i, pending)
+                nxt.send_act(outputs[i], i, pending)
             elif action.kind == "recv_grad":
                 grads[i] = nxt.recv_grad(outputs[i], i)
             elif action.kind == "B":
-                torch.autograd.backward(outputs.pop(i), grads.pop(i, None))
+                y = outputs.pop(i)
+                if y.requires_grad:  # a frozen stage (and every stage before it) has nothing to differentiate
+                    torch.autograd.backward(y, grads.pop(i, None))
             elif action.kind == "send_grad":
                 prev.send_grad(received.pop(i), i, pending)
             self.trace.append((action, began - start, time.perf_counter() - start))
