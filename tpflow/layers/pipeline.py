@@ -34,13 +34,23 @@ from tpflow.sbp import Sbp, broadcast, dual
 
 __all__ = ["Pipeline", "PipelineError"]
 
+# A failed step's sends, for the process's lifetime: a peer may take them after the pipeline is gone, and gloo
+# drops a send whose work and buffer are freed before it is taken.
+_UNFINISHED = comm.Pending()
+
+
 class _Link:
     """The hand-offs between stage ``s`` (``src``) and stage ``s + 1`` (``dst``): activations forward, their
     gradients back. Micro-batch ``i`` travels with tags ``2 i`` (header) and ``2 i + 1`` (blocks)."""
 
     def __init__(self, src: Stage, dst: Stage) -> None:
         self.src, self.dst = src, dst
+        self.reset()
+
+    def reset(self) -> None:
         self.sent = {"act": 0, "grad": 0}  # hand-offs this rank has posted, per direction
+        self.grads_received = 0  # on src: gradients taken from dst
+        self.peer_failed = False  # an error header came over this link
         self.out_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: each received activation's SBP on src
 
     def _post_headers(self, to: Placement, buf: torch.Tensor, micro_batch: int, pending: comm.Pending) -> None:
@@ -53,6 +63,7 @@ class _Link:
         headers = [read_header(b) for _, b in bufs]
         for status, *_, message, _ in headers:
             if status == FAILED:
+                self.peer_failed = True
                 raise PipelineError(message)
         metas = {(*h[1:4], h[5]) for h in headers}  # shape, dtype, SBP, requires_grad
         if len(metas) > 1:
@@ -65,8 +76,8 @@ class _Link:
         dst_sbps = self.dst.input_sbp(src_pl, src_sbps, y.ndim)
         self._post_headers(self.dst.placement, header(OK, y.shape, y.dtype, src_sbps, requires_grad=y.requires_grad),
                            micro_batch, pending)
-        post_across(y.detach(), src_pl, src_sbps, self.dst.placement, dst_sbps, tuple(y.shape), y.dtype, 2 * micro_batch + 1,
-                    pending)
+        post_across(y.detach(), src_pl, src_sbps, self.dst.placement, dst_sbps, tuple(y.shape), y.dtype,
+                    2 * micro_batch + 1, pending)
         self.sent["act"] += 1
 
     def recv_act(self, micro_batch: int) -> DTensor:
@@ -99,13 +110,56 @@ class _Link:
         pending, local = post_across(None, self.dst.placement, dst_sbps, self.src.placement, want, shape, dtype,
                                      2 * micro_batch + 1)
         pending.wait()
+        self.grads_received += 1
         return from_local(local, self.src.placement, want, shape=shape, sync_data=False)
 
-    def fail(self, message: str, towards: str, micro_batches: int, pending: comm.Pending) -> None:
-        """Post an error header where the peer stage waits next, if this rank still owes it messages."""
+    def fail(self, message: str, towards: str, outputs: dict, micro_batches: int, pending: comm.Pending) -> None:
+        """Post an error header where the peer stage waits next, if this rank still owes it messages. A peer
+        stage after this one that already has every activation runs on and sends its gradients, whose sends
+        it waits on: those are taken here (and dropped), or it would wait for ever; the end message then tells
+        it the step failed."""
+        if self.peer_failed:
+            return
         kind, to = ("act", self.dst.placement) if towards == "dst" else ("grad", self.src.placement)
         if self.sent[kind] < micro_batches:
             self._post_headers(to, header(FAILED, message=message), self.sent[kind], pending)
+        elif towards == "dst":
+            for i in range(self.grads_received, micro_batches):
+                try:
+                    self.recv_grad(outputs[i], i)
+                except PipelineError:
+                    return
+            self.end(message, micro_batches, pending)
+
+    def end(self, message: str | None, micro_batches: int, pending: comm.Pending) -> None:
+        """On src, at the end of its step: whether it failed, to dst (tag ``2 m``, after the micro-batches'), so a
+        stage that already had all it needed from src does not end its step as if nothing broke."""
+        status = header(OK) if message is None else header(FAILED, message=message)
+        self._post_headers(self.dst.placement, status, micro_batches, pending)
+
+    def wait_end(self, micro_batches: int) -> None:
+        """On dst: src's end of step; raises its error if it failed."""
+        self._wait_headers(self.src.placement, micro_batches, self.src.stage_id)
+
+
+def _released(table: schedules.Table, s: int) -> dict[schedules.Action, list[schedules.Action]]:
+    """For stage ``s``, the receives after which some of its sends are known to be taken: the peer posted that
+    message after waiting for the send's. Waiting on those sends then is free, and their buffers (often the
+    very activation) are freed when the schedule says, not at the end of the step."""
+    out: dict[schedules.Action, list[schedules.Action]] = {}
+    for peer, mine, theirs, later in ((s + 1, "send_act", "recv_act", "send_grad"),
+                                      (s - 1, "send_grad", "recv_grad", "send_act")):
+        if not 0 <= peer < len(table):
+            continue
+        actions = table[peer]
+        for a in table[s]:
+            if a.kind == mine:
+                after = actions[actions.index(schedules.Action(theirs, a.micro_batch)):]
+                proof = next((b for b in after if b.kind == later), None)
+                if proof is not None:
+                    kind = "recv_grad" if later == "send_grad" else "recv_act"
+                    out.setdefault(schedules.Action(kind, proof.micro_batch), []).append(a)
+    return out
 
 
 def _collect(stages: object) -> list[Stage]:
@@ -167,8 +221,8 @@ class Pipeline(nn.Module):
         self.stage_index = next((i for i, st in enumerate(found) if rank in st.placement), None)
         self.links = [_Link(a, b) for a, b in zip(found, found[1:])]
         self.trace: list[tuple[schedules.Action, float, float]] = []
-        self._unfinished = comm.Pending()  # a failed step's sends, kept alive: their peers may never take them
         self._failed: str | None = None
+        self._released = {} if self.stage_index is None else _released(self.table, self.stage_index)
 
     def schedule_table(self) -> str:
         """The step as a grid of stages by time steps (unit time per forward and per backward)."""
@@ -202,34 +256,45 @@ class Pipeline(nn.Module):
         prev, nxt = links[s - 1] if s > 0 else None, links[s] if s < p - 1 else None
         for link in (prev, nxt):
             if link is not None:
-                link.sent, link.out_sbps = {"act": 0, "grad": 0}, {}
-        pending, self.trace, self._action = comm.Pending(), [], None
+                link.reset()
+        sends: dict[schedules.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
+        outputs: dict[int, torch.Tensor] = {}  # outputs (on the last stage, weighted losses) until their backward
+        self.trace, self._action = [], None
         try:
-            loss = self._run(s, prev, nxt, inputs, targets, pending)
-            pending.wait()
+            loss = self._run(s, prev, nxt, inputs, targets, sends, outputs)
+            self._action = "the end of the step"
+            if prev is not None:
+                prev.wait_end(self.micro_batches)
+            for pending in sends.values():
+                pending.wait()
+            if nxt is not None:  # taken at once: the next stage has finished its work and waits for this
+                ended = comm.Pending()
+                nxt.end(None, self.micro_batches, ended)
+                ended.wait()
             return loss
         except Exception as e:
             where = "" if self._action is None else f" on {self._action}"
             message = str(e) if isinstance(e, PipelineError) else (
                 f"stage {s} (ranks {self.stages[s].placement.ranks}) failed{where}: {type(e).__name__}: {e}")
             self._failed = message
+            for pending in sends.values():  # a peer that failed may never take them: kept alive, never waited on
+                _UNFINISHED.works += pending.works
+                _UNFINISHED.buffers += pending.buffers
             if prev is not None:
-                prev.fail(message, "src", self.micro_batches, self._unfinished)
+                prev.fail(message, "src", outputs, self.micro_batches, _UNFINISHED)
             if nxt is not None:
-                nxt.fail(message, "dst", self.micro_batches, self._unfinished)
-            self._unfinished.buffers += pending.buffers
+                nxt.fail(message, "dst", outputs, self.micro_batches, _UNFINISHED)
             if isinstance(e, PipelineError):
                 raise
             raise PipelineError(message) from e
 
     def _run(self, s: int, prev: _Link | None, nxt: _Link | None, inputs: object, targets: object,
-             pending: comm.Pending) -> torch.Tensor | None:
+             sends: dict[schedules.Action, comm.Pending], outputs: dict[int, torch.Tensor]) -> torch.Tensor | None:
         stage, last = self.stages[s], s == len(self.stages) - 1
         micro_inputs = self._micro(inputs, "inputs") if s == 0 else None
         micro_targets = self._micro(targets, "targets") if last else None
         rows = sum(t.shape[0] for t in micro_targets) if last else 0
         received: dict[int, DTensor] = {}  # input activations, kept for their gradients
-        outputs: dict[int, torch.Tensor] = {}  # outputs (on the last stage, weighted losses) until their backward
         grads: dict[int, DTensor] = {}
         total = None
         start = time.perf_counter()
@@ -250,14 +315,18 @@ class Pipeline(nn.Module):
                     total = value if total is None else total + value
                 outputs[i] = y
             elif action.kind == "send_act":
-                nxt.send_act(outputs[i], i, pending)
+                sends[action] = comm.Pending()
+                nxt.send_act(outputs[i], i, sends[action])
             elif action.kind == "recv_grad":
                 grads[i] = nxt.recv_grad(outputs[i], i)
             elif action.kind == "B":
                 y = outputs.pop(i)
-                if y.requires_grad:  # a frozen stage (and every stage before it) has nothing to differentiate
+                if y.requires_grad:  # a frozen stage (or one before it) has nothing to differentiate
                     torch.autograd.backward(y, grads.pop(i, None))
             elif action.kind == "send_grad":
-                prev.send_grad(received.pop(i), i, pending)
+                sends[action] = comm.Pending()
+                prev.send_grad(received.pop(i), i, sends[action])
+            for taken in self._released.get(action, ()):  # sends this receive proves taken: free their buffers
+                sends.pop(taken).wait()
             self.trace.append((action, began - start, time.perf_counter() - start))
         return total
