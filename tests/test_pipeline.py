@@ -203,6 +203,31 @@ def test_frozen_first_stage(schedule):
     assert all(harness.run(3, _frozen_first_stage, schedule))
 
 
+def _batch_norm_on_split_rows(schedule):
+    """BatchNorm in a data-parallel stage sees each micro-batch whole, as one device does (not each rank's rows)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU()), nn.Linear(6, 3)]
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    pipe = tpf.Pipeline([tpf.stage(blocks[0], stage_id=0, placement=_on(0, 1), sbp=S0),
+                         tpf.stage(blocks[1], stage_id=1, placement=_on(2))],
+                        micro_batches=2, schedule=schedule, loss_fn=F.mse_loss)
+    x, y = _batch(9, 4, 3)
+    loss = pipe.step(x, y)
+    ref_loss = sum(F.mse_loss(ref(a), b) * len(a) / len(x) for a, b in zip(x.tensor_split(2), y.tensor_split(2)))
+    ref_loss.backward()
+    if loss is not None:
+        torch.testing.assert_close(loss, ref_loss.detach())
+    for p, q in zip(pipe.parameters(), ref.parameters()):
+        if dist.get_rank() in tpf.get_placement(p):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+    return True
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_batch_norm_in_a_data_parallel_stage(schedule):
+    assert all(harness.run(3, _batch_norm_on_split_rows, schedule))
+
+
 def _eager_stages():
     """Without a Pipeline every rank calls every stage in order; stages may then share ranks."""
     torch.manual_seed(0)
