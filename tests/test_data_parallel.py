@@ -37,6 +37,18 @@ def _assert_same_parameters(model, ref, step):
         torch.testing.assert_close(whole, q, msg=f"{name} after step {step}")
 
 
+def _step_and_compare(loss, opt, model, ref, opt_ref, x, y, step):
+    """One optimizer step of the global model (its ``loss`` already computed) and of the one-device ``ref`` on
+    the whole batch, then the loss and every parameter compared."""
+    ref_loss = F.cross_entropy(ref(x), y)
+    for optimizer, value in ((opt, loss), (opt_ref, ref_loss)):
+        optimizer.zero_grad()
+        value.backward()
+        optimizer.step()
+    torch.testing.assert_close(loss.full_tensor(), ref_loss.detach())
+    _assert_same_parameters(model, ref, step)
+
+
 def _sbp_data_parallel(rows, optimizer):
     """The seed's recipe: the model broadcast, each rank's rows its split(0) block of one global batch."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -52,15 +64,7 @@ def _sbp_data_parallel(rows, optimizer):
         gx = tpf.to_global(x[mine], placement=P, sbp=S0)
         gy = tpf.to_global(y[mine], placement=P, sbp=S0)
         loss = F.cross_entropy(tpf.to_global(model(gx), sbp=B), tpf.to_global(gy, sbp=B))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_loss = F.cross_entropy(ref(x), y)
-        opt_ref.zero_grad()
-        ref_loss.backward()
-        opt_ref.step()
-        torch.testing.assert_close(loss.full_tensor(), ref_loss.detach())
-        _assert_same_parameters(model, ref, step)
+        _step_and_compare(loss, opt, model, ref, opt_ref, x, y, step)
     return True
 
 
@@ -126,15 +130,7 @@ def _hybrid_training(sequence_parallel):
         gx = tpf.tensor(x, placement=P2, sbp=(S0, S0 if sequence_parallel else B))
         out = tpf.to_global(model(gx), sbp=(B, B))
         loss = F.cross_entropy(out, tpf.tensor(y, placement=P2, sbp=(B, B)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_loss = F.cross_entropy(ref(x), y)
-        opt_ref.zero_grad()
-        ref_loss.backward()
-        opt_ref.step()
-        torch.testing.assert_close(loss.full_tensor(), ref_loss.detach())
-        _assert_same_parameters(model, ref, step)
+        _step_and_compare(loss, opt, model, ref, opt_ref, x, y, step)
     return True
 
 
