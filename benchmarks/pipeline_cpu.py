@@ -154,7 +154,8 @@ def main() -> None:
     if not stage_counts:
         raise SystemExit("a pipeline needs at least 2 ranks: python -m tpflow.launch --nproc_per_node 4 "
                          "benchmarks/pipeline_cpu.py")
-    lines = [f"## {world} CPU ranks, 1 thread each; `{' '.join(['--reps', str(args.reps), '--forward-ms', str(args.forward_ms), '--dim', str(args.dim), '--rows', str(args.rows)])}`",
+    flags = f"--reps {args.reps} --forward-ms {args.forward_ms:g} --dim {args.dim} --rows {args.rows}"
+    lines = [f"## {world} CPU ranks, 1 thread each; `{flags}`",
              "", f"Bubble: emulated stages, forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms; "
              f"median of {args.reps} steps.", "",
              "| stages p | micro-batches m | theory (p-1)/(m+p-1) | GPipe | 1F1B |", "|---|---|---|---|---|"]
@@ -165,7 +166,8 @@ def main() -> None:
                          f"{measured['1f1b']:.1%} |")
     lines += ["", f"Peak saved activations per stage (Linear {args.dim} -> {4 * args.dim} -> {args.dim}, GELU; "
               f"{args.rows} rows a micro-batch, fp32):", "",
-              "| stages p | m | stage | GPipe | 1F1B | 1F1B / GPipe | bound min(p-s, m) / m |", "|---|---|---|---|---|---|---|"]
+              "| stages p | m | stage | GPipe | 1F1B | 1F1B / GPipe | bound min(p-s, m) / m |",
+              "|---|---|---|---|---|---|---|"]
     for p in stage_counts:
         for m in (p, 2 * p, 4 * p):
             peaks = {}

@@ -110,7 +110,8 @@ def _ddp(rows, on_axis):
     return True
 
 
-@pytest.mark.parametrize("world, on_axis", [(2, False), (3, False), (4, True)], ids=["world2", "world3", "axis0-of-2x2"])
+@pytest.mark.parametrize("world, on_axis", [(2, False), (3, False), (4, True)],
+                         ids=["world2", "world3", "axis0-of-2x2"])
 def test_ddp_and_distributed_sampler_compose(world, on_axis):
     assert all(harness.run(world, _ddp, 12, on_axis))
 

@@ -96,8 +96,9 @@ class _Link:
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         grad = to_global(grad, sbp=sbps)  # partial sums (several ranks' contributions) are reduced here
         self._post_headers(self.src.placement, header(OK, grad.shape, grad.dtype, sbps), micro_batch, pending)
-        post_across(grad, pl, sbps, self.src.placement, dual(self.out_sbps.pop(micro_batch)), tuple(grad.shape), grad.dtype,
-                    2 * micro_batch + 1, pending)
+        want = dual(self.out_sbps.pop(micro_batch))
+        post_across(grad, pl, sbps, self.src.placement, want, tuple(grad.shape), grad.dtype, 2 * micro_batch + 1,
+                    pending)
         self.sent["grad"] += 1
 
     def recv_grad(self, y: DTensor, micro_batch: int) -> DTensor:
