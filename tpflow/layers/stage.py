@@ -92,14 +92,14 @@ class Stage(nn.Module):
         split = any(s == Split(0) for s, n in zip(sbps, self.placement.hierarchy) if n > 1)
         # a module with buffers (BatchNorm's statistics) may mix rows: on split rows it runs through DTensor
         if self.plain and x.ndim > 0 and all(s == Split(0) or isinstance(s, Broadcast) for s in sbps) \
-                and not (split and any(True for _ in self.module.buffers())):
+                and not (split and next(self.module.buffers(), None) is not None):
             return self._compute_local(x, sbps)
         return self.check_output(self.module(x))
 
     def _blocks(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
         """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
-        names, params = zip(*self.module.named_parameters()) if any(True for _ in self.module.parameters()) \
-            else ((), ())
+        named = list(self.module.named_parameters())
+        names, params = [n for n, _ in named], tuple(p for _, p in named)
         specs, grad_specs = self._grad_specs.get(split, ((), ()))
         if len(specs) != len(params) or any(spec is not p._spec for spec, p in zip(specs, params)):
             specs = tuple(p._spec for p in params)  # recomputed when a parameter is replaced
