@@ -148,11 +148,16 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     print(f"wrote {write('collective_gloo', lines, out)}")
 
 
-def step_times(local: list[float]) -> list[float]:
-    """Each repetition's time on its slowest rank."""
+def every_rank(local: list[float]) -> torch.Tensor:
+    """Every rank's ``local`` values, a row per rank."""
     every = [torch.zeros(len(local), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(every, torch.tensor(local, dtype=torch.float64))
-    return torch.stack(every).amax(0).tolist()
+    return torch.stack(every)
+
+
+def step_times(local: list[float]) -> list[float]:
+    """Each repetition's time on its slowest rank."""
+    return every_rank(local).amax(0).tolist()
 
 
 def bench_fake(size: int, world: int, reps: int, out: str) -> None:

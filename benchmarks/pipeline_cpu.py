@@ -4,7 +4,7 @@
 
 ``bubble``: stages of emulated compute: a forward sleeps ``--forward-ms``, a backward twice as long, so
 that four stages on a 2-core machine do not contend for cores and the measurement is of the schedule
-and the executor (hand-offs, headers, Python) rather than of the machine. For p = 2 .. world stages of
+and the executor (hand-offs, headers, Python) rather than of the machine. For p = 2 and p = world stages of
 one rank each, GPipe and 1F1B, m in {p, 2p, 4p}: bubble = 1 - (a stage's compute time) / (the step's
 time on its slowest rank), averaged over the stages, against (p - 1) / (m + p - 1). The median of
 ``--reps`` steps after one warm-up step.
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpflow as tpf
-from benchmarks.collective_cpu import step_times, write
+from benchmarks.collective_cpu import every_rank, step_times, write
 
 
 class _Busy(torch.autograd.Function):
@@ -76,9 +76,7 @@ def bubble(p: int, schedule: str, m: int, forward_s: float, reps: int) -> float:
             busy.append(sum(end - begin for a, begin, end in pipe.trace if a.kind in ("F", "B")))
     steps = step_times(walls)
     mine = [1 - b / s for b, s in zip(busy, steps)] if pipe.stage_index is not None else [0.0] * reps
-    every = [torch.zeros(reps, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, torch.tensor(mine, dtype=torch.float64))
-    per_step = torch.stack(every[:p]).mean(0)  # averaged over the stages
+    per_step = every_rank(mine)[:p].mean(0)  # averaged over the stages
     return statistics.median(per_step.tolist())
 
 
@@ -172,10 +170,7 @@ def main() -> None:
         for m in (p, 2 * p, 4 * p):
             peaks = {}
             for s in ("gpipe", "1f1b"):
-                mine = torch.tensor([peak_activations(p, s, m, args.dim, args.rows)], dtype=torch.float64)
-                every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-                dist.all_gather(every, mine)
-                peaks[s] = [int(e.item()) for e in every[:p]]
+                peaks[s] = [int(v) for v in every_rank([peak_activations(p, s, m, args.dim, args.rows)])[:p, 0]]
             for stage in range(p):
                 g, f = peaks["gpipe"][stage], peaks["1f1b"][stage]
                 lines.append(f"| {p} | {m} | {stage} | {g / 1024:.0f} KiB | {f / 1024:.0f} KiB | {f / g:.3f} | "
