@@ -47,66 +47,46 @@ def blocks(dim: int, depth: int = 4) -> nn.Sequential:
                            for _ in range(depth)])
 
 
-def _sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=1e-3)
-
-
-def one_device(model, x, y) -> Callable[[], None]:
-    opt = _sgd(model.parameters())
-    if dist.get_rank() != 0:
-        return lambda: None
+def _trainer(params, forward_backward: Callable[[], object]) -> Callable[[], None]:
+    """One training step: zero the gradients, ``forward_backward()``, an SGD step."""
+    opt = torch.optim.SGD(params, lr=1e-3)
 
     def step():
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        forward_backward()
         opt.step()
     return step
+
+
+def one_device(model, x, y) -> Callable[[], None]:
+    if dist.get_rank() != 0:
+        return lambda: None
+    return _trainer(model.parameters(), lambda: F.mse_loss(model(x), y).backward())
 
 
 def data_sbp(model, x, y) -> Callable[[], None]:
     P = tpf.placement("cpu", list(range(dist.get_world_size())))
     model = tpf.to_global(model, placement=P, sbp=B)
-    opt, gx, gy = _sgd(model.parameters()), tpf.tensor(x, placement=P, sbp=S0), tpf.tensor(y, placement=P, sbp=S0)
-
-    def step():
-        opt.zero_grad()
-        F.mse_loss(tpf.to_global(model(gx), sbp=B), tpf.to_global(gy, sbp=B)).backward()
-        opt.step()
-    return step
+    gx, gy = tpf.tensor(x, placement=P, sbp=S0), tpf.tensor(y, placement=P, sbp=B)
+    return _trainer(model.parameters(), lambda: F.mse_loss(tpf.to_global(model(gx), sbp=B), gy).backward())
 
 
 def data_ddp(model, x, y) -> Callable[[], None]:
     world, rank = dist.get_world_size(), dist.get_rank()
     model, rows = DistributedDataParallel(model), torch.tensor_split(torch.arange(len(x)), world)[rank]
-    opt, x, y = _sgd(model.parameters()), x[rows], y[rows]
-
-    def step():
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return step
+    x, y = x[rows], y[rows]  # each rank its rows
+    return _trainer(model.parameters(), lambda: F.mse_loss(model(x), y).backward())
 
 
 def tensor_parallel(model, x, y) -> Callable[[], None]:
+    # plain inputs: every rank the whole batch, the outputs whole after each row layer
     model = tpf.parallelize(model, placement=tpf.placement("cpu", list(range(dist.get_world_size()))), plan=PLAN)
-    opt = _sgd(model.parameters())
-
-    def step():  # plain inputs: every rank the whole batch, the outputs whole after each row layer
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return step
+    return _trainer(model.parameters(), lambda: F.mse_loss(model(x), y).backward())
 
 
 def _pipeline_step(stages: list[tpf.Stage], x, y) -> Callable[[], None]:
     pipe = tpf.Pipeline(stages, micro_batches=2 * len(stages), schedule="1f1b", loss_fn=F.mse_loss)
-    opt = _sgd(pipe.parameters())
-
-    def step():
-        opt.zero_grad()
-        pipe.step(x, y)
-        opt.step()
-    return step
+    return _trainer(pipe.parameters(), lambda: pipe.step(x, y))
 
 
 def pipeline(model, x, y) -> Callable[[], None]:
@@ -120,14 +100,8 @@ def pipeline(model, x, y) -> Callable[[], None]:
 def data_x_tensor(model, x, y) -> Callable[[], None]:
     P2 = tpf.placement("cpu", [[0, 1], [2, 3]])
     model = tpf.parallelize(model, placement=P2, plan=PLAN)
-    opt = _sgd(model.parameters())
     gx, gy = tpf.tensor(x, placement=P2, sbp=(S0, B)), tpf.tensor(y, placement=P2, sbp=(B, B))
-
-    def step():
-        opt.zero_grad()
-        F.mse_loss(tpf.to_global(model(gx), sbp=(B, B)), gy).backward()
-        opt.step()
-    return step
+    return _trainer(model.parameters(), lambda: F.mse_loss(tpf.to_global(model(gx), sbp=(B, B)), gy).backward())
 
 
 def pipeline_x_tensor(model, x, y) -> Callable[[], None]:
