@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LAUNCH := $(PY) -m tpflow.launch
 
-.PHONY: test demo clean
+.PHONY: test demo examples clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -12,8 +12,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
-# The seed scenarios through the launcher (CPU processes over gloo when there is no GPU).
+# Every parallel mode side by side on the default workloads (CPU processes over gloo when there is no GPU),
+# then the plot of those rows.
 demo: $(VENV)/.installed
+	$(PY) -m tpflow.bench --nproc_per_node 2
+	$(PY) -m tpflow.bench.plot
+
+# The seed scenarios through the launcher.
+examples: $(VENV)/.installed
 	$(LAUNCH) --nproc_per_node 2 examples/data_parallel.py
 	$(LAUNCH) --nproc_per_node 2 examples/model_parallel.py
 	$(LAUNCH) --nproc_per_node 2 examples/pipeline_two_stage.py

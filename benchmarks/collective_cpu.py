@@ -20,60 +20,18 @@ Each run is appended to ``benchmarks/results/collective_<mode>_<cpu>_<date>.md``
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import os
 import pathlib
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
 import torch.distributed as dist
 
 from tpflow import comm, init_distributed
+from tpflow.bench.measure import cpu_name, source_version, step_times
 from tpflow.comm import stats
 from tpflow.kernels import FakeWorld, all_gather_matmul, matmul_reduce_scatter, row_bounds
-
-
-def cpu_name() -> str:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def hold_freed_memory() -> str:
-    """Have glibc keep freed memory in the process, for every case alike, and say so for the results header.
-
-    By default glibc hands freed blocks back to the OS once the heap's free top passes a threshold,
-    so the next step faults its pages in again: 10-15% of a CPU layer step on this VM, by an amount
-    that follows the order in which a step frees its tensors rather than the work it does. A
-    caching allocator (PyTorch's on CUDA, jemalloc) has no such cost.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return "the platform's allocator"
-    m_trim_threshold, m_mmap_threshold, limit = -1, -3, 32 << 20  # 32 MiB: glibc's largest mmap threshold
-    if libc.mallopt(m_trim_threshold, limit) and libc.mallopt(m_mmap_threshold, limit):
-        return "glibc malloc keeping freed memory (mallopt trim and mmap thresholds 32 MiB)"
-    return "glibc malloc defaults (mallopt refused)"
-
-
-def source_version() -> str:
-    """The commit the benchmarked code is at, marked when its code (not earlier results) differs from it."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tpflow", "benchmarks",
-                                ":(exclude)benchmarks/results"],
-                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "not a git checkout"
-    return f"commit {sha}" + (" with local changes" if dirty else "")
 
 
 def write(name: str, lines: list[str], out: str) -> pathlib.Path:
@@ -146,18 +104,6 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
         lines.append(f"| {name} | {statistics.median(slowest[name]) * 1e3:.2f} | {ratio:.2f}x | {nbytes:,} | {msgs} |")
     print("\n".join(lines))
     print(f"wrote {write('collective_gloo', lines, out)}")
-
-
-def every_rank(local: list[float]) -> torch.Tensor:
-    """Every rank's ``local`` values, a row per rank."""
-    every = [torch.zeros(len(local), dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, torch.tensor(local, dtype=torch.float64))
-    return torch.stack(every)
-
-
-def step_times(local: list[float]) -> list[float]:
-    """Each repetition's time on its slowest rank."""
-    return every_rank(local).amax(0).tolist()
 
 
 def bench_fake(size: int, world: int, reps: int, out: str) -> None:

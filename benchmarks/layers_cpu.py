@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import tpflow as tpf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repo root for these
-from benchmarks.collective_cpu import cpu_name, hold_freed_memory, step_times, write  # noqa: E402
+from benchmarks.collective_cpu import write  # noqa: E402
+from tpflow.bench.measure import cpu_name, hold_freed_memory, step_times  # noqa: E402
 from tests.models import LLAMA_PLAN, DecoderLayer  # noqa: E402
 
 

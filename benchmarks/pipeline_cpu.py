@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpflow as tpf
-from benchmarks.collective_cpu import every_rank, step_times, write
+from benchmarks.collective_cpu import write
+from tpflow.bench.measure import every_rank, step_times
 
 
 class _Busy(torch.autograd.Function):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpflow as tpf
-from benchmarks.collective_cpu import hold_freed_memory
+from tpflow.bench.measure import hold_freed_memory
 from benchmarks.layers_cpu import step, workloads
 
 

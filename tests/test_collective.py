@@ -14,7 +14,6 @@ import torch
 
 from tests import harness
 from tpflow.kernels import collective
-from tpflow.comm import stats
 from tpflow.kernels import (
     FakeWorld,
     all_gather_matmul,

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from tpflow.sbp import chunk_range
 
-__all__ = ["CommStats", "Pending", "all_gather", "all_reduce", "bounds", "exchange", "gather", "post", "reduce",
-           "reduce_scatter", "scatter", "stats"]
+__all__ = ["CommStats", "Pending", "all_gather", "all_reduce", "bounds", "count_ring", "exchange", "gather", "post",
+           "reduce", "reduce_scatter", "scatter", "stats"]
 
 
 @dataclass
@@ -92,14 +92,15 @@ def bounds(size: int, parts: int) -> list[tuple[int, int]]:
     return [(offset, offset + length) for offset, length in (chunk_range(size, parts, i) for i in range(parts))]
 
 
-def _count_ring(t: torch.Tensor, world: int, passes: int) -> None:
+def count_ring(t: torch.Tensor, world: int, passes: int) -> None:
+    """Count ``passes`` ring passes over ``t`` on a group of ``world``: each sends (W-1)/W of it."""
     stats.bytes_sent += passes * (world - 1) * t.numel() * t.element_size() // world
     stats.messages_sent += passes * (world - 1)
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """Sum ``t`` in place over ``group``; with ``async_op`` the work to wait on."""
-    _count_ring(t, dist.get_world_size(group), 2)
+    count_ring(t, dist.get_world_size(group), 2)
     return dist.all_reduce(t, group=group, async_op=async_op)
 
 
@@ -120,7 +121,7 @@ def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.Process
         padded[:part.shape[0]] = part
     out = part.new_empty((step * world, *part.shape[1:]))
     all_gather_single(out, padded, group=group)
-    _count_ring(out, world, 1)
+    count_ring(out, world, 1)
     if not even:
         out = torch.cat([out[i * step:i * step + e - s] for i, (s, e) in enumerate(chunks)])
     return out.movedim(0, dim)
@@ -139,7 +140,7 @@ def reduce_scatter(full: torch.Tensor, dim: int, chunks: Chunks, group: dist.Pro
             padded[i * step:i * step + e - s] = full[s:e]
     out = full.new_empty((step, *full.shape[1:]))
     reduce_scatter_single(out, padded, group=group)
-    _count_ring(padded, world, 1 if full.is_cuda else 2)
+    count_ring(padded, world, 1 if full.is_cuda else 2)
     return out[:chunks[rank][1] - chunks[rank][0]].movedim(0, dim)
 
 

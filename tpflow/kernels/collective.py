@@ -41,8 +41,8 @@ from tpflow.kernels.matmul import (
 )
 from tpflow.kernels.transport import Transport, as_transport, row_bounds
 
-__all__ = ["RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter",
-           "matmul_reduce_scatter_ref"]
+__all__ = ["ALGOS", "RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref",
+           "matmul_reduce_scatter", "matmul_reduce_scatter_ref"]
 
 # Elements per message from which the ring pays, by device type. CPU, 2 gloo ranks x 1 thread
 # (`benchmarks/collective_cpu.py gloo --size {512,1024}`, results in benchmarks/results/): at 2^17 per
@@ -50,7 +50,7 @@ __all__ = ["RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmu
 # unrecorded ones), at 2^19 (size 1024) 0.86-0.91x over three: the gain below 2^18 is within this VM's
 # noise, so the threshold sits there. CUDA: an estimate until measured.
 RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**22}
-_ALGOS = ("auto", "ring", "naive")
+ALGOS = ("auto", "ring", "naive")
 # Messages per chunk of the reduce-scatter ring, by device type. Two let a transfer overlap the next piece's
 # compute: on an emulated link as slow as half the compute they hid 76-78% of it over three runs, one none
 # (`python benchmarks/collective_cpu.py fake`). On CPU over gloo's loopback the transfer is short and one
@@ -63,8 +63,8 @@ Group = dist.ProcessGroup | Transport | None
 
 def _use_ring(algo: str, t: Transport, bounds: list[tuple[int, int]], width: int, device: torch.device) -> bool:
     """Whether to run the ring: ``width`` is the row length of a message, the same on every rank."""
-    if algo not in _ALGOS:
-        raise ValueError(f"algo must be one of {_ALGOS}, got {algo!r}")
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
     if t.world_size == 1 or algo == "naive":
         return False
     per_message = (bounds[0][1] - bounds[0][0]) * width

@@ -31,9 +31,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from tpflow import comm
 from tpflow.global_tensor import from_local, get_placement, get_sbp, off_placement, tensor, to_global
 from tpflow.kernels import all_gather_matmul, linear, matmul_reduce_scatter
+from tpflow.kernels.collective import ALGOS
 from tpflow.kernels.matmul import accumulate_dtype
 from tpflow.placement import Placement
-from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_region, split
+from tpflow.sbp import PartialSum, Sbp, Split, broadcast, local_region, split
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -70,10 +71,16 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
     _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
 
     def __init__(self, in_features: int, out_features: int, bias: bool, placement: Placement,
-                 sequence_parallel: bool, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+                 sequence_parallel: bool, algo: str, device: torch.device | str | None,
+                 dtype: torch.dtype | None) -> None:
         super().__init__()
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS} (the sequence-parallel collectives: fused into a ring "
+                             f"that overlaps the matmul, the plain collective then the matmul, or by size), "
+                             f"got {algo!r}")
+        self.algo = algo
         device = torch.device(device) if device is not None else placement.device
         if device.type != placement.type:
             raise ValueError(f"device {device} does not match the placement's type {placement.type!r}")
@@ -219,7 +226,8 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
             f"rank {dist.get_rank()} holds {tuple(self.weight.to_local().shape)} of weight {tuple(self.weight.shape)}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"placement={self.placement.type}:{self.placement.ranks}, {tp}, {where}"
-                + (", sequence_parallel" if self.sequence_parallel else ""))
+                + (", sequence_parallel" if self.sequence_parallel else "")
+                + (f", algo={self.algo!r}" if self.algo != "auto" else ""))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -236,10 +244,10 @@ class ColumnParallelLinear(_ParallelLinear):
     _weight_split = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
-                 gather_output: bool = False, sequence_parallel: bool = False,
+                 gather_output: bool = False, sequence_parallel: bool = False, algo: str = "auto",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self.gather_output = gather_output
-        super().__init__(in_features, out_features, bias, placement, sequence_parallel, device, dtype)
+        super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
         return self._axes(split(0))
@@ -257,7 +265,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if group is None:
             y = linear(x, w, b)
         elif self.sequence_parallel and x.ndim > 1:
-            y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b)
+            y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b, algo=self.algo)
         else:  # dx's partial sums travel in fp32 at least
             y = linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
                        dgrad_dtype=accumulate_dtype(x.dtype))
@@ -281,13 +289,13 @@ class RowParallelLinear(_ParallelLinear):
     _weight_split = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, algo: str = "auto",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
                              "feature-split output of a column layer)")
         self.input_is_parallel = input_is_parallel
-        super().__init__(in_features, out_features, bias, placement, sequence_parallel, device, dtype)
+        super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
         return self._axes(broadcast)
@@ -315,8 +323,9 @@ class RowParallelLinear(_ParallelLinear):
                 raise ValueError(f"{self.label}: sequence parallelism splits dim 0 of the input over "
                                  f"{self._tp_size} ranks, but it has {x.shape[0]} rows: pad it to a multiple of "
                                  f"{self._tp_size}, or pass a global tensor (uneven chunks are fine there)")
-            return matmul_reduce_scatter(x, w.mT, group, bias=b)
-        y = comm.reduce(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)  # partial sums travel in fp32 at least
+            return matmul_reduce_scatter(x, w.mT, group, bias=b, algo=self.algo)
+        # partial sums travel in fp32 at least
+        y = comm.reduce(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)
         return (y if b is None else y.add_(b)).to(x.dtype)  # the reduced sum is this layer's own: add in place
 
     def extra_repr(self) -> str:

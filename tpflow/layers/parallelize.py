@@ -37,6 +37,7 @@ class ColumnParallel(_Style):
     layer = ColumnParallelLinear
     gather_output: bool = False
     sequence_parallel: bool = False
+    algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class RowParallel(_Style):
     layer = RowParallelLinear
     input_is_parallel: bool = True
     sequence_parallel: bool = False
+    algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
 
 
 _NAMED = {"column": ColumnParallel(), "row": RowParallel()}

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm
-from tpflow.global_tensor import from_local, get_placement, get_sbp, post_across, tensor, to_global
+from tpflow.global_tensor import from_local, get_sbp, post_across, tensor, to_global
 from tpflow.layers import schedule as schedules
 from tpflow.layers.stage import Stage
 from tpflow.placement import Placement

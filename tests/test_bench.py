@@ -1,0 +1,98 @@
+"""``python -m tpflow.bench`` on a tiny workload through the launcher: every file written, every mode's loss
+equal to one device's at every step, and every rank's bytes equal to the theory for its mode's layout."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from tests.test_examples import _run
+from tpflow.layers.meta import HEADER_BYTES
+
+TWO_D = {"data x tensor", "pipeline x tensor"}
+FP32 = 4
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"bench{request.param}")
+    proc = _run(["-m", "tpflow.bench", "--nproc_per_node", str(request.param), "--tiny", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    files = {p.suffix: p for p in out.iterdir()}
+    data = json.loads(files[".json"].read_text())
+    return request.param, proc.stdout, files, data
+
+
+def test_every_file_is_written_and_named_in_the_output(run):
+    world, stdout, files, data = run
+    assert set(files) == {".json", ".csv", ".md"}
+    for path in files.values():
+        assert str(path) in stdout
+        assert f"w{world}" in path.name and data["meta"]["device"].split()[0] in path.name.replace("-", " ")
+    rows = list(csv.DictReader(files[".csv"].open()))
+    assert [r["mode"] for r in rows] == [r["mode"] for r in data["rows"]]
+    assert {r["device"] for r in rows} == {data["meta"]["device"]}
+    table = files[".md"].read_text()
+    assert data["meta"]["command"] in table and "| data, DDP |" in table
+    assert f"python -m tpflow.bench --nproc_per_node {world} --tiny" in data["meta"]["command"]
+    plot = _run(["-m", "tpflow.bench.plot", str(files[".json"])])
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert files[".json"].with_suffix(".png").stat().st_size > 10_000
+
+
+def test_every_mode_runs_and_agrees_with_one_device(run):
+    world, _, _, data = run
+    for row in data["rows"]:
+        if row["skipped"]:
+            assert world == 2 and row["mode"] in TWO_D or world == 4 and row["mode"] == "pipeline x tensor" \
+                and row["workload"] == "transformer", row
+            continue
+        assert len(row["losses"]) == data["meta"]["settings"]["warmup"] + 2 + data["meta"]["settings"]["reps"]
+        assert row["loss_rel_diff"] < 1e-5, row
+        assert row["losses"][-1] < row["losses"][0]  # it trains
+        assert row["step_ms_p20"] <= row["step_ms"] <= row["step_ms_p80"]
+        assert row["peak_bytes"] > row["param_bytes"] > 0
+
+
+def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
+    """What tpflow sends beyond the layout's minimum: a pipeline's 1 KiB header per hand-off (and one at the
+    end of the step to the next stage), and the all-gather of an 8-byte row count by which a sequence-parallel
+    column layer fed a plain input checks the ranks split dim 0 evenly."""
+    mode = row["mode"]
+    if mode.startswith("pipeline"):
+        stages = 2 if mode == "pipeline x tensor" else world
+        per_stage = world // stages
+        s, m = rank // per_stage, 2 * stages
+        return HEADER_BYTES * per_stage * (m * ((s < stages - 1) + (s > 0)) + (s < stages - 1))
+    if mode.startswith("sequence"):
+        columns = {"mlp": 1, "transformer": 5}[row["workload"]] * settings["depth"]
+        return 8 * (world - 1) * columns
+    return 0
+
+
+def test_bytes_sent_equal_the_theory_for_each_layout(run):
+    world, _, _, data = run
+    settings = data["meta"]["settings"]
+    for row in data["rows"]:
+        if row["skipped"]:
+            continue
+        expected = [m + _overhead(row, rank, world, settings) for rank, m in enumerate(row["minimum_per_rank"])]
+        assert row["sent_per_rank"] == expected, row["mode"]
+
+
+def test_the_minimum_by_hand(run):
+    """Not the harness's formula: the layouts' bytes written out for the tiny MLP (4 blocks of 32 -> 64 -> 32,
+    64 rows): tensor parallel all-reduces each row layer's output and each column layer's input gradient but
+    the first's (the input wants none); data parallel all-reduces every gradient."""
+    world, _, _, data = run
+    s = data["meta"]["settings"]
+    rows = {r["mode"]: r for r in data["rows"] if r["workload"] == "mlp"}
+    ring = (world - 1) / world
+    activation = s["tokens"] * s["dim"] * FP32
+    params = s["depth"] * (2 * s["dim"] * s["hidden"] + s["hidden"] + s["dim"])
+    assert rows["tensor, tpflow"]["sent_bytes"] == 2 * ring * (2 * s["depth"] - 1) * activation
+    assert rows["tensor, torch"]["sent_bytes"] == rows["tensor, tpflow"]["sent_bytes"]
+    assert rows["data, DDP"]["sent_bytes"] == rows["data, tpflow SBP"]["sent_bytes"] == 2 * ring * params * FP32
+    assert rows["pipeline, 1F1B"]["minimum_bytes"] == activation * (1 if world == 2 else 2)

@@ -1,0 +1,1 @@
+"""The benchmark harness: ``python -m tpflow.bench`` (see ``__main__``)."""

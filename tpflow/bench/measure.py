@@ -1,0 +1,180 @@
+"""What the harness measures besides time: the machine, every rank's values, bytes sent, peak memory.
+
+Bytes: tpflow counts its own transfers (``tpflow.comm.stats``); ``counting()`` adds torch's functional
+collectives (DTensor's redistributes, ``parallelize_module``, optimizers on partial gradients) by
+watching the dispatcher, and ``count_ddp`` adds DDP's bucket all-reduces through a comm hook. Every
+collective is counted as the ring algorithm that implements it sends: (W-1)/W of the tensor per pass,
+two passes for an all-reduce, and two for gloo's reduce-scatter (an all-reduce underneath).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tpflow import comm
+
+__all__ = ["count_ddp", "counting", "cpu_name", "device_name", "every_rank", "hold_freed_memory", "quantiles",
+           "source_version", "step_peak", "step_times"]
+
+
+def cpu_name() -> str:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's, for every results file."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def hold_freed_memory() -> str:
+    """Have glibc keep freed memory in the process, for every case alike, and say so for the results header.
+
+    By default glibc hands freed blocks back to the OS once the heap's free top passes a threshold,
+    so the next step faults its pages in again: 10-15% of a CPU layer step on a 2-core VM, by an amount
+    that follows the order in which a step frees its tensors rather than the work it does. A
+    caching allocator (PyTorch's on CUDA, jemalloc) has no such cost.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return "the platform's allocator"
+    m_trim_threshold, m_mmap_threshold, limit = -1, -3, 32 << 20  # 32 MiB: glibc's largest mmap threshold
+    if libc.mallopt(m_trim_threshold, limit) and libc.mallopt(m_mmap_threshold, limit):
+        return "glibc malloc keeping freed memory (mallopt trim and mmap thresholds 32 MiB)"
+    return "glibc malloc defaults (mallopt refused)"
+
+
+def source_version() -> str:
+    """The commit the benchmarked code is at, marked when its code (not earlier results) differs from it."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tpflow", "benchmarks",
+                                ":(exclude)benchmarks/results"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return f"commit {sha}" + (" with local changes" if dirty else "")
+
+
+def every_rank(local: list[float]) -> torch.Tensor:
+    """Every rank's ``local`` values, a row per rank (over the CPU backend)."""
+    every = [torch.zeros(len(local), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor(local, dtype=torch.float64))
+    return torch.stack(every)
+
+
+def step_times(local: list[float]) -> list[float]:
+    """Each repetition's time on its slowest rank."""
+    return every_rank(local).amax(0).tolist()
+
+
+def quantiles(times: list[float]) -> tuple[float, float, float]:
+    """Median, 20th and 80th percentile."""
+    if len(times) == 1:
+        return times[0], times[0], times[0]
+    p20, _, _, p80 = statistics.quantiles(times, n=5, method="inclusive")
+    return statistics.median(times), p20, p80
+
+
+def _ring_passes(op: str, group: dist.ProcessGroup) -> int:
+    if op in ("all_reduce", "all_reduce_"):
+        return 2
+    if op == "reduce_scatter_tensor":
+        return 2 if "gloo" in str(dist.get_backend(group)) else 1
+    return 1
+
+
+_NOT_TRANSFERS = ("wait_tensor", "_wrap_tensor_autograd")
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts torch's functional collectives into ``comm.stats``; an unknown one is an error, not a zero."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:  # modes run before subclasses: let DTensor lower the op to collectives on its blocks
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        op = func.overloadpacket.__name__
+        if func.namespace not in ("_c10d_functional", "c10d_functional") or op in _NOT_TRANSFERS:
+            return out
+        if op not in ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            raise NotImplementedError(f"the harness cannot count the bytes of {func}: add its ring cost to "
+                                      "tpflow.bench.measure")
+        group = _resolve_process_group(args[-1])
+        counted = out if op == "all_gather_into_tensor" else args[0]  # the full tensor each pass walks
+        comm.count_ring(counted, dist.get_world_size(group), _ring_passes(op, group))
+        return out
+
+
+@contextmanager
+def counting() -> Iterator[comm.CommStats]:
+    """Count every byte this rank sends inside the block, tpflow's and torch's collectives alike."""
+    comm.stats.reset()
+    with _FunctionalCollectives():
+        yield comm.stats
+
+
+def _counted_allreduce(group, bucket):  # no annotations: DDP checks them, and these would be strings here
+    comm.count_ring(bucket.buffer(), dist.get_world_size(group), 2)
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+def count_ddp(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Have DDP's bucket all-reduces (its own, unchanged) counted in ``comm.stats``."""
+    model.register_comm_hook(None, _counted_allreduce)
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block (C++ code writes there directly)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def step_peak(step: Callable[[], object], device: torch.device) -> int:
+    """The most bytes ``step()`` holds above what was live when it began: activations, gradients,
+    communication buffers. CUDA's allocator statistics; on CPU, the profiler's allocation events."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    # quiet: kineto logs each start and stop, and c10 warns of each free it did not see allocated (the step
+    # runs unprofiled before and after, so nothing else it could print is lost)
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))

@@ -1,0 +1,376 @@
+"""The parallel modes the harness compares, each a training step of one workload on this rank.
+
+    one device          the plain model on rank 0 (the others wait)
+    data, tpflow SBP    parameters broadcast, the batch split(0), the module on local rows (tpf.stage);
+                        the optimizer reduces the partial gradients (OneFlow's data parallelism)
+    data, DDP           DistributedDataParallel, each rank its rows
+    tensor, tpflow      column / row layers over all ranks (tpf.parallelize), the batch whole everywhere
+    tensor, torch       PyTorch's parallelize_module with ColwiseParallel / RowwiseParallel
+    sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
+                        all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
+    sequence, unfused   the same layout, the plain collective then the matmul
+    pipeline, GPipe     one stage per rank, 2 micro-batches a stage
+    pipeline, 1F1B      the same, one-forward-one-backward
+    data x tensor       2-D placement: data parallel over axis 0, tensor parallel over axis 1
+    pipeline x tensor   2 stages, each tensor parallel over half the ranks, 1F1B
+
+Every mode trains the same model from the same values on the same batch with SGD, so each step's
+loss must equal one device's. A mode returns this rank's share of the loss (the shares sum to the
+loss) and ``minimum``: the fewest bytes this rank must send per step for the mode's layout, from
+the model's shapes and ring collectives (per layer: a column layer all-reduces its input gradient,
+a row layer its output; with sequence parallelism each does an all-gather and a reduce-scatter of
+the same sizes; data parallelism all-reduces the gradients of the parameter blocks a rank holds; a
+pipeline stage sends its output forward and its input's gradient back).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+import tpflow as tpf
+from tpflow import comm
+from tpflow.bench.measure import count_ddp
+from tpflow.bench.workloads import Workload
+
+__all__ = ["MODES", "Context", "Skip", "Trainer", "build"]
+
+LR = 0.05
+
+
+class Skip(Exception):
+    """The mode cannot run this workload on this world; the message says why."""
+
+
+@dataclass
+class Context:
+    world: int
+    rank: int
+    device: torch.device
+    micro_batches: int | None = None  # per pipeline; None: 2 per stage
+
+    def placement(self, ranks: Sequence) -> tpf.Placement:
+        return tpf.placement(self.device.type, list(ranks))
+
+
+@dataclass
+class Trainer:
+    """One training step (``step()`` returns this rank's share of the loss, or None), the parameters this
+    rank holds, and the fewest bytes it must send per step (``minimum``)."""
+
+    step: Callable[[], torch.Tensor | None]
+    params: list[torch.Tensor]
+    minimum: int
+    ranks: list[int] = field(default_factory=list)
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameter blocks."""
+        blocks = (p.to_local() if isinstance(p, DTensor) else p for p in self.params)
+        return sum(b.numel() * b.element_size() for b in blocks)
+
+
+def _trainer(params: list[torch.Tensor], forward_backward: Callable[[], torch.Tensor | None], minimum: int,
+             ranks: Sequence[int], after_backward: Callable[[], None] | None = None) -> Trainer:
+    """Zero the gradients, ``forward_backward()`` (returning the loss share), ``after_backward()``, an SGD step."""
+    opt = torch.optim.SGD(params, lr=LR)
+
+    def step():
+        opt.zero_grad()
+        share = forward_backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        return share
+    return Trainer(step, params, minimum, list(ranks))
+
+
+def _sq_err_share(y: torch.Tensor, target: torch.Tensor, total: int) -> torch.Tensor:
+    """This rank's rows' share of the mean squared error over ``total`` elements: shares over split rows
+    sum to the loss (a mean over uneven blocks would weight them wrongly)."""
+    return (y - target).square().sum() / total
+
+
+def _ring(nbytes: int, world: int, passes: int) -> int:
+    """Bytes one rank sends in ``passes`` ring passes over ``nbytes`` on ``world`` ranks (as tpflow counts)."""
+    return passes * (world - 1) * nbytes // world
+
+
+def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, tokens: int, tp: int,
+                  sequence: bool = False) -> int:
+    """Per rank, for the linears of the plain ``model`` that ``plan`` makes column / row layers over ``tp``
+    ranks, on ``tokens`` rows like ``sample``: one all-reduce of each column layer's input gradient (none
+    where the input needs no gradient) or row layer's output; with sequence parallelism an all-gather and a
+    reduce-scatter of the same (the column layer's all-gather alone where its input needs no gradient)."""
+    kinds = {name: kind for name, _ in model.named_modules() for pattern, kind in plan.items()
+             if fnmatch.fnmatchcase(name, pattern)}
+    wants_grad: dict[str, bool] = {}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda m, args, name=name: wants_grad.__setitem__(name, args[0].requires_grad)) for name in kinds]
+    try:
+        model(sample[:1])
+    finally:
+        for h in hooks:
+            h.remove()
+    total, elem = 0, sample.element_size()
+    for name, kind in kinds.items():
+        m = model.get_submodule(name)
+        size = tokens * (m.in_features if kind == "column" else m.out_features) * elem
+        both_ways = kind == "row" or wants_grad[name]
+        if sequence:  # all-gather (column) or reduce-scatter (row) forward, and the other one backward
+            total += _ring(size, tp, 1) * (2 if both_ways else 1)
+        elif both_ways:  # a row layer's output forward, a column layer's input gradient backward
+            total += _ring(size, tp, 2)
+    return total
+
+
+def _plain_params(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if not isinstance(p, DTensor)]
+
+
+def _grad_all_reduce(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> Callable[[], None]:
+    """Sum the gradients of copies that saw different rows (Megatron's all-reduce of norm weights)."""
+    def reduce():
+        for p in params:
+            if p.grad is not None:
+                comm.all_reduce(p.grad, group)
+    return reduce
+
+
+def _bytes(params: list[torch.Tensor]) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+
+
+def _rows(n: int, parts: int, index: int) -> slice:
+    start, end = comm.bounds(n, parts)[index]
+    return slice(start, end)
+
+
+def _check_heads(w: Workload, tp: int) -> None:
+    if w.heads and (w.heads % tp or w.kv_heads % tp):
+        raise Skip(f"{w.heads} heads and {w.kv_heads} key/value heads do not split over {tp} ranks")
+
+
+def one_device(w: Workload, ctx: Context) -> Trainer:
+    model, x, y = w.model.to(ctx.device), w.inputs.to(ctx.device), w.targets.to(ctx.device)
+    if ctx.rank != 0:
+        return Trainer(lambda: None, [], 0, [0])
+    return _trainer(list(model.parameters()), lambda: _backward(F.mse_loss(model(x), y)), 0, [0])
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss.detach()
+
+
+def data_sbp(w: Workload, ctx: Context) -> Trainer:
+    P, S0 = ctx.placement(range(ctx.world)), tpf.sbp.split(0)
+    st = tpf.stage(w.model.to(ctx.device), stage_id=0, placement=P, sbp=S0)
+    x, y = w.inputs.to(ctx.device), tpf.tensor(w.targets.to(ctx.device), placement=P, sbp=S0)
+
+    def forward_backward():
+        loss = _sq_err_share(st(x), y, y.numel())
+        loss.backward()
+        return loss.detach().to_local()
+    params = list(st.parameters())
+    return _trainer(params, forward_backward, sum(_ring(_bytes([p]), ctx.world, 2) for p in params), range(ctx.world))
+
+
+def data_ddp(w: Workload, ctx: Context) -> Trainer:
+    if w.samples % ctx.world:
+        raise Skip(f"DDP averages the ranks' gradients, which is the batch's only when its {w.samples} samples "
+                   f"split evenly over {ctx.world} ranks")
+    model = w.model.to(ctx.device)
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    count_ddp(ddp)
+    rows = _rows(w.samples, ctx.world, ctx.rank)
+    x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
+
+    def forward_backward():
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        return loss.detach() / ctx.world
+    params = list(ddp.parameters())
+    return _trainer(params, forward_backward, _ring(_bytes(params), ctx.world, 2), range(ctx.world))
+
+
+def _replicated_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool) -> Callable:
+    """Every rank computes the whole loss and its backward; the first rank's is the share."""
+    def forward_backward():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss.detach() if first else None
+    return forward_backward
+
+
+def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
+    _check_heads(w, ctx.world)
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)), plan=w.plan)
+    x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
+    return _trainer(list(model.parameters()), _replicated_loss(model, x, y, ctx.rank == 0), minimum, range(ctx.world))
+
+
+def tensor_torch(w: Workload, ctx: Context) -> Trainer:
+    _check_heads(w, ctx.world)
+    P = ctx.placement(range(ctx.world))
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
+    styles = {"column": ColwiseParallel, "row": RowwiseParallel}
+    names = [n for n, m in w.model.named_modules() if isinstance(m, nn.Linear)]
+    plan = {n: styles[kind]() for pattern, kind in w.plan.items() for n in names if fnmatch.fnmatchcase(n, pattern)}
+    model = parallelize_module(w.model.to(ctx.device), P.mesh, plan)
+    x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
+    return _trainer(list(model.parameters()), _replicated_loss(model, x, y, ctx.rank == 0), minimum, range(ctx.world))
+
+
+def _sequence(w: Workload, ctx: Context, algo: str) -> Trainer:
+    _check_heads(w, ctx.world)
+    if w.samples % ctx.world:
+        raise Skip(f"sequence parallelism splits dim 0 ({w.samples}) evenly over {ctx.world} ranks")
+    styles = {"column": tpf.ColumnParallel(sequence_parallel=True, algo=algo),
+              "row": tpf.RowParallel(sequence_parallel=True, algo=algo)}
+    layers = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world, sequence=True)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)),
+                            plan={k: styles[v] for k, v in w.plan.items()})
+    rows = _rows(w.samples, ctx.world, ctx.rank)
+    x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
+    plain = _plain_params(model)  # norms see this rank's rows only: their gradients are partial sums
+
+    def forward_backward():
+        loss = _sq_err_share(model(x), y, w.targets.numel())
+        loss.backward()
+        return loss.detach()
+    group = dist.group.WORLD if ctx.world > 1 else None
+    minimum = layers + sum(_ring(_bytes([p]), ctx.world, 2) for p in plain)
+    return _trainer(list(model.parameters()), forward_backward, minimum, range(ctx.world),
+                    _grad_all_reduce(plain, group))
+
+
+def sequence_ring(w: Workload, ctx: Context) -> Trainer:
+    return _sequence(w, ctx, "ring")
+
+
+def sequence_unfused(w: Workload, ctx: Context) -> Trainer:
+    return _sequence(w, ctx, "naive")
+
+
+def _pipeline(w: Workload, ctx: Context, stages: list[tpf.Stage], schedule: str, handoff: int,
+              layers: int = 0) -> Trainer:
+    """``stages`` as a pipeline; ``handoff``: the bytes a stage's rank sends of a step's activations (and of
+    their gradients), ``layers``: its tensor-parallel layers' bytes."""
+    m = ctx.micro_batches or 2 * len(stages)
+    if w.samples < m:
+        raise Skip(f"{w.samples} samples cannot make {m} micro-batches")
+    pipe = tpf.Pipeline(stages, micro_batches=m, schedule=schedule, loss_fn=F.mse_loss)
+    s = pipe.stage_index
+    pl = stages[s].placement
+    x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
+    first_of_last = s == len(stages) - 1 and ctx.rank == pl.flat_ranks[0]
+
+    def forward_backward():
+        loss = pipe.step(x, y)
+        return loss if first_of_last else None
+    # each micro-batch's activation forward (but from the last stage) and its gradient back (but to the first)
+    directions = (s < len(stages) - 1) + (s > 0)
+    minimum = directions * handoff + layers
+    return _trainer(list(pipe.parameters()), forward_backward, minimum, range(ctx.world))
+
+
+def _one_rank_stages(w: Workload, ctx: Context) -> list[tpf.Stage]:
+    blocks = len(w.model)
+    if blocks < ctx.world:
+        raise Skip(f"{blocks} blocks cannot make {ctx.world} stages")
+    model = w.model.to(ctx.device)
+    cuts = comm.bounds(blocks, ctx.world)
+    return [tpf.stage(model[a:b], stage_id=i, placement=ctx.placement([i])) for i, (a, b) in enumerate(cuts)]
+
+
+def _activation_bytes(w: Workload) -> int:
+    return w.inputs.numel() * w.inputs.element_size()
+
+
+def pipeline_gpipe(w: Workload, ctx: Context) -> Trainer:
+    return _pipeline(w, ctx, _one_rank_stages(w, ctx), "gpipe", _activation_bytes(w))
+
+
+def pipeline_1f1b(w: Workload, ctx: Context) -> Trainer:
+    return _pipeline(w, ctx, _one_rank_stages(w, ctx), "1f1b", _activation_bytes(w))
+
+
+def _halves(ctx: Context) -> list[list[int]]:
+    if ctx.world < 4 or ctx.world % 2:
+        raise Skip("needs an even world of at least 4 ranks")
+    half = ctx.world // 2
+    return [list(range(half)), list(range(half, ctx.world))]
+
+
+def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
+    ranks = _halves(ctx)
+    tp = len(ranks[0])
+    _check_heads(w, tp)
+    P2 = ctx.placement(ranks)
+    i, j = P2.coordinate()
+    rows = _rows(w.samples, 2, i)
+    x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
+    layers = _tensor_bytes(w.model, w.plan, w.inputs, x.shape[:-1].numel(), tp)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=P2, plan=w.plan)
+    plain = _plain_params(model)  # norms: copies over the data axis saw different rows
+
+    def forward_backward():
+        loss = _sq_err_share(model(x), y, w.targets.numel())
+        loss.backward()
+        return loss.detach() if j == 0 else None
+    minimum = layers + sum(_ring(_bytes([p]), 2, 2) for p in model.parameters())
+    return _trainer(list(model.parameters()), forward_backward, minimum, range(ctx.world),
+                    _grad_all_reduce(plain, P2.mesh.get_group(0)))
+
+
+def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:
+    ranks = _halves(ctx)
+    _check_heads(w, len(ranks[0]))
+    if w.heads:
+        raise Skip("a stage with global parameters runs on global tensors, and the attention's plain-tensor "
+                   "math (rotary positions) cannot mix with them")
+    model, half = w.model.to(ctx.device), len(w.model) // 2
+    parts = (model[:half], model[half:])
+    mine = next(i for i, rs in enumerate(ranks) if ctx.rank in rs)
+    stage_input = w.inputs.detach().requires_grad_(mine > 0)  # a later stage's input is an activation
+    layers = _tensor_bytes(parts[mine], w.plan, stage_input, w.tokens, len(ranks[0]))
+    stages = []
+    for i, (part, rs) in enumerate(zip(parts, ranks)):
+        pl = ctx.placement(rs)
+        stages.append(tpf.stage(tpf.parallelize(part, placement=pl, plan=w.plan), stage_id=i, placement=pl,
+                                sbp=tpf.sbp.broadcast))
+    # each of the next stage's ranks needs the whole activation: as many copies as senders
+    return _pipeline(w, ctx, stages, "1f1b", _activation_bytes(w), layers)
+
+
+MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
+    "one device": one_device,
+    "data, tpflow SBP": data_sbp,
+    "data, DDP": data_ddp,
+    "tensor, tpflow": tensor_tpflow,
+    "tensor, torch": tensor_torch,
+    "sequence, ring": sequence_ring,
+    "sequence, unfused": sequence_unfused,
+    "pipeline, GPipe": pipeline_gpipe,
+    "pipeline, 1F1B": pipeline_1f1b,
+    "data x tensor": data_x_tensor,
+    "pipeline x tensor": pipeline_x_tensor,
+}
+
+
+def build(name: str, w: Workload, ctx: Context) -> Trainer:
+    """Mode ``name`` on a fresh copy of the workload's model (every rank calls it, in the same order)."""
+    fresh = Workload(w.name, copy.deepcopy(w.model), w.inputs, w.targets, w.plan, w.heads, w.kv_heads)
+    return MODES[name](fresh, ctx)
+

@@ -1,0 +1,149 @@
+"""The harness's two workloads, as a user would write them for one device (nothing here knows tpflow):
+
+    mlp          ``depth`` residual blocks x + fc2(gelu(fc1(x))), on rows of tokens [tokens, dim]
+    transformer  ``depth`` Llama-style decoder layers (RMSNorm, rotary attention with grouped key/value
+                 heads, SwiGLU feed-forward) on [batch, seq, dim]
+
+Both are an ``nn.Sequential`` of blocks, so a pipeline cuts them between blocks, and both are trained
+on an MSE loss against a fixed random target. The column / row plans are Megatron's: the first
+linear(s) of each sub-block column parallel, the last row parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from torch import nn
+
+__all__ = ["LLAMA_PLAN", "MLP_PLAN", "Attention", "DecoderLayer", "FeedForward", "MLPBlock", "RMSNorm", "Workload",
+           "build", "rotary"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rotary(x, positions, base: float = 10000.0):
+    """Rotate pairs of features of x [b, h, s, d] by position-dependent angles."""
+    d = x.shape[-1]
+    freqs = base ** (-torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d)
+    angles = torch.outer(positions.to(x.dtype), freqs)  # [s, d/2]
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return rearrange(torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1), "... d two -> ... (d two)")
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.head_dim, self.groups = dim // heads, heads // kv_heads
+        self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device)
+        # the head count comes from the tensor (-1), so a column-split projection gives fewer heads
+        q = rearrange(self.q_proj(x), "b s (h d) -> b h s d", d=self.head_dim)
+        k = rearrange(self.k_proj(x), "b s (h d) -> b h s d", d=self.head_dim)
+        v = rearrange(self.v_proj(x), "b s (h d) -> b h s d", d=self.head_dim)
+        q, k = rotary(q, positions), rotary(k, positions)
+        k, v = (repeat(t, "b h s d -> b (h g) s d", g=self.groups) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(dim), Attention(dim, heads, kv_heads)
+        self.post_attention_layernorm, self.mlp = RMSNorm(dim), FeedForward(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+LLAMA_PLAN = {
+    "*.q_proj": "column", "*.k_proj": "column", "*.v_proj": "column", "*.o_proj": "row",
+    "*.gate_proj": "column", "*.up_proj": "column", "*.down_proj": "row",
+}
+MLP_PLAN = {"*.fc1": "column", "*.fc2": "row"}
+
+
+@dataclass
+class Workload:
+    """A model to train, its batch and its tensor-parallel plan (module-name patterns -> "column" / "row")."""
+
+    name: str
+    model: nn.Sequential
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    plan: dict[str, str]
+    heads: int = 0  # attention heads (and key/value heads) a tensor-parallel split must divide
+    kv_heads: int = 0
+
+    @property
+    def samples(self) -> int:
+        """Samples in a step: rows of tokens for the MLP, sequences for the transformer."""
+        return self.inputs.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.shape[:-1].numel()
+
+    def describe(self) -> str:
+        shape = "x".join(map(str, self.inputs.shape))
+        params = sum(p.numel() for p in self.model.parameters())
+        return f"{self.name}: {len(self.model)} blocks, input {shape}, {params:,} parameters"
+
+
+def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int, heads: int,
+          kv_heads: int) -> Workload:
+    """The workload ``name`` ("mlp" or "transformer"), the same on every rank (fixed seeds)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(*(MLPBlock(dim, hidden) for _ in range(depth)))
+        shape, plan = (tokens, dim), MLP_PLAN
+    elif name == "transformer":
+        if tokens % seq:
+            raise ValueError(f"--tokens {tokens} must be a multiple of --seq {seq} (the transformer's sequences)")
+        if dim % heads or heads % kv_heads:
+            raise ValueError(f"--dim {dim} must split into --heads {heads}, and they into --kv-heads {kv_heads}")
+        model = nn.Sequential(*(DecoderLayer(dim, heads, kv_heads, hidden) for _ in range(depth)))
+        shape, plan = (tokens // seq, seq, dim), LLAMA_PLAN
+    else:
+        raise ValueError(f"unknown workload {name!r}: use 'mlp' or 'transformer'")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return Workload(name, model, x, y, plan, heads if name == "transformer" else 0,
+                    kv_heads if name == "transformer" else 0)
