@@ -75,6 +75,36 @@ def test_data_parallel_by_sbp_trains_like_one_device(world, rows, optimizer):
     assert all(harness.run(world, _sbp_data_parallel, rows, optimizer))
 
 
+def _partial_gradients_in_one_all_reduce(rows, bucket_bytes):
+    """After a data-parallel backward every gradient is a partial sum; the optimizer's pre-step hook sums them all
+    with one all-reduce per bucket (2(W-1) ring messages each), and they equal one device's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    P = tpf.placement("cpu", list(range(world)))
+    ref = _mlp(0)
+    model = tpf.to_global(copy.deepcopy(ref), placement=P, sbp=B)
+    x, y = _data(rows)
+    mine = slice(*bounds(rows, world)[rank])
+    loss = F.cross_entropy(tpf.to_global(model(tpf.to_global(x[mine], placement=P, sbp=S0)), sbp=B),
+                           tpf.to_global(y, placement=P, sbp=B))
+    loss.backward()
+    F.cross_entropy(ref(x), y).backward()
+    assert all(tpf.get_sbp(p.grad) == (tpf.sbp.partial_sum,) for p in model.parameters())
+    tpf.comm.stats.reset()
+    tpf.gradients.reduce_partial_gradients(model.parameters(), bucket_bytes)
+    buckets = 1 if bucket_bytes == tpf.gradients.BUCKET_BYTES else len(list(model.parameters()))
+    assert tpf.comm.stats.messages_sent == 2 * (world - 1) * buckets
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert tpf.get_sbp(p.grad) == (B,)
+        torch.testing.assert_close(p.grad.to_local(), q.grad, msg=name)
+    return True
+
+
+@pytest.mark.parametrize("world, bucket_bytes", [(2, None), (3, None), (2, 1)], ids=["2", "3", "2, a bucket each"])
+def test_partial_gradients_are_summed_in_one_all_reduce(world, bucket_bytes):
+    bucket_bytes = bucket_bytes or tpf.gradients.BUCKET_BYTES
+    assert all(harness.run(world, _partial_gradients_in_one_all_reduce, 7, bucket_bytes))
+
+
 def _ddp(rows, on_axis):
     """DistributedDataParallel and DistributedSampler in a tpflow job: over the world, or over axis 0 of a 2x2
     placement (the replicas that hold the same data-parallel coordinate's rows)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tpflow import comm, kernels, sbp
+from tpflow import comm, gradients, kernels, sbp
 from tpflow.global_tensor import (
     from_local,
     full,
@@ -54,6 +54,7 @@ __all__ = [
     "get_rank",
     "get_sbp",
     "get_world_size",
+    "gradients",
     "init_distributed",
     "kernels",
     "matmul",

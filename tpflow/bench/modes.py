@@ -2,7 +2,7 @@
 
     one device          the plain model on rank 0 (the others wait)
     data, tpflow SBP    parameters broadcast, the batch split(0), the module on local rows (tpf.stage);
-                        the optimizer reduces the partial gradients (OneFlow's data parallelism)
+                        the partial gradients summed in one all-reduce before the optimizer reads them
     data, DDP           DistributedDataParallel, each rank its rows
     tensor, tpflow      column / row layers over all ranks (tpf.parallelize), the batch whole everywhere
     tensor, torch       PyTorch's parallelize_module with ColwiseParallel / RowwiseParallel
@@ -182,7 +182,8 @@ def data_sbp(w: Workload, ctx: Context) -> Trainer:
         loss.backward()
         return loss.detach().to_local()
     params = list(st.parameters())
-    return _trainer(params, forward_backward, sum(_ring(_bytes([p]), ctx.world, 2) for p in params), range(ctx.world))
+    # the optimizer's pre-step hook sums the partial gradients in one all-reduce (tpflow.gradients)
+    return _trainer(params, forward_backward, _ring(_bytes(params), ctx.world, 2), range(ctx.world))
 
 
 def data_ddp(w: Workload, ctx: Context) -> Trainer:
