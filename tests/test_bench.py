@@ -57,19 +57,26 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
 
 
 def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
-    """What tpflow sends beyond the layout's minimum: a pipeline's 1 KiB header per hand-off (and one at the
-    end of the step to the next stage), and the all-gather of an 8-byte row count by which a sequence-parallel
-    column layer fed a plain input checks the ranks split dim 0 evenly."""
-    mode = row["mode"]
+    """What tpflow sends beyond the layout's minimum:
+    - a pipeline's 1 KiB header per hand-off to each receiving rank, and one at the end of the step to the next
+      stage's ranks;
+    - the all-gather of an 8-byte row count by which a sequence-parallel column layer fed a plain input checks
+      that the ranks split dim 0 evenly;
+    - in the transformer, one collective per column layer where q, k and v (and gate and up) could share one:
+      per block, 3 more all-reduces of the input gradient (sequence parallel: 3 more all-gathers and
+      reduce-scatters) of the rows a tensor-parallel group holds."""
+    mode, extra = row["mode"], 0
     if mode.startswith("pipeline"):
         stages = 2 if mode == "pipeline x tensor" else world
         per_stage = world // stages
         s, m = rank // per_stage, 2 * stages
         return HEADER_BYTES * per_stage * (m * ((s < stages - 1) + (s > 0)) + (s < stages - 1))
     if mode.startswith("sequence"):
-        columns = {"mlp": 1, "transformer": 5}[row["workload"]] * settings["depth"]
-        return 8 * (world - 1) * columns
-    return 0
+        extra += 8 * (world - 1) * {"mlp": 1, "transformer": 5}[row["workload"]] * settings["depth"]
+    if row["workload"] == "transformer" and (mode.startswith(("tensor", "sequence")) or mode == "data x tensor"):
+        tp, rows = (world // 2, settings["tokens"] // 2) if mode == "data x tensor" else (world, settings["tokens"])
+        extra += 3 * settings["depth"] * 2 * (tp - 1) * rows * settings["dim"] * FP32 // tp
+    return extra
 
 
 def test_bytes_sent_equal_the_theory_for_each_layout(run):

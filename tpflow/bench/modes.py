@@ -107,25 +107,30 @@ def _ring(nbytes: int, world: int, passes: int) -> int:
 
 def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, tokens: int, tp: int,
                   sequence: bool = False) -> int:
-    """Per rank, for the linears of the plain ``model`` that ``plan`` makes column / row layers over ``tp``
-    ranks, on ``tokens`` rows like ``sample``: one all-reduce of each column layer's input gradient (none
-    where the input needs no gradient) or row layer's output; with sequence parallelism an all-gather and a
-    reduce-scatter of the same (the column layer's all-gather alone where its input needs no gradient)."""
+    """The fewest bytes per rank for the linears of the plain ``model`` that ``plan`` makes column / row layers
+    over ``tp`` ranks, on ``tokens`` rows like ``sample``. A row layer all-reduces its output (sequence
+    parallel: reduce-scatters it, and all-gathers its gradient). Column layers that read the same input
+    (q, k and v; gate and up) need it once: nothing forward, and one all-reduce of the sum of their input
+    gradients, none where the input needs no gradient (sequence parallel: one all-gather of the input, and
+    one reduce-scatter of that gradient). tpflow's and torch's layers, one collective per layer, send more."""
     kinds = {name: kind for name, _ in model.named_modules() for pattern, kind in plan.items()
              if fnmatch.fnmatchcase(name, pattern)}
-    wants_grad: dict[str, bool] = {}
+    inputs: dict[str, torch.Tensor] = {}
     hooks = [model.get_submodule(name).register_forward_pre_hook(
-        lambda m, args, name=name: wants_grad.__setitem__(name, args[0].requires_grad)) for name in kinds]
+        lambda m, args, name=name: inputs.__setitem__(name, args[0])) for name in kinds]
     try:
         model(sample[:1])
     finally:
         for h in hooks:
             h.remove()
-    total, elem = 0, sample.element_size()
+    total, elem, seen = 0, sample.element_size(), []
     for name, kind in kinds.items():
-        m = model.get_submodule(name)
+        m, x = model.get_submodule(name), inputs[name]
+        if kind == "column" and any(x is other for other in seen):
+            continue  # gathered, and its gradient reduced, with an earlier reader's
+        seen.append(x)
         size = tokens * (m.in_features if kind == "column" else m.out_features) * elem
-        both_ways = kind == "row" or wants_grad[name]
+        both_ways = kind == "row" or x.requires_grad
         if sequence:  # all-gather (column) or reduce-scatter (row) forward, and the other one backward
             total += _ring(size, tp, 1) * (2 if both_ways else 1)
         elif both_ways:  # a row layer's output forward, a column layer's input gradient backward
