@@ -53,6 +53,7 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
         assert row["loss_rel_diff"] < 1e-5, row
         assert row["losses"][-1] < row["losses"][0]  # it trains
         assert row["step_ms_p20"] <= row["step_ms"] <= row["step_ms_p80"]
+        assert row["speedup_p20"] <= row["speedup"] <= row["speedup_p80"]
         assert row["peak_bytes"] > row["param_bytes"] > 0
 
 

@@ -344,6 +344,8 @@ def _errors_rank():
         tpf.RowParallelLinear(6, 8, placement=P, input_is_parallel=False, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"algo must be one of \('auto', 'ring', 'naive'\)"):
         tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": tpf.ColumnParallel(algo="fused")})
+    with pytest.raises(ValueError, match="algo='ring' chooses how sequence parallelism's collectives run"):
+        tpf.RowParallelLinear(6, 8, placement=P, algo="ring")
     if W > 1:
         row_sp = tpf.RowParallelLinear(6, 8, placement=P, sequence_parallel=True)
         with pytest.raises(ValueError, match=f"splits dim 0 of the input over {W} ranks, but it has {W + 1} rows"):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tpflow.sbp import chunk_range
 
 __all__ = ["CommStats", "Pending", "all_gather", "all_reduce", "bounds", "count_ring", "exchange", "gather", "post",
-           "reduce", "reduce_scatter", "scatter", "stats"]
+           "reduce", "reduce_scatter", "ring_bytes", "scatter", "stats"]
 
 
 @dataclass
@@ -92,9 +92,14 @@ def bounds(size: int, parts: int) -> list[tuple[int, int]]:
     return [(offset, offset + length) for offset, length in (chunk_range(size, parts, i) for i in range(parts))]
 
 
+def ring_bytes(nbytes: int, world: int, passes: int) -> int:
+    """Bytes one rank sends in ``passes`` ring passes over ``nbytes`` on ``world`` ranks: (W-1)/W of it each."""
+    return passes * (world - 1) * nbytes // world
+
+
 def count_ring(t: torch.Tensor, world: int, passes: int) -> None:
-    """Count ``passes`` ring passes over ``t`` on a group of ``world``: each sends (W-1)/W of it."""
-    stats.bytes_sent += passes * (world - 1) * t.numel() * t.element_size() // world
+    """Count ``passes`` ring passes over ``t`` on a group of ``world`` ranks."""
+    stats.bytes_sent += ring_bytes(t.numel() * t.element_size(), world, passes)
     stats.messages_sent += passes * (world - 1)
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpflow import comm, kernels
+from tpflow import comm, gradients, kernels
 from tpflow.placement import Placement, placement_of_mesh
 from tpflow.sbp import (
     Broadcast,
@@ -483,7 +483,8 @@ def _module_to_global(module: nn.Module, pl: Placement, sbp: object) -> nn.Modul
                 else:
                     whole = from_local(t.detach(), pl, (broadcast,) * pl.ndim, shape=t.shape)
                     new = _box_within(whole, pl, (broadcast,) * pl.ndim, sbps)
-            converted[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+            converted[id(t)] = gradients.adopt(nn.Parameter(new, t.requires_grad)) if isinstance(t, nn.Parameter) \
+                else new
         table[name] = converted[id(t)]
     return module
 

@@ -1,4 +1,4 @@
-"""Partial-sum gradients reduced together, when an optimizer is about to read them.
+"""Partial-sum gradients of tpflow's parameters, summed together when an optimizer is about to read them.
 
 Data parallelism by SBP leaves each parameter's gradient a partial sum over the ranks that saw
 different rows (OneFlow reduces it when it is read). Left to DTensor, an optimizer step reduces them
@@ -6,14 +6,17 @@ one parameter at a time: an all-reduce and a redistribute per parameter, which o
 the step 1.5x DDP's. ``reduce_partial_gradients`` instead sums them with one all-reduce (per mesh
 axis) per bucket of up to 4 MiB of gradients that share mesh, layout and dtype, as DDP buckets them,
 while micro-batches still accumulate into partial sums for free. Unlike DDP's, the reduction cannot
-overlap the backward: it waits until the gradients are read. tpflow runs it before every optimizer
-step (``torch.optim``'s global step pre-hook), on that optimizer's parameters only; gradients that
-are not partial sums are left alone.
+overlap the backward: it waits until the gradients are read.
+
+tpflow runs it before every optimizer step (``torch.optim``'s global step pre-hook, ``HOOK``), for the
+parameters tpflow made (``to_global`` of a module, the parallel layers, stages) and only on the axes
+where the parameter itself is broadcast; any other gradient is left to DTensor. Code that reads
+gradients before the step (``clip_grad_norm_``, ``GradScaler.unscale_``) should call
+``reduce_partial_gradients(params)`` first, or DTensor reduces them one by one there.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -22,44 +25,63 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tpflow import comm
 
-__all__ = ["BUCKET_BYTES", "reduce_partial_gradients"]
+__all__ = ["BUCKET_BYTES", "HOOK", "adopt", "reduce_partial_gradients"]
 
 BUCKET_BYTES = 4 << 20  # per all-reduce: DDP's first bucket is 1 MiB, the rest 25 MiB
+_MARK = "_tpflow_sums_partial_grads"  # an attribute, not a WeakSet: a set lookup would compare tensors with ==
 
 
-def _summed(placements: tuple) -> tuple[int, ...]:
-    return tuple(i for i, p in enumerate(placements) if isinstance(p, Partial) and p.reduce_op == "sum")
+def adopt(param: torch.Tensor) -> torch.Tensor:
+    """Mark a parameter tpflow made, whose partial-sum gradients the optimizer hook may sum; returns it."""
+    setattr(param, _MARK, True)
+    return param
+
+
+def _summed_axes(p: torch.Tensor) -> tuple[int, ...]:
+    """The mesh axes on which ``p``'s gradient is a partial sum that the broadcast ``p`` wants summed."""
+    g = p.grad
+    if not isinstance(g, DTensor) or g.device_mesh.get_coordinate() is None:
+        return ()
+    return tuple(i for i, (gp, pp) in enumerate(zip(g.placements, p.placements))
+                 if type(gp) is Partial and gp.reduce_op == "sum" and isinstance(pp, Replicate))
 
 
 def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Replace every partial-sum DTensor gradient of ``params`` by its sum (broadcast on those axes): one flat
-    all-reduce per ``bucket_bytes`` of gradients that share mesh, layout and dtype (the flat copy is the
-    memory it costs, so buckets are capped)."""
+    """Sum the partial-sum DTensor gradients of ``params`` (on the axes where the parameter is broadcast) with
+    one flat all-reduce per ``bucket_bytes`` of gradients that share mesh, layout and dtype; the flat copy
+    is the memory this costs, so buckets are capped. Each gradient keeps its storage."""
     groups: dict[tuple, list[list[torch.Tensor]]] = {}
+    filled: dict[tuple, int] = {}
     for p in params:
+        axes = _summed_axes(p)
+        if not axes:
+            continue
         g = p.grad
-        if isinstance(g, DTensor) and _summed(g.placements):
-            buckets = groups.setdefault((g.device_mesh, g.placements, g.dtype), [[]])
-            size = sum(q.grad._local_tensor.nbytes for q in buckets[-1])
-            if buckets[-1] and size + g._local_tensor.nbytes > bucket_bytes:
-                buckets.append([])
-            buckets[-1].append(p)
-    for (mesh, placements, _), buckets in groups.items():
-        whole = tuple(Replicate() if i in _summed(placements) else pl for i, pl in enumerate(placements))
+        key = (g.device_mesh, g.placements, g.dtype, axes)
+        buckets = groups.setdefault(key, [[]])
+        nbytes = g._local_tensor.nbytes
+        if buckets[-1] and filled[key] + nbytes > bucket_bytes:
+            buckets.append([])
+            filled[key] = 0
+        buckets[-1].append(p)
+        filled[key] = filled.get(key, 0) + nbytes
+    for (mesh, placements, _, axes), buckets in groups.items():
+        summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
         for bucket in buckets:
             blocks = [p.grad._local_tensor for p in bucket]
             flat = torch.cat([b.reshape(-1) for b in blocks])
-            for axis in _summed(placements):
+            for axis in axes:
                 comm.all_reduce(flat, mesh.get_group(axis))
             offset = 0
             for p, block in zip(bucket, blocks):
-                summed = flat[offset:offset + block.numel()].view_as(block)
+                block.copy_(flat[offset:offset + block.numel()].view_as(block))
                 offset += block.numel()
-                p.grad = DTensor(summed, dataclasses.replace(p.grad._spec, placements=whole), requires_grad=False)
+                p.grad = DTensor.from_local(block, mesh, summed, run_check=False, shape=p.grad.shape,
+                                            stride=p.grad.stride())
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    reduce_partial_gradients(p for group in optimizer.param_groups for p in group["params"])
+    reduce_partial_gradients(p for group in optimizer.param_groups for p in group["params"] if getattr(p, _MARK, False))
 
 
-register_optimizer_step_pre_hook(_before_step)
+HOOK = register_optimizer_step_pre_hook(_before_step)  # HOOK.remove() leaves every gradient to DTensor

@@ -28,7 +28,7 @@ import tpflow as tpf
 from tpflow.bench import report
 from tpflow.bench.measure import counting, device_name, every_rank, hold_freed_memory, quantiles, source_version, \
     step_peak, step_times
-from tpflow.bench.modes import MODES, Context, Skip, build
+from tpflow.bench.modes import MODES, Context, Skip, build, slug
 from tpflow.bench.workloads import build as build_workload
 
 DEFAULTS = dict(dim=256, hidden=1024, depth=4, tokens=256, seq=32, heads=8, kv_heads=4, reps=10, warmup=1)
@@ -40,8 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=2,
                    help="ranks to launch when not already under the launcher (default 2)")
     p.add_argument("--workload", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), metavar="MODE",
-                   help=f"a subset of: {', '.join(repr(m) for m in MODES)} ('one device' is always run)")
+    p.add_argument("--modes", nargs="+", choices=[slug(m) for m in MODES], default=[slug(m) for m in MODES],
+                   metavar="MODE", help=f"a subset of: {' '.join(slug(m) for m in MODES)} (one-device always runs)")
     p.add_argument("--tiny", action="store_true", help="a workload of seconds, for tests: " +
                    " ".join(f"--{k.replace('_', '-')} {v}" for k, v in TINY.items()))
     for name, value in DEFAULTS.items():
@@ -114,15 +114,16 @@ def run_workload(name: str, cfg: dict, modes: list[str], ctx: Context,
     base = step_times(times["one device"])
     for n in names:
         t = trainers[n]
-        per_rank = every_rank([sent[n], t.minimum, peak[n], t.param_bytes()])
+        per_rank = every_rank([sent[n], t.minimum, peak[n] + t.state_bytes, t.param_bytes()])
         losses = every_rank(shares[n]).sum(0).tolist()
         slowest = step_times(times[n])
         median, p20, p80 = quantiles(slowest)
+        speedup = quantiles([b / s for b, s in zip(base, slowest)])
         rows.append(dict(
             workload=w.name, mode=n, world=ctx.world, ranks=len(t.ranks),
             step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3,
             samples_per_s=w.samples / median,
-            speedup=quantiles([b / s for b, s in zip(base, slowest)])[0],
+            speedup=speedup[0], speedup_p20=speedup[1], speedup_p80=speedup[2],
             peak_bytes=int((per_rank[:, 2] + per_rank[:, 3]).max()), param_bytes=int(per_rank[:, 3].max()),
             sent_bytes=int(per_rank[:, 0].max()), minimum_bytes=int(per_rank[:, 1].max()),
             sent_per_rank=[int(v) for v in per_rank[:, 0]], minimum_per_rank=[int(v) for v in per_rank[:, 1]],
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         allocator = hold_freed_memory()
     cfg = settings(args)
-    modes = ["one device", *[m for m in args.modes if m != "one device"]]
+    if cfg["reps"] < 1 or cfg["warmup"] < 0:
+        raise SystemExit("--reps must be at least 1 and --warmup at least 0")
+    modes = ["one device", *[m for m in MODES if slug(m) in args.modes and m != "one device"]]
     ctx = Context(world, rank, device, args.micro_batches)
     meta = dict(device=device_name(device), device_type=device.type, world=world, torch=torch.__version__,
                 tpflow=tpf.__version__, code=source_version(), python=sys.version.split()[0],

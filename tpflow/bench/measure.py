@@ -1,10 +1,11 @@
 """What the harness measures besides time: the machine, every rank's values, bytes sent, peak memory.
 
-Bytes: tpflow counts its own transfers (``tpflow.comm.stats``); ``counting()`` adds torch's functional
-collectives (DTensor's redistributes, ``parallelize_module``, optimizers on partial gradients) by
-watching the dispatcher, and ``count_ddp`` adds DDP's bucket all-reduces through a comm hook. Every
-collective is counted as the ring algorithm that implements it sends: (W-1)/W of the tensor per pass,
-two passes for an all-reduce, and two for gloo's reduce-scatter (an all-reduce underneath).
+Bytes: tpflow counts its own transfers (``tpflow.comm.stats``: point-to-point sends as sent);
+``counting()`` adds torch's functional collectives (DTensor's redistributes, ``parallelize_module``)
+by watching the dispatcher, and ``count_ddp`` adds DDP's bucket all-reduces through a comm hook (a
+Python call per bucket around DDP's own all-reduce hook). A collective is counted as what the ring
+algorithm implementing it sends: (W-1)/W of the tensor per pass, two passes for an all-reduce, and
+two for gloo's reduce-scatter (an all-reduce underneath); NCCL may pick a tree, sending no more.
 """
 
 from __future__ import annotations
@@ -97,12 +98,9 @@ def quantiles(times: list[float]) -> tuple[float, float, float]:
     return statistics.median(times), p20, p80
 
 
-def _ring_passes(op: str, group: dist.ProcessGroup) -> int:
-    if op in ("all_reduce", "all_reduce_"):
-        return 2
-    if op == "reduce_scatter_tensor":
-        return 2 if "gloo" in str(dist.get_backend(group)) else 1
-    return 1
+def _ring_passes(op: str, t: torch.Tensor) -> int:
+    """An all-reduce is two passes; so is gloo's reduce-scatter (CPU tensors: an all-reduce underneath)."""
+    return 2 if op in ("all_reduce", "all_reduce_") or (op == "reduce_scatter_tensor" and not t.is_cuda) else 1
 
 
 _NOT_TRANSFERS = ("wait_tensor", "_wrap_tensor_autograd")
@@ -116,14 +114,14 @@ class _FunctionalCollectives(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         op = func.overloadpacket.__name__
-        if func.namespace not in ("_c10d_functional", "c10d_functional") or op in _NOT_TRANSFERS:
+        if func.namespace != "_c10d_functional" or op in _NOT_TRANSFERS:
             return out
         if op not in ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor"):
             raise NotImplementedError(f"the harness cannot count the bytes of {func}: add its ring cost to "
                                       "tpflow.bench.measure")
         group = _resolve_process_group(args[-1])
         counted = out if op == "all_gather_into_tensor" else args[0]  # the full tensor each pass walks
-        comm.count_ring(counted, dist.get_world_size(group), _ring_passes(op, group))
+        comm.count_ring(counted, dist.get_world_size(group), _ring_passes(op, args[0]))
         return out
 
 
@@ -160,8 +158,10 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 def step_peak(step: Callable[[], object], device: torch.device) -> int:
-    """The most bytes ``step()`` holds above what was live when it began: activations, gradients,
-    communication buffers. CUDA's allocator statistics; on CPU, the profiler's allocation events."""
+    """The most bytes ``step()`` holds above what was live when it began (for a trainer that frees its
+    gradients after each step: activations, gradients, communication buffers). CUDA's allocator
+    statistics; on CPU, the profiler's allocation events (frees of blocks allocated before the step are
+    not among them, so a step that frees what it did not allocate reads high)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -40,10 +41,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tpflow as tpf
 from tpflow import comm
+from tpflow.comm import ring_bytes
 from tpflow.bench.measure import count_ddp
 from tpflow.bench.workloads import Workload
 
-__all__ = ["MODES", "Context", "Skip", "Trainer", "build"]
+__all__ = ["MODES", "Context", "Skip", "Trainer", "block_bytes", "build", "slug"]
 
 LR = 0.05
 
@@ -63,33 +65,39 @@ class Context:
         return tpf.placement(self.device.type, list(ranks))
 
 
+def block_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's blocks of ``tensors`` (global or plain)."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
 @dataclass
 class Trainer:
-    """One training step (``step()`` returns this rank's share of the loss, or None), the parameters this
-    rank holds, and the fewest bytes it must send per step (``minimum``)."""
+    """One training step (``step()`` returns this rank's share of the loss, or None; it leaves no gradients
+    behind), the parameters this rank holds, the bytes it keeps between steps besides them (``state_bytes``:
+    DDP's buckets), and the fewest bytes it must send per step (``minimum``)."""
 
     step: Callable[[], torch.Tensor | None]
     params: list[torch.Tensor]
     minimum: int
     ranks: list[int] = field(default_factory=list)
+    state_bytes: int = 0
 
     def param_bytes(self) -> int:
-        """Bytes of this rank's parameter blocks."""
-        blocks = (p.to_local() if isinstance(p, DTensor) else p for p in self.params)
-        return sum(b.numel() * b.element_size() for b in blocks)
+        return block_bytes(self.params)
 
 
 def _trainer(params: list[torch.Tensor], forward_backward: Callable[[], torch.Tensor | None], minimum: int,
              ranks: Sequence[int], after_backward: Callable[[], None] | None = None) -> Trainer:
-    """Zero the gradients, ``forward_backward()`` (returning the loss share), ``after_backward()``, an SGD step."""
+    """``forward_backward()`` (returning the loss share), ``after_backward()``, an SGD step, then the gradients
+    freed: between steps a rank holds only its parameters (and state), so a step's peak is measured from there."""
     opt = torch.optim.SGD(params, lr=LR)
 
     def step():
-        opt.zero_grad()
         share = forward_backward()
         if after_backward is not None:
             after_backward()
         opt.step()
+        opt.zero_grad()
         return share
     return Trainer(step, params, minimum, list(ranks))
 
@@ -98,11 +106,6 @@ def _sq_err_share(y: torch.Tensor, target: torch.Tensor, total: int) -> torch.Te
     """This rank's rows' share of the mean squared error over ``total`` elements: shares over split rows
     sum to the loss (a mean over uneven blocks would weight them wrongly)."""
     return (y - target).square().sum() / total
-
-
-def _ring(nbytes: int, world: int, passes: int) -> int:
-    """Bytes one rank sends in ``passes`` ring passes over ``nbytes`` on ``world`` ranks (as tpflow counts)."""
-    return passes * (world - 1) * nbytes // world
 
 
 def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, tokens: int, tp: int,
@@ -132,9 +135,9 @@ def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, 
         size = tokens * (m.in_features if kind == "column" else m.out_features) * elem
         both_ways = kind == "row" or x.requires_grad
         if sequence:  # all-gather (column) or reduce-scatter (row) forward, and the other one backward
-            total += _ring(size, tp, 1) * (2 if both_ways else 1)
+            total += ring_bytes(size, tp, 1) * (2 if both_ways else 1)
         elif both_ways:  # a row layer's output forward, a column layer's input gradient backward
-            total += _ring(size, tp, 2)
+            total += ring_bytes(size, tp, 2)
     return total
 
 
@@ -151,10 +154,6 @@ def _grad_all_reduce(params: list[torch.Tensor], group: dist.ProcessGroup | None
     return reduce
 
 
-def _bytes(params: list[torch.Tensor]) -> int:
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
-
-
 def _rows(n: int, parts: int, index: int) -> slice:
     start, end = comm.bounds(n, parts)[index]
     return slice(start, end)
@@ -169,12 +168,7 @@ def one_device(w: Workload, ctx: Context) -> Trainer:
     model, x, y = w.model.to(ctx.device), w.inputs.to(ctx.device), w.targets.to(ctx.device)
     if ctx.rank != 0:
         return Trainer(lambda: None, [], 0, [0])
-    return _trainer(list(model.parameters()), lambda: _backward(F.mse_loss(model(x), y)), 0, [0])
-
-
-def _backward(loss: torch.Tensor) -> torch.Tensor:
-    loss.backward()
-    return loss.detach()
+    return _trainer(list(model.parameters()), _replicated_loss(model, x, y, first=True), 0, [0])
 
 
 def data_sbp(w: Workload, ctx: Context) -> Trainer:
@@ -188,7 +182,7 @@ def data_sbp(w: Workload, ctx: Context) -> Trainer:
         return loss.detach().to_local()
     params = list(st.parameters())
     # the optimizer's pre-step hook sums the partial gradients in one all-reduce (tpflow.gradients)
-    return _trainer(params, forward_backward, _ring(_bytes(params), ctx.world, 2), range(ctx.world))
+    return _trainer(params, forward_backward, ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
 
 
 def data_ddp(w: Workload, ctx: Context) -> Trainer:
@@ -196,7 +190,9 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
         raise Skip(f"DDP averages the ranks' gradients, which is the batch's only when its {w.samples} samples "
                    f"split evenly over {ctx.world} ranks")
     model = w.model.to(ctx.device)
-    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    # gradients as views of the buckets: no copy into them, and the buckets counted as DDP's state
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True)
     count_ddp(ddp)
     rows = _rows(w.samples, ctx.world, ctx.rank)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
@@ -206,7 +202,9 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
         loss.backward()
         return loss.detach() / ctx.world
     params = list(ddp.parameters())
-    return _trainer(params, forward_backward, _ring(_bytes(params), ctx.world, 2), range(ctx.world))
+    trainer = _trainer(params, forward_backward, ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
+    trainer.state_bytes = block_bytes(params)
+    return trainer
 
 
 def _replicated_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool) -> Callable:
@@ -255,10 +253,9 @@ def _sequence(w: Workload, ctx: Context, algo: str) -> Trainer:
         loss = _sq_err_share(model(x), y, w.targets.numel())
         loss.backward()
         return loss.detach()
-    group = dist.group.WORLD if ctx.world > 1 else None
-    minimum = layers + sum(_ring(_bytes([p]), ctx.world, 2) for p in plain)
+    minimum = layers + sum(ring_bytes(block_bytes([p]), ctx.world, 2) for p in plain)
     return _trainer(list(model.parameters()), forward_backward, minimum, range(ctx.world),
-                    _grad_all_reduce(plain, group))
+                    _grad_all_reduce(plain, dist.group.WORLD))
 
 
 def sequence_ring(w: Workload, ctx: Context) -> Trainer:
@@ -325,7 +322,7 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
     _check_heads(w, tp)
     P2 = ctx.placement(ranks)
     i, j = P2.coordinate()
-    rows = _rows(w.samples, 2, i)
+    rows = _rows(w.samples, len(ranks), i)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
     layers = _tensor_bytes(w.model, w.plan, w.inputs, x.shape[:-1].numel(), tp)
     model = tpf.parallelize(w.model.to(ctx.device), placement=P2, plan=w.plan)
@@ -335,7 +332,7 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
         loss = _sq_err_share(model(x), y, w.targets.numel())
         loss.backward()
         return loss.detach() if j == 0 else None
-    minimum = layers + sum(_ring(_bytes([p]), 2, 2) for p in model.parameters())
+    minimum = layers + sum(ring_bytes(block_bytes([p]), len(ranks), 2) for p in model.parameters())
     return _trainer(list(model.parameters()), forward_backward, minimum, range(ctx.world),
                     _grad_all_reduce(plain, P2.mesh.get_group(0)))
 
@@ -346,17 +343,19 @@ def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:
     if w.heads:
         raise Skip("a stage with global parameters runs on global tensors, and the attention's plain-tensor "
                    "math (rotary positions) cannot mix with them")
-    model, half = w.model.to(ctx.device), len(w.model) // 2
-    parts = (model[:half], model[half:])
+    half = len(w.model) // 2
+    parts = (w.model[:half], w.model[half:])
     mine = next(i for i, rs in enumerate(ranks) if ctx.rank in rs)
     stage_input = w.inputs.detach().requires_grad_(mine > 0)  # a later stage's input is an activation
     layers = _tensor_bytes(parts[mine], w.plan, stage_input, w.tokens, len(ranks[0]))
+    parts = tuple(part.to(ctx.device) for part in parts)
     stages = []
     for i, (part, rs) in enumerate(zip(parts, ranks)):
         pl = ctx.placement(rs)
         stages.append(tpf.stage(tpf.parallelize(part, placement=pl, plan=w.plan), stage_id=i, placement=pl,
                                 sbp=tpf.sbp.broadcast))
-    # each of the next stage's ranks needs the whole activation: as many copies as senders
+    # each of the next stage's ranks needs the whole activation: with as many senders as receivers, one
+    # activation per sender (and one gradient per sender back)
     return _pipeline(w, ctx, stages, "1f1b", _activation_bytes(w), layers)
 
 
@@ -375,8 +374,13 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
 }
 
 
+def slug(mode: str) -> str:
+    """The mode's name for the command line: "data, DDP" is data-ddp."""
+    return mode.lower().replace(", ", "-").replace(" ", "-")
+
+
 def build(name: str, w: Workload, ctx: Context) -> Trainer:
     """Mode ``name`` on a fresh copy of the workload's model (every rank calls it, in the same order)."""
-    fresh = Workload(w.name, copy.deepcopy(w.model), w.inputs, w.targets, w.plan, w.heads, w.kv_heads)
+    fresh = dataclasses.replace(w, model=copy.deepcopy(w.model))
     return MODES[name](fresh, ctx)
 

@@ -1,7 +1,7 @@
 """``python -m tpflow.bench.plot [RESULTS.json ...]``: the harness's rows as a PNG beside the JSON.
 
 Apart from the run so that the GPU machines, which have no matplotlib, need only the JSON. For each
-workload: the speed-up of every mode against one device (bars, with the p20-p80 range of its step time
+workload: the speed-up of every mode against one device (bars, with the p20-p80 of its per-step ratios
 as whiskers), and the bytes each rank sent per step against the minimum for the mode's layout. With no
 file named, the newest ``benchmarks/results/bench_*.json``.
 """
@@ -29,15 +29,14 @@ def plot(results: pathlib.Path) -> pathlib.Path:
     for (speed, traffic), workload, described in zip(axes, workloads, meta["workloads"]):
         part = [r for r in rows if r["workload"] == workload]
         names = [r["mode"] for r in part]
-        base = part[0]["step_ms"]  # one device
         ys = range(len(part))
-        low = [max(0.0, r["speedup"] - base / r["step_ms_p80"]) for r in part]  # the p20-p80 step times
-        high = [max(0.0, base / r["step_ms_p20"] - r["speedup"]) for r in part]
+        low = [r["speedup"] - r["speedup_p20"] for r in part]  # p20-p80 of the per-step ratios
+        high = [r["speedup_p80"] - r["speedup"] for r in part]
         speed.barh(ys, [r["speedup"] for r in part], xerr=[low, high], color="tab:blue")
         speed.axvline(1.0, color="gray", lw=0.8)
         speed.set_yticks(list(ys), names)
         speed.invert_yaxis()
-        speed.set_xlabel("speed-up vs one device (median of per-step ratios; whiskers: p20-p80 step time)")
+        speed.set_xlabel("speed-up vs one device (median of per-step ratios; whiskers: their p20-p80)")
         speed.set_title(described, fontsize=9, loc="left")
         sent = [r["sent_bytes"] / 2**10 for r in part]
         least = [r["minimum_bytes"] / 2**10 for r in part]

@@ -38,13 +38,11 @@ def _cells(row: dict) -> list[str]:
     return [fmt(row) for fmt in COLUMNS.values()]
 
 
-def _title(meta: dict, workload: str, described: str) -> str:
-    return f"{described} | {meta['world']} ranks, {meta['device']} | {meta['timestamp']}"
-
-
 def _by_workload(rows: list[dict], meta: dict):
+    """(title, rows) per workload."""
     for workload, described in zip(dict.fromkeys(r["workload"] for r in rows), meta["workloads"]):
-        yield _title(meta, workload, described), [r for r in rows if r["workload"] == workload]
+        title = f"{described} | {meta['world']} ranks, {meta['device']} | {meta['timestamp']}"
+        yield title, [r for r in rows if r["workload"] == workload]
 
 
 class Progress:

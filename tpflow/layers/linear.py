@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow import comm
+from tpflow import comm, gradients
 from tpflow.global_tensor import from_local, get_placement, get_sbp, off_placement, tensor, to_global
 from tpflow.kernels import all_gather_matmul, linear, matmul_reduce_scatter
 from tpflow.kernels.collective import ALGOS
@@ -80,6 +80,9 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
             raise ValueError(f"algo must be one of {ALGOS} (the sequence-parallel collectives: fused into a ring "
                              f"that overlaps the matmul, the plain collective then the matmul, or by size), "
                              f"got {algo!r}")
+        if algo != "auto" and not sequence_parallel:
+            raise ValueError(f"algo={algo!r} chooses how sequence parallelism's collectives run: it needs "
+                             "sequence_parallel=True")
         self.algo = algo
         device = torch.device(device) if device is not None else placement.device
         if device.type != placement.type:
@@ -116,7 +119,7 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         pl = self.placement
         block = tensor(value.detach().to(pl.device), placement=pl, sbp=sbp).to_local()
         synced = from_local(block, pl, sbp, shape=value.shape, sync_data=True).detach()
-        return nn.Parameter(synced, requires_grad=value.requires_grad)
+        return gradients.adopt(nn.Parameter(synced, requires_grad=value.requires_grad))
 
     @property
     def group(self) -> dist.ProcessGroup | None:
