@@ -117,7 +117,7 @@ class _FunctionalCollectives(TorchDispatchMode):
         if func.namespace != "_c10d_functional" or op in _NOT_TRANSFERS:
             return out
         if op not in ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor"):
-            raise NotImplementedError(f"the harness cannot count the bytes of {func}: add its ring cost to "
+            raise RuntimeError(f"the harness cannot count the bytes of {func}: add its ring cost to "
                                       "tpflow.bench.measure")
         group = _resolve_process_group(args[-1])
         counted = out if op == "all_gather_into_tensor" else args[0]  # the full tensor each pass walks
