@@ -36,7 +36,8 @@ TINY = dict(dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4, r
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tpflow.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tpflow.bench", description="Every parallel mode on one workload, "
+                                "side by side in one run.")
     p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=2,
                    help="ranks to launch when not already under the launcher (default 2)")
     p.add_argument("--workload", nargs="+", choices=["mlp", "transformer"], default=["mlp", "transformer"])
