@@ -20,6 +20,7 @@ import datetime
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ import tpflow as tpf
 from tpflow.bench import report
 from tpflow.bench.measure import counting, device_name, every_rank, hold_freed_memory, quantiles, source_version, \
     step_peak, step_times
-from tpflow.bench.modes import MODES, Context, Skip, build, slug
+from tpflow.bench.modes import MODES, Context, Skip, Trainer, build, slug
 from tpflow.bench.workloads import build as build_workload
 
 DEFAULTS = dict(dim=256, hidden=1024, depth=4, tokens=256, seq=32, heads=8, kv_heads=4, reps=10, warmup=1)
@@ -72,66 +73,81 @@ def device_for_ranks() -> torch.device:
     return torch.device("cuda", local) if bool(gpus.min()) else torch.device("cpu")
 
 
+@dataclass
+class Measured:
+    """One mode's raw measurements on this rank."""
+
+    shares: list[float] = field(default_factory=list)  # every step's share of the loss
+    times: list[float] = field(default_factory=list)  # the timed steps, seconds
+    sent: int = 0  # bytes sent in the counted step
+    peak: int = 0  # the profiled step's peak above its start
+
+
+def measure(trainers: dict[str, Trainer], cfg: dict, ctx: Context, progress: report.Progress, task) -> dict:
+    """Warm-up steps, a counted one, a profiled one, then the timed ones: the modes interleaved step by step."""
+    found = {n: Measured() for n in trainers}
+    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+    counted, profiled = cfg["warmup"], cfg["warmup"] + 1
+    for i in range(cfg["warmup"] + 2 + cfg["reps"]):
+        for n, trainer in trainers.items():
+            m = found[n]
+            dist.barrier()
+            if i == counted:
+                with counting() as stats:
+                    share = trainer.step()
+                    sync()
+                m.sent = stats.bytes_sent
+            elif i == profiled:
+                m.peak, share = step_peak(trainer.step, ctx.device)
+            else:
+                start = time.perf_counter()
+                share = trainer.step()
+                sync()
+                if i > profiled:
+                    m.times.append(time.perf_counter() - start)
+            m.shares.append(0.0 if share is None else float(share))
+            progress.advance(task)
+    return found
+
+
+def summarize(workload: str, samples: int, trainers: dict[str, Trainer], found: dict[str, Measured],
+              world: int) -> list[dict]:
+    """A row per mode: every rank's values gathered, times on the slowest rank, losses against one device's."""
+    rows = []
+    base = step_times(found["one device"].times)
+    reference = every_rank(found["one device"].shares).sum(0).tolist()
+    for n, t in trainers.items():
+        m = found[n]
+        per_rank = every_rank([m.sent, t.minimum, m.peak + t.state_bytes + t.param_bytes(), t.param_bytes()])
+        losses = every_rank(m.shares).sum(0).tolist()
+        slowest = step_times(m.times)
+        median, p20, p80 = quantiles(slowest)
+        speedup = quantiles([b / s for b, s in zip(base, slowest)])
+        rows.append(dict(
+            workload=workload, mode=n, world=world, ranks=len(t.ranks),
+            step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3, samples_per_s=samples / median,
+            speedup=speedup[0], speedup_p20=speedup[1], speedup_p80=speedup[2],
+            peak_bytes=int(per_rank[:, 2].max()), param_bytes=int(per_rank[:, 3].max()),
+            sent_bytes=int(per_rank[:, 0].max()), minimum_bytes=int(per_rank[:, 1].max()),
+            sent_per_rank=[int(v) for v in per_rank[:, 0]], minimum_per_rank=[int(v) for v in per_rank[:, 1]],
+            losses=losses, loss_rel_diff=max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)),
+            skipped=None))
+    return rows
+
+
 def run_workload(name: str, cfg: dict, modes: list[str], ctx: Context,
                  progress: report.Progress) -> tuple[list[dict], str]:
-    w = build_workload(name, dim=cfg["dim"], hidden=cfg["hidden"], depth=cfg["depth"], tokens=cfg["tokens"],
-                       seq=cfg["seq"], heads=cfg["heads"], kv_heads=cfg["kv_heads"])
+    """Every mode that can run on workload ``name``: its rows (skipped modes with their reason) and the
+    workload's description."""
+    w = build_workload(name, **{k: cfg[k] for k in ("dim", "hidden", "depth", "tokens", "seq", "heads", "kv_heads")})
     trainers, skipped = {}, {}
     for mode in modes:
         try:
             trainers[mode] = build(mode, w, ctx)
         except Skip as why:
             skipped[mode] = str(why)
-    names = list(trainers)
-    steps = cfg["warmup"] + 2 + cfg["reps"]
-    task = progress.add(f"{w.name} on {ctx.world} ranks", steps * len(names))
-    shares = {n: [] for n in names}
-    times = {n: [] for n in names}
-    sent, peak = {}, {}
-    sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-    for i in range(steps):
-        counted, profiled = i == cfg["warmup"], i == cfg["warmup"] + 1
-        for n in names:
-            step = trainers[n].step
-            dist.barrier()
-            if counted:
-                with counting() as stats:
-                    share = step()
-                    sync()
-                sent[n] = stats.bytes_sent
-            elif profiled:
-                holder = []
-                peak[n] = step_peak(lambda: holder.append(step()), ctx.device)
-                share = holder[0]
-            else:
-                start = time.perf_counter()
-                share = step()
-                sync()
-                if i > cfg["warmup"] + 1:
-                    times[n].append(time.perf_counter() - start)
-            shares[n].append(0.0 if share is None else float(share))
-            progress.advance(task)
-    rows = []
-    base = step_times(times["one device"])
-    for n in names:
-        t = trainers[n]
-        per_rank = every_rank([sent[n], t.minimum, peak[n] + t.state_bytes, t.param_bytes()])
-        losses = every_rank(shares[n]).sum(0).tolist()
-        slowest = step_times(times[n])
-        median, p20, p80 = quantiles(slowest)
-        speedup = quantiles([b / s for b, s in zip(base, slowest)])
-        rows.append(dict(
-            workload=w.name, mode=n, world=ctx.world, ranks=len(t.ranks),
-            step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3,
-            samples_per_s=w.samples / median,
-            speedup=speedup[0], speedup_p20=speedup[1], speedup_p80=speedup[2],
-            peak_bytes=int((per_rank[:, 2] + per_rank[:, 3]).max()), param_bytes=int(per_rank[:, 3].max()),
-            sent_bytes=int(per_rank[:, 0].max()), minimum_bytes=int(per_rank[:, 1].max()),
-            sent_per_rank=[int(v) for v in per_rank[:, 0]], minimum_per_rank=[int(v) for v in per_rank[:, 1]],
-            losses=losses, skipped=None))
-    reference = rows[0]["losses"]
-    for row in rows:
-        row["loss_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(row["losses"], reference))
+    task = progress.add(f"{w.name} on {ctx.world} ranks", (cfg["warmup"] + 2 + cfg["reps"]) * len(trainers))
+    rows = summarize(w.name, w.samples, trainers, measure(trainers, cfg, ctx, progress, task), ctx.world)
     rows += [dict(workload=w.name, mode=n, world=ctx.world, skipped=why) for n, why in skipped.items()]
     order = list(MODES)
     return sorted(rows, key=lambda r: order.index(r["mode"])), w.describe()

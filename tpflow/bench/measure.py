@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ from tpflow import comm
 
 __all__ = ["count_ddp", "counting", "cpu_name", "device_name", "every_rank", "hold_freed_memory", "quantiles",
            "source_version", "step_peak", "step_times"]
+
+T = TypeVar("T")
 
 
 def cpu_name() -> str:
@@ -118,7 +121,7 @@ class _FunctionalCollectives(TorchDispatchMode):
             return out
         if op not in ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor"):
             raise RuntimeError(f"the harness cannot count the bytes of {func}: add its ring cost to "
-                                      "tpflow.bench.measure")
+                               "tpflow.bench.measure")
         group = _resolve_process_group(args[-1])
         counted = out if op == "all_gather_into_tensor" else args[0]  # the full tensor each pass walks
         comm.count_ring(counted, dist.get_world_size(group), _ring_passes(op, args[0]))
@@ -157,24 +160,24 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(null)
 
 
-def step_peak(step: Callable[[], object], device: torch.device) -> int:
+def step_peak(step: Callable[[], T], device: torch.device) -> tuple[int, T]:
     """The most bytes ``step()`` holds above what was live when it began (for a trainer that frees its
-    gradients after each step: activations, gradients, communication buffers). CUDA's allocator
-    statistics; on CPU, the profiler's allocation events (frees of blocks allocated before the step are
-    not among them, so a step that frees what it did not allocate reads high)."""
+    gradients after each step: activations, gradients, communication buffers), and what it returned.
+    CUDA's allocator statistics; on CPU, the profiler's allocation events (frees of blocks allocated
+    before the step are not among them, so a step that frees what it did not allocate reads high)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        step()
+        result = step()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
+        return torch.cuda.max_memory_allocated(device) - base, result
     from torch.profiler import ProfilerActivity, profile
 
     # quiet: kineto logs each start and stop, and c10 warns of each free it did not see allocated (the step
     # runs unprofiled before and after, so nothing else it could print is lost)
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+        result = step()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
-    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0)), result

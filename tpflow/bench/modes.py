@@ -102,10 +102,22 @@ def _trainer(params: list[torch.Tensor], forward_backward: Callable[[], torch.Te
     return Trainer(step, params, minimum, list(ranks))
 
 
-def _sq_err_share(y: torch.Tensor, target: torch.Tensor, total: int) -> torch.Tensor:
-    """This rank's rows' share of the mean squared error over ``total`` elements: shares over split rows
-    sum to the loss (a mean over uneven blocks would weight them wrongly)."""
-    return (y - target).square().sum() / total
+def _rows_share(total: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of a rank's rows: their share of the mean squared error over ``total`` elements, so that
+    the shares over split rows sum to the loss (a mean over uneven blocks would weight them wrongly)."""
+    return lambda y, target: (y - target).square().sum() / total
+
+
+def _forward_backward(model: Callable, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable = F.mse_loss,
+                      weight: float = 1.0) -> Callable[[], torch.Tensor | None]:
+    """The loss of ``model(x)`` against ``y`` and its backward; the step's share of the loss is the value (its
+    local block) times ``weight``, None where the weight is 0 (a copy of a loss another rank reports)."""
+    def run():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        value = loss.detach()
+        return None if weight == 0 else (value.to_local() if isinstance(value, DTensor) else value) * weight
+    return run
 
 
 def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, tokens: int, tp: int,
@@ -168,21 +180,17 @@ def one_device(w: Workload, ctx: Context) -> Trainer:
     model, x, y = w.model.to(ctx.device), w.inputs.to(ctx.device), w.targets.to(ctx.device)
     if ctx.rank != 0:
         return Trainer(lambda: None, [], 0, [0])
-    return _trainer(list(model.parameters()), _replicated_loss(model, x, y, first=True), 0, [0])
+    return _trainer(list(model.parameters()), _forward_backward(model, x, y), 0, [0])
 
 
 def data_sbp(w: Workload, ctx: Context) -> Trainer:
     P, S0 = ctx.placement(range(ctx.world)), tpf.sbp.split(0)
     st = tpf.stage(w.model.to(ctx.device), stage_id=0, placement=P, sbp=S0)
     x, y = w.inputs.to(ctx.device), tpf.tensor(w.targets.to(ctx.device), placement=P, sbp=S0)
-
-    def forward_backward():
-        loss = _sq_err_share(st(x), y, y.numel())
-        loss.backward()
-        return loss.detach().to_local()
     params = list(st.parameters())
     # the optimizer's pre-step hook sums the partial gradients in one all-reduce (tpflow.gradients)
-    return _trainer(params, forward_backward, ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
+    return _trainer(params, _forward_backward(st, x, y, _rows_share(y.numel())),
+                    ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
 
 
 def data_ddp(w: Workload, ctx: Context) -> Trainer:
@@ -196,24 +204,11 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
     count_ddp(ddp)
     rows = _rows(w.samples, ctx.world, ctx.rank)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
-
-    def forward_backward():
-        loss = F.mse_loss(ddp(x), y)
-        loss.backward()
-        return loss.detach() / ctx.world
-    params = list(ddp.parameters())
-    trainer = _trainer(params, forward_backward, ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
+    params = list(ddp.parameters())  # each rank's mean over its (equal) rows: 1/W of the batch's
+    trainer = _trainer(params, _forward_backward(ddp, x, y, weight=1 / ctx.world),
+                       ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
     trainer.state_bytes = block_bytes(params)
     return trainer
-
-
-def _replicated_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool) -> Callable:
-    """Every rank computes the whole loss and its backward; the first rank's is the share."""
-    def forward_backward():
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        return loss.detach() if first else None
-    return forward_backward
 
 
 def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
@@ -221,7 +216,8 @@ def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
     minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
     model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)), plan=w.plan)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
-    return _trainer(list(model.parameters()), _replicated_loss(model, x, y, ctx.rank == 0), minimum, range(ctx.world))
+    return _trainer(list(model.parameters()), _forward_backward(model, x, y, weight=float(ctx.rank == 0)), minimum,
+                    range(ctx.world))
 
 
 def tensor_torch(w: Workload, ctx: Context) -> Trainer:
@@ -238,7 +234,8 @@ def tensor_torch(w: Workload, ctx: Context) -> Trainer:
         raise Skip(f"parallelize_module needs the split widths ({uneven}) to divide by {ctx.world} ranks")
     model = parallelize_module(w.model.to(ctx.device), P.mesh, plan)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
-    return _trainer(list(model.parameters()), _replicated_loss(model, x, y, ctx.rank == 0), minimum, range(ctx.world))
+    return _trainer(list(model.parameters()), _forward_backward(model, x, y, weight=float(ctx.rank == 0)), minimum,
+                    range(ctx.world))
 
 
 def _sequence(w: Workload, ctx: Context, algo: str) -> Trainer:
@@ -253,13 +250,9 @@ def _sequence(w: Workload, ctx: Context, algo: str) -> Trainer:
     rows = _rows(w.samples, ctx.world, ctx.rank)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
     plain = _plain_params(model)  # norms see this rank's rows only: their gradients are partial sums
-
-    def forward_backward():
-        loss = _sq_err_share(model(x), y, w.targets.numel())
-        loss.backward()
-        return loss.detach()
     minimum = layers + sum(ring_bytes(block_bytes([p]), ctx.world, 2) for p in plain)
-    return _trainer(list(model.parameters()), forward_backward, minimum, range(ctx.world),
+    return _trainer(list(model.parameters()), _forward_backward(model, x, y, _rows_share(w.targets.numel())),
+                    minimum, range(ctx.world),
                     _grad_all_reduce(plain, dist.group.WORLD))
 
 
@@ -332,12 +325,8 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
     layers = _tensor_bytes(w.model, w.plan, w.inputs, x.shape[:-1].numel(), tp)
     model = tpf.parallelize(w.model.to(ctx.device), placement=P2, plan=w.plan)
     plain = _plain_params(model)  # norms: copies over the data axis saw different rows
-
-    def forward_backward():
-        loss = _sq_err_share(model(x), y, w.targets.numel())
-        loss.backward()
-        return loss.detach() if j == 0 else None
     minimum = layers + sum(ring_bytes(block_bytes([p]), len(ranks), 2) for p in model.parameters())
+    forward_backward = _forward_backward(model, x, y, _rows_share(w.targets.numel()), weight=float(j == 0))
     return _trainer(list(model.parameters()), forward_backward, minimum, range(ctx.world),
                     _grad_all_reduce(plain, P2.mesh.get_group(0)))
 
