@@ -1,11 +1,13 @@
-"""GPU benchmark of tpflow's Triton matmul against torch.matmul (cuBLAS), side by side in one run.
+"""GPU benchmark of tpflow's Triton matmul kernels against torch.matmul (cuBLAS), side by side in one run.
 
-    PYTHONPATH=. python benchmarks/kernels_gpu.py [--out benchmarks/results]
+    PYTHONPATH=. python benchmarks/kernels_gpu.py [--dtypes bf16 fp16] [--kernels tiled persistent] [--quick]
 
-Writes ``kernels_<device>_<date>.md`` (and ``.csv``): TFLOP/s of both on square and LLM shapes
-in bf16 and fp16, the fused bias + GELU epilogue against torch's matmul + bias + gelu, and the
-cost of computing one product as 8 row-range launches (the ring collectives' decomposition).
-Times are medians of ``triton.testing.do_bench``.
+Writes ``kernels_<device>_<time>.md`` (and ``.csv``) in ``--out``. For each kernel
+(``TPFLOW_MATMUL``) on square and LLM shapes: TFLOP/s against cuBLAS, the fused bias + GELU
+epilogue against torch's matmul + bias + gelu, and the cost of computing one product as 8
+row-range launches (the ring collectives' decomposition) against one launch. Every result is
+checked against torch first. Times are medians of ``triton.testing.do_bench``; the first call of
+each variant autotunes (compiles every config), outside the timing.
 """
 
 from __future__ import annotations
@@ -22,62 +24,89 @@ import triton
 from triton.testing import do_bench
 
 from tpflow.kernels import matmul
+from tpflow.kernels.tiles import KERNELS
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]
-if os.environ.get("QUICK"):
-    SHAPES = SHAPES[1:2]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tflops(m: int, n: int, k: int, ms: float) -> float:
     return 2 * m * n * k / ms * 1e-9
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    device = torch.cuda.get_device_name().replace(" ", "-")
-    rows = []
-    for dtype in (torch.bfloat16, torch.float16):
-        for m, n, k in SHAPES:  # (M, N, K): a [M, K] @ b [K, N]
-            a = torch.randn(m, k, device="cuda", dtype=dtype)
-            w = torch.randn(n, k, device="cuda", dtype=dtype)  # nn.Linear layout; b = w.T read in place
-            bias = torch.randn(n, device="cuda", dtype=dtype)
-            b = w.mT
-            torch.testing.assert_close(matmul(a, b), torch.matmul(a, b), rtol=2e-2, atol=2e-1)
-            t_torch = do_bench(lambda: torch.matmul(a, b))
-            t_ours = do_bench(lambda: matmul(a, b))
-            t_torch_fused = do_bench(lambda: F.gelu(torch.matmul(a, b) + bias, approximate="tanh"))
-            t_ours_fused = do_bench(lambda: matmul(a, b, bias=bias, activation="gelu"))
-            out = torch.empty(m, n, device="cuda", dtype=dtype)
-            chunk = triton.cdiv(m, 8)
+def eight_ranges(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """One product as 8 row-range launches into one output, as the rings compute it."""
+    m = a.shape[0]
+    chunk = triton.cdiv(m, 8)
+    for start in range(0, m, chunk):
+        matmul(a, b, out=out[start:start + chunk], row_start=start, row_end=min(m, start + chunk))
 
-            def eight_ranges():
-                for start in range(0, m, chunk):
-                    matmul(a, b, out=out[start:start + chunk], row_start=start, row_end=min(m, start + chunk))
 
-            t_chunks = do_bench(eight_ranges)
-            rows.append(dict(dtype=str(dtype).removeprefix("torch."), M=m, N=n, K=k,
-                             torch_tflops=round(tflops(m, n, k, t_torch), 1), tpflow_tflops=round(tflops(m, n, k, t_ours), 1),
-                             ratio=round(t_torch / t_ours, 3),
-                             fused_bias_gelu_speedup=round(t_torch_fused / t_ours_fused, 3),
-                             eight_row_ranges_vs_one=round(t_chunks / t_ours, 3)))
-            print(rows[-1], flush=True)
-    out_dir = pathlib.Path(args.out)
+def measure(kernel: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor, t_torch: float,
+            t_torch_fused: float) -> dict:
+    """One kernel's columns: checked against torch, then timed."""
+    os.environ["TPFLOW_MATMUL"] = kernel
+    m, n, k = a.shape[0], b.shape[1], a.shape[1]
+    out = torch.empty(m, n, device="cuda", dtype=a.dtype)
+    want = torch.matmul(a, b)
+    torch.testing.assert_close(matmul(a, b), want, rtol=2e-2, atol=2e-1)
+    eight_ranges(a, b, out)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-1)
+    torch.testing.assert_close(matmul(a, b, bias=bias, activation="gelu"),
+                               F.gelu(want + bias, approximate="tanh"), rtol=2e-2, atol=2e-1)
+    t_one = do_bench(lambda: matmul(a, b))
+    t_fused = do_bench(lambda: matmul(a, b, bias=bias, activation="gelu"))
+    t_ranges = do_bench(lambda: eight_ranges(a, b, out))
+    return {f"{kernel}_tflops": round(tflops(m, n, k, t_one), 1),
+            f"{kernel}_vs_cublas": round(t_torch / t_one, 3),
+            f"{kernel}_bias_gelu_speedup": round(t_torch_fused / t_fused, 3),
+            f"{kernel}_8_ranges_vs_1": round(t_ranges / t_one, 3)}
+
+
+def write(rows: list[dict], out_dir: pathlib.Path, command: str) -> pathlib.Path:
+    device = torch.cuda.get_device_name()
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
+    stem = out_dir / f"kernels_{device.replace(' ', '-')}_{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"kernels_{device}_{datetime.date.today().isoformat()}"
     with open(f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     header = "| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n"
     table = "".join("| " + " | ".join(str(v) for v in r.values()) + " |\n" for r in rows)
-    versions = f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}"
     pathlib.Path(f"{stem}.md").write_text(
-        f"# tpflow.kernels.matmul vs torch.matmul\n\n{versions}; `PYTHONPATH=. python benchmarks/kernels_gpu.py`.\n"
-        "ratio = torch time / tpflow time (>1: tpflow faster). fused_bias_gelu_speedup = torch matmul+bias+gelu "
-        "time / tpflow fused time. eight_row_ranges_vs_one = 8 row-range launches / one launch.\n\n"
-        + header + table)
+        f"# tpflow.kernels.matmul vs torch.matmul\n\ntorch {torch.__version__}, triton {triton.__version__}, {device}; "
+        f"`{command}`.\n"
+        "K_vs_cublas = torch time / kernel K's time (>1: K faster). K_bias_gelu_speedup = torch matmul+bias+gelu "
+        "time / K's fused time. K_8_ranges_vs_1 = 8 row-range launches / one launch. b is nn.Linear's weight "
+        "read transposed in place.\n\n" + header + table)
+    return pathlib.Path(f"{stem}.md")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument("--quick", action="store_true", help="only the 8192^3 product")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    rows = []
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        for m, n, k in SHAPES[1:2] if args.quick else SHAPES:  # (M, N, K): a [M, K] @ b [K, N]
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            b = torch.randn(n, k, device="cuda", dtype=dtype).mT  # nn.Linear's layout, read in place
+            bias = torch.randn(n, device="cuda", dtype=dtype)
+            t_torch = do_bench(lambda: torch.matmul(a, b))
+            t_torch_fused = do_bench(lambda: F.gelu(torch.matmul(a, b) + bias, approximate="tanh"))
+            row = dict(dtype=name, M=m, N=n, K=k, cublas_tflops=round(tflops(m, n, k, t_torch), 1))
+            for kernel in args.kernels:
+                row.update(measure(kernel, a, b, bias, t_torch, t_torch_fused))
+            rows.append(row)
+            print(row, flush=True)
+    command = "PYTHONPATH=. python benchmarks/kernels_gpu.py " + " ".join(
+        ["--dtypes", *args.dtypes, "--kernels", *args.kernels] + (["--quick"] if args.quick else []))
+    print("wrote", write(rows, pathlib.Path(args.out), command))
 
 
 if __name__ == "__main__":

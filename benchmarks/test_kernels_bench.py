@@ -3,8 +3,9 @@
     pip install -e .[bench]
     pytest benchmarks/ --benchmark-only --benchmark-save=NAME     # then --benchmark-compare
 
-GPU (skipped without one): ``tpflow.kernels.matmul`` against ``torch.matmul`` in bf16 and fp16 on
-square and LLM shapes, and the fused bias + GELU epilogue against torch's matmul + bias + gelu.
+GPU (skipped without one): ``tpflow.kernels.matmul``'s tiled and persistent kernels against
+``torch.matmul`` in bf16 and fp16 on square and LLM shapes, and the fused bias + GELU epilogue
+against torch's matmul + bias + gelu.
 CPU: the ring matmul + reduce-scatter on an emulated link whose transfer takes half the compute
 time, with two and one messages per chunk, against the unfused matmul then reduce-scatter; and
 one product computed as 8 row ranges against one matmul (the rings' decomposition).
@@ -36,19 +37,23 @@ def _synced(fn):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m, n, k", GPU_SHAPES)
-@pytest.mark.parametrize("impl", ["tpflow", "torch"])
-def test_matmul_gpu(benchmark, impl, m, n, k, dtype):
+@pytest.mark.parametrize("impl", ["tpflow tiled", "tpflow persistent", "torch"])
+def test_matmul_gpu(monkeypatch, benchmark, impl, m, n, k, dtype):
     benchmark.group = f"matmul {m}x{n}x{k} {dtype}"
+    if impl != "torch":
+        monkeypatch.setenv("TPFLOW_MATMUL", impl.removeprefix("tpflow "))
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(n, k, device="cuda", dtype=dtype).mT  # nn.Linear's layout, read in place
-    fn = (lambda: matmul(a, b)) if impl == "tpflow" else (lambda: torch.matmul(a, b))
+    fn = (lambda: torch.matmul(a, b)) if impl == "torch" else (lambda: matmul(a, b))
     benchmark.extra_info["flops"] = 2 * m * n * k
     benchmark.pedantic(_synced(fn), warmup_rounds=3, rounds=20)
 
 
 @gpu
-@pytest.mark.parametrize("impl", ["tpflow fused", "torch"])
-def test_bias_gelu_gpu(benchmark, impl):
+@pytest.mark.parametrize("impl", ["tpflow tiled", "tpflow persistent", "torch"])
+def test_bias_gelu_gpu(monkeypatch, benchmark, impl):
+    if impl != "torch":
+        monkeypatch.setenv("TPFLOW_MATMUL", impl.removeprefix("tpflow "))
     m, n, k = 8192, 4096, 4096
     benchmark.group = f"matmul + bias + gelu {m}x{n}x{k} bf16"
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

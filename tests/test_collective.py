@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests import harness
-from tpflow.kernels import collective
+from tpflow.kernels import collective, tiles
 from tpflow.kernels import (
     FakeWorld,
     all_gather_matmul,
@@ -309,24 +309,32 @@ def test_gloo(world, algo, m, inner):
 
 # The Triton kernels (row ranges, the received partial added in the epilogue) through the interpreter.
 
-def _triton_rank(dtype, bias, activation):
-    os.environ["TPFLOW_KERNELS"] = "triton"
+def _triton_rank(dtype, bias, activation, kernel, shape):
+    """The rings on the Triton kernels; with ``kernel="persistent"``, also how many products ran on it."""
+    os.environ.update(TPFLOW_KERNELS="triton", TPFLOW_MATMUL=kernel)
+    launches = []
+    real = tiles._launch_persistent
+    tiles._launch_persistent = lambda *args: launches.append(1) or real(*args)
     try:
-        X, Wt, b, dY = _problem(37, 24, 20, bias, seed=3, dtype=dtype)
+        X, Wt, b, dY = _problem(*shape, bias, seed=3, dtype=dtype)
         assert use_triton(X), "the rings must run the Triton kernels here"
         return (_rs_rank(None, X, Wt, b, dY, 2, "ring")[:4],
-                _ag_rank(None, X, Wt, b, dY, activation, "ring")[:4])
+                _ag_rank(None, X, Wt, b, dY, activation, "ring")[:4], len(launches))
     finally:
-        del os.environ["TPFLOW_KERNELS"]
+        tiles._launch_persistent = real
+        del os.environ["TPFLOW_KERNELS"], os.environ["TPFLOW_MATMUL"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype, bias, activation", [(torch.float32, True, "gelu"), (torch.float16, False, "silu")],
-                         ids=["fp32", "fp16"])
-def test_triton_kernels_in_the_rings(world, dtype, bias, activation):
+@pytest.mark.parametrize("dtype, bias, activation, kernel, shape", [
+    (torch.float32, True, "gelu", "tiled", (37, 24, 20)), (torch.float16, False, "silu", "tiled", (37, 24, 20)),
+    (torch.float16, True, "gelu", "persistent", (48, 32, 24))], ids=["fp32", "fp16", "fp16 persistent"])
+def test_triton_kernels_in_the_rings(world, dtype, bias, activation, kernel, shape):
     pytest.importorskip("triton")
-    results = harness.run(world, _triton_rank, dtype, bias, activation, timeout=300)
-    X, Wt, b, dY = _problem(37, 24, 20, bias, seed=3, dtype=dtype)
+    results = harness.run(world, _triton_rank, dtype, bias, activation, kernel, shape, timeout=300)
+    if kernel == "persistent":  # the chunks' products, their accumulating epilogues and the backward's products
+        assert all(r[2] >= 2 * world for r in results), [r[2] for r in results]
+    X, Wt, b, dY = _problem(*shape, bias, seed=3, dtype=dtype)
     X64, Wt64, b64, dY64 = (None if t is None else t.double() for t in (X, Wt, b, dY))
     for got, ref64, ref in (
         (torch.cat([r[0][0] for r in results]), matmul_ref(X64, Wt64, bias=b64), matmul_ref(X, Wt, bias=b)),

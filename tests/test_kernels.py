@@ -10,7 +10,12 @@ import itertools
 import pytest
 import torch
 
-from tpflow.kernels import linear, linear_ref, matmul, matmul_ref
+try:
+    import triton
+except ImportError:  # the fixture below skips every test
+    triton = None
+
+from tpflow.kernels import linear, linear_ref, matmul, matmul_ref, tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # interpreter: no bf16
@@ -184,3 +189,109 @@ def test_linear_dgrad_hook_overlaps_the_weight_gradient(monkeypatch):
     linear_ref(x_ref, w.detach()).sum().backward()
     assert events == ["matmul", "matmul", "dgrad", "matmul", "wait"]  # forward; dx; hook; dW; wait
     torch.testing.assert_close(x.grad, 2 * x_ref.grad)
+
+
+# The persistent TMA kernel (TPFLOW_MATMUL=persistent): fp16 / bf16 operands whose row strides are
+# 16-byte aligned, in any of the four layouts; everything else falls back to the tiled kernel.
+
+PERSISTENT_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.fixture
+def persistent(monkeypatch):
+    monkeypatch.setenv("TPFLOW_MATMUL", "persistent")
+
+
+def _layout(t, transposed):
+    """t's values, stored transposed (column-major) when asked."""
+    return t.mT.contiguous().mT if transposed else t
+
+
+def _persistent_runs(a, b, out=None, pre=None):
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=DEVICE) if out is None else out
+    return tiles.kernel_choice(a, b, out, pre) == "persistent"
+
+
+@pytest.mark.usefixtures("persistent")
+@pytest.mark.parametrize("dtype", PERSISTENT_DTYPES, ids=str)
+@pytest.mark.parametrize("a_t, b_t", list(itertools.product([False, True], repeat=2)), ids=lambda t: "T" if t else "N")
+@pytest.mark.parametrize("m, k, n", [(8, 8, 40), (40, 40, 128), (48, 128, 8), (128, 16, 256), (256, 256, 256),
+                                     (72, 64, 200)])
+def test_persistent_shapes_and_layouts(m, k, n, a_t, b_t, dtype):
+    a = _layout(_rand(m, k, dtype=dtype, seed=1), a_t)
+    b = _layout(_rand(k, n, dtype=dtype, seed=2), b_t)
+    assert _persistent_runs(a, b)
+    _close(matmul(a, b), matmul_ref(a, b), matmul_ref(a, b, upcast=True), dtype)
+
+
+@pytest.mark.usefixtures("persistent")
+@pytest.mark.parametrize("subtile", [True, False], ids=["C in halves", "C whole"])
+@pytest.mark.parametrize("has_bias, activation, has_acc",
+                         list(itertools.product([False, True], [None, "relu", "gelu", "silu"], [False, True])))
+def test_persistent_epilogues(monkeypatch, has_bias, activation, has_acc, subtile):
+    if tiles.INTERPRET:  # the pinned config decides whether C is stored in halves
+        config = tiles._persistent_configs()[0]
+        pinned = triton.Config({**config.kwargs, "SUBTILE": subtile})
+        monkeypatch.setattr(tiles, "_persistent_configs", lambda: [pinned])
+    dtype = PERSISTENT_DTYPES[0]
+    a, b = _rand(41, 128, dtype=dtype, seed=1), _rand(72, 128, dtype=dtype, seed=2).mT  # nn.Linear's layout
+    bias = _rand(72, dtype=dtype, seed=3) if has_bias else None
+    acc = _rand(41, 72, dtype=torch.float32, seed=4) if has_acc else None
+    pre = torch.empty(41, 72, dtype=dtype, device=DEVICE)
+    kw = dict(bias=bias, activation=activation, acc=acc)
+    assert _persistent_runs(a, b, pre=pre)
+    _close(matmul(a, b, pre=pre, **kw), matmul_ref(a, b, **kw), matmul_ref(a, b, upcast=True, **kw), dtype)
+    z = dict(bias=bias)
+    _close(pre, matmul_ref(a, b, **z), matmul_ref(a, b, upcast=True, **z), dtype)
+
+
+@pytest.mark.usefixtures("persistent")
+@pytest.mark.parametrize("row_start, row_end, tile_offset", [(0, 120, 0), (8, 72, 1), (64, 120, 5), (16, 16, 0)])
+def test_persistent_row_ranges(row_start, row_end, tile_offset):
+    a, b = _rand(120, 32, dtype=torch.float16, seed=1), _rand(72, 32, dtype=torch.float16, seed=2).mT
+    acc = _rand(row_end - row_start, 72, dtype=torch.float32, seed=3)
+    full = torch.full((row_end - row_start + 2, 72), float("nan"), device=DEVICE)
+    out = full[1:-1]  # rows of a bigger buffer, as the rings write them; the rows around stay untouched
+    assert row_end == row_start or _persistent_runs(a, b, out)  # (an empty range launches nothing)
+    got = matmul(a, b, acc=acc, out=out, row_start=row_start, row_end=row_end, tile_offset=tile_offset)
+    assert got.data_ptr() == out.data_ptr() and not out.isnan().any() and full[[0, -1]].isnan().all()
+    ref = matmul_ref(a, b, upcast=True)[row_start:row_end] + acc.double()
+    _close(got, matmul_ref(a[row_start:row_end], b, acc=acc, out_dtype=torch.float32), ref, torch.float16)
+
+
+@pytest.mark.usefixtures("persistent")
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_persistent_linear_gradients(activation):
+    """forward a @ w.mT, dgrad dz @ w and wgrad dz.mT @ x: three layouts, all on the persistent kernel."""
+    dtype = PERSISTENT_DTYPES[0]
+    x = _rand(3, 16, 40, dtype=dtype, seed=1).requires_grad_()
+    w = _rand(24, 40, dtype=dtype, seed=2).requires_grad_()
+    b = _rand(24, dtype=dtype, seed=3).requires_grad_()
+    g = _rand(3, 16, 24, dtype=dtype, seed=4)
+    x2, dz = x.detach().flatten(0, 1), g.flatten(0, 1)
+    assert _persistent_runs(x2, w.detach().mT) and _persistent_runs(dz, w.detach()) and _persistent_runs(dz.mT, x2)
+    got = torch.autograd.grad(linear(x, w, b, activation), (x, w, b), g)
+    want = torch.autograd.grad(linear_ref(x, w, b, activation), (x, w, b), g)
+    as64 = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = torch.autograd.grad(linear_ref(*as64, activation), as64, g.double())
+    for got_t, want_t, ref_t in zip(got, want, ref):
+        _close(got_t, want_t, ref_t, dtype)
+
+
+def test_kernel_choice(monkeypatch):
+    """Persistent where TMA can read and write the operands, tiled otherwise; tiled by default."""
+    a, b = _rand(16, 32, dtype=torch.float16, seed=1), _rand(32, 24, dtype=torch.float16, seed=2)
+    out = torch.empty(16, 24, dtype=torch.float16, device=DEVICE)
+    assert tiles.kernel_choice(a, b, out) == "tiled"
+    monkeypatch.setenv("TPFLOW_MATMUL", "persistent")
+    assert tiles.kernel_choice(a, b, out) == "persistent"
+    assert tiles.kernel_choice(a, b, out.float()) == "persistent"  # an fp32 result (the rings' partials)
+    assert tiles.kernel_choice(a.float(), b.float(), out.float()) == "tiled"  # fp32 operands: tf32 / ieee dots
+    assert tiles.kernel_choice(_rand(16, 33, dtype=torch.float16, seed=1)[:, :32], b, out) == "tiled"  # 66-byte rows
+    shifted = _rand(16 * 32 + 1, dtype=torch.float16, seed=1)[1:].view(16, 32)  # base 2 bytes past an alignment
+    assert tiles.kernel_choice(shifted, b, out) == "tiled"
+    assert tiles.kernel_choice(a, b[:, ::2], out[:, :12]) == "tiled"  # no unit stride
+    assert tiles.kernel_choice(a, b, out.mT.contiguous().mT) == "tiled"  # C is stored row-major
+    monkeypatch.setenv("TPFLOW_MATMUL", "fast")
+    with pytest.raises(ValueError, match="TPFLOW_MATMUL must be one of"):
+        matmul(a, b)

@@ -1,0 +1,310 @@
+"""The Triton side of ``tpflow.kernels.matmul``: two kernels with one epilogue, and their launchers.
+
+``tiled``: one program per output tile, operands read through pointers with any strides.
+
+    for each output tile (pid_m, pid_n), in grouped order:      # GROUP_M row-tiles share B tiles in L2
+        acc = zeros(BLOCK_M, BLOCK_N, fp32)
+        for k in range(0, K, BLOCK_K):
+            acc += A[rows, k:k+BK] @ B[k:k+BK, cols]            # masked edges: any M, N, K
+        acc = act(acc + bias[cols]) + ACC[rows, cols]           # epilogue while acc is in registers
+        C[rows, cols] = acc.to(C.dtype)
+
+``persistent``: one program per SM, each walking the tiles ``pid, pid + programs, ...`` in the
+same grouped order. A, B and C move by TMA (tensor descriptors, Hopper and later): the descriptors
+zero-fill loads past an edge and clip stores, so no masks are computed, and the compiler pipelines
+one tile's epilogue under the next tile's loads. It needs 16-byte aligned bases and row strides and
+one unit stride per operand (row-major, or transposed such as ``w.mT``), and fp16 / bf16 operands
+(``tma_ready``); anything else runs ``tiled``. ``TPFLOW_MATMUL=persistent`` selects it: it stays
+opt-in until its speed against ``tiled`` and cuBLAS is measured on a GPU
+(``benchmarks/kernels_gpu.py``).
+
+Both compute only the rows ``[row_start, row_end)``, whose tiles start at a rotated
+``tile_offset`` (the ring collectives' chunks), and write C, ACC and PRE as just those rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # CPU installs without triton run torch's matmul
+    triton = None
+
+__all__ = ["INTERPRET", "KERNELS", "kernel_choice", "launch", "tma_ready"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KERNELS = ("tiled", "persistent")
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+_INTERPRETER_PROGRAMS = 3  # fewer programs than tiles, so the interpreter checks the persistent tile walk
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _tma_layout(t: torch.Tensor) -> bool | None:
+    """False if ``t`` (2-D) reads row-major by TMA, True if its transpose does, None if neither."""
+    esize = t.element_size()
+    if t.data_ptr() % 16 or min(t.shape) == 0:
+        return None
+    for transposed, (outer, inner) in ((False, t.stride()), (True, t.stride()[::-1])):
+        if inner == 1 and (outer * esize) % 16 == 0:
+            return transposed
+    return None
+
+
+def tma_ready(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None) -> bool:
+    """Whether the persistent kernel can read a, b and write out / pre by TMA (see the module docstring)."""
+    if a.dtype not in _TMA_DTYPES or (not INTERPRET and torch.cuda.get_device_capability(a.device)[0] < 9):
+        return False
+    return (_tma_layout(a) is not None and _tma_layout(b) is not None
+            and all(t is None or _tma_layout(t) is False for t in (out, pre)))
+
+
+def kernel_choice(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None = None) -> str:
+    """Which kernel computes ``out`` (some or all rows of ``a @ b``): ``TPFLOW_MATMUL`` (default
+    ``tiled``) where the operands allow it, else ``tiled``."""
+    wanted = os.environ.get("TPFLOW_MATMUL", "tiled")
+    if wanted not in KERNELS:
+        raise ValueError(f"TPFLOW_MATMUL must be one of {KERNELS}, got {wanted!r}")
+    return wanted if wanted == "tiled" or tma_ready(a, b, out, pre) else "tiled"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(tile, rows, N, tile_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of a linear tile index: GROUP_M row-tiles sweep the columns together, and
+        the row tiles are rotated by tile_offset."""
+        num_pid_m = tl.cdiv(rows, BLOCK_M)
+        group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (tile // group) * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % group) % group_m
+        pid_n = (tile % group) // group_m
+        return (pid_m + tile_offset) % num_pid_m, pid_n
+
+    @triton.jit
+    def _epilogue(acc, offs_m, offs_n, rows, N, bias_ptr, acc_ptr, stride_accm, stride_accn,
+                  ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr):
+        """(z, y) of one fp32 tile whose rows are ``offs_m`` of the range: z = acc + bias (the
+        pre-activation), y = act(z) + ACC."""
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        y = acc
+        if ACTIVATION == 1:
+            y = tl.maximum(y, 0.0)
+        elif ACTIVATION == 2:  # 0.5 (1 + tanh(u)) == sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+            y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
+        elif ACTIVATION == 3:
+            y = y * tl.sigmoid(y)
+        if HAS_ACC:
+            mask = (offs_m[:, None] < rows) & (offs_n[None, :] < N)
+            y += tl.load(acc_ptr + offs_m[:, None] * stride_accm + offs_n[None, :] * stride_accn, mask=mask,
+                         other=0.0).to(tl.float32)
+        return acc, y
+
+    # row_start / row_end / tile_offset vary from chunk to chunk of a ring: not specialised on (a value
+    # of 1 or a multiple of 16 would otherwise compile a kernel of its own mid-training)
+    @triton.jit(do_not_specialize=["row_start", "row_end", "tile_offset"])
+    def _tiled_kernel(
+        a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, pre_ptr,
+        # sizes: C rows [row_start, row_end) of an (M, N) product with contraction K
+        M, N, K, row_start, row_end, tile_offset,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_accm, stride_accn,
+        # autotune keys: sizes rounded to powers of two, so a few rows more do not re-tune
+        M_KEY, N_KEY, K_KEY,
+        ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr, STORE_PRE: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        rows = row_end - row_start
+        pid_m, pid_n = _tile(tl.program_id(0), rows, N, tile_offset, BLOCK_M, BLOCK_N, GROUP_M)
+        out_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # C, ACC and PRE hold only the rows of the range
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + (row_start + out_m)[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        row_mask = out_m[:, None] < rows
+        col_mask = offs_n[None, :] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:  # no K mask: the loads stay simple enough to pipeline well
+                a = tl.load(a_ptrs, mask=row_mask, other=0.0)
+                b = tl.load(b_ptrs, mask=col_mask, other=0.0)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_mask & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_mask, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        z, y = _epilogue(acc, out_m, offs_n, rows, N, bias_ptr, acc_ptr, stride_accm, stride_accn,
+                         ACTIVATION, HAS_BIAS, HAS_ACC)
+        mask = row_mask & col_mask
+        if STORE_PRE:  # the pre-activation, for the backward of gelu / silu (same layout as C)
+            tl.store(pre_ptr + out_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                     z.to(pre_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + out_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, y.to(c_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _store_tma(acc, m0, n0, offs_m, offs_n, rows, N, c_desc, pre_desc, bias_ptr, acc_ptr, stride_accm,
+                   stride_accn, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr,
+                   STORE_PRE: tl.constexpr):
+        """The epilogue of one (sub)tile, stored by TMA at (m0, n0)."""
+        z, y = _epilogue(acc, offs_m, offs_n, rows, N, bias_ptr, acc_ptr, stride_accm, stride_accn,
+                         ACTIVATION, HAS_BIAS, HAS_ACC)
+        if STORE_PRE:
+            pre_desc.store([m0, n0], z.to(pre_desc.dtype))
+        c_desc.store([m0, n0], y.to(c_desc.dtype))
+
+    @triton.jit(do_not_specialize=["row_start", "tile_offset"])
+    def _persistent_kernel(
+        a_desc, b_desc, c_desc, pre_desc, bias_ptr, acc_ptr,
+        # sizes: C rows [row_start, row_start + rows) of A's rows, N, K; c_desc holds just those rows
+        row_start, rows, N, K, tile_offset, stride_accm, stride_accn,
+        M_KEY, N_KEY, K_KEY,
+        ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr, STORE_PRE: tl.constexpr,
+        A_T: tl.constexpr, B_T: tl.constexpr,  # the descriptor holds the operand's transpose
+        PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,  # SUBTILE: store C in two halves (less epilogue smem)
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        tiles = tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+            pid_m, pid_n = _tile(tile, rows, N, tile_offset, BLOCK_M, BLOCK_N, GROUP_M)
+            m0 = pid_m * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                k0 = ki * BLOCK_K
+                a = a_desc.load([k0, row_start + m0]).T if A_T else a_desc.load([row_start + m0, k0])
+                b = b_desc.load([n0, k0]).T if B_T else b_desc.load([k0, n0])
+                acc = tl.dot(a, b, acc)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            if SUBTILE:
+                halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                left, right = tl.split(halves)
+                offs_n = n0 + tl.arange(0, BLOCK_N // 2)
+                _store_tma(left, m0, n0, offs_m, offs_n, rows, N, c_desc, pre_desc, bias_ptr, acc_ptr,
+                           stride_accm, stride_accn, ACTIVATION, HAS_BIAS, HAS_ACC, STORE_PRE)
+                _store_tma(right, m0, n0 + BLOCK_N // 2, offs_m, offs_n + BLOCK_N // 2, rows, N, c_desc,
+                           pre_desc, bias_ptr, acc_ptr, stride_accm, stride_accn, ACTIVATION, HAS_BIAS, HAS_ACC,
+                           STORE_PRE)
+            else:
+                _store_tma(acc, m0, n0, offs_m, n0 + tl.arange(0, BLOCK_N), rows, N, c_desc, pre_desc,
+                           bias_ptr, acc_ptr, stride_accm, stride_accn, ACTIVATION, HAS_BIAS, HAS_ACC, STORE_PRE)
+
+    def _tiled_configs() -> list:
+        """CUDA tiles from Triton's tutorial 03 list (Hopper-friendly 128x256 / 128x128 first);
+        one pinned config under the interpreter, where autotuning is meaningless."""
+        if INTERPRET:
+            return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8})]
+        if os.environ.get("TPFLOW_AUTOTUNE") == "0":  # tests: compile one variant, not a sweep per shape
+            return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4,
+                                  num_warps=4)]
+        shapes = [(128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4),
+                  (128, 128, 32, 4, 4), (64, 256, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
+                  (64, 64, 32, 5, 2), (32, 64, 32, 5, 2)]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=s, num_warps=w)
+                for m, n, k, s, w in shapes]
+
+    def _set_blocks(args: dict) -> None:
+        """Give the descriptors the block shapes of the config about to run (autotune's pre_hook)."""
+        bm, bn, bk = args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]
+        args["a_desc"].block_shape = [bk, bm] if args["A_T"] else [bm, bk]
+        args["b_desc"].block_shape = [bn, bk] if args["B_T"] else [bk, bn]
+        for name in ("c_desc", "pre_desc"):
+            args[name].block_shape = [bm, bn // 2 if args["SUBTILE"] else bn]
+
+    def _persistent_configs() -> list:
+        """Hopper tiles (128 x 128/256, 8 warps, 3-4 stages, C stored whole or in halves); one
+        pinned config under the interpreter and for the tests."""
+        if INTERPRET:
+            shapes = [(32, 32, 16, 1, 4, True)]
+        elif os.environ.get("TPFLOW_AUTOTUNE") == "0":
+            shapes = [(128, 128, 64, 3, 8, True)]
+        else:
+            shapes = [(128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, True), (128, 256, 64, 3, 8, False),
+                      (128, 128, 64, 4, 8, True), (128, 128, 128, 3, 8, True), (128, 128, 64, 4, 4, False)]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "SUBTILE": sub},
+                              num_stages=s, num_warps=w, pre_hook=_set_blocks) for m, n, k, s, w, sub in shapes]
+
+    _KEY = ["M_KEY", "N_KEY", "K_KEY", "ACTIVATION", "HAS_BIAS", "HAS_ACC", "STORE_PRE"]
+    _tiled_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_tiled_kernel)
+    _tiled = _tiled_kernel if INTERPRET else triton.autotune(configs=_tiled_configs(), key=_KEY)(_tiled_kernel)
+    _persistent = _persistent_kernel if INTERPRET else triton.autotune(
+        configs=_persistent_configs(), key=_KEY + ["A_T", "B_T"])(_persistent_kernel)
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """Programs of the persistent kernel: one per SM."""
+    return _INTERPRETER_PROGRAMS if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags) -> None:
+    M, K = a.shape
+    N = b.shape[1]
+    acc_arg = acc if acc is not None else out
+    fp32 = a.dtype == torch.float32 and not (a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+    meta = _tiled_configs()[0].kwargs if INTERPRET else {}  # the interpreter's kernel is not autotuned
+
+    def grid(META):
+        return (triton.cdiv(row_end - row_start, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)
+
+    _tiled[grid](
+        a, b, out, bias if bias is not None else out, acc_arg, pre if pre is not None else out,
+        M, N, K, row_start, row_end, tile_offset,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        acc_arg.stride(0), acc_arg.stride(1),
+        _pow2(row_end - row_start), _pow2(N), _pow2(K),
+        INPUT_PRECISION="ieee" if fp32 else "tf32", **flags, **meta,
+    )
+
+
+def _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags) -> None:
+    a_t, b_t = _tma_layout(a), _tma_layout(b)
+    rows, N, K = out.shape[0], out.shape[1], a.shape[1]
+    acc_arg = acc if acc is not None else out
+    placeholder = [16, 16]  # every launch sets the config's blocks (_set_blocks) first
+
+    def desc(t):
+        return TensorDescriptor.from_tensor(t, placeholder)
+
+    args = dict(a_desc=desc(a.mT if a_t else a), b_desc=desc(b.mT if b_t else b), c_desc=desc(out),
+                pre_desc=desc(pre if pre is not None else out))
+    programs = _programs(a.device)
+    meta = {}
+    if INTERPRET:
+        meta = _persistent_configs()[0].kwargs
+        _set_blocks({**args, **meta, "A_T": a_t, "B_T": b_t})
+
+    def grid(META):
+        return (min(programs, triton.cdiv(rows, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
+
+    _persistent[grid](
+        *args.values(), bias if bias is not None else out, acc_arg,
+        row_start, rows, N, K, tile_offset, acc_arg.stride(0), acc_arg.stride(1),
+        _pow2(rows), _pow2(N), _pow2(K),
+        A_T=a_t, B_T=b_t, PROGRAMS=programs, **flags, **meta,
+    )
+
+
+def launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: int, acc: torch.Tensor | None,
+           out: torch.Tensor, pre: torch.Tensor | None, row_start: int, row_end: int, tile_offset: int) -> str:
+    """Run the product on the kernel ``kernel_choice`` picks (``activation`` is its code in
+    ``ACTIVATIONS``); returns that kernel's name."""
+    kernel = kernel_choice(a, b, out, pre)
+    flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_ACC=acc is not None, STORE_PRE=pre is not None)
+    run = _launch_persistent if kernel == "persistent" else _launch_tiled
+    run(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
+    return kernel
