@@ -5,12 +5,18 @@ autotune config.
     python benchmarks/kernels_compiled.py [--arch 90] [--pinned] [--out FILE.md]
 
 Run it without ``TRITON_INTERPRET``; no GPU is needed (Triton's wheel carries ptxas). Per variant and
-config it reports shared memory, registers and spilled bytes (``ptxas -v``), and the instructions
-that matter on Hopper: ``wgmma`` (tensor-core MMA reading shared memory), TMA copies
-(``cp.async.bulk.tensor``, loads and stores) and ``cp.async`` copies (the tiled kernel's pipeline). A config needing more shared memory than the SM
-has is marked "pruned", as the autotuner would drop it on the GPU. ``--pinned`` compiles only the
-config the tests pin (``TPFLOW_AUTOTUNE=0``). Speed still has to be measured on a GPU
-(``benchmarks/kernels_gpu.py``): this shows whether the kernels lower as intended.
+config it reports:
+
+- shared memory per block, whether it ``fits`` the SM (a config that does not is one the autotuner
+  drops on the GPU), and whether it is ``staged``: the A and B tiles of every stage in flight are in
+  shared memory, so loads go by cp.async / TMA and not element by element through registers;
+- registers and spilled bytes (``ptxas -v``);
+- the instructions that matter on Hopper: ``wgmma`` (tensor-core MMA reading shared memory), TMA
+  copies (``cp.async.bulk.tensor``, loads and stores) and ``cp.async`` copies (the tiled kernel's
+  pipeline).
+
+``--pinned`` compiles only the config the tests pin (``TPFLOW_AUTOTUNE=0``). Speed is still to be
+measured on a GPU (``benchmarks/kernels_gpu.py``); this shows whether the kernels lower as intended.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class Compiled:
     config: str
     shared: int
     fits: bool
+    staged: bool  # shared memory holds A and B tiles for every pipeline stage: loads go by cp.async / TMA
     registers: int
     spilled: int
     wgmma: int
@@ -92,10 +99,14 @@ class _CompileEachConfig:
                 compiled = self.tuner.fn.warmup(*args, grid=grid, **kwargs, **config.all_kwargs())
                 ptx = compiled.asm["ptx"]
                 registers, spilled = _ptxas(ptx, self.arch)
-                shared = compiled.metadata.shared
+                shared, wgmma = compiled.metadata.shared, ptx.count("wgmma.mma_async")
+                k = config.kwargs
+                a = getattr(args[0], "base", args[0])  # the tiled kernel's A, or the persistent one's descriptor's
+                tile_bytes = (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * a.element_size()
+                in_flight = config.num_stages - (0 if wgmma else 1)  # mma.sync pipelines keep one stage fewer
                 self.found.append(Compiled(
                     self.variant, self.name, _config_name(config), shared, shared <= MAX_SHARED[self.arch],
-                    registers, spilled, ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"),
+                    shared >= in_flight * tile_bytes, registers, spilled, wgmma, ptx.count("cp.async.bulk.tensor"),
                     len(re.findall(r"cp\.async\.c[ag]", ptx))))
         return compile_all
 

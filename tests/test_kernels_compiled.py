@@ -45,6 +45,10 @@ def test_both_kernels_run_on_the_tensor_cores(compiled):
 
 
 def test_tiled_pipelines_with_cp_async_and_persistent_moves_tiles_by_tma(compiled):
+    """Every stage's A and B tiles sit in shared memory. (A transposed A whose row range's ends were not
+    known to be multiples of 16 was loaded element by element, through registers, with a third less
+    shared memory: this caught it.)"""
+    assert all(c["staged"] for c in compiled), [c for c in compiled if not c["staged"]]
     for c in compiled:
         if c["kernel"] == "tiled":
             assert c["cp_async"] > 0 and c["tma_copies"] == 0, c
@@ -52,7 +56,9 @@ def test_tiled_pipelines_with_cp_async_and_persistent_moves_tiles_by_tma(compile
             assert c["tma_copies"] > 0 and c["cp_async"] == 0, c
 
 
-def test_persistent_kernel_spills_no_registers(compiled):
-    """Its epilogue runs on half tiles; the tiled kernel's fused gelu / fp32 partial epilogues do spill
-    a few bytes under the pinned 4-warp config (see benchmarks/results/compiled_sm90_*)."""
+def test_epilogues_spill_at_most_a_few_bytes(compiled):
+    """Both kernels run their epilogue on half tiles. The persistent kernel spills nothing; the tiled one
+    spills 12 bytes in the fused GELU under the pinned 4-warp config (52-60 bytes in the GELU and
+    fp32-partial epilogues when they ran on whole tiles)."""
     assert all(c["spilled"] == 0 for c in compiled if c["kernel"] == "persistent"), compiled
+    assert all(c["spilled"] <= 16 for c in compiled), compiled

@@ -110,9 +110,10 @@ if triton is not None:
                          other=0.0).to(tl.float32)
         return acc, y
 
-    # row_start / row_end / tile_offset vary from chunk to chunk of a ring: not specialised on (a value
-    # of 1 or a multiple of 16 would otherwise compile a kernel of its own mid-training)
-    @triton.jit(do_not_specialize=["row_start", "row_end", "tile_offset"])
+    # tile_offset varies from chunk to chunk of a ring: not specialised on (a value of 1 would otherwise
+    # compile a kernel of its own mid-training). The row range is: whether row_start and row_end are
+    # multiples of 16 decides if a transposed A's rows load as vectors (cp.async) or element by element.
+    @triton.jit(do_not_specialize=["tile_offset"])
     def _tiled_kernel(
         a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, pre_ptr,
         # sizes: C rows [row_start, row_end) of an (M, N) product with contraction K
@@ -146,13 +147,27 @@ if triton is not None:
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-        z, y = _epilogue(acc, out_m, offs_n, rows, N, bias_ptr, acc_ptr, stride_accm, stride_accn,
+        # the epilogue in two halves of columns: half the registers live at once, so a fused GELU or an
+        # fp32 partial does not spill
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        half_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        _store_half(left, out_m, half_n, rows, N, c_ptr, pre_ptr, stride_cm, stride_cn, bias_ptr, acc_ptr,
+                    stride_accm, stride_accn, ACTIVATION, HAS_BIAS, HAS_ACC, STORE_PRE)
+        _store_half(right, out_m, half_n + BLOCK_N // 2, rows, N, c_ptr, pre_ptr, stride_cm, stride_cn, bias_ptr,
+                    acc_ptr, stride_accm, stride_accn, ACTIVATION, HAS_BIAS, HAS_ACC, STORE_PRE)
+
+    @triton.jit
+    def _store_half(acc, offs_m, offs_n, rows, N, c_ptr, pre_ptr, stride_cm, stride_cn, bias_ptr, acc_ptr,
+                    stride_accm, stride_accn, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_ACC: tl.constexpr, STORE_PRE: tl.constexpr):
+        """The epilogue of part of a tile, stored through pointers (masked at the edges)."""
+        z, y = _epilogue(acc, offs_m, offs_n, rows, N, bias_ptr, acc_ptr, stride_accm, stride_accn,
                          ACTIVATION, HAS_BIAS, HAS_ACC)
-        mask = row_mask & col_mask
+        mask = (offs_m[:, None] < rows) & (offs_n[None, :] < N)
         if STORE_PRE:  # the pre-activation, for the backward of gelu / silu (same layout as C)
-            tl.store(pre_ptr + out_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            tl.store(pre_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
                      z.to(pre_ptr.dtype.element_ty), mask=mask)
-        tl.store(c_ptr + out_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, y.to(c_ptr.dtype.element_ty),
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, y.to(c_ptr.dtype.element_ty),
                  mask=mask)
 
     @triton.jit
@@ -166,7 +181,7 @@ if triton is not None:
             pre_desc.store([m0, n0], z.to(pre_desc.dtype))
         c_desc.store([m0, n0], y.to(c_desc.dtype))
 
-    @triton.jit(do_not_specialize=["row_start", "tile_offset"])
+    @triton.jit(do_not_specialize=["row_start", "tile_offset"])  # TMA coordinates: alignment is no matter
     def _persistent_kernel(
         a_desc, b_desc, c_desc, pre_desc, bias_ptr, acc_ptr,
         # sizes: C rows [row_start, row_start + rows) of A's rows, N, K; c_desc holds just those rows
