@@ -14,7 +14,7 @@ same grouped order. A, B and C move by TMA (tensor descriptors, Hopper and later
 zero-fill loads past an edge and clip stores, so no masks are computed, and the compiler pipelines
 one tile's epilogue under the next tile's loads. It needs 16-byte aligned bases and row strides and
 one unit stride per operand (row-major, or transposed such as ``w.mT``), and fp16 / bf16 operands
-(``tma_ready``); anything else runs ``tiled``. ``TPFLOW_MATMUL=persistent`` selects it: it stays
+(``tma_layouts``); anything else runs ``tiled``. ``TPFLOW_MATMUL=persistent`` selects it: it stays
 opt-in until its speed against ``tiled`` and cuBLAS is measured on a GPU
 (``benchmarks/kernels_gpu.py``).
 
@@ -36,7 +36,7 @@ try:
 except ImportError:  # CPU installs without triton run torch's matmul
     triton = None
 
-__all__ = ["INTERPRET", "KERNELS", "kernel_choice", "launch", "tma_ready"]
+__all__ = ["INTERPRET", "KERNELS", "kernel_choice", "launch", "tma_layouts"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS = ("tiled", "persistent")
@@ -59,21 +59,30 @@ def _tma_layout(t: torch.Tensor) -> bool | None:
     return None
 
 
-def tma_ready(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None) -> bool:
-    """Whether the persistent kernel can read a, b and write out / pre by TMA (see the module docstring)."""
+def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                pre: torch.Tensor | None) -> tuple[bool, bool] | None:
+    """(a transposed, b transposed) where the persistent kernel can read a, b and write out / pre by
+    TMA (see the module docstring); None where it cannot."""
     if a.dtype not in _TMA_DTYPES or (not INTERPRET and torch.cuda.get_device_capability(a.device)[0] < 9):
-        return False
-    return (_tma_layout(a) is not None and _tma_layout(b) is not None
-            and all(t is None or _tma_layout(t) is False for t in (out, pre)))
+        return None
+    a_t, b_t = _tma_layout(a), _tma_layout(b)
+    if a_t is None or b_t is None or any(t is not None and _tma_layout(t) is not False for t in (out, pre)):
+        return None
+    return a_t, b_t
+
+
+def _persistent_layouts(a, b, out, pre) -> tuple[bool, bool] | None:
+    """The operands' layouts if this product runs the persistent kernel, None if it runs the tiled one."""
+    wanted = os.environ.get("TPFLOW_MATMUL", "tiled")
+    if wanted not in KERNELS:
+        raise ValueError(f"TPFLOW_MATMUL must be one of {KERNELS}, got {wanted!r}")
+    return tma_layouts(a, b, out, pre) if wanted == "persistent" else None
 
 
 def kernel_choice(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None = None) -> str:
     """Which kernel computes ``out`` (some or all rows of ``a @ b``): ``TPFLOW_MATMUL`` (default
     ``tiled``) where the operands allow it, else ``tiled``."""
-    wanted = os.environ.get("TPFLOW_MATMUL", "tiled")
-    if wanted not in KERNELS:
-        raise ValueError(f"TPFLOW_MATMUL must be one of {KERNELS}, got {wanted!r}")
-    return wanted if wanted == "tiled" or tma_ready(a, b, out, pre) else "tiled"
+    return "tiled" if _persistent_layouts(a, b, out, pre) is None else "persistent"
 
 
 if triton is not None:
@@ -286,8 +295,8 @@ def _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, fl
     )
 
 
-def _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags) -> None:
-    a_t, b_t = _tma_layout(a), _tma_layout(b)
+def _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags, layouts) -> None:
+    a_t, b_t = layouts
     rows, N, K = out.shape[0], out.shape[1], a.shape[1]
     acc_arg = acc if acc is not None else out
     placeholder = [16, 16]  # every launch sets the config's blocks (_set_blocks) first
@@ -295,8 +304,9 @@ def _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offse
     def desc(t):
         return TensorDescriptor.from_tensor(t, placeholder)
 
-    args = dict(a_desc=desc(a.mT if a_t else a), b_desc=desc(b.mT if b_t else b), c_desc=desc(out),
-                pre_desc=desc(pre if pre is not None else out))
+    c_desc = desc(out)
+    args = dict(a_desc=desc(a.mT if a_t else a), b_desc=desc(b.mT if b_t else b), c_desc=c_desc,
+                pre_desc=c_desc if pre is None else desc(pre))
     programs = _programs(a.device)
     meta = {}
     if INTERPRET:
@@ -318,8 +328,10 @@ def launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activati
            out: torch.Tensor, pre: torch.Tensor | None, row_start: int, row_end: int, tile_offset: int) -> str:
     """Run the product on the kernel ``kernel_choice`` picks (``activation`` is its code in
     ``ACTIVATIONS``); returns that kernel's name."""
-    kernel = kernel_choice(a, b, out, pre)
+    layouts = _persistent_layouts(a, b, out, pre)
     flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_ACC=acc is not None, STORE_PRE=pre is not None)
-    run = _launch_persistent if kernel == "persistent" else _launch_tiled
-    run(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
-    return kernel
+    if layouts is None:
+        _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
+        return "tiled"
+    _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags, layouts)
+    return "persistent"
