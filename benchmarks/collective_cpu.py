@@ -31,7 +31,18 @@ import torch.distributed as dist
 from tpflow import comm, init_distributed
 from tpflow.bench.measure import cpu_name, source_version, step_times
 from tpflow.comm import stats
-from tpflow.kernels import FakeWorld, all_gather_matmul, matmul_reduce_scatter, row_bounds
+from tpflow.kernels import ADD_LATE, FakeWorld, all_gather_matmul, matmul_reduce_scatter, row_bounds
+
+
+def add_late(flag: bool, fn):
+    """``fn`` with the reduce-scatter ring's late add (``tpflow.kernels.ADD_LATE``) set to ``flag`` on CPU."""
+    def run(*args):
+        saved, ADD_LATE["cpu"] = ADD_LATE["cpu"], flag
+        try:
+            return fn(*args)
+        finally:
+            ADD_LATE["cpu"] = saved
+    return run
 
 
 def write(name: str, lines: list[str], out: str) -> pathlib.Path:
@@ -67,8 +78,14 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
 
     cases = {
         "matmul + reduce_scatter_tensor (torch)": torch_rs,
-        "matmul_reduce_scatter ring, 2 msgs/chunk": lambda: matmul_reduce_scatter(x, w, algo="ring", splits=2),
-        "matmul_reduce_scatter ring, 1 msg/chunk": lambda: matmul_reduce_scatter(x, w, algo="ring", splits=1),
+        "matmul_reduce_scatter ring, 1 msg/chunk, late add": add_late(
+            True, lambda: matmul_reduce_scatter(x, w, algo="ring", splits=1)),
+        "matmul_reduce_scatter ring, 2 msgs/chunk, late add": add_late(
+            True, lambda: matmul_reduce_scatter(x, w, algo="ring", splits=2)),
+        "matmul_reduce_scatter ring, 2 msgs/chunk, add in epilogue": add_late(
+            False, lambda: matmul_reduce_scatter(x, w, algo="ring", splits=2)),
+        "matmul_reduce_scatter ring, 1 msg/chunk, add in epilogue": add_late(
+            False, lambda: matmul_reduce_scatter(x, w, algo="ring", splits=1)),
         "all_gather_into_tensor + matmul (torch)": torch_ag,
         "all_gather_matmul ring": lambda: all_gather_matmul(x_rows, w_cols, rows=size, algo="ring"),
     }
@@ -89,7 +106,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     slowest = {name: step_times(times[name]) for name in cases}  # a step ends with its slowest rank
     if rank:
         return
-    rs_base, ag_base = list(cases)[0], list(cases)[3]
+    rs_base, ag_base = list(cases)[0], list(cases)[5]
     lines = [f"# Ring collectives on gloo, {world} ranks x 1 thread, fp32, M = N = K = {size}",
              "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. {reps} "
              "interleaved repetitions; a repetition's time is its slowest rank's. The ratio is the median of "
@@ -115,11 +132,11 @@ def bench_fake(size: int, world: int, reps: int, out: str) -> None:
     def step(t, splits):
         return matmul_reduce_scatter(xs[t.rank], ws[t.rank], t, algo="ring", splits=splits)
 
-    def timed(fake: FakeWorld, splits: int) -> float:
+    def timed(fake: FakeWorld, splits: int, late: bool) -> float:
         samples = []
         for _ in range(reps):
             start = time.perf_counter()
-            fake.run(step, splits)
+            add_late(late, fake.run)(step, splits)
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
@@ -129,15 +146,16 @@ def bench_fake(size: int, world: int, reps: int, out: str) -> None:
              f"{reps}. Command: `python benchmarks/collective_cpu.py fake --size {size} --world {world}`", "",
              "Transfer = bytes per rank / bandwidth. Overlap E = (compute + transfer - ring) / min(compute, "
              "transfer): the share of the shorter of the two hidden behind the other (1 = perfect).", "",
-             "| link | msgs/chunk | compute-only ms | transfer ms | ring ms | overlap E |", "|---|---:|---:|---:|---:|---:|"]
-    for splits in (4, 2, 1):
-        compute = timed(FakeWorld(world), splits)
+             "| link | msgs/chunk | accumulator added | compute-only ms | transfer ms | ring ms | overlap E |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for splits, late in ((1, True), (2, True), (4, False), (2, False), (1, False)):
+        compute = timed(FakeWorld(world), splits, late)
         for ratio in (0.5, 2.0):
             transfer = ratio * compute
-            ring = timed(FakeWorld(world, bandwidth=nbytes / transfer), splits)
+            ring = timed(FakeWorld(world, bandwidth=nbytes / transfer), splits, late)
             overlap = (compute + transfer - ring) / min(compute, transfer)
-            lines.append(f"| transfer = {ratio}x compute | {splits} | {compute * 1e3:.1f} | {transfer * 1e3:.1f} | "
-                         f"{ring * 1e3:.1f} | {overlap:.0%} |")
+            lines.append(f"| transfer = {ratio}x compute | {splits} | {'late' if late else 'in the epilogue'} | "
+                         f"{compute * 1e3:.1f} | {transfer * 1e3:.1f} | {ring * 1e3:.1f} | {overlap:.0%} |")
     print("\n".join(lines))
     print(f"wrote {write('collective_fake', lines, out)}")
 

@@ -7,7 +7,8 @@ GPU (skipped without one): ``tpflow.kernels.matmul``'s tiled and persistent kern
 ``torch.matmul`` in bf16 and fp16 on square and LLM shapes, and the fused bias + GELU epilogue
 against torch's matmul + bias + gelu.
 CPU: the ring matmul + reduce-scatter on an emulated link whose transfer takes half the compute
-time, with two and one messages per chunk, against the unfused matmul then reduce-scatter; and
+time (four messages per chunk, and one with the accumulator added late or in the epilogue),
+against the unfused matmul then reduce-scatter; and
 one product computed as 8 row ranges against one matmul (the rings' decomposition).
 Multi-rank gloo timings, measured inside the ranks: ``benchmarks/collective_cpu.py``.
 """
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpflow.kernels import FakeWorld, matmul, matmul_reduce_scatter
+from tpflow.kernels import ADD_LATE, FakeWorld, matmul, matmul_reduce_scatter
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a GPU")
@@ -88,14 +89,19 @@ def _link_bandwidth(xs, ws) -> float:
     return nbytes / (0.5 * compute)
 
 
-@pytest.mark.parametrize("case", ["ring, 2 msgs/chunk", "ring, 1 msg/chunk", "matmul then reduce-scatter"])
-def test_ring_on_emulated_link(benchmark, case):
+RING_CASES = {  # (messages per chunk, algo, late add)
+    "ring, 4 msgs/chunk, add in epilogue": (4, "ring", False), "ring, 1 msg/chunk, late add": (1, "ring", True),
+    "ring, 1 msg/chunk, add in epilogue": (1, "ring", False), "matmul then reduce-scatter": (1, "naive", False)}
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_ring_on_emulated_link(monkeypatch, benchmark, case):
     torch.set_num_threads(1)
     benchmark.group = f"matmul + reduce-scatter, fake link, transfer = 0.5x compute, {RING}"
+    splits, algo, late = RING_CASES[case]
+    monkeypatch.setitem(ADD_LATE, "cpu", late)
     xs, ws = _ring_operands()
     bandwidth = _link_bandwidth(xs, ws)
-    splits, algo = {"ring, 2 msgs/chunk": (2, "ring"), "ring, 1 msg/chunk": (1, "ring"),
-                    "matmul then reduce-scatter": (1, "naive")}[case]
 
     def step(t):
         return matmul_reduce_scatter(xs[t.rank], ws[t.rank], t, algo=algo, splits=splits)

@@ -122,7 +122,9 @@ SHAPES = [(9, 7, 5), (13, 8, 6), (2, 5, 3), (16, 12, 8)]  # M < W for W = 3, 4; 
 @pytest.mark.parametrize("m, k, n", SHAPES)
 @pytest.mark.parametrize("splits, algo, bias", [(2, "ring", True), (1, "ring", False), (3, "ring", True),
                                                 (2, "naive", True)])
-def test_matmul_reduce_scatter(world, m, k, n, splits, algo, bias):
+@pytest.mark.parametrize("add_late", [True, False], ids=["late add", "add in the epilogue"])
+def test_matmul_reduce_scatter(monkeypatch, world, m, k, n, splits, algo, bias, add_late):
+    monkeypatch.setitem(collective.ADD_LATE, "cpu", add_late)
     X, Wt, b, dY = _problem(m, k, n, bias)
     results = FakeWorld(world).run(_rs_rank, X, Wt, b, dY, splits, algo)
     _check_rs(results, X, Wt, b, dY)
@@ -180,6 +182,31 @@ def test_uneven_rows_without_rows_are_an_error_on_every_rank():
 
     with pytest.raises(ValueError, match=r"the ranks hold \[2, 2, 2, 1\] rows: pass rows="):
         FakeWorld(4).run(uneven)
+
+
+@pytest.mark.parametrize("add_late", [True, False])
+def test_late_add_computes_each_piece_before_its_accumulator_is_waited_for(add_late):
+    """With ``add_late`` every piece's product is computed without its accumulator, which is added once it
+    arrives; without, the accumulator goes into the compute. The sums are the same either way."""
+    world, bounds = 3, row_bounds(10, 3)
+    partials = [torch.arange(30.0).reshape(10, 3) * (r + 1) for r in range(world)]
+
+    def rank(t):
+        seen = []
+
+        def compute(start, end, acc, last):
+            seen.append(acc is None)
+            part = partials[t.rank][start:end].clone()
+            return part if acc is None else part + acc
+
+        mine = []
+        t.ring_reduce_scatter(bounds, lambda *a: mine.append(compute(*a)) or mine[-1], width=3,
+                              dtype=torch.float32, device=torch.device("cpu"), splits=2, add_late=add_late)
+        return seen, mine[-2:]
+
+    for r, (seen, own) in enumerate(FakeWorld(world).run(rank)):
+        assert seen == [True] * 6 if add_late else seen == [True] * 2 + [False] * 4, seen
+        torch.testing.assert_close(torch.cat(own), sum(partials)[slice(*bounds[r])], rtol=0, atol=0)
 
 
 def test_ring_moves_half_of_gloos_reduce_scatter_bytes():

@@ -41,7 +41,7 @@ from tpflow.kernels.matmul import (
 )
 from tpflow.kernels.transport import Transport, as_transport, row_bounds
 
-__all__ = ["ALGOS", "RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref",
+__all__ = ["ADD_LATE", "ALGOS", "RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref",
            "matmul_reduce_scatter", "matmul_reduce_scatter_ref"]
 
 # Elements per message from which the ring pays, by device type. CPU, 2 gloo ranks x 1 thread
@@ -57,6 +57,11 @@ ALGOS = ("auto", "ring", "naive")
 # message ran 0.86-0.91x of matmul + reduce_scatter_tensor against 0.88-0.92x for two
 # (`python -m tpflow.launch --nproc_per_node 2 benchmarks/collective_cpu.py gloo --reps 41`).
 SPLITS = {"cpu": 1, "cuda": 2}
+# Whether the reduce-scatter ring computes a piece's product while its accumulator crosses the link and adds
+# it after, in a separate pass, by device type (only where the output keeps the partials' dtype). On CPU over
+# gloo that pass is cheap beside the wait it removes (`benchmarks/collective_cpu.py gloo`, the "late add"
+# rows). On CUDA the add stays in the matmul's epilogue and the pieces (SPLITS) do the hiding.
+ADD_LATE = {"cpu": True, "cuda": False}
 
 Group = dist.ProcessGroup | Transport | None
 
@@ -120,8 +125,10 @@ def _reduce_scatter_product(x: torch.Tensor, w: torch.Tensor, t: Transport, boun
                           out=out[start - own_start:end - own_start])
         return matmul(x, w, acc=acc, row_start=start, row_end=end, out_dtype=partial_dtype)
 
+    # a late add into a rounded output would round twice: only where the output keeps the partials' dtype
+    add_late = ADD_LATE.get(x.device.type, ADD_LATE["cuda"]) and out_dtype == partial_dtype
     t.ring_reduce_scatter(bounds, compute, width=w.shape[1], dtype=partial_dtype, device=x.device, splits=splits,
-                          after=wgrad)
+                          add_late=add_late, after=wgrad)
     return out
 
 

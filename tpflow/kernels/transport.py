@@ -69,7 +69,7 @@ class Transport(ABC):
     # The two rings. ``bounds[c]`` are the rows of chunk c, which rank c owns.
 
     def ring_reduce_scatter(self, bounds: Sequence[tuple[int, int]], compute: Callable, *, width: int,
-                            dtype: torch.dtype, device: torch.device, splits: int = 1,
+                            dtype: torch.dtype, device: torch.device, splits: int = 1, add_late: bool = False,
                             after: Callable[[int, int], None] | None = None) -> None:
         """Reduce chunk c's partials of every rank onto rank c, around the ring r -> r + 1.
 
@@ -84,9 +84,11 @@ class Transport(ABC):
         ``compute`` adds ``acc`` inside the matmul, so it
         cannot start before ``acc`` arrives; with one piece a rank would wait, every step, for its
         neighbour's whole chunk to cross the link, since the neighbour finished computing it at
-        the same moment. With two, the first piece crosses while the second computes. (Computing
-        the product first and adding ``acc`` in a separate pass hides as much with one message,
-        at the price of that extra pass over the chunk.)
+        the same moment. With two, the first piece crosses while the second computes.
+        ``add_late`` instead computes each piece's product while its ``acc`` crosses the link, and
+        adds ``acc`` after it arrives: the whole transfer hides, even with one message, at the price
+        of that extra pass over the piece (``compute`` then gets ``acc=None`` and its result must be
+        writable in place).
         Sends the rows of every chunk but its own, in ``splits * (W - 1)`` messages.
         """
         W, r = self.world_size, self.rank
@@ -99,8 +101,13 @@ class Transport(ABC):
             upcoming = None if last else _sub_bounds(*bounds[(r - s - 2) % W], splits)
             for j, (start, end) in enumerate(pieces):
                 got, acc = inbox[j]
-                got.wait()
-                part = compute(start, end, acc, last)
+                if add_late and acc is not None:
+                    part = compute(start, end, None, last)
+                    got.wait()
+                    part += acc
+                else:
+                    got.wait()
+                    part = compute(start, end, acc, last)
                 if upcoming is not None:
                     rows = upcoming[j][1] - upcoming[j][0]
                     buf = torch.empty(rows, width, dtype=dtype, device=device) if rows else None
