@@ -51,16 +51,18 @@ __all__ = ["ADD_LATE", "ALGOS", "RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmu
 # noise, so the threshold sits there. CUDA: an estimate until measured.
 RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**22}
 ALGOS = ("auto", "ring", "naive")
-# Messages per chunk of the reduce-scatter ring, by device type. Two let a transfer overlap the next piece's
-# compute: on an emulated link as slow as half the compute they hid 76-78% of it over three runs, one none
-# (`python benchmarks/collective_cpu.py fake`). On CPU over gloo's loopback the transfer is short and one
-# message ran 0.86-0.91x of matmul + reduce_scatter_tensor against 0.88-0.92x for two
-# (`python -m tpflow.launch --nproc_per_node 2 benchmarks/collective_cpu.py gloo --reps 41`).
+# Messages per chunk of the reduce-scatter ring, by device type. With the accumulator added in the epilogue,
+# pieces let a transfer overlap the next piece's compute: on an emulated link as slow as half the compute, two
+# hid 86-99% of it and four 88-100% over three runs, one message none (`python benchmarks/collective_cpu.py
+# fake --reps 21`, at commit c8e8445). On CPU the late add (below) hides the transfer with one message.
 SPLITS = {"cpu": 1, "cuda": 2}
 # Whether the reduce-scatter ring computes a piece's product while its accumulator crosses the link and adds
 # it after, in a separate pass, by device type (only where the output keeps the partials' dtype). On CPU over
-# gloo that pass is cheap beside the wait it removes (`benchmarks/collective_cpu.py gloo`, the "late add"
-# rows). On CUDA the add stays in the matmul's epilogue and the pieces (SPLITS) do the hiding.
+# gloo that pass is cheap beside the wait it removes: one message with the late add ran 0.77-0.87x (median
+# 0.82x) of matmul + reduce_scatter_tensor over five runs, against 0.79-0.89x (median 0.85x) with the add in
+# the epilogue (`python -m tpflow.launch --nproc_per_node 2 benchmarks/collective_cpu.py gloo --reps 41`, at
+# commit c8e8445). It has no slack, though: on the emulated link above, where the ranks drift apart, it hid
+# 56-67%. On CUDA the add stays in the matmul's epilogue, fused, and the pieces do the hiding.
 ADD_LATE = {"cpu": True, "cuda": False}
 
 Group = dist.ProcessGroup | Transport | None
