@@ -78,6 +78,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
 
     cases = {
         "matmul + reduce_scatter_tensor (torch)": torch_rs,
+        "matmul alone, no communication (the floor)": lambda: torch.matmul(x, w),
         "matmul_reduce_scatter ring, 1 msg/chunk, late add": add_late(
             True, lambda: matmul_reduce_scatter(x, w, algo="ring", splits=1)),
         "matmul_reduce_scatter ring, 2 msgs/chunk, late add": add_late(
@@ -106,7 +107,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     slowest = {name: step_times(times[name]) for name in cases}  # a step ends with its slowest rank
     if rank:
         return
-    rs_base, ag_base = list(cases)[0], list(cases)[5]
+    rs_base, ag_base = list(cases)[0], list(cases)[6]
     lines = [f"# Ring collectives on gloo, {world} ranks x 1 thread, fp32, M = N = K = {size}",
              "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. {reps} "
              "interleaved repetitions; a repetition's time is its slowest rank's. The ratio is the median of "
@@ -116,7 +117,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
              "| case | median ms | vs torch | bytes sent / rank | messages / rank |", "|---|---:|---:|---:|---:|"]
     for name in cases:
         nbytes, msgs = traffic[name]
-        base = slowest[rs_base if "reduce" in name else ag_base]
+        base = slowest[ag_base if "all_gather" in name else rs_base]
         ratio = statistics.median(t / b for t, b in zip(slowest[name], base))
         lines.append(f"| {name} | {statistics.median(slowest[name]) * 1e3:.2f} | {ratio:.2f}x | {nbytes:,} | {msgs} |")
     print("\n".join(lines))
