@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -88,3 +93,27 @@ def test_rings_over_nccl(dtype):
     results = harness.run(2, _nccl_rings, dtype)
     X, Wt, b = results[0][2:]
     _check_rings([(r[0], r[1]) for r in results], X.cuda(), Wt.cuda(), b.cuda(), dtype)
+
+
+ACCUMULATE_IN_PLACE = """
+import os, torch
+from tpflow.kernels import matmul
+torch.manual_seed(0)
+a = torch.randn(256, 192, device="cuda", dtype=torch.float16)
+b = torch.randn(128, 192, device="cuda", dtype=torch.float16).mT
+for kernel in ("tiled", "persistent"):
+    os.environ["TPFLOW_MATMUL"] = kernel
+    s = torch.ones(256, 128, device="cuda")
+    want = s + a.float() @ b.float()
+    matmul(a, b, acc=s, out=s)  # the first call of this key autotunes: every config runs on s several times
+    torch.testing.assert_close(s, want, rtol=2e-3, atol=2e-2, msg=lambda m: f"{kernel}: {m}")
+"""
+
+
+def test_accumulating_in_place_survives_autotuning():
+    """``matmul(a, b, acc=s, out=s)`` (the rings' weight gradients) with autotuning on, in a process of its own:
+    the tuning runs must not add into s."""
+    env = {**os.environ, "TPFLOW_AUTOTUNE": "1", "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", ACCUMULATE_IN_PLACE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

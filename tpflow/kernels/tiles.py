@@ -262,11 +262,14 @@ if triton is not None:
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "SUBTILE": sub},
                               num_stages=s, num_warps=w, pre_hook=_set_blocks) for m, n, k, s, w, sub in shapes]
 
-    _KEY = ["M_KEY", "N_KEY", "K_KEY", "ACTIVATION", "HAS_BIAS", "HAS_ACC", "STORE_PRE"]
+    # Autotuning runs each config several times on the caller's tensors: ACC is put back after every run, since
+    # it may be C itself (``matmul(a, b, acc=s, out=s)`` accumulates in place, as the rings' weight gradients do).
+    _TUNING = dict(key=["M_KEY", "N_KEY", "K_KEY", "ACTIVATION", "HAS_BIAS", "HAS_ACC", "STORE_PRE"],
+                   restore_value=["acc_ptr"])
     _tiled_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_tiled_kernel)
-    _tiled = _tiled_kernel if INTERPRET else triton.autotune(configs=_tiled_configs(), key=_KEY)(_tiled_kernel)
+    _tiled = _tiled_kernel if INTERPRET else triton.autotune(configs=_tiled_configs(), **_TUNING)(_tiled_kernel)
     _persistent = _persistent_kernel if INTERPRET else triton.autotune(
-        configs=_persistent_configs(), key=_KEY + ["A_T", "B_T"])(_persistent_kernel)
+        configs=_persistent_configs(), **{**_TUNING, "key": _TUNING["key"] + ["A_T", "B_T"]})(_persistent_kernel)
 
 
 @functools.cache
