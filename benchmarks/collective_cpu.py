@@ -90,7 +90,8 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
         "all_gather_into_tensor + matmul (torch)": torch_ag,
         "all_gather_matmul ring": lambda: all_gather_matmul(x_rows, w_cols, rows=size, algo="ring"),
     }
-    torch.testing.assert_close(matmul_reduce_scatter(x, w, algo="ring"), torch_rs())
+    for late in (True, False):
+        torch.testing.assert_close(add_late(late, lambda: matmul_reduce_scatter(x, w, algo="ring"))(), torch_rs())
     torch.testing.assert_close(all_gather_matmul(x_rows, w_cols, algo="ring"), torch_ag())
     times: dict[str, list[float]] = {name: [] for name in cases}
     traffic = {}
@@ -107,7 +108,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     slowest = {name: step_times(times[name]) for name in cases}  # a step ends with its slowest rank
     if rank:
         return
-    rs_base, ag_base = list(cases)[0], list(cases)[6]
+    rs_base, ag_base = "matmul + reduce_scatter_tensor (torch)", "all_gather_into_tensor + matmul (torch)"
     lines = [f"# Ring collectives on gloo, {world} ranks x 1 thread, fp32, M = N = K = {size}",
              "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. {reps} "
              "interleaved repetitions; a repetition's time is its slowest rank's. The ratio is the median of "

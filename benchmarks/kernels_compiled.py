@@ -8,8 +8,9 @@ Run it without ``TRITON_INTERPRET``; no GPU is needed (Triton's wheel carries pt
 config it reports:
 
 - shared memory per block, whether it ``fits`` the SM (a config that does not is one the autotuner
-  drops on the GPU), and whether it is ``staged``: the A and B tiles of every stage in flight are in
-  shared memory, so loads go by cp.async / TMA and not element by element through registers;
+  drops on the GPU), and whether it is ``staged``: there is room for the A and B tiles of every stage
+  in flight, as when loads go by cp.async / TMA and not element by element through registers (a
+  necessary sign, not proof: the epilogue's buffers count in the same total);
 - registers and spilled bytes (``ptxas -v``);
 - the instructions that matter on Hopper: ``wgmma`` (tensor-core MMA reading shared memory), TMA
   copies (``cp.async.bulk.tensor``, loads and stores) and ``cp.async`` copies (the tiled kernel's
@@ -124,24 +125,37 @@ def variants(dtype: torch.dtype) -> dict:
     flags = dict(bias=None, activation=0, acc=None, pre=None, row_start=0, tile_offset=0)
     gelu = dict(flags, bias=torch.empty(n, dtype=dtype), activation=2, pre=torch.empty(m, n, dtype=dtype))
     chunk = dict(flags, acc=torch.empty(m // 4, n), row_start=m // 4, tile_offset=3)
+    odd = dict(flags, acc=torch.empty(86, n), row_start=85, tile_offset=1)  # 256 rows over 3 ranks: 85 | 86 | 85
     return {
         "forward x @ W^T": (x, w.mT, torch.empty(m, n, dtype=dtype), flags),
         "forward + bias + gelu, saving z": (x, w.mT, torch.empty(m, n, dtype=dtype), gelu),
         "dgrad dz @ W": (dz, w, torch.empty(m, k, dtype=dtype), flags),
         "wgrad dz^T @ x": (dz.mT, x, torch.empty(n, k, dtype=dtype), flags),
         "ring chunk, fp32 partial + acc": (x, w.mT, torch.empty(m // 4, n), chunk),
+        "ring chunk of 86 rows from row 85": (x, w.mT, torch.empty(86, n), odd),
     }
 
 
 @contextlib.contextmanager
+def _env(**values: str):
+    """Environment variables set for the block, then put back as they were."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
+
+
+@contextlib.contextmanager
 def offline(arch: int, pinned: bool, found: list[Compiled]):
-    """tiles' kernels compile for ``arch`` instead of launching, and the operands count as on that GPU."""
+    """tiles' kernels compile for ``arch`` instead of launching, and the operands count as on that GPU.
+    Everything is put back after, including the kernels' caches (which would hold the fake target)."""
     driver = triton.runtime.driver
     saved = (tiles._tiled, tiles._persistent, tiles._programs, torch.cuda.get_device_capability)
-    autotune = os.environ.get("TPFLOW_AUTOTUNE")
-    os.environ["TPFLOW_AUTOTUNE"] = "0" if pinned else "1"
-    configs = tiles._tiled_configs(), tiles._persistent_configs()
-    os.environ.pop("TPFLOW_AUTOTUNE") if autotune is None else os.environ.update(TPFLOW_AUTOTUNE=autotune)
+    with _env(TPFLOW_AUTOTUNE="0" if pinned else "1"):
+        configs = tiles._tiled_configs(), tiles._persistent_configs()
     tiles._tiled = _CompileEachConfig(tiles._tiled, "tiled", configs[0], arch, found)
     tiles._persistent = _CompileEachConfig(tiles._persistent, "persistent", configs[1], arch, found)
     tiles._programs = lambda device: 132
@@ -151,24 +165,25 @@ def offline(arch: int, pinned: bool, found: list[Compiled]):
         yield
     finally:
         tiles._tiled, tiles._persistent, tiles._programs, torch.cuda.get_device_capability = saved
-        driver._active = None
+        driver._active = None  # back to finding the real driver when next asked
+        for jit in (tiles._tiled_kernel.fn, tiles._persistent_kernel):
+            jit.device_caches.clear()
 
 
 def compile_all(arch: int = 90, pinned: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[Compiled]:
-    """Every variant under every config (or the pinned one) of both kernels."""
+    """Every variant under every config (or the pinned one) of each kernel that takes it on ``arch``."""
     if tiles.INTERPRET:
         raise RuntimeError("compiling for a GPU needs TRITON_INTERPRET unset")
     found: list[Compiled] = []
     with offline(arch, pinned, found):
         for variant, (a, b, out, kw) in variants(dtype).items():
             for kernel in tiles.KERNELS:
-                os.environ["TPFLOW_MATMUL"] = kernel
-                for wrapper in (tiles._tiled, tiles._persistent):
-                    wrapper.variant = variant
-                rows = out.shape[0]
-                tiles.launch(a, b, kw["bias"], kw["activation"], kw["acc"], out, kw["pre"], kw["row_start"],
-                             kw["row_start"] + rows, kw["tile_offset"])
-        os.environ.pop("TPFLOW_MATMUL")
+                with _env(TPFLOW_MATMUL=kernel):
+                    if tiles.kernel_choice(a, b, out, kw["pre"]) != kernel:
+                        continue  # the persistent kernel below Hopper: its rows would be the tiled one's again
+                    tiles._tiled.variant = tiles._persistent.variant = variant
+                    tiles.launch(a, b, kw["bias"], kw["activation"], kw["acc"], out, kw["pre"], kw["row_start"],
+                                 kw["row_start"] + out.shape[0], kw["tile_offset"])
     return found
 
 

@@ -24,7 +24,7 @@ import triton
 from triton.testing import do_bench
 
 from tpflow.kernels import matmul
-from tpflow.kernels.tiles import KERNELS
+from tpflow.kernels.tiles import KERNELS, kernel_choice
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,6 +48,8 @@ def measure(kernel: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor, t
     os.environ["TPFLOW_MATMUL"] = kernel
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
     out = torch.empty(m, n, device="cuda", dtype=a.dtype)
+    if kernel_choice(a, b, out) != kernel:
+        raise RuntimeError(f"{kernel} cannot run a {tuple(a.shape)} @ {tuple(b.shape)} {a.dtype} product here")
     want = torch.matmul(a, b)
     torch.testing.assert_close(matmul(a, b), want, rtol=2e-2, atol=2e-1)
     eight_ranges(a, b, out)

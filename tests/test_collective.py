@@ -186,26 +186,37 @@ def test_uneven_rows_without_rows_are_an_error_on_every_rank():
 
 @pytest.mark.parametrize("add_late", [True, False])
 def test_late_add_computes_each_piece_before_its_accumulator_is_waited_for(add_late):
-    """With ``add_late`` every piece's product is computed without its accumulator, which is added once it
-    arrives; without, the accumulator goes into the compute. The sums are the same either way."""
+    """With ``add_late`` every piece's product is computed before its accumulator is waited for, then the
+    accumulator is added; without, the wait comes first and the accumulator goes into the compute. The sums
+    are the same either way."""
     world, bounds = 3, row_bounds(10, 3)
     partials = [torch.arange(30.0).reshape(10, 3) * (r + 1) for r in range(world)]
 
     def rank(t):
-        seen = []
+        events, own = [], []
+        post = t.post
+
+        def logged_post(sends=(), recvs=(), tag=0):
+            sent, got = post(sends, recvs, tag)
+            wait = got.wait
+            got.wait = lambda: events.append("wait") or wait()
+            return sent, got
 
         def compute(start, end, acc, last):
-            seen.append(acc is None)
+            events.append("compute" if acc is None else "compute + acc")
             part = partials[t.rank][start:end].clone()
-            return part if acc is None else part + acc
+            own.append(part if acc is None else part + acc)
+            return own[-1]
 
-        mine = []
-        t.ring_reduce_scatter(bounds, lambda *a: mine.append(compute(*a)) or mine[-1], width=3,
-                              dtype=torch.float32, device=torch.device("cpu"), splits=2, add_late=add_late)
-        return seen, mine[-2:]
+        t.post = logged_post
+        t.ring_reduce_scatter(bounds, compute, width=3, dtype=torch.float32, device=torch.device("cpu"), splits=2,
+                              add_late=add_late)
+        return events, own[-2:]
 
-    for r, (seen, own) in enumerate(FakeWorld(world).run(rank)):
-        assert seen == [True] * 6 if add_late else seen == [True] * 2 + [False] * 4, seen
+    late = ["compute", "compute"] + ["compute", "wait"] * 4  # step 0 has no accumulator to wait for
+    fused = ["compute", "compute"] + ["wait", "compute + acc"] * 4
+    for r, (events, own) in enumerate(FakeWorld(world).run(rank)):
+        assert events == (late if add_late else fused), events
         torch.testing.assert_close(torch.cat(own), sum(partials)[slice(*bounds[r])], rtol=0, atol=0)
 
 
@@ -336,29 +347,34 @@ def test_gloo(world, algo, m, inner):
 
 # The Triton kernels (row ranges, the received partial added in the epilogue) through the interpreter.
 
-def _triton_rank(dtype, bias, activation, kernel, shape):
+def _triton_rank(dtype, bias, activation, kernel, shape, add_late):
     """The rings on the Triton kernels; with ``kernel="persistent"``, also how many products ran on it."""
     os.environ.update(TPFLOW_KERNELS="triton", TPFLOW_MATMUL=kernel)
     launches = []
-    real = tiles._launch_persistent
+    real, late = tiles._launch_persistent, collective.ADD_LATE["cpu"]
     tiles._launch_persistent = lambda *args: launches.append(1) or real(*args)
+    collective.ADD_LATE["cpu"] = add_late
     try:
         X, Wt, b, dY = _problem(*shape, bias, seed=3, dtype=dtype)
         assert use_triton(X), "the rings must run the Triton kernels here"
         return (_rs_rank(None, X, Wt, b, dY, 2, "ring")[:4],
                 _ag_rank(None, X, Wt, b, dY, activation, "ring")[:4], len(launches))
     finally:
-        tiles._launch_persistent = real
+        tiles._launch_persistent, collective.ADD_LATE["cpu"] = real, late
         del os.environ["TPFLOW_KERNELS"], os.environ["TPFLOW_MATMUL"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype, bias, activation, kernel, shape", [
-    (torch.float32, True, "gelu", "tiled", (37, 24, 20)), (torch.float16, False, "silu", "tiled", (37, 24, 20)),
-    (torch.float16, True, "gelu", "persistent", (48, 32, 24))], ids=["fp32", "fp16", "fp16 persistent"])
-def test_triton_kernels_in_the_rings(world, dtype, bias, activation, kernel, shape):
+@pytest.mark.parametrize("dtype, bias, activation, kernel, shape, add_late", [
+    (torch.float32, True, "gelu", "tiled", (37, 24, 20), False),
+    (torch.float32, False, None, "tiled", (37, 24, 20), True),
+    (torch.float16, False, "silu", "tiled", (37, 24, 20), True),
+    (torch.float16, True, "gelu", "persistent", (48, 32, 24), True),
+], ids=["fp32, partials added in the epilogue", "fp32, late add", "fp16", "fp16 persistent"])
+def test_triton_kernels_in_the_rings(world, dtype, bias, activation, kernel, shape, add_late):
+    """fp16 outputs get the partials added in the epilogue whatever ``ADD_LATE`` says (fp32 partials)."""
     pytest.importorskip("triton")
-    results = harness.run(world, _triton_rank, dtype, bias, activation, kernel, shape, timeout=300)
+    results = harness.run(world, _triton_rank, dtype, bias, activation, kernel, shape, add_late, timeout=300)
     if kernel == "persistent":  # the chunks' products, their accumulating epilogues and the backward's products
         assert all(r[2] >= 2 * world for r in results), [r[2] for r in results]
     X, Wt, b, dY = _problem(*shape, bias, seed=3, dtype=dtype)

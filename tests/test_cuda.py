@@ -13,6 +13,7 @@ import torch
 import tpflow as tpf
 from tests import harness
 from tpflow import kernels
+from tpflow.kernels import tiles
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -72,11 +73,15 @@ def _check_rings(results, X, Wt, b, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_rings_compiled_on_one_gpu(monkeypatch, dtype, kernel):
     monkeypatch.setenv("TPFLOW_MATMUL", kernel)
+    launches = []
+    real = tiles._launch_persistent
+    monkeypatch.setattr(tiles, "_launch_persistent", lambda *args: launches.append(1) or real(*args))
     world, (m, k, n) = 3, (1000, 768, 512)
     gen = torch.Generator(device="cuda").manual_seed(0)
     X, Wt, b = (torch.randn(*s, device="cuda", generator=gen).to(dtype) for s in ((m, k), (k, n), (n,)))
     rows, k_cols = kernels.row_bounds(m, world), kernels.row_bounds(k, world)
     _check_rings(kernels.FakeWorld(world).run(_ring_case, X, Wt, b, rows, k_cols), X, Wt, b, dtype)
+    assert bool(launches) == (kernel == "persistent" and dtype != torch.float32), len(launches)
 
 
 def _nccl_rings(dtype):
@@ -97,13 +102,14 @@ def test_rings_over_nccl(dtype):
 
 ACCUMULATE_IN_PLACE = """
 import os, torch
-from tpflow.kernels import matmul
+from tpflow.kernels import matmul, tiles
 torch.manual_seed(0)
 a = torch.randn(256, 192, device="cuda", dtype=torch.float16)
 b = torch.randn(128, 192, device="cuda", dtype=torch.float16).mT
 for kernel in ("tiled", "persistent"):
     os.environ["TPFLOW_MATMUL"] = kernel
     s = torch.ones(256, 128, device="cuda")
+    assert tiles.kernel_choice(a, b, s) == kernel
     want = s + a.float() @ b.float()
     matmul(a, b, acc=s, out=s)  # the first call of this key autotunes: every config runs on s several times
     torch.testing.assert_close(s, want, rtol=2e-3, atol=2e-2, msg=lambda m: f"{kernel}: {m}")

@@ -127,6 +127,16 @@ def test_bad_arguments():
         matmul(a, b, row_start=2, row_end=9)
     with pytest.raises(ValueError, match=r"acc must hold the rows of the range: shape \(2, 5\)"):
         matmul(a, b, acc=torch.zeros(8, 5, device=DEVICE), row_start=2, row_end=4)
+    with pytest.raises(ValueError, match="tile_offset counts row tiles forward"):
+        matmul(a, b, tile_offset=-1)
+
+
+def test_strided_bias():
+    """A bias that is a strided view (every other element of a longer vector) is read by its values."""
+    a, b = _rand(41, 40, dtype=torch.float32, seed=1), _rand(40, 24, dtype=torch.float32, seed=2)
+    bias = _rand(48, dtype=torch.float32, seed=3)[::2]
+    _close(matmul(a, b, bias=bias), matmul_ref(a, b, bias=bias), matmul_ref(a, b, bias=bias, upcast=True),
+           torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -229,6 +239,8 @@ def test_persistent_shapes_and_layouts(m, k, n, a_t, b_t, dtype):
 @pytest.mark.parametrize("has_bias, activation, has_acc",
                          list(itertools.product([False, True], [None, "relu", "gelu", "silu"], [False, True])))
 def test_persistent_epilogues(monkeypatch, has_bias, activation, has_acc, subtile):
+    if not tiles.INTERPRET and not subtile:
+        pytest.skip("compiled, the pinned or autotuned config decides whether C is stored in halves")
     if tiles.INTERPRET:  # the pinned config decides whether C is stored in halves
         config = tiles._persistent_configs()[0]
         pinned = triton.Config({**config.kwargs, "SUBTILE": subtile})
@@ -292,6 +304,9 @@ def test_kernel_choice(monkeypatch):
     assert tiles.kernel_choice(shifted, b, out) == "tiled"
     assert tiles.kernel_choice(a, b[:, ::2], out[:, :12]) == "tiled"  # no unit stride
     assert tiles.kernel_choice(a, b, out.mT.contiguous().mT) == "tiled"  # C is stored row-major
+    row = _rand(1, 32, dtype=torch.float16, seed=3)
+    assert tiles.kernel_choice(row.expand(16, 32), b, out) == "tiled"  # stride 0: rows are not apart
+    assert tiles.kernel_choice(a, b, out[:, :1].expand(16, 24)) == "tiled"
     monkeypatch.setenv("TPFLOW_MATMUL", "fast")
     with pytest.raises(ValueError, match="TPFLOW_MATMUL must be one of"):
         matmul(a, b)

@@ -22,5 +22,5 @@ from tpflow.kernels.matmul import ACTIVATIONS, matmul, matmul_ref, use_triton
 from tpflow.kernels.transport import DistTransport, Handle, Transport, as_transport, row_bounds
 
 __all__ = ["ACTIVATIONS", "ADD_LATE", "RING_MIN_ELEMENTS", "SPLITS", "DistTransport", "FakeTransport", "FakeWorld",
-           "Handle", "Transport", "all_gather_matmul", "all_gather_matmul_ref", "as_transport", "linear", "linear_ref", "matmul",
-           "matmul_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref", "row_bounds", "use_triton"]
+           "Handle", "Transport", "all_gather_matmul", "all_gather_matmul_ref", "as_transport", "linear", "linear_ref",
+           "matmul", "matmul_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref", "row_bounds", "use_triton"]

@@ -8,7 +8,8 @@
 Rows are dim 0, chunked by ``torch.chunk``'s rule (tpflow's split(0)); x may have more dims
 ([S, B, K] in sequence parallelism), which fold into the rows of each chunk. Reduce-scatter: at step s rank r
 computes chunk (r - s - 1) mod W, adding the partial received from r - 1 in the matmul's
-epilogue, and sends the sum on to r + 1; the last step leaves chunk r fully reduced. All-gather:
+epilogue (or, where ``ADD_LATE`` says so, after the product, so the transfer hides behind it), and
+sends the sum on to r + 1; the last step leaves chunk r fully reduced. All-gather:
 rank r computes on the rows it holds while forwarding them and receiving the next.
 
 Each one's backward is the other: d(matmul_reduce_scatter) all-gathers dy and computes
@@ -53,7 +54,7 @@ RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**22}
 ALGOS = ("auto", "ring", "naive")
 # Messages per chunk of the reduce-scatter ring, by device type. With the accumulator added in the epilogue,
 # pieces let a transfer overlap the next piece's compute: on an emulated link as slow as half the compute, two
-# hid 86-99% of it and four 88-100% over three runs, one message none (`python benchmarks/collective_cpu.py
+# hid 86-99% of it and four 88-100% over three runs, one message -14% to 20% (`python benchmarks/collective_cpu.py
 # fake --reps 21`, at commit c8e8445). On CPU the late add (below) hides the transfer with one message.
 SPLITS = {"cpu": 1, "cuda": 2}
 # Whether the reduce-scatter ring computes a piece's product while its accumulator crosses the link and adds
@@ -222,8 +223,8 @@ class _AllGatherMatmul(torch.autograd.Function):
                 dw.add(gathered[start:end].mT, dz[start:end])
 
             dx = _reduce_scatter_product(dz, w.mT, ctx.t, ctx.bounds, ring=ctx.ring, bias=None,
-                                         out_dtype=ctx.x_dtype, partial_dtype=accumulate_dtype(dz.dtype), splits=_splits(dz.device),
-                                         wgrad=wgrad if need_w else None)
+                                         out_dtype=ctx.x_dtype, partial_dtype=accumulate_dtype(dz.dtype),
+                                         splits=_splits(dz.device), wgrad=wgrad if need_w else None)
         db = bias_grad(dz) if ctx.has_bias and need_b else None
         return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 5
 
@@ -251,8 +252,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     t = as_transport(group)
     bounds = _flat_bounds(x.shape[0], t.world_size, math.prod(x.shape[1:-1]))
     ring = _use_ring(algo, t, bounds, w.shape[1], x.device)
-    y = _MatmulReduceScatter.apply(x.reshape(bounds[-1][1], x.shape[-1]), w, bias, t, bounds, ring, out_dtype or x.dtype,
-                                   partial_dtype or accumulate_dtype(x.dtype), splits)
+    y = _MatmulReduceScatter.apply(x.reshape(bounds[-1][1], x.shape[-1]), w, bias, t, bounds, ring,
+                                   out_dtype or x.dtype, partial_dtype or accumulate_dtype(x.dtype), splits)
     start, end = row_bounds(x.shape[0], t.world_size)[t.rank]
     return y.reshape(end - start, *x.shape[1:-1], w.shape[1])
 
@@ -265,8 +266,9 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
 
     ``rows`` is M, the same on every rank; each rank checks its row count against it. Without
     it the rows must split evenly (M = W * M_r, Megatron's contract), which the ranks check
-    with one tiny all-gather (over the CPU backend where the group has one). ``return_gathered`` also returns ``gather(x)`` (no
-    gradient), which a caller can keep instead of gathering again. ``group`` and ``algo`` as in
+    with one tiny all-gather (over the CPU backend where the group has one). ``return_gathered``
+    also returns ``gather(x)`` (no gradient), which a caller can keep instead of gathering again.
+    ``group`` and ``algo`` as in
     ``matmul_reduce_scatter``. Differentiable.
     """
     _check_operands(x, w, bias, "all_gather_matmul")
@@ -281,8 +283,8 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
                          f"rows over {t.world_size} ranks has {end - start}")
     bounds = _flat_bounds(rows, t.world_size, math.prod(x.shape[1:-1]))
     ring = _use_ring(algo, t, bounds, x.shape[-1], x.device)
-    y, gathered = _AllGatherMatmul.apply(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w, bias, t, bounds, ring, activation,
-                                         out_dtype or x.dtype)
+    y, gathered = _AllGatherMatmul.apply(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w, bias, t, bounds, ring,
+                                         activation, out_dtype or x.dtype)
     y, gathered = y.reshape(rows, *x.shape[1:-1], w.shape[1]), gathered.reshape(rows, *x.shape[1:])
     return (y, gathered) if return_gathered else y
 

@@ -159,6 +159,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     row_end = M if row_end is None else row_end
     if not 0 <= row_start <= row_end <= M:
         raise ValueError(f"row range [{row_start}, {row_end}) is outside the {M} rows of a")
+    if tile_offset < 0:
+        raise ValueError(f"tile_offset counts row tiles forward: it must be >= 0, got {tile_offset}")
     shape = (row_end - row_start, N)
     for name, t in (("acc", acc), ("out", out), ("pre", pre)):
         if t is not None and tuple(t.shape) != shape:
@@ -174,6 +176,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     out = torch.empty(shape, dtype=out_dtype, device=a.device) if out is None else out
     if pre is not None and pre.stride() != out.stride():
         raise ValueError(f"pre must have out's strides {out.stride()}, got {pre.stride()}")
-    if out.numel():
+    if out.numel():  # the kernels read the bias with unit stride
+        bias = None if bias is None else bias.contiguous()
         tiles.launch(a, b, bias, ACTIVATIONS[activation], acc, out, pre, row_start, row_end, tile_offset)
     return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -41,6 +42,7 @@ __all__ = ["INTERPRET", "KERNELS", "kernel_choice", "launch", "tma_layouts"]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS = ("tiled", "persistent")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
+_TMA_ARCHS = (9, 10)  # Hopper and datacenter Blackwell: ~227 KB of shared memory a block, which the configs need
 _INTERPRETER_PROGRAMS = 3  # fewer programs than tiles, so the interpreter checks the persistent tile walk
 
 
@@ -53,8 +55,8 @@ def _tma_layout(t: torch.Tensor) -> bool | None:
     esize = t.element_size()
     if t.data_ptr() % 16 or min(t.shape) == 0:
         return None
-    for transposed, (outer, inner) in ((False, t.stride()), (True, t.stride()[::-1])):
-        if inner == 1 and (outer * esize) % 16 == 0:
+    for transposed, (outer, inner), width in ((False, t.stride(), t.shape[1]), (True, t.stride()[::-1], t.shape[0])):
+        if inner == 1 and outer >= width and (outer * esize) % 16 == 0:  # rows apart, not expanded (stride 0)
             return transposed
     return None
 
@@ -63,7 +65,9 @@ def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                 pre: torch.Tensor | None) -> tuple[bool, bool] | None:
     """(a transposed, b transposed) where the persistent kernel can read a, b and write out / pre by
     TMA (see the module docstring); None where it cannot."""
-    if a.dtype not in _TMA_DTYPES or (not INTERPRET and torch.cuda.get_device_capability(a.device)[0] < 9):
+    if a.dtype not in _TMA_DTYPES:
+        return None
+    if not INTERPRET and torch.cuda.get_device_capability(a.device)[0] not in _TMA_ARCHS:
         return None
     a_t, b_t = _tma_layout(a), _tma_layout(b)
     if a_t is None or b_t is None or any(t is not None and _tma_layout(t) is not False for t in (out, pre)):
@@ -125,8 +129,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["tile_offset"])
     def _tiled_kernel(
         a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, pre_ptr,
-        # sizes: C rows [row_start, row_end) of an (M, N) product with contraction K
-        M, N, K, row_start, row_end, tile_offset,
+        # sizes: C rows [row_start, row_end) of A's rows, N columns, contraction K
+        N, K, row_start, row_end, tile_offset,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_accm, stride_accn,
         # autotune keys: sizes rounded to powers of two, so a few rows more do not re-tune
         M_KEY, N_KEY, K_KEY,
@@ -262,14 +266,39 @@ if triton is not None:
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "SUBTILE": sub},
                               num_stages=s, num_warps=w, pre_hook=_set_blocks) for m, n, k, s, w, sub in shapes]
 
-    # Autotuning runs each config several times on the caller's tensors: ACC is put back after every run, since
-    # it may be C itself (``matmul(a, b, acc=s, out=s)`` accumulates in place, as the rings' weight gradients do).
-    _TUNING = dict(key=["M_KEY", "N_KEY", "K_KEY", "ACTIVATION", "HAS_BIAS", "HAS_ACC", "STORE_PRE"],
-                   restore_value=["acc_ptr"])
+    class _KeepAcc:
+        """Autotuning times every config on the caller's tensors, several runs each. Where ACC is C itself
+        (``matmul(a, b, acc=s, out=s)`` accumulates in place, as the rings' weight gradients do), each run
+        would add into it again: ACC is saved before a run and put back after. Nothing is copied otherwise."""
+
+        def __init__(self) -> None:
+            self.saved = None
+
+        def pre_hook(self, args: dict, reset_only: bool = False) -> None:
+            out = args["c_ptr"] if "c_ptr" in args else args["c_desc"].base
+            acc = args["acc_ptr"]
+            if not reset_only and args["HAS_ACC"] and \
+                    acc.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+                self.saved = acc.clone()
+
+        def post_hook(self, args: dict, exception: BaseException | None) -> None:
+            if self.saved is not None:
+                args["acc_ptr"].copy_(self.saved)
+                self.saved = None
+
+    def _autotune(configs: list, key: list):
+        keep = _KeepAcc()
+        return triton.autotune(configs=configs, key=key, pre_hook=keep.pre_hook, post_hook=keep.post_hook)
+
+    _KEY = ["M_KEY", "N_KEY", "K_KEY", "ACTIVATION", "HAS_BIAS", "HAS_ACC", "STORE_PRE"]
     _tiled_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_tiled_kernel)
-    _tiled = _tiled_kernel if INTERPRET else triton.autotune(configs=_tiled_configs(), **_TUNING)(_tiled_kernel)
-    _persistent = _persistent_kernel if INTERPRET else triton.autotune(
-        configs=_persistent_configs(), **{**_TUNING, "key": _TUNING["key"] + ["A_T", "B_T"]})(_persistent_kernel)
+    _tiled = _tiled_kernel if INTERPRET else _autotune(_tiled_configs(), _KEY)(_tiled_kernel)
+    _persistent = _persistent_kernel if INTERPRET else _autotune(_persistent_configs(), _KEY + ["A_T", "B_T"])(
+        _persistent_kernel)
+
+# One launch at a time: an autotuner keeps the arguments of the call it is tuning on itself (and the hooks
+# above their saved ACC), and FakeWorld's ranks launch from threads. Only the host side is serialised.
+_LAUNCH = threading.Lock()
 
 
 @functools.cache
@@ -279,8 +308,7 @@ def _programs(device: torch.device) -> int:
 
 
 def _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags) -> None:
-    M, K = a.shape
-    N = b.shape[1]
+    K, N = b.shape
     acc_arg = acc if acc is not None else out
     fp32 = a.dtype == torch.float32 and not (a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
     meta = _tiled_configs()[0].kwargs if INTERPRET else {}  # the interpreter's kernel is not autotuned
@@ -290,7 +318,7 @@ def _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, fl
 
     _tiled[grid](
         a, b, out, bias if bias is not None else out, acc_arg, pre if pre is not None else out,
-        M, N, K, row_start, row_end, tile_offset,
+        N, K, row_start, row_end, tile_offset,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         acc_arg.stride(0), acc_arg.stride(1),
         _pow2(row_end - row_start), _pow2(N), _pow2(K),
@@ -333,8 +361,9 @@ def launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activati
     ``ACTIVATIONS``); returns that kernel's name."""
     layouts = _persistent_layouts(a, b, out, pre)
     flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_ACC=acc is not None, STORE_PRE=pre is not None)
-    if layouts is None:
-        _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
-        return "tiled"
-    _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags, layouts)
-    return "persistent"
+    with _LAUNCH:
+        if layouts is None:
+            _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
+            return "tiled"
+        _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags, layouts)
+        return "persistent"
