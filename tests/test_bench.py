@@ -65,7 +65,9 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
       that the ranks split dim 0 evenly;
     - in the transformer, one collective per column layer where q, k and v (and gate and up) could share one:
       per block, 3 more all-reduces of the input gradient (sequence parallel: 3 more all-gathers and
-      reduce-scatters) of the rows a tensor-parallel group holds."""
+      reduce-scatters) of the rows a tensor-parallel group holds;
+    - with the input gathered again in the backward, that all-gather once more per column layer (1 a block
+      in the MLP, 5 in the transformer): the trade of bytes for memory, not part of the layout's minimum."""
     mode, extra = row["mode"], 0
     if mode.startswith("pipeline"):
         stages = 2 if mode == "pipeline x tensor" else world
@@ -74,6 +76,9 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
         return HEADER_BYTES * per_stage * (m * ((s < stages - 1) + (s > 0)) + (s < stages - 1))
     if mode.startswith("sequence"):
         extra += 8 * (world - 1) * {"mlp": 1, "transformer": 5}[row["workload"]] * settings["depth"]
+    if mode == "sequence, regather":
+        columns = {"mlp": 1, "transformer": 5}[row["workload"]] * settings["depth"]
+        extra += columns * (world - 1) * settings["tokens"] * settings["dim"] * FP32 // world
     if row["workload"] == "transformer" and (mode.startswith(("tensor", "sequence")) or mode == "data x tensor"):
         tp, rows = (world // 2, settings["tokens"] // 2) if mode == "data x tensor" else (world, settings["tokens"])
         extra += 3 * settings["depth"] * 2 * (tp - 1) * rows * settings["dim"] * FP32 // tp

@@ -161,13 +161,16 @@ def _global_rank():
     row_sp = tpf.RowParallelLinear.from_linear(ref.fc2, placement=P, sequence_parallel=True)
     col_ring, row_ring = (cls.from_linear(lin, placement=P, sequence_parallel=True, algo="ring")  # forced, not by size
                           for cls, lin in ((tpf.ColumnParallelLinear, ref.fc1), (tpf.RowParallelLinear, ref.fc2)))
+    col_again = tpf.ColumnParallelLinear.from_linear(ref.fc1, placement=P, sequence_parallel=True, algo="ring",
+                                                     keep_gathered=False)  # gathers its input again in backward
     x_ref = ints((5, 6), seed=11).requires_grad_()  # 5 rows: uneven over 2..4 ranks
     h_ref = ref.fc1(x_ref)
     y_ref = ref.fc2(torch.relu(h_ref))
     g = ints(y_ref.shape, seed=12)
     y_ref.backward(g)
     for sbp in (B, S0, tpf.sbp.split(1), tpf.sbp.partial_sum):
-        for c, r, want in ((col, row, (B,)), (col_sp, row_sp, (S0,)), (col_ring, row_ring, (S0,))):
+        for c, r, want in ((col, row, (B,)), (col_sp, row_sp, (S0,)), (col_ring, row_ring, (S0,)),
+                           (col_again, row_ring, (S0,))):
             x = tpf.tensor(x_ref.detach(), placement=P, sbp=sbp).requires_grad_()
             h = c(x)
             assert tpf.get_sbp(h) == (tpf.sbp.split(1),) and torch.equal(logical(h), h_ref), f"{sbp}: column output"
@@ -346,6 +349,8 @@ def _errors_rank():
         tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": tpf.ColumnParallel(algo="fused")})
     with pytest.raises(ValueError, match="algo='ring' chooses how sequence parallelism's collectives run"):
         tpf.RowParallelLinear(6, 8, placement=P, algo="ring")
+    with pytest.raises(ValueError, match="keep_gathered=False gathers a sequence-parallel input again"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": tpf.ColumnParallel(keep_gathered=False)})
     if W > 1:
         row_sp = tpf.RowParallelLinear(6, 8, placement=P, sequence_parallel=True)
         with pytest.raises(ValueError, match=f"splits dim 0 of the input over {W} ranks, but it has {W + 1} rows"):

@@ -9,6 +9,8 @@
     sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
                         all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
     sequence, unfused   the same layout, the plain collective then the matmul
+    sequence, regather  the ring layout, with each column layer's input gathered again in the backward
+                        rather than kept from the forward (Megatron's way: less memory, more bytes)
     pipeline, GPipe     one stage per rank, 2 micro-batches a stage
     pipeline, 1F1B      the same, one-forward-one-backward
     data x tensor       2-D placement: data parallel over axis 0, tensor parallel over axis 1
@@ -238,11 +240,11 @@ def tensor_torch(w: Workload, ctx: Context) -> Trainer:
                     range(ctx.world))
 
 
-def _sequence(w: Workload, ctx: Context, algo: str) -> Trainer:
+def _sequence(w: Workload, ctx: Context, algo: str, keep_gathered: bool = True) -> Trainer:
     _check_heads(w, ctx.world)
     if w.samples % ctx.world:
         raise Skip(f"sequence parallelism splits dim 0 ({w.samples}) evenly over {ctx.world} ranks")
-    styles = {"column": tpf.ColumnParallel(sequence_parallel=True, algo=algo),
+    styles = {"column": tpf.ColumnParallel(sequence_parallel=True, algo=algo, keep_gathered=keep_gathered),
               "row": tpf.RowParallel(sequence_parallel=True, algo=algo)}
     layers = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world, sequence=True)
     model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)),
@@ -262,6 +264,10 @@ def sequence_ring(w: Workload, ctx: Context) -> Trainer:
 
 def sequence_unfused(w: Workload, ctx: Context) -> Trainer:
     return _sequence(w, ctx, "naive")
+
+
+def sequence_regather(w: Workload, ctx: Context) -> Trainer:
+    return _sequence(w, ctx, "ring", keep_gathered=False)
 
 
 def _pipeline(w: Workload, ctx: Context, stages: list[tpf.Stage], schedule: str, handoff: int,
@@ -361,6 +367,7 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
     "tensor, torch": tensor_torch,
     "sequence, ring": sequence_ring,
     "sequence, unfused": sequence_unfused,
+    "sequence, regather": sequence_regather,
     "pipeline, GPipe": pipeline_gpipe,
     "pipeline, 1F1B": pipeline_1f1b,
     "data x tensor": data_x_tensor,

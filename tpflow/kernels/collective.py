@@ -199,34 +199,38 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, t, bounds, ring, activation, out_dtype):
+    def forward(ctx, x, w, bias, t, bounds, ring, activation, out_dtype, keep_gathered):
         y, gathered, z = _all_gather_product(x, w, t, bounds, ring=ring, bias=bias, activation=activation,
                                              out_dtype=out_dtype, pre=needs_pre(activation))
-        ctx.save_for_backward(gathered, w, saved_for_grad(y, z, activation))
+        ctx.save_for_backward(gathered if keep_gathered else x, w, saved_for_grad(y, z, activation))
         ctx.t, ctx.bounds, ctx.ring, ctx.activation, ctx.has_bias = t, bounds, ring, activation, bias is not None
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.keep_gathered = x.dtype, keep_gathered
         ctx.mark_non_differentiable(gathered)
         return y, gathered
 
     @staticmethod
     def backward(ctx, dy, _):
-        gathered, w, saved = ctx.saved_tensors
+        x, w, saved = ctx.saved_tensors  # x: gathered, or this rank's rows to gather again
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dz = activation_grad(dy, saved, ctx.activation).to(w.dtype)
         dw = dx = None
         if need_w:
             dw = _GradSum(w)
-            if not need_x:
-                dw.add(gathered.mT, dz)
+            if not ctx.keep_gathered:  # the gather again, with each chunk's weight gradient as it arrives
+                _all_gather_product(x, None, ctx.t, ctx.bounds, ring=ctx.ring,
+                                    wgrad=lambda gathered, start, end: dw.add(gathered[start:end].mT, dz[start:end]))
+            elif not need_x:
+                dw.add(x.mT, dz)
         if need_x:
             def wgrad(start: int, end: int) -> None:
-                dw.add(gathered[start:end].mT, dz[start:end])
+                dw.add(x[start:end].mT, dz[start:end])
 
             dx = _reduce_scatter_product(dz, w.mT, ctx.t, ctx.bounds, ring=ctx.ring, bias=None,
                                          out_dtype=ctx.x_dtype, partial_dtype=accumulate_dtype(dz.dtype),
-                                         splits=_splits(dz.device), wgrad=wgrad if need_w else None)
+                                         splits=_splits(dz.device),
+                                         wgrad=wgrad if need_w and ctx.keep_gathered else None)
         db = bias_grad(dz) if ctx.has_bias and need_b else None
-        return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 5
+        return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 6
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None, *,
@@ -261,6 +265,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, rows: int | None = None,
                       bias: torch.Tensor | None = None, activation: str | None = None,
                       out_dtype: torch.dtype | None = None, return_gathered: bool = False,
+                      keep_gathered: bool = True,
                       algo: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``act(gather(x) @ w + bias)`` ``[M, ..., N]``, where this rank's ``x [M_r, ..., K]`` holds ``chunk(r)`` of dim 0.
 
@@ -268,8 +273,11 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
     it the rows must split evenly (M = W * M_r, Megatron's contract), which the ranks check
     with one tiny all-gather (over the CPU backend where the group has one). ``return_gathered``
     also returns ``gather(x)`` (no gradient), which a caller can keep instead of gathering again.
-    ``group`` and ``algo`` as in
-    ``matmul_reduce_scatter``. Differentiable.
+    ``group`` and ``algo`` as in ``matmul_reduce_scatter``. Differentiable: the weight gradient needs
+    ``gather(x)``, which is kept from the forward (``keep_gathered``), or, with
+    ``keep_gathered=False``, gathered again in the backward (Megatron's sequence parallelism): the
+    saved activation shrinks from ``gather(x)`` to ``x``, for (W-1)/W of ``gather(x)``'s bytes more
+    per rank, sent while the chunks' weight gradients compute.
     """
     _check_operands(x, w, bias, "all_gather_matmul")
     t = as_transport(group)
@@ -284,7 +292,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
     bounds = _flat_bounds(rows, t.world_size, math.prod(x.shape[1:-1]))
     ring = _use_ring(algo, t, bounds, x.shape[-1], x.device)
     y, gathered = _AllGatherMatmul.apply(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w, bias, t, bounds, ring,
-                                         activation, out_dtype or x.dtype)
+                                         activation, out_dtype or x.dtype, keep_gathered)
     y, gathered = y.reshape(rows, *x.shape[1:-1], w.shape[1]), gathered.reshape(rows, *x.shape[1:])
     return (y, gathered) if return_gathered else y
 

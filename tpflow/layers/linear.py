@@ -240,16 +240,23 @@ class ColumnParallelLinear(_ParallelLinear):
     and ``bias`` is split the same way. A plain input is the whole x, the same on every rank
     (Megatron's convention); the output is this rank's block of features, or the whole y with
     ``gather_output``. With ``sequence_parallel`` the input is instead this rank's chunk of dim 0
-    (the sequence), gathered on the fly by ``all_gather_matmul``. A global input may have any
-    layout; the output is split on its last dim (broadcast with ``gather_output``).
+    (the sequence), gathered on the fly by ``all_gather_matmul``; the weight gradient needs the
+    gathered input, which is kept from the forward, or with ``keep_gathered=False`` gathered again in
+    the backward (Megatron's choice: the layer then saves only its rows of the input, for (W-1)/W of
+    the gathered input's bytes more per rank). A global input may have any layout; the output is
+    split on its last dim (broadcast with ``gather_output``).
     """
 
     _weight_split = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
                  gather_output: bool = False, sequence_parallel: bool = False, algo: str = "auto",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        self.gather_output = gather_output
+                 keep_gathered: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if not keep_gathered and not sequence_parallel:
+            raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
+                             "the backward: it needs sequence_parallel=True")
+        self.gather_output, self.keep_gathered = gather_output, keep_gathered
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
@@ -268,14 +275,15 @@ class ColumnParallelLinear(_ParallelLinear):
         if group is None:
             y = linear(x, w, b)
         elif self.sequence_parallel and x.ndim > 1:
-            y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b, algo=self.algo)
+            y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b, algo=self.algo, keep_gathered=self.keep_gathered)
         else:  # dx's partial sums travel in fp32 at least
             y = linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
                        dgrad_dtype=accumulate_dtype(x.dtype))
         return comm.gather(y, -1, self.out_features, group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", gather_output" if self.gather_output else "")
+        return (super().extra_repr() + (", gather_output" if self.gather_output else "")
+                + ("" if self.keep_gathered else ", keep_gathered=False"))
 
 
 class RowParallelLinear(_ParallelLinear):

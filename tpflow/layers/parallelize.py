@@ -38,6 +38,7 @@ class ColumnParallel(_Style):
     gather_output: bool = False
     sequence_parallel: bool = False
     algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
+    keep_gathered: bool = True  # False: gather the sequence-parallel input again in backward (less memory)
 
 
 @dataclasses.dataclass(frozen=True)
