@@ -8,7 +8,9 @@ In the ``y = x @ W`` convention (W is in x out; ``nn.Linear`` stores ``weight = 
 Forward and backward run on local shards, with the collectives in conjugate pairs:
 
     column            linear                      backward: all-reduce of dx, overlapping the dW matmul
-    column, seq-par   x rows --all_gather_matmul  backward: reduce-scatter ring with dW folded in
+    column, seq-par   x rows --all_gather_matmul  backward: reduce-scatter ring with dW folded in (or, with
+                                                  keep_gathered=False, x gathered again with dW folded into
+                                                  that ring, then the reduce-scatter ring)
     row               linear --all-reduce--> + b  backward: no collective
     row, seq-par      matmul_reduce_scatter       backward: all-gather ring with dW folded in
 
