@@ -11,8 +11,8 @@
 
 ``persistent``: one program per SM, each walking the tiles ``pid, pid + programs, ...`` in the
 same grouped order. A, B and C move by TMA (tensor descriptors, Hopper and later): the descriptors
-zero-fill loads past an edge and clip stores, so no masks are computed, and the compiler pipelines
-one tile's epilogue under the next tile's loads. It needs 16-byte aligned bases and row strides and
+zero-fill loads past an edge and clip stores, so no masks are computed, and the tile loop is
+flattened so that the compiler can overlap one tile's epilogue with the next tile's loads. It needs 16-byte aligned bases and row strides and
 one unit stride per operand (row-major, or transposed such as ``w.mT``), and fp16 / bf16 operands
 (``tma_layouts``); anything else runs ``tiled``. ``TPFLOW_MATMUL=persistent`` selects it: it stays
 opt-in until its speed against ``tiled`` and cuBLAS is measured on a GPU
