@@ -12,11 +12,11 @@
 ``persistent``: one program per SM, each walking the tiles ``pid, pid + programs, ...`` in the
 same grouped order. A, B and C move by TMA (tensor descriptors, Hopper and later): the descriptors
 zero-fill loads past an edge and clip stores, so no masks are computed, and the tile loop is
-flattened so that the compiler can overlap one tile's epilogue with the next tile's loads. It needs 16-byte aligned bases and row strides and
-one unit stride per operand (row-major, or transposed such as ``w.mT``), and fp16 / bf16 operands
-(``tma_layouts``); anything else runs ``tiled``. ``TPFLOW_MATMUL=persistent`` selects it: it stays
-opt-in until its speed against ``tiled`` and cuBLAS is measured on a GPU
-(``benchmarks/kernels_gpu.py``).
+flattened so that the compiler can overlap one tile's epilogue with the next tile's loads. It needs
+16-byte aligned bases and row strides, one unit stride per operand (row-major, or transposed such
+as ``w.mT``), and fp16 / bf16 operands (``tma_layouts``); anything else runs ``tiled``.
+``TPFLOW_MATMUL=persistent`` selects it: it stays opt-in until its speed against ``tiled`` and
+cuBLAS is measured on a GPU (``benchmarks/kernels_gpu.py``).
 
 Both compute only the rows ``[row_start, row_end)``, whose tiles start at a rotated
 ``tile_offset`` (the ring collectives' chunks), and write C, ACC and PRE as just those rows.
@@ -24,6 +24,7 @@ Both compute only the rows ``[row_start, row_end)``, whose tiles start at a rota
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -297,7 +298,8 @@ if triton is not None:
         _persistent_kernel)
 
 # One launch at a time: an autotuner keeps the arguments of the call it is tuning on itself (and the hooks
-# above their saved ACC), and FakeWorld's ranks launch from threads. Only the host side is serialised.
+# above their saved ACC), and FakeWorld's ranks launch from threads. Only the host side is serialised; under
+# torch.compile the launch is traced, not run, and a lock there would break the graph.
 _LAUNCH = threading.Lock()
 
 
@@ -361,7 +363,7 @@ def launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activati
     ``ACTIVATIONS``); returns that kernel's name."""
     layouts = _persistent_layouts(a, b, out, pre)
     flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_ACC=acc is not None, STORE_PRE=pre is not None)
-    with _LAUNCH:
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else _LAUNCH:
         if layouts is None:
             _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
             return "tiled"
