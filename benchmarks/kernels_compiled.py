@@ -29,12 +29,14 @@ import pathlib
 import re
 import subprocess
 import tempfile
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
+from tpflow.bench.report import markdown_table
 from tpflow.kernels import tiles
 
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes of shared memory one block may use
@@ -188,10 +190,8 @@ def compile_all(arch: int = 90, pinned: bool = False, dtype: torch.dtype = torch
 
 
 def table(found: list[Compiled]) -> str:
-    names = list(Compiled.__dataclass_fields__)
-    rows = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    rows += ["| " + " | ".join(str(getattr(c, f)) for f in names) + " |" for c in found]
-    return "\n".join(rows) + "\n"
+    rows = [list(dataclasses.astuple(c)) for c in found]
+    return "\n".join(markdown_table([f.name for f in dataclasses.fields(Compiled)], rows)) + "\n"
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from tpflow.bench.report import markdown_table
 from tpflow.kernels import matmul
 from tpflow.kernels.tiles import KERNELS, kernel_choice
 
@@ -74,14 +75,13 @@ def write(rows: list[dict], out_dir: pathlib.Path, command: str) -> pathlib.Path
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    header = "| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n"
-    table = "".join("| " + " | ".join(str(v) for v in r.values()) + " |\n" for r in rows)
+    table = "\n".join(markdown_table(list(rows[0]), [list(r.values()) for r in rows], numbers=True)) + "\n"
     pathlib.Path(f"{stem}.md").write_text(
         f"# tpflow.kernels.matmul vs torch.matmul\n\ntorch {torch.__version__}, triton {triton.__version__}, {device}; "
         f"`{command}`.\n"
         "K_vs_cublas = torch time / kernel K's time (>1: K faster). K_bias_gelu_speedup = torch matmul+bias+gelu "
         "time / K's fused time. K_8_ranges_vs_1 = 8 row-range launches / one launch. b is nn.Linear's weight "
-        "read transposed in place.\n\n" + header + table)
+        "read transposed in place.\n\n" + table)
     return pathlib.Path(f"{stem}.md")
 
 

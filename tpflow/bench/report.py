@@ -9,7 +9,7 @@ import json
 import pathlib
 import re
 
-__all__ = ["COLUMNS", "Progress", "markdown", "show", "write"]
+__all__ = ["COLUMNS", "Progress", "markdown", "markdown_table", "show", "write"]
 
 try:
     import rich.console
@@ -83,9 +83,14 @@ def show(rows: list[dict], meta: dict) -> None:
     print(f"command: {meta['command']}  ({meta['code']}, torch {meta['torch']})")
 
 
+def markdown_table(header: list[str], rows: list[list], numbers: bool = False) -> list[str]:
+    """A Markdown table's lines; ``numbers`` right-aligns every column but the first."""
+    rule = "|---" + ("|---:" if numbers else "|---") * (len(header) - 1) + "|"
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(str(v) for v in r) + " |" for r in rows)]
+
+
 def markdown(rows: list[dict]) -> list[str]:
-    return ["| " + " | ".join(COLUMNS) + " |", "|---" + "|---:" * (len(COLUMNS) - 1) + "|",
-            *("| " + " | ".join(_cells(r)) + " |" for r in rows)]
+    return markdown_table(list(COLUMNS), [_cells(r) for r in rows], numbers=True)
 
 
 def _slug(text: str) -> str:

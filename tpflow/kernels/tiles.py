@@ -105,6 +105,11 @@ if triton is not None:
         return (pid_m + tile_offset) % num_pid_m, pid_n
 
     @triton.jit
+    def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A tile's left and right halves of columns, for an epilogue with half the registers live."""
+        return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+    @triton.jit
     def _epilogue(acc, offs_m, offs_n, rows, N, bias_ptr, acc_ptr, stride_accm, stride_accn,
                   ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr):
         """(z, y) of one fp32 tile whose rows are ``offs_m`` of the range: z = acc + bias (the
@@ -163,7 +168,7 @@ if triton is not None:
 
         # the epilogue in two halves of columns: half the registers live at once, so a fused GELU or an
         # fp32 partial does not spill
-        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        left, right = _halves(acc, BLOCK_M, BLOCK_N)
         half_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         _store_half(left, out_m, half_n, rows, N, c_ptr, pre_ptr, stride_cm, stride_cn, bias_ptr, acc_ptr,
                     stride_accm, stride_accn, ACTIVATION, HAS_BIAS, HAS_ACC, STORE_PRE)
@@ -220,8 +225,7 @@ if triton is not None:
                 acc = tl.dot(a, b, acc)
             offs_m = m0 + tl.arange(0, BLOCK_M)
             if SUBTILE:
-                halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                left, right = tl.split(halves)
+                left, right = _halves(acc, BLOCK_M, BLOCK_N)
                 offs_n = n0 + tl.arange(0, BLOCK_N // 2)
                 _store_tma(left, m0, n0, offs_m, offs_n, rows, N, c_desc, pre_desc, bias_ptr, acc_ptr,
                            stride_accm, stride_accn, ACTIVATION, HAS_BIAS, HAS_ACC, STORE_PRE)
@@ -358,14 +362,12 @@ def _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offse
 
 
 def launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: int, acc: torch.Tensor | None,
-           out: torch.Tensor, pre: torch.Tensor | None, row_start: int, row_end: int, tile_offset: int) -> str:
-    """Run the product on the kernel ``kernel_choice`` picks (``activation`` is its code in
-    ``ACTIVATIONS``); returns that kernel's name."""
+           out: torch.Tensor, pre: torch.Tensor | None, row_start: int, row_end: int, tile_offset: int) -> None:
+    """Run the product on the kernel ``kernel_choice`` picks (``activation`` is its code in ``ACTIVATIONS``)."""
     layouts = _persistent_layouts(a, b, out, pre)
     flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_ACC=acc is not None, STORE_PRE=pre is not None)
     with contextlib.nullcontext() if torch.compiler.is_compiling() else _LAUNCH:
         if layouts is None:
             _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
-            return "tiled"
-        _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags, layouts)
-        return "persistent"
+        else:
+            _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags, layouts)
