@@ -66,17 +66,22 @@ def _rs_rank(group, X, Wt, bias, dY, splits, algo):
     return y.detach(), x.grad, w.grad, None if b is None else b.grad, traffic
 
 
-def _ag_rank(group, X, Wt, bias, dY, activation, algo):
-    """A sequence-parallel column layer: rows of x split over ranks, output features split too."""
+def _ag_rank(group, X, Wt, bias, dY, activation, algo, keep_gathered=True):
+    """A sequence-parallel column layer: rows of x split over ranks, output features split too. Returns the
+    output, the gradients, the forward's traffic, the gathered input, and the shapes of the tensors autograd
+    saved and the backward's traffic."""
     t = as_transport(group)
     rows, n = row_bounds(X.shape[0], t.world_size)[t.rank], slice(*row_bounds(Wt.shape[1], t.world_size)[t.rank])
     x, w, b = _leaf(X[slice(*rows)]), _leaf(Wt[:, n]), None if bias is None else _leaf(bias[n])
     _reset(group)
-    y, gathered = all_gather_matmul(x, w, group, rows=X.shape[0], bias=b, activation=activation, algo=algo,
-                                    return_gathered=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(tuple(s.shape)) or s, lambda s: s):
+        y, gathered = all_gather_matmul(x, w, group, rows=X.shape[0], bias=b, activation=activation, algo=algo,
+                                        return_gathered=True, keep_gathered=keep_gathered)
     traffic = _traffic(group)
+    _reset(group)
     y.backward(dY[..., n])
-    return y.detach(), x.grad, w.grad, None if b is None else b.grad, traffic, gathered
+    return y.detach(), x.grad, w.grad, None if b is None else b.grad, traffic, gathered, saved, _traffic(group)
 
 
 def _reference(X, Wt, bias, dY, activation=None):
@@ -154,20 +159,6 @@ def test_all_gather_matmul(world, m, k, n, activation, algo, bias):
         assert r[4] == (sum(sent) * k * 8, len(sent)), f"rank {rank}"
 
 
-def _regather_rank(group, X, Wt, bias, dY, keep_gathered, algo):
-    """``all_gather_matmul``'s gradients, what its autograd node saved, and the bytes its backward sent."""
-    t = as_transport(group)
-    rows, n = row_bounds(X.shape[0], t.world_size)[t.rank], slice(*row_bounds(Wt.shape[1], t.world_size)[t.rank])
-    x, w, b = _leaf(X[slice(*rows)]), _leaf(Wt[:, n]), _leaf(bias[n])
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(tuple(s.shape)) or s, lambda s: s):
-        y = all_gather_matmul(x, w, group, rows=X.shape[0], bias=b, activation="gelu", algo=algo,
-                              keep_gathered=keep_gathered)
-    _reset(group)
-    y.backward(dY[..., n])
-    return y.detach(), x.grad, w.grad, b.grad, _traffic(group), saved
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("algo", ["ring", "naive"])
 def test_gathering_again_in_backward_saves_the_shard_and_sends_it_once_more(world, algo):
@@ -175,18 +166,18 @@ def test_gathering_again_in_backward_saves_the_shard_and_sends_it_once_more(worl
     the backward sends x's rows around once more, (W-1)/W of gather(x) per rank."""
     m, k, n = 13, 8, 6
     X, Wt, b, dY = _problem(m, k, n, True)
-    kept = FakeWorld(world).run(_regather_rank, X, Wt, b, dY, True, algo)
-    again = FakeWorld(world).run(_regather_rank, X, Wt, b, dY, False, algo)
-    _check_ag([(*r[:5], X) for r in again], X, Wt, b, dY, "gelu")
+    kept = FakeWorld(world).run(_ag_rank, X, Wt, b, dY, "gelu", algo, True)
+    again = FakeWorld(world).run(_ag_rank, X, Wt, b, dY, "gelu", algo, False)
+    _check_ag(again, X, Wt, b, dY, "gelu")
     bounds = row_bounds(m, world)
     for rank, (keep, regather) in enumerate(zip(kept, again)):
         own = bounds[rank][1] - bounds[rank][0]
-        assert (m, k) in keep[5] and (own, k) in regather[5], (keep[5], regather[5])
-        assert own == m or (m, k) not in regather[5], regather[5]
+        assert (m, k) in keep[6] and (own, k) in regather[6], (keep[6], regather[6])
+        assert own == m or (m, k) not in regather[6], regather[6]
         if world > 1 and algo == "ring":  # the gather's ring: every chunk but the right neighbour's
             right = (rank + 1) % world
             extra = sum(e - s for c, (s, e) in enumerate(bounds) if c != right) * k * 8
-            assert regather[4][0] - keep[4][0] == extra, f"rank {rank}"
+            assert regather[7][0] - keep[7][0] == extra, f"rank {rank}"
 
 
 @pytest.mark.parametrize("world", [2, 3])
