@@ -61,27 +61,27 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
     """What tpflow sends beyond the layout's minimum:
     - a pipeline's 1 KiB header per hand-off to each receiving rank, and one at the end of the step to the next
       stage's ranks;
-    - the all-gather of an 8-byte row count by which a sequence-parallel column layer fed a plain input checks
-      that the ranks split dim 0 evenly;
-    - in the transformer, one collective per column layer where q, k and v (and gate and up) could share one:
-      per block, 3 more all-reduces of the input gradient (sequence parallel: 3 more all-gathers and
-      reduce-scatters) of the rows a tensor-parallel group holds;
-    - with the input gathered again in the backward, that all-gather once more per column layer (1 a block
-      in the MLP, 5 in the transformer): the trade of bytes for memory, not part of the layout's minimum."""
+    - the all-gather of an 8-byte row count by which a sequence-parallel column layer (or fused group) fed a
+      plain input checks that the ranks split dim 0 evenly;
+    - with PyTorch's tensor parallelism on the transformer, one collective per column layer where q, k and v
+      (and gate and up) could share one, as tpflow's fused column layers do: per block, 3 more all-reduces of
+      the input gradient;
+    - with the input gathered again in the backward, that all-gather once more per fused column group (1 a
+      block in the MLP, 2 in the transformer): the trade of bytes for memory, not part of the layout's
+      minimum."""
     mode, extra = row["mode"], 0
     if mode.startswith("pipeline"):
         stages = 2 if mode == "pipeline x tensor" else world
         per_stage = world // stages
         s, m = rank // per_stage, 2 * stages
         return HEADER_BYTES * per_stage * (m * ((s < stages - 1) + (s > 0)) + (s < stages - 1))
+    columns = {"mlp": 1, "transformer": 2}[row["workload"]] * settings["depth"]  # fused column groups
     if mode.startswith("sequence"):
-        extra += 8 * (world - 1) * {"mlp": 1, "transformer": 5}[row["workload"]] * settings["depth"]
+        extra += 8 * (world - 1) * columns
     if mode == "sequence, regather":
-        columns = {"mlp": 1, "transformer": 5}[row["workload"]] * settings["depth"]
         extra += columns * (world - 1) * settings["tokens"] * settings["dim"] * FP32 // world
-    if row["workload"] == "transformer" and (mode.startswith(("tensor", "sequence")) or mode == "data x tensor"):
-        tp, rows = (world // 2, settings["tokens"] // 2) if mode == "data x tensor" else (world, settings["tokens"])
-        extra += 3 * settings["depth"] * 2 * (tp - 1) * rows * settings["dim"] * FP32 // tp
+    if row["workload"] == "transformer" and mode == "tensor, torch":
+        extra += 3 * settings["depth"] * 2 * (world - 1) * settings["tokens"] * settings["dim"] * FP32 // world
     return extra
 
 

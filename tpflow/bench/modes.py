@@ -4,7 +4,8 @@
     data, tpflow SBP    parameters broadcast, the batch split(0), the module on local rows (tpf.stage);
                         the partial gradients summed in one all-reduce before the optimizer reads them
     data, DDP           DistributedDataParallel, each rank its rows
-    tensor, tpflow      column / row layers over all ranks (tpf.parallelize), the batch whole everywhere
+    tensor, tpflow      column / row layers over all ranks (tpf.parallelize), the batch whole everywhere;
+                        the column layers reading one input (q / k / v, gate / up) run as one product
     tensor, torch       PyTorch's parallelize_module with ColwiseParallel / RowwiseParallel
     sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
                         all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
@@ -216,10 +217,19 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
 def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
     _check_heads(w, ctx.world)
     minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
-    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)), plan=w.plan)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)), plan=_tpflow_plan(w))
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
     return _trainer(list(model.parameters()), _forward_backward(model, x, y, weight=float(ctx.rank == 0)), minimum,
                     range(ctx.world))
+
+
+def _tpflow_plan(w: Workload, sequence_parallel: bool = False, algo: str = "auto", keep_gathered: bool = True) -> dict:
+    """The workload's plan in tpflow's styles. Column layers reading one input fuse (``fuse=True``): the input
+    crosses the ranks once per parent module, as in Megatron's fused q / k / v and gate / up."""
+    styles = {"column": tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel, algo=algo,
+                                           keep_gathered=keep_gathered),
+              "row": tpf.RowParallel(sequence_parallel=sequence_parallel, algo=algo)}
+    return {pattern: styles[kind] for pattern, kind in w.plan.items()}
 
 
 def tensor_torch(w: Workload, ctx: Context) -> Trainer:
@@ -244,11 +254,9 @@ def _sequence(w: Workload, ctx: Context, algo: str, keep_gathered: bool = True) 
     _check_heads(w, ctx.world)
     if w.samples % ctx.world:
         raise Skip(f"sequence parallelism splits dim 0 ({w.samples}) evenly over {ctx.world} ranks")
-    styles = {"column": tpf.ColumnParallel(sequence_parallel=True, algo=algo, keep_gathered=keep_gathered),
-              "row": tpf.RowParallel(sequence_parallel=True, algo=algo)}
     layers = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world, sequence=True)
     model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)),
-                            plan={k: styles[v] for k, v in w.plan.items()})
+                            plan=_tpflow_plan(w, sequence_parallel=True, algo=algo, keep_gathered=keep_gathered))
     rows = _rows(w.samples, ctx.world, ctx.rank)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
     plain = _plain_params(model)  # norms see this rank's rows only: their gradients are partial sums
@@ -329,7 +337,7 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
     rows = _rows(w.samples, len(ranks), i)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
     layers = _tensor_bytes(w.model, w.plan, w.inputs, x.shape[:-1].numel(), tp)
-    model = tpf.parallelize(w.model.to(ctx.device), placement=P2, plan=w.plan)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=P2, plan=_tpflow_plan(w))
     plain = _plain_params(model)  # norms: copies over the data axis saw different rows
     minimum = layers + sum(ring_bytes(block_bytes([p]), len(ranks), 2) for p in model.parameters())
     forward_backward = _forward_backward(model, x, y, _rows_share(w.targets.numel()), weight=float(j == 0))
@@ -352,7 +360,7 @@ def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:
     stages = []
     for i, (part, rs) in enumerate(zip(parts, ranks)):
         pl = ctx.placement(rs)
-        stages.append(tpf.stage(tpf.parallelize(part, placement=pl, plan=w.plan), stage_id=i, placement=pl,
+        stages.append(tpf.stage(tpf.parallelize(part, placement=pl, plan=_tpflow_plan(w)), stage_id=i, placement=pl,
                                 sbp=tpf.sbp.broadcast))
     # each of the next stage's ranks needs the whole activation: with as many senders as receivers, one
     # activation per sender (and one gradient per sender back)

@@ -59,8 +59,15 @@ class _LocalBlocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, *(None if g is None else DTensor(g.contiguous(), spec, requires_grad=False)
+        return None, *(None if g is None else DTensor(_owned(g), spec, requires_grad=False)
                        for g, spec in zip(grads, ctx.grad_specs))
+
+
+def _owned(g: torch.Tensor) -> torch.Tensor:
+    """``g`` contiguous, in a storage of its own: a fused group's gradient is a slice of one buffer, which would
+    stay alive with it, and a DTensor whose block is such a slice cannot be deep-copied."""
+    g = g.contiguous()
+    return g if g.untyped_storage().nbytes() == g.numel() * g.element_size() else g.clone()
 
 
 def _grad_placements(p: DTensor, data_split: tuple[bool, ...]) -> tuple:
@@ -131,6 +138,10 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         if self._group is None:
             self._group = self.placement.mesh.get_group(self.placement.ndim - 1)
         return self._group
+
+    def __getstate__(self) -> dict:
+        """The process group is this process's handle: a copy (``copy.deepcopy``, pickle) looks it up again."""
+        return {**self.__dict__, "_group": None}
 
     def _local_features(self, size: int) -> int:
         start, end = comm.bounds(size, self._tp_size)[self._tp_rank]
@@ -259,6 +270,7 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
                              "the backward: it needs sequence_parallel=True")
         self.gather_output, self.keep_gathered = gather_output, keep_gathered
+        self._columns = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
@@ -273,19 +285,27 @@ class ColumnParallelLinear(_ParallelLinear):
     def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
                        from_global: bool = False) -> torch.Tensor:
         self._check_features(x, self.in_features, "the whole input features")
-        (w, b), group = self._locals(data_split), self.group
+        if self._columns is not None and not from_global and not torch.compiler.is_compiling():
+            return self._columns.output(self, x, data_split)
+        y = self._product(x, *self._locals(data_split), rows)
+        return comm.gather(y, -1, self.out_features, self.group) if self.gather_output else y
+
+    def _product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int | None) -> torch.Tensor:
+        """``x @ w.T + b`` for weight and bias blocks ``w``, ``b``, with the layout's collectives."""
+        group = self.group
         if group is None:
-            y = linear(x, w, b)
-        elif self.sequence_parallel and x.ndim > 1:
-            y = all_gather_matmul(x, w.mT, group, rows=rows, bias=b, algo=self.algo, keep_gathered=self.keep_gathered)
-        else:  # dx's partial sums travel in fp32 at least
-            y = linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
-                       dgrad_dtype=accumulate_dtype(x.dtype))
-        return comm.gather(y, -1, self.out_features, group) if self.gather_output else y
+            return linear(x, w, b)
+        if self.sequence_parallel and x.ndim > 1:
+            return all_gather_matmul(x, w.mT, group, rows=rows, bias=b, algo=self.algo,
+                                     keep_gathered=self.keep_gathered)
+        # dx's partial sums travel in fp32 at least
+        return linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
+                      dgrad_dtype=accumulate_dtype(x.dtype))
 
     def extra_repr(self) -> str:
+        fused = "" if self._columns is None else f", fused with {len(self._columns.layers) - 1} other layers"
         return (super().extra_repr() + (", gather_output" if self.gather_output else "")
-                + ("" if self.keep_gathered else ", keep_gathered=False"))
+                + ("" if self.keep_gathered else ", keep_gathered=False") + fused)
 
 
 class RowParallelLinear(_ParallelLinear):

@@ -2,6 +2,7 @@
 
     plan = {"*.fc1": "column", "*.fc2": "row"}                       # fnmatch patterns of module names
     plan = {"*.q_proj": "column", "*.o_proj": tpf.RowParallel(sequence_parallel=True)}
+    plan = {"*.[qkv]_proj": tpf.ColumnParallel(fuse=True), "*.o_proj": "row"}   # q, k, v as one product
 
 Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block),
 so a model built and loaded on one device, the same on every rank, becomes a tensor-parallel one.
@@ -15,6 +16,7 @@ import dataclasses
 
 from torch import nn
 
+from tpflow.layers.fused import ColumnGroup
 from tpflow.layers.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
 from tpflow.placement import Placement
 
@@ -25,9 +27,11 @@ class _Style:
     """A plan entry: its fields are the options of its layer's ``from_linear``."""
 
     layer: type[_ParallelLinear]
+    _plan_only: tuple[str, ...] = ()  # fields that parallelize() reads, not the layer
 
     def build(self, module: nn.Linear, placement: Placement) -> _ParallelLinear:
-        return self.layer.from_linear(module, placement=placement, **dataclasses.asdict(self))
+        options = {k: v for k, v in dataclasses.asdict(self).items() if k not in self._plan_only}
+        return self.layer.from_linear(module, placement=placement, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,10 @@ class ColumnParallel(_Style):
     sequence_parallel: bool = False
     algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
     keep_gathered: bool = True  # False: gather the sequence-parallel input again in backward (less memory)
+    # True: the fuse=True column layers of one parent module (q / k / v, gate / up) run as one product, so their
+    # shared input crosses the ranks once (tpflow.layers.fused); they need the same options and in_features
+    fuse: bool = False
+    _plan_only = ("fuse",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +99,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
                 raise ValueError(f"{name!r} matches both plan patterns {chosen[name][0]!r} and {pattern!r}")
             chosen[name] = (pattern, style)
     _check_ties(model, modules, chosen)
+    fused = _fused_groups(modules, chosen)
     built: dict[int, nn.Module] = {}
     styles: dict[int, tuple[str, object]] = {}
     for name, (pattern, style) in chosen.items():  # a shared module is one layer: its names must agree
@@ -106,7 +115,36 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         for alias in (n for n, m in modules.items() if m is module):  # every name of a shared module
             parent_name, _, child = alias.rpartition(".")
             setattr(model.get_submodule(parent_name), child, built[id(module)])
+    for parent, names in fused.items():
+        ColumnGroup([built[id(modules[name])] for name in names], model.get_submodule(parent))
     return model
+
+
+def _fused_groups(modules: dict[str, nn.Module], chosen: dict) -> dict[str, list[str]]:
+    """parent module name -> the names of its two or more fuse=True column layers (a lone one stays alone),
+    checked to compute alike: one product has one input, one layout and one set of options."""
+    siblings: dict[str, dict[int, str]] = {}
+    for name, (_, style) in chosen.items():
+        if isinstance(style, ColumnParallel) and style.fuse:
+            siblings.setdefault(name.rpartition(".")[0], {}).setdefault(id(modules[name]), name)  # shared: once
+    groups = {parent: list(names.values()) for parent, names in siblings.items() if len(names) > 1}
+    seen: dict[int, str] = {}
+    for parent, names in groups.items():
+        first = names[0]
+        for name in names:
+            module, style = modules[name], chosen[name][1]
+            if id(module) in seen:
+                raise ValueError(f"{name!r} would be fused under both {seen[id(module)]!r} and {parent!r}: a module "
+                                 f"shared by two parents fuses with neither; give it fuse=False")
+            seen[id(module)] = parent
+            ours = (module.in_features, module.bias is None, module.weight.dtype, style)
+            theirs = (modules[first].in_features, modules[first].bias is None, modules[first].weight.dtype,
+                      chosen[first][1])
+            if style.gather_output or ours != theirs:
+                raise ValueError(f"fuse=True joins the column layers under {parent!r} into one product, so they must "
+                                 f"read the same input alike (same in_features, bias or none, dtype and options, no "
+                                 f"gather_output): {name!r} differs from {first!r}; give one of them fuse=False")
+    return groups
 
 
 def _check_ties(model: nn.Module, modules: dict[str, nn.Module], chosen: dict) -> None:

@@ -1,0 +1,225 @@
+"""parallelize's fuse=True: sibling column layers that read one input run as one product. Against one
+device (exact, small integers), and against one column layer's communication: the group's input crosses
+the ranks once, whatever the number of members. W = 1..4, uneven widths (a rank may hold none of a member)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tpflow as tpf
+from tests import harness
+from tests.checks import ints
+from tpflow.comm import bounds, ring_bytes, stats
+
+WIDTHS = (5, 7, 3)  # uneven over 2-4 ranks; 3 leaves rank 3 of 4 without a block
+
+
+class Trio(nn.Module):
+    """Three projections of one input, as q / k / v are."""
+
+    def __init__(self, fin: int = 6, bias: bool = True) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(fin, w, bias=bias) for w in WIDTHS)
+        with torch.no_grad():
+            for seed, layer in enumerate((self.a, self.b, self.c)):
+                layer.weight.copy_(ints(layer.weight.shape, seed))
+                if bias:
+                    layer.bias.copy_(ints(layer.bias.shape, seed + 10))
+
+    def forward(self, x):
+        return self.a(x), self.b(x), self.c(x)
+
+
+def _world():
+    return tpf.placement("cpu", list(range(dist.get_world_size())))
+
+
+def _own(size):
+    return slice(*bounds(size, dist.get_world_size())[dist.get_rank()])
+
+
+def _bytes(fn):
+    """(forward, backward) bytes this rank sends in ``fn``, which returns the tensor to backpropagate and its
+    gradient."""
+    stats.reset()
+    y, g = fn()
+    forward = stats.bytes_sent
+    y.backward(g)
+    return forward, stats.bytes_sent - forward
+
+
+def _trio_rank(sequence_parallel, keep_gathered, bias):
+    W, r = dist.get_world_size(), dist.get_rank()
+    ref = Trio(bias=bias)
+    style = tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel, keep_gathered=keep_gathered)
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"[abc]": style})
+    assert model.a._columns is model.b._columns is model.c._columns is not None
+    x_full = ints((2 * W, 3, 6), seed=20)  # [sequence, batch, features]: sequence parallelism splits dim 0 evenly
+    mine = slice(2 * r, 2 * r + 2) if sequence_parallel else slice(None)
+    x = x_full[mine].clone().requires_grad_()
+    x_ref = x_full.clone().requires_grad_()
+    grads = [ints((2 * W, 3, w), seed=30 + i) for i, w in enumerate(WIDTHS)]  # of the whole outputs
+    outs, refs = [], ref(x_ref)
+
+    def step():
+        outs.extend(model(x))
+        return torch.cat([y.flatten() for y in outs]), torch.cat([g[..., _own(w)].flatten()
+                                                                  for g, w in zip(grads, WIDTHS)])
+    fused_bytes = _bytes(step)
+    sum(((y * g).sum() for y, g in zip(refs, grads))).backward()
+    for y, y_ref, w, name in zip(outs, refs, WIDTHS, "abc"):
+        assert torch.equal(y, y_ref[..., _own(w)]), f"output of {name}"
+    assert torch.equal(x.grad, x_ref.grad[mine]), "input gradient"
+    for name in "abc":
+        layer, layer_ref = getattr(model, name), getattr(ref, name)
+        cols = _own(layer_ref.out_features)
+        assert torch.equal(layer.weight.grad.to_local(), layer_ref.weight.grad[cols]), f"weight gradient of {name}"
+        if bias:
+            assert torch.equal(layer.bias.grad.to_local(), layer_ref.bias.grad[cols]), f"bias gradient of {name}"
+
+    # one column layer as wide as the three, on the same input: the communication the group must match
+    one = tpf.ColumnParallelLinear(6, sum(WIDTHS), bias=bias, placement=_world(), sequence_parallel=sequence_parallel,
+                                   keep_gathered=keep_gathered)
+    x_one = x.detach().clone().requires_grad_()
+    return fused_bytes, _bytes(lambda: (one(x_one).sum(), torch.ones(())))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+def test_fused_columns_match_one_device_and_communicate_as_one_layer(world, bias):
+    for fused, one in harness.run(world, _trio_rank, False, True, bias):
+        assert fused == one, f"fused q/k/v-like layers sent {fused} bytes (forward, backward), one layer {one}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("keep_gathered", [True, False], ids=["keep", "regather"])
+def test_fused_sequence_parallel_columns(world, keep_gathered):
+    for fused, one in harness.run(world, _trio_rank, True, keep_gathered, True):
+        assert fused == one, f"fused sequence-parallel layers sent {fused} bytes, one layer {one}"
+
+
+def _patterns_rank():
+    """Every calling pattern gives one device's values and gradients; pending outputs never outlive a forward."""
+    ref = Trio()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    x, z = ints((4, 6), seed=1), ints((4, 6), seed=2)
+    cols = [_own(w) for w in WIDTHS]
+
+    def check(calls, label):
+        """calls: (member, input) in order; the sum of every output against one device's, and the gradients."""
+        for m in (model, ref):
+            m.zero_grad()
+        got = [getattr(model, name)(t) for name, t in calls]
+        want = [getattr(ref, name)(t) for name, t in calls]
+        for (name, _), y, y_ref in zip(calls, got, want):
+            assert torch.equal(y, y_ref[..., cols["abc".index(name)]]), f"{label}: output of {name}"
+        sum(y.sum() for y in got).backward()
+        sum(y_ref[..., cols["abc".index(name)]].sum() for (name, _), y_ref in zip(calls, want)).backward()
+        for name in "abc":
+            layer, layer_ref = getattr(model, name), getattr(ref, name)
+            want_grad = layer_ref.weight.grad
+            if want_grad is None:
+                assert layer.weight.grad is None or not layer.weight.grad.to_local().any(), f"{label}: {name}"
+            else:
+                c = cols["abc".index(name)]
+                assert torch.equal(layer.weight.grad.to_local(), want_grad[c]), f"{label}: gradient of {name}"
+
+    check([("a", x), ("b", z), ("c", z)], "cross-attention: a reads another input")
+    check([("a", x), ("a", x), ("b", x), ("c", x)], "a member called twice")
+    check([("a", x), ("b", x)], "c left out")
+    check([("c", x), ("a", x), ("b", x)], "c first, after a forward that left it pending")
+    xg = x.clone().requires_grad_()
+    for _ in range(2):  # the same input object twice through the parent: one product, one all-reduce, each time
+        sent = _bytes(lambda: (sum(y.sum() for y in model(xg)), torch.ones(())))
+        assert sent == (0, ring_bytes(xg.numel() * 4, dist.get_world_size(), 2)), sent
+    copied = copy.deepcopy(model)
+    assert copied.a._columns is not model.a._columns and copied.a._columns.layers == (copied.a, copied.b, copied.c)
+    with torch.no_grad():
+        assert all(torch.equal(p, q) for p, q in zip(copied(x), model(x)))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_columns_in_every_calling_pattern(world):
+    harness.run(world, _patterns_rank)
+
+
+def _llama_rank(sequence_parallel):
+    from tests.models import LLAMA_PLAN, TinyLlama
+
+    torch.manual_seed(0)
+    ref = TinyLlama().double()
+    styles = {"column": tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel),
+              "row": tpf.RowParallel(sequence_parallel=sequence_parallel)}
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={k: styles[v] for k, v in LLAMA_PLAN.items()})
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.q_proj._columns.layers == (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert mlp.gate_proj._columns.layers == (mlp.gate_proj, mlp.up_proj)
+    W, r = dist.get_world_size(), dist.get_rank()
+    tokens = torch.randint(0, 50, (2, 4 * W), generator=torch.Generator().manual_seed(1))
+    targets = tokens.roll(-1, 1)
+    h, h_ref = model.embed_tokens(tokens), ref.embed_tokens(tokens)
+    if sequence_parallel:  # [sequence, batch, dim], this rank's chunk of the sequence
+        h = h.transpose(0, 1)[4 * r:4 * r + 4]
+        h_ref = h_ref.transpose(0, 1)
+    for layer, layer_ref in zip(model.layers, ref.layers):
+        h, h_ref = layer(h), layer_ref(h_ref)
+    rows = slice(4 * r, 4 * r + 4) if sequence_parallel else slice(None)
+    torch.testing.assert_close(h, h_ref[rows], rtol=1e-10, atol=1e-10)
+    mine = targets.T[rows] if sequence_parallel else targets
+    loss = F.cross_entropy(model.lm_head(model.norm(h)).flatten(0, 1), mine.flatten(), reduction="sum")
+    loss_ref = F.cross_entropy(ref.lm_head(ref.norm(h_ref)).flatten(0, 1),
+                               (targets.T if sequence_parallel else targets).flatten(), reduction="sum")
+    loss.backward()
+    loss_ref.backward()
+    for (name, p), p_ref in zip(model.layers.named_parameters(), ref.layers.parameters()):
+        grad = p.grad.to_local() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+        if not isinstance(p, torch.distributed.tensor.DTensor):  # norms: a partial sum over the ranks' rows
+            if sequence_parallel:
+                dist.all_reduce(grad)
+            torch.testing.assert_close(grad, p_ref.grad, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
+            continue
+        split = p.placements[-1].dim
+        want = p_ref.grad.narrow(split, *(lambda s: (s.start, s.stop - s.start))(_own(p_ref.shape[split])))
+        torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_llama_decoder_with_fused_projections(world, sequence_parallel):
+    harness.run(world, _llama_rank, sequence_parallel)
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 4), nn.Linear(5, 4)
+        self.c, self.d = nn.Linear(6, 4, bias=False), nn.Linear(6, 3)
+        self.inner = nn.Sequential(nn.Linear(6, 2))
+
+
+def _errors_rank():
+    P = _world()
+    for plan, message in [
+        ({"[ab]": tpf.ColumnParallel(fuse=True)}, r"'b' differs from 'a'"),  # in_features
+        ({"[ac]": tpf.ColumnParallel(fuse=True)}, r"'c' differs from 'a'"),  # bias and no bias
+        ({"a": tpf.ColumnParallel(fuse=True), "d": tpf.ColumnParallel(fuse=True, sequence_parallel=True)},
+         r"'d' differs from 'a'"),
+        ({"[ad]": tpf.ColumnParallel(fuse=True, gather_output=True)}, r"no gather_output"),
+    ]:
+        model = Mixed()
+        with pytest.raises(ValueError, match=message):
+            tpf.parallelize(model, placement=P, plan=plan)
+        assert all(type(m) is nn.Linear for m in (model.a, model.b, model.c, model.d)), "the model is unchanged"
+    lone = tpf.parallelize(Mixed(), placement=P, plan={"a": tpf.ColumnParallel(fuse=True),
+                                                       "inner.0": tpf.ColumnParallel(fuse=True)})
+    assert lone.a._columns is None and lone.inner[0]._columns is None, "a lone layer under its parent stays alone"
+
+
+def test_fuse_errors_name_the_layers_before_the_model_changes():
+    harness.run(1, _errors_rank)

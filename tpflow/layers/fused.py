@@ -1,0 +1,73 @@
+"""Column layers that read one input, run as one product: q / k / v, gate / up.
+
+Megatron concatenates such weights in the model's code. Here the model keeps its separate layers (and its
+checkpoints their names): the first member called on an input computes every member's output in one
+product over the members' weight blocks concatenated, and the others take theirs when called on the same
+input. The input then crosses the ranks once instead of once per member: one all-reduce of its gradient
+(with sequence parallelism one all-gather ring forward and one reduce-scatter ring backward), overlapping
+one larger matmul.
+
+The pending outputs live until the members have taken them or the parent module's next forward starts
+(a pre-hook clears them), so an output is never handed out from another forward pass. A member called
+again on the input, or on another one, starts a new product: the result is right in every calling
+pattern, and the saving is there when the members read the same input (self-attention, SwiGLU).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tpflow.layers.linear import ColumnParallelLinear
+
+__all__ = ["ColumnGroup"]
+
+
+class ColumnGroup:
+    """Column layers of one parent module computed as one product (see the module docstring)."""
+
+    def __init__(self, layers: Sequence[ColumnParallelLinear], parent: nn.Module) -> None:
+        """``layers``: alike but for out_features (parallelize checks), each in no other group."""
+        self.layers = tuple(layers)
+        self._products = 0  # products computed: the token of the pending outputs' product
+        self._clear()
+        for layer in layers:
+            layer._columns = self
+        parent.register_forward_pre_hook(self._clear)  # a bound method: deep copies of the model keep their own
+
+    def _clear(self, *_) -> None:
+        self._input: weakref.ref | None = None
+        self._key: tuple = ()
+        self._pending: dict[int, torch.Tensor] = {}  # member index -> its output, not yet taken
+
+    def _forget(self, product: int) -> None:
+        """Outputs of a product the backward has gone through are spent: its saved tensors are freed."""
+        if self._products == product:
+            self._clear()
+
+    def output(self, layer: ColumnParallelLinear, x: torch.Tensor, data_split: tuple[bool, ...]) -> torch.Tensor:
+        """``layer``'s output on ``x``: taken from the product already computed on ``x`` with these weights, or
+        a new product."""
+        index = self.layers.index(layer)
+        params = [p for member in self.layers for p in (member.weight, member.bias) if p is not None]
+        key = (x._version, torch.is_grad_enabled(), data_split, *(p._version for p in params))
+        if self._input is not None and self._input() is x and self._key == key and index in self._pending:
+            y = self._pending.pop(index)
+            if not self._pending:
+                self._clear()
+            return y
+        blocks = [member._locals(data_split) for member in self.layers]
+        w = torch.cat([w for w, _ in blocks])
+        b = None if blocks[0][1] is None else torch.cat([b for _, b in blocks])
+        y = self.layers[0]._product(x, w, b, rows=None)
+        self._products += 1
+        if y.requires_grad:  # by a weak reference: the graph must not keep the group (and its outputs) alive
+            group, product = weakref.ref(self), self._products
+            y.register_hook(lambda _: group() is not None and group()._forget(product) and None)
+        outputs = torch.split(y, [w.shape[0] for w, _ in blocks], dim=-1)
+        self._input, self._key = weakref.ref(x), key
+        self._pending = {i: out for i, out in enumerate(outputs) if i != index}
+        return outputs[index]
