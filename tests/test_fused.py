@@ -138,6 +138,10 @@ def _patterns_rank():
     for _ in range(2):  # the same input object twice through the parent: one product, one all-reduce, each time
         sent = _bytes(lambda: (sum(y.sum() for y in model(xg)), torch.ones(())))
         assert sent == (0, ring_bytes(xg.numel() * 4, dist.get_world_size(), 2)), sent
+    glob = tpf.tensor(x, placement=_world(), sbp=tpf.sbp.broadcast)  # a global input: each layer alone
+    for y, y_ref in zip(model(glob), ref(x)):
+        assert torch.equal(y.full_tensor(), y_ref), "a global input"
+    assert not model.a._columns._pending
     copied = copy.deepcopy(model)
     assert copied.a._columns is not model.a._columns and copied.a._columns.layers == (copied.a, copied.b, copied.c)
     with torch.no_grad():
@@ -147,6 +151,45 @@ def _patterns_rank():
 @pytest.mark.parametrize("world", [1, 2])
 def test_fused_columns_in_every_calling_pattern(world):
     harness.run(world, _patterns_rank)
+
+
+def _storage_rank():
+    """The members' weight blocks share one storage, back to back, which the product reads without a copy;
+    loading a checkpoint keeps it, and a conversion that gives the blocks storages of their own is undone."""
+    ref = Trio()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+
+    def blocks():
+        return [getattr(model, name).weight._local_tensor for name in "abc"]
+
+    def joined():
+        first = blocks()[0]
+        offsets = [b.storage_offset() - first.storage_offset() for b in blocks()]
+        return all(b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for b in blocks()) and \
+            offsets == [0, blocks()[0].numel(), blocks()[0].numel() + blocks()[1].numel()]
+
+    assert joined()
+    saved = []
+    x = ints((4, 6), seed=1).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        outs = model(x)
+    rows = sum(b.shape[0] for b in blocks())
+    weights = [t for t in saved if sorted(t.shape) == sorted((rows, 6))]  # W, or W^T as F.linear saves it
+    assert weights and all(t.untyped_storage().data_ptr() == blocks()[0].untyped_storage().data_ptr()
+                           for t in weights), "the product saved a copy of the weights"
+    sum(y.sum() for y in outs).backward()
+    model.load_state_dict(Trio(bias=True).state_dict())  # a single-device checkpoint: copied in place
+    assert joined() and sorted(model.state_dict()) == sorted(ref.state_dict())
+    model.double()
+    assert not joined()
+    for y, y_ref, w in zip(model(x.double()), ref.double()(x.double()), WIDTHS):
+        assert torch.equal(y, y_ref[..., _own(w)])
+    assert joined(), "joined again by the first product after the conversion"
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_fused_weights_share_one_storage(world):
+    harness.run(world, _storage_rank)
 
 
 def _llama_rank(sequence_parallel):

@@ -2,8 +2,9 @@
 
 Megatron concatenates such weights in the model's code. Here the model keeps its separate layers (and its
 checkpoints their names): the first member called on an input computes every member's output in one
-product over the members' weight blocks concatenated, and the others take theirs when called on the same
-input. The input then crosses the ranks once instead of once per member: one all-reduce of its gradient
+product over the members' weight blocks, and the others take theirs when called on the same input. The
+blocks live back to back in one storage (as Megatron's fused weight does), so the product reads them as one
+tensor and saves no copy for the backward; the parameters stay the members' own. The input then crosses the ranks once instead of once per member: one all-reduce of its gradient
 (with sequence parallelism one all-gather ring forward and one reduce-scatter ring backward), overlapping
 one larger matmul.
 
@@ -36,7 +37,22 @@ class ColumnGroup:
         self._clear()
         for layer in layers:
             layer._columns = self
+        self._join()
         parent.register_forward_pre_hook(self._clear)  # a bound method: deep copies of the model keep their own
+
+    def _join(self) -> None:
+        """Put the members' weight blocks back to back in one storage, unless they are: the same tensors, the
+        same values. Done again after a conversion (``model.double()``, a deep copy) gave them storages of their
+        own."""
+        blocks = [layer.weight._local_tensor for layer in self.layers]
+        if _adjacent(blocks):
+            return
+        joined = torch.cat([b.detach().contiguous() for b in blocks]).untyped_storage()
+        offset = 0
+        with torch.no_grad():
+            for b in blocks:
+                b.set_(joined, offset, b.shape)
+                offset += b.numel()
 
     def _clear(self, *_) -> None:
         self._input: weakref.ref | None = None
@@ -59,8 +75,9 @@ class ColumnGroup:
             if not self._pending:
                 self._clear()
             return y
+        self._join()
         blocks = [member._locals(data_split) for member in self.layers]
-        w = torch.cat([w for w, _ in blocks])
+        w = _Joined.apply(*(w for w, _ in blocks))
         b = None if blocks[0][1] is None else torch.cat([b for _, b in blocks])
         y = self.layers[0]._product(x, w, b, rows=None)
         self._products += 1
@@ -71,3 +88,27 @@ class ColumnGroup:
         self._input, self._key = weakref.ref(x), key
         self._pending = {i: out for i, out in enumerate(outputs) if i != index}
         return outputs[index]
+
+
+def _adjacent(blocks: Sequence[torch.Tensor]) -> bool:
+    """Whether ``blocks`` (2-D, rows of one width) lie back to back, in order, contiguous in one storage."""
+    storage, offset = blocks[0].untyped_storage().data_ptr(), blocks[0].storage_offset()
+    for b in blocks:
+        if not b.is_contiguous() or b.untyped_storage().data_ptr() != storage or b.storage_offset() != offset:
+            return False
+        offset += b.numel()
+    return True
+
+
+class _Joined(torch.autograd.Function):
+    """Weight blocks lying back to back in one storage, as the one tensor they make up: a view, not a copy."""
+
+    @staticmethod
+    def forward(ctx, *blocks):
+        ctx.rows = [b.shape[0] for b in blocks]
+        first = blocks[0]
+        return first.as_strided((sum(ctx.rows), first.shape[1]), (first.shape[1], 1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.split(grad, ctx.rows)
