@@ -5,6 +5,7 @@ the ranks once, whatever the number of members. W = 1..4, uneven widths (a rank 
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -138,6 +139,11 @@ def _patterns_rank():
     for _ in range(2):  # the same input object twice through the parent: one product, one all-reduce, each time
         sent = _bytes(lambda: (sum(y.sum() for y in model(xg)), torch.ones(())))
         assert sent == (0, ring_bytes(xg.numel() * 4, dist.get_world_size(), 2)), sent
+    temporary = tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    loss = sum(y.sum() for y in temporary(xg))
+    del temporary
+    gc.collect()
+    loss.backward()  # the graph does not keep the group alive, and runs without it
     glob = tpf.tensor(x, placement=_world(), sbp=tpf.sbp.broadcast)  # a global input: each layer alone
     for y, y_ref in zip(model(glob), ref(x)):
         assert torch.equal(y.full_tensor(), y_ref), "a global input"
@@ -190,6 +196,33 @@ def _storage_rank():
 @pytest.mark.parametrize("world", [1, 3])
 def test_fused_weights_share_one_storage(world):
     harness.run(world, _storage_rank)
+
+
+def _dcp_rank(path, save):
+    """torch.distributed.checkpoint through a fused group: the parameters and Adam moments, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model_sd, opt_sd = get_state_dict(model, opt)
+    if save:
+        sum(y.square().sum() for y in model(ints((4, 6), seed=1))).backward()
+        opt.step()
+        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
+    else:
+        state = {"model": model_sd, "optim": opt_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    blocks = [getattr(model, name).weight._local_tensor.untyped_storage().data_ptr() for name in "abc"]
+    assert len(set(blocks)) == 1, "loading keeps the joined storage"
+    return [(p.detach().full_tensor(), opt.state[p]["exp_avg"].full_tensor()) for p in model.parameters()]
+
+
+def test_fused_checkpoint_reshards(tmp_path):
+    saved = harness.run(2, _dcp_rank, str(tmp_path), True)[0]
+    for state in harness.run(3, _dcp_rank, str(tmp_path), False):
+        assert all(torch.equal(a, b) for got, want in zip(state, saved) for a, b in zip(got, want))
 
 
 def _llama_rank(sequence_parallel):

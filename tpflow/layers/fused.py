@@ -3,10 +3,11 @@
 Megatron concatenates such weights in the model's code. Here the model keeps its separate layers (and its
 checkpoints their names): the first member called on an input computes every member's output in one
 product over the members' weight blocks, and the others take theirs when called on the same input. The
-blocks live back to back in one storage (as Megatron's fused weight does), so the product reads them as one
-tensor and saves no copy for the backward; the parameters stay the members' own. The input then crosses the ranks once instead of once per member: one all-reduce of its gradient
-(with sequence parallelism one all-gather ring forward and one reduce-scatter ring backward), overlapping
-one larger matmul.
+input then crosses the ranks once instead of once per member: one all-reduce of its gradient (with
+sequence parallelism one all-gather ring forward and one reduce-scatter ring backward), overlapping one
+larger matmul. The weight blocks live back to back in one storage, as Megatron's fused weight does, so the
+product reads them as one tensor and saves no copy of them for the backward; the parameters stay the
+members' own.
 
 The pending outputs live until the members have taken them or the parent module's next forward starts
 (a pre-hook clears them), so an output is never handed out from another forward pass. A member called
@@ -41,9 +42,9 @@ class ColumnGroup:
         parent.register_forward_pre_hook(self._clear)  # a bound method: deep copies of the model keep their own
 
     def _join(self) -> None:
-        """Put the members' weight blocks back to back in one storage, unless they are: the same tensors, the
-        same values. Done again after a conversion (``model.double()``, a deep copy) gave them storages of their
-        own."""
+        """Move the members' weight blocks (the same tensors, the same values) back to back into one storage,
+        if they are not there: at the start, and again after a conversion (``model.double()``, a deep copy)
+        gave them storages of their own."""
         blocks = [layer.weight._local_tensor for layer in self.layers]
         if _adjacent(blocks):
             return
@@ -81,13 +82,23 @@ class ColumnGroup:
         b = None if blocks[0][1] is None else torch.cat([b for _, b in blocks])
         y = self.layers[0]._product(x, w, b, rows=None)
         self._products += 1
-        if y.requires_grad:  # by a weak reference: the graph must not keep the group (and its outputs) alive
-            group, product = weakref.ref(self), self._products
-            y.register_hook(lambda _: group() is not None and group()._forget(product) and None)
+        if y.requires_grad:
+            y.register_hook(_spent_hook(self, self._products))
         outputs = torch.split(y, [w.shape[0] for w, _ in blocks], dim=-1)
         self._input, self._key = weakref.ref(x), key
         self._pending = {i: out for i, out in enumerate(outputs) if i != index}
         return outputs[index]
+
+
+def _spent_hook(group: ColumnGroup, product: int):
+    """A gradient hook telling ``group`` that the backward went through ``product``. It holds the group by a
+    weak reference: the graph must not keep the group, and with it the pending outputs, alive."""
+    ref = weakref.ref(group)
+
+    def hook(_grad: torch.Tensor) -> None:
+        if (alive := ref()) is not None:
+            alive._forget(product)
+    return hook
 
 
 def _adjacent(blocks: Sequence[torch.Tensor]) -> bool:

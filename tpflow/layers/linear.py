@@ -15,11 +15,11 @@ Forward and backward run on local shards, with the collectives in conjugate pair
     row, seq-par      matmul_reduce_scatter       backward: all-gather ring with dW folded in
 
 Column layers of one parent module that read one input can run as one product (``parallelize``'s
-``fuse=True``, ``tpflow.layers.fused``): one collective for the group. On a placement of one rank every
-collective is skipped. On a 2-D placement the tensor-parallel
-axis is the last one; the others hold copies (data parallelism), whose gradients are partial sums
-over the data they saw, reduced when read. Parameters are DTensors, so
-state dicts, ``torch.distributed.checkpoint`` and optimizers see the global tensors.
+``fuse=True``, ``tpflow.layers.fused``): one collective for the group. On a placement of one rank
+every collective is skipped. On a 2-D placement the tensor-parallel axis is the last one; the
+others hold copies (data parallelism), whose gradients are partial sums over the data they saw,
+reduced when read. Parameters are DTensors, so state dicts, ``torch.distributed.checkpoint`` and
+optimizers see the global tensors.
 """
 
 from __future__ import annotations
