@@ -225,6 +225,25 @@ def test_fused_checkpoint_reshards(tmp_path):
         assert all(torch.equal(a, b) for got, want in zip(state, saved) for a, b in zip(got, want))
 
 
+def _compile_rank():
+    """Under torch.compile the group runs eagerly between graphs (its blocks share a storage, which dynamo
+    cannot trace): the same values and gradients as eager."""
+    eager = tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    compiled = torch.compile(copy.deepcopy(eager))
+    x = ints((3, 6), seed=2)
+    outs, outs_compiled = eager(x), compiled(x)
+    assert all(torch.equal(y, y_c) for y, y_c in zip(outs, outs_compiled))
+    sum(y.square().sum() for y in outs).backward()
+    sum(y.square().sum() for y in outs_compiled).backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), f"gradient of {name}"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_torch_compile_of_a_fused_model(world):
+    harness.run(world, _compile_rank, timeout=600)
+
+
 def _llama_rank(sequence_parallel):
     from tests.models import LLAMA_PLAN, TinyLlama
 

@@ -287,7 +287,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
                        from_global: bool = False) -> torch.Tensor:
         self._check_features(x, self.in_features, "the whole input features")
-        if self._columns is not None and not from_global and not torch.compiler.is_compiling():
+        if self._columns is not None and not from_global:
             return self._columns.output(self, x, data_split)
         y = self._product(x, *self._locals(data_split), rows)
         return comm.gather(y, -1, self.out_features, self.group) if self.gather_output else y
