@@ -68,6 +68,7 @@ def test_failing_rank_stops_the_launch(tmp_path):
 
 PENDING_SCRIPT = textwrap.dedent("""
     import time, torch
+    {imports}
     import tpflow as tpf
 
     if tpf.get_rank() == 1:
@@ -77,9 +78,11 @@ PENDING_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_failing_rank_with_a_collective_in_flight_exits_at_once(tmp_path):
+@pytest.mark.parametrize("imports", ["", "import torch._dynamo  # as torch.compile does: the group is freed at exit"],
+                         ids=["", "dynamo imported"])
+def test_failing_rank_with_a_collective_in_flight_exits_at_once(tmp_path, imports):
     # destroying the process group at exit would wait for the unfinished all-reduce, i.e. for rank 0
-    proc, elapsed = _launch(["--nproc_per_node", "2"], tmp_path, (), text=PENDING_SCRIPT)
+    proc, elapsed = _launch(["--nproc_per_node", "2"], tmp_path, (), text=PENDING_SCRIPT.format(imports=imports))
     assert proc.returncode != 0 and "boom with a collective in flight" in proc.stderr, proc.stderr[-4000:]
     assert elapsed < 60, f"the launch took {elapsed:.0f}s to fail: the failing rank waited at exit"
 

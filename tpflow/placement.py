@@ -67,14 +67,20 @@ def _shutdown() -> None:
     finished run (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291).
     The fix is the pause: the GIL is left free for a moment so such a worker can finish. Destroying the
     groups afterwards is best effort: it joins their threads only when nothing else holds them (a
-    ``DeviceMesh`` or DTensor's caches may). A rank leaving on an uncaught exception skips it, since
-    gloo would first wait for that rank's unfinished collectives and so delay the launcher's teardown.
+    ``DeviceMesh`` or DTensor's caches may). A rank leaving on an uncaught exception (its traceback
+    already printed, and recorded for the launcher) exits at once instead: a gloo group destroyed
+    with that rank's collectives unfinished waits for its peers, here or when the interpreter frees
+    it (as it does once ``torch._dynamo`` is imported), and the launcher would see the failure only
+    when the other ranks end.
     """
     if os.getpid() != _EXIT_HOOK_PID or not dist.is_initialized():
         return
     time.sleep(_EXIT_GRACE_S)
-    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
-        return  # Python records the exception that ends the program there
+    failure = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # the exception ending the program
+    if failure is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(failure, KeyboardInterrupt) else 1)
     _MESHES.clear()
     _PLACEMENTS.clear()
     dist.destroy_process_group()

@@ -65,10 +65,6 @@ class ColumnGroup:
         if self._products == product:
             self._clear()
 
-    # Run eagerly between graphs under torch.compile: the pending outputs are Python state keyed by tensor
-    # identity, and blocks sharing a storage cannot be traced (torch 2.13 cannot fakeify a DTensor whose block
-    # has a storage offset: "Attempted to set the storage of a tensor ... to a storage on ... meta").
-    @torch.compiler.disable
     def output(self, layer: ColumnParallelLinear, x: torch.Tensor, data_split: tuple[bool, ...]) -> torch.Tensor:
         """``layer``'s output on ``x``: taken from the product already computed on ``x`` with these weights, or
         a new product."""

@@ -288,7 +288,12 @@ class ColumnParallelLinear(_ParallelLinear):
                        from_global: bool = False) -> torch.Tensor:
         self._check_features(x, self.in_features, "the whole input features")
         if self._columns is not None and not from_global:
-            return self._columns.output(self, x, data_split)
+            # under torch.compile the group runs eagerly between graphs: its pending outputs are Python state
+            # keyed by tensor identity, and dynamo cannot trace DTensor blocks that share a storage ("Attempted
+            # to set the storage of a tensor ... to a storage on different device meta", torch 2.13)
+            output = torch.compiler.disable(self._columns.output) if torch.compiler.is_compiling() \
+                else self._columns.output
+            return output(self, x, data_split)
         y = self._product(x, *self._locals(data_split), rows)
         return comm.gather(y, -1, self.out_features, self.group) if self.gather_output else y
 
