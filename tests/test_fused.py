@@ -16,7 +16,8 @@ from torch import nn
 import tpflow as tpf
 from tests import harness
 from tests.checks import ints
-from tpflow.comm import bounds, ring_bytes, stats
+from tests.test_layers import _own, _world
+from tpflow.comm import ring_bytes, stats
 
 WIDTHS = (5, 7, 3)  # uneven over 2-4 ranks; 3 leaves rank 3 of 4 without a block
 
@@ -35,14 +36,6 @@ class Trio(nn.Module):
 
     def forward(self, x):
         return self.a(x), self.b(x), self.c(x)
-
-
-def _world():
-    return tpf.placement("cpu", list(range(dist.get_world_size())))
-
-
-def _own(size):
-    return slice(*bounds(size, dist.get_world_size())[dist.get_rank()])
 
 
 def _bytes(fn):
@@ -259,7 +252,7 @@ def _llama_rank(sequence_parallel):
     tokens = torch.randint(0, 50, (2, 4 * W), generator=torch.Generator().manual_seed(1))
     targets = tokens.roll(-1, 1)
     h, h_ref = model.embed_tokens(tokens), ref.embed_tokens(tokens)
-    if sequence_parallel:  # [sequence, batch, dim], this rank's chunk of the sequence
+    if sequence_parallel:  # positions first, this rank's chunk of them (both models read dim 0 as the batch)
         h = h.transpose(0, 1)[4 * r:4 * r + 4]
         h_ref = h_ref.transpose(0, 1)
     for layer, layer_ref in zip(model.layers, ref.layers):
@@ -280,7 +273,8 @@ def _llama_rank(sequence_parallel):
             torch.testing.assert_close(grad, p_ref.grad, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
             continue
         split = p.placements[-1].dim
-        want = p_ref.grad.narrow(split, *(lambda s: (s.start, s.stop - s.start))(_own(p_ref.shape[split])))
+        own = _own(p_ref.shape[split])
+        want = p_ref.grad.narrow(split, own.start, own.stop - own.start)
         torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
 
 
