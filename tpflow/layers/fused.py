@@ -57,8 +57,14 @@ class ColumnGroup:
 
     def _clear(self, *_) -> None:
         self._input: weakref.ref | None = None
-        self._key: tuple = ()
+        self._key: tuple = ()  # the input's version, grad mode and layout, and the parameters' versions
+        self._params: list[torch.Tensor] = []  # the parameters the pending outputs were computed with
         self._pending: dict[int, torch.Tensor] = {}  # member index -> its output, not yet taken
+
+    def _state(self, x: torch.Tensor, data_split: tuple[bool, ...]) -> tuple:
+        """What the pending outputs depend on besides the input's identity: a change of it (an in-place update of
+        the input or a weight, say by an optimizer step) makes them stale."""
+        return x._version, torch.is_grad_enabled(), data_split, *(p._version for p in self._params)
 
     def _forget(self, product: int) -> None:
         """Outputs of a product the backward has gone through are spent: its saved tensors are freed."""
@@ -69,9 +75,7 @@ class ColumnGroup:
         """``layer``'s output on ``x``: taken from the product already computed on ``x`` with these weights, or
         a new product."""
         index = self.layers.index(layer)
-        params = [p for member in self.layers for p in (member.weight, member.bias) if p is not None]
-        key = (x._version, torch.is_grad_enabled(), data_split, *(p._version for p in params))
-        if self._input is not None and self._input() is x and self._key == key and index in self._pending:
+        if index in self._pending and self._input() is x and self._key == self._state(x, data_split):
             y = self._pending.pop(index)
             if not self._pending:
                 self._clear()
@@ -85,7 +89,8 @@ class ColumnGroup:
         if y.requires_grad:
             y.register_hook(_spent_hook(self, self._products))
         outputs = torch.split(y, [w.shape[0] for w, _ in blocks], dim=-1)
-        self._input, self._key = weakref.ref(x), key
+        self._params = [p for member in self.layers for p in (member.weight, member.bias) if p is not None]
+        self._input, self._key = weakref.ref(x), self._state(x, data_split)
         self._pending = {i: out for i, out in enumerate(outputs) if i != index}
         return outputs[index]
 
