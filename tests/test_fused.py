@@ -128,6 +128,12 @@ def _patterns_rank():
     check([("a", x), ("a", x), ("b", x), ("c", x)], "a member called twice")
     check([("a", x), ("b", x)], "c left out")
     check([("c", x), ("a", x), ("b", x)], "c first, after a forward that left it pending")
+    with torch.no_grad():  # c left pending, then every weight updated in place (an optimizer step): not stale
+        model.a(x), model.b(x)
+        for layer in (model, ref):
+            for p in layer.parameters():
+                p.add_(1)
+        assert torch.equal(model.c(x), ref.c(x)[..., cols[2]]), "a pending output after a weight update"
     xg = x.clone().requires_grad_()
     for _ in range(2):  # the same input object twice through the parent: one product, one all-reduce, each time
         sent = _bytes(lambda: (sum(y.sum() for y in model(xg)), torch.ones(())))
