@@ -5,9 +5,12 @@
 Writes ``kernels_<device>_<time>.md`` (and ``.csv``) in ``--out``. For each kernel
 (``TPFLOW_MATMUL``) on square and LLM shapes: TFLOP/s against cuBLAS, the fused bias + GELU
 epilogue against torch's matmul + bias + gelu, and the cost of computing one product as 8
-row-range launches (the ring collectives' decomposition) against one launch. Every result is
-checked against torch first. Times are medians of ``triton.testing.do_bench``; the first call of
-each variant autotunes (compiles every config), outside the timing.
+row-range launches (the ring collectives' decomposition) against one launch: as launched from
+Python, and replayed from a CUDA graph (the GPU's side alone, without the host's launch cost).
+Also the host's cost of one launch (many tiny products, synchronised once). Every result is
+checked against torch first. Times are medians of ``triton.testing.do_bench`` (and
+``do_bench_cudagraph``); the first call of each variant autotunes (compiles every config), outside
+the timing.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import csv
 import datetime
 import os
 import pathlib
+import time
 
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from tpflow.bench.report import markdown_table
 from tpflow.kernels import matmul
@@ -60,13 +64,39 @@ def measure(kernel: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor, t
     t_one = do_bench(lambda: matmul(a, b))
     t_fused = do_bench(lambda: matmul(a, b, bias=bias, activation="gelu"))
     t_ranges = do_bench(lambda: eight_ranges(a, b, out))
+    t_one_graph = do_bench_cudagraph(lambda: matmul(a, b, out=out), return_mode="median")
+    t_ranges_graph = do_bench_cudagraph(lambda: eight_ranges(a, b, out), return_mode="median")
     return {f"{kernel}_tflops": round(tflops(m, n, k, t_one), 1),
             f"{kernel}_vs_cublas": round(t_torch / t_one, 3),
             f"{kernel}_bias_gelu_speedup": round(t_torch_fused / t_fused, 3),
-            f"{kernel}_8_ranges_vs_1": round(t_ranges / t_one, 3)}
+            f"{kernel}_8_ranges_vs_1": round(t_ranges / t_one, 3),
+            f"{kernel}_8_ranges_vs_1_graph": round(t_ranges_graph / t_one_graph, 3)}
 
 
-def write(rows: list[dict], out_dir: pathlib.Path, command: str) -> pathlib.Path:
+def host_us(launch, n: int = 2000) -> float:
+    """Microseconds a launch costs the host: ``n`` launches of a tiny product, synchronised once."""
+    for _ in range(20):
+        launch()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        launch()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def host_costs(kernels: list[str]) -> str:
+    """One line: the host's cost of a launch of each kernel and of torch.matmul, on a 128^3 bf16 product."""
+    a, b = (torch.randn(128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(a)
+    costs = {"torch.matmul": host_us(lambda: torch.matmul(a, b.mT, out=out))}
+    for kernel in kernels:
+        os.environ["TPFLOW_MATMUL"] = kernel
+        costs[kernel] = host_us(lambda: matmul(a, b.mT, out=out))
+    return ", ".join(f"{name} {us:.1f} us" for name, us in costs.items())
+
+
+def write(rows: list[dict], host: str, out_dir: pathlib.Path, command: str) -> pathlib.Path:
     device = torch.cuda.get_device_name()
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
     stem = out_dir / f"kernels_{device.replace(' ', '-')}_{stamp}"
@@ -80,8 +110,9 @@ def write(rows: list[dict], out_dir: pathlib.Path, command: str) -> pathlib.Path
         f"# tpflow.kernels.matmul vs torch.matmul\n\ntorch {torch.__version__}, triton {triton.__version__}, {device}; "
         f"`{command}`.\n"
         "K_vs_cublas = torch time / kernel K's time (>1: K faster). K_bias_gelu_speedup = torch matmul+bias+gelu "
-        "time / K's fused time. K_8_ranges_vs_1 = 8 row-range launches / one launch. b is nn.Linear's weight "
-        "read transposed in place.\n\n" + table)
+        "time / K's fused time. K_8_ranges_vs_1 = 8 row-range launches / one launch, as launched from Python; "
+        "_graph: the same replayed from a CUDA graph. b is nn.Linear's weight read transposed in place.\n\n"
+        f"Host cost of one launch (128^3 bf16, 2000 launches): {host}.\n\n" + table)
     return pathlib.Path(f"{stem}.md")
 
 
@@ -93,6 +124,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     rows = []
+    host = host_costs(args.kernels)
+    print("host cost of a launch:", host, flush=True)
     for name in args.dtypes:
         dtype = DTYPES[name]
         for m, n, k in SHAPES[1:2] if args.quick else SHAPES:  # (M, N, K): a [M, K] @ b [K, N]
@@ -108,7 +141,7 @@ def main() -> None:
             print(row, flush=True)
     command = "PYTHONPATH=. python benchmarks/kernels_gpu.py " + " ".join(
         ["--dtypes", *args.dtypes, "--kernels", *args.kernels] + (["--quick"] if args.quick else []))
-    print("wrote", write(rows, pathlib.Path(args.out), command))
+    print("wrote", write(rows, host, pathlib.Path(args.out), command))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 @pytest.fixture(autouse=True)
 def _triton_kernels(monkeypatch):
+    """The Triton kernels on CPU too; the tiled one unless a test asks for the persistent one (the
+    default on a GPU), so that a GPU checks both."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TPFLOW_KERNELS", "triton")
+    monkeypatch.setenv("TPFLOW_MATMUL", "tiled")
 
 
 def _close(got, want_torch, ref64, dtype):
@@ -291,10 +294,13 @@ def test_persistent_linear_gradients(activation):
 
 
 def test_kernel_choice(monkeypatch):
-    """Persistent where TMA can read and write the operands, tiled otherwise; tiled by default."""
+    """Persistent where TMA can read and write the operands, tiled otherwise; by default persistent
+    compiled and tiled under the interpreter."""
     a, b = _rand(16, 32, dtype=torch.float16, seed=1), _rand(32, 24, dtype=torch.float16, seed=2)
     out = torch.empty(16, 24, dtype=torch.float16, device=DEVICE)
     assert tiles.kernel_choice(a, b, out) == "tiled"
+    monkeypatch.delenv("TPFLOW_MATMUL")
+    assert tiles.kernel_choice(a, b, out) == ("tiled" if tiles.INTERPRET else "persistent")
     monkeypatch.setenv("TPFLOW_MATMUL", "persistent")
     assert tiles.kernel_choice(a, b, out) == "persistent"
     assert tiles.kernel_choice(a, b, out.float()) == "persistent"  # an fp32 result (the rings' partials)

@@ -1,12 +1,12 @@
 """``act(a @ b + bias) + acc`` with the epilogue fused, in Triton; the local product of every tpflow layer.
 
 The kernels are in ``tpflow.kernels.tiles``: a tiled kernel reading any strides, and a persistent
-TMA kernel for Hopper (``TPFLOW_MATMUL=persistent``). Both fuse the bias, the activation (relu,
-tanh-GELU, SiLU), the added accumulator (a ring's received partial) and the output cast while the
-fp32 accumulator is in registers, and can compute only the rows ``[row_start, row_end)`` starting
-at a rotated ``tile_offset``: the ring collectives compute one chunk of rows per step this way,
-without slicing (no copies, one compiled variant per config). A transposed operand (``w.mT``) is
-read in place.
+TMA kernel for Hopper, the default where TMA can read the operands (``TPFLOW_MATMUL`` picks). Both
+fuse the bias, the activation (relu, tanh-GELU, SiLU), the added accumulator (a ring's received
+partial) and the output cast while the fp32 accumulator is in registers, and can compute only the
+rows ``[row_start, row_end)`` starting at a rotated ``tile_offset``: the ring collectives compute one
+chunk of rows per step this way, without slicing (no copies, one compiled variant per config). A
+transposed operand (``w.mT``) is read in place.
 
 Dispatch: CUDA tensors run the Triton kernels; CPU tensors run torch unless
 ``TPFLOW_KERNELS=triton``, which runs the same kernels through ``TRITON_INTERPRET=1`` (how the

@@ -15,8 +15,9 @@ zero-fill loads past an edge and clip stores, so no masks are computed, and the 
 flattened so that the compiler can overlap one tile's epilogue with the next tile's loads. It needs
 16-byte aligned bases and row strides, one unit stride per operand (row-major, or transposed such
 as ``w.mT``), and fp16 / bf16 operands (``tma_layouts``); anything else runs ``tiled``.
-``TPFLOW_MATMUL=persistent`` selects it: it stays opt-in until its speed against ``tiled`` and
-cuBLAS is measured on a GPU (``benchmarks/kernels_gpu.py``).
+It is the default on a GPU: on an H100 it ran at 0.90-1.05x cuBLAS where ``tiled`` ran at 0.72-0.84x
+(``benchmarks/results/kernels_NVIDIA-H100-80GB-HBM3_2026-11-23_*``). ``TPFLOW_MATMUL=tiled`` forces the
+tiled kernel. Under the interpreter, which emulates TMA slowly, the default is ``tiled``.
 
 Both compute only the rows ``[row_start, row_end)``, whose tiles start at a rotated
 ``tile_offset`` (the ring collectives' chunks), and write C, ACC and PRE as just those rows.
@@ -78,7 +79,7 @@ def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 
 def _persistent_layouts(a, b, out, pre) -> tuple[bool, bool] | None:
     """The operands' layouts if this product runs the persistent kernel, None if it runs the tiled one."""
-    wanted = os.environ.get("TPFLOW_MATMUL", "tiled")
+    wanted = os.environ.get("TPFLOW_MATMUL", "tiled" if INTERPRET else "persistent")
     if wanted not in KERNELS:
         raise ValueError(f"TPFLOW_MATMUL must be one of {KERNELS}, got {wanted!r}")
     return tma_layouts(a, b, out, pre) if wanted == "persistent" else None
@@ -86,7 +87,7 @@ def _persistent_layouts(a, b, out, pre) -> tuple[bool, bool] | None:
 
 def kernel_choice(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None = None) -> str:
     """Which kernel computes ``out`` (some or all rows of ``a @ b``): ``TPFLOW_MATMUL`` (default
-    ``tiled``) where the operands allow it, else ``tiled``."""
+    ``persistent`` compiled, ``tiled`` under the interpreter) where the operands allow it, else ``tiled``."""
     return "tiled" if _persistent_layouts(a, b, out, pre) is None else "persistent"
 
 
@@ -259,17 +260,20 @@ if triton is not None:
             args[name].block_shape = [bm, bn // 2 if args["SUBTILE"] else bn]
 
     def _persistent_configs() -> list:
-        """Hopper tiles (128 x 128/256, 8 warps, 3-4 stages, C stored whole or in halves); one
-        pinned config under the interpreter and for the tests."""
+        """Hopper tiles: the configs that won somewhere in a sweep of one config at a time on an H100
+        (128 x 256 with 8 warps, 3-4 stages, C whole or in halves, 8 or 16 row tiles a group; 128 x 128
+        with 4 warps for small products). 128 x 128 with 8 warps, 256 x 128 and BLOCK_K = 128 lost on
+        every shape; 4 stages of 128 x 256 with C whole do not fit in shared memory. One pinned config
+        under the interpreter and for the tests."""
         if INTERPRET:
-            shapes = [(32, 32, 16, 1, 4, True)]
+            shapes = [(32, 32, 16, 1, 4, True, 8)]
         elif os.environ.get("TPFLOW_AUTOTUNE") == "0":
-            shapes = [(128, 128, 64, 3, 8, True)]
+            shapes = [(128, 128, 64, 3, 8, True, 8)]
         else:
-            shapes = [(128, 256, 64, 3, 8, True), (128, 256, 64, 4, 8, True), (128, 256, 64, 3, 8, False),
-                      (128, 128, 64, 4, 8, True), (128, 128, 128, 3, 8, True), (128, 128, 64, 4, 4, False)]
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "SUBTILE": sub},
-                              num_stages=s, num_warps=w, pre_hook=_set_blocks) for m, n, k, s, w, sub in shapes]
+            shapes = [(128, 256, 64, 3, 8, True, 8), (128, 256, 64, 3, 8, True, 16), (128, 256, 64, 4, 8, True, 8),
+                      (128, 256, 64, 3, 8, False, 8), (128, 128, 64, 4, 4, False, 8)]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "SUBTILE": sub},
+                              num_stages=s, num_warps=w, pre_hook=_set_blocks) for m, n, k, s, w, sub, g in shapes]
 
     class _KeepAcc:
         """Autotuning times every config on the caller's tensors, several runs each. Where ACC is C itself
@@ -307,6 +311,22 @@ if triton is not None:
 _LAUNCH = threading.Lock()
 
 
+_THREAD = threading.local()
+
+
+def _current_context(device: torch.device) -> None:
+    """Make ``device``'s CUDA context current on this thread. Triton encodes TMA descriptors
+    (cuTensorMapEncodeTiled) before its launcher makes a context current, so a thread's first persistent
+    launch failed with "invalid device context" where nothing had run on it yet (FakeWorld's ranks, any
+    user thread; triton#3729's class). A runtime call that needs the context makes it current, once per
+    thread and device."""
+    seen = _THREAD.__dict__.setdefault("devices", set())
+    if INTERPRET or device.type != "cuda" or device.index in seen:  # (compile-only runs pass CPU tensors)
+        return
+    torch.cuda.mem_get_info(device)
+    seen.add(device.index)
+
+
 @functools.cache
 def _programs(device: torch.device) -> int:
     """Programs of the persistent kernel: one per SM."""
@@ -341,6 +361,7 @@ def _launch_persistent(a, b, bias, acc, out, pre, row_start, row_end, tile_offse
     def desc(t):
         return TensorDescriptor.from_tensor(t, placeholder)
 
+    _current_context(a.device)
     c_desc = desc(out)
     args = dict(a_desc=desc(a.mT if a_t else a), b_desc=desc(b.mT if b_t else b), c_desc=c_desc,
                 pre_desc=c_desc if pre is None else desc(pre))
