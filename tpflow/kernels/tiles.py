@@ -260,18 +260,19 @@ if triton is not None:
             args[name].block_shape = [bm, bn // 2 if args["SUBTILE"] else bn]
 
     def _persistent_configs() -> list:
-        """Hopper tiles: the configs that won somewhere in a sweep of one config at a time on an H100
-        (128 x 256 with 8 warps, 3-4 stages, C whole or in halves, 8 or 16 row tiles a group; 128 x 128
-        with 4 warps for small products). 128 x 128 with 8 warps, 256 x 128 and BLOCK_K = 128 lost on
-        every shape; 4 stages of 128 x 256 with C whole do not fit in shared memory. One pinned config
-        under the interpreter and for the tests."""
+        """Hopper tiles: those that won somewhere in a sweep of one config at a time on an H100
+        (``benchmarks/kernels_configs.py``: 128 x 256 with 8 warps, 3-4 stages, C whole or in halves, 4, 8
+        or 16 row tiles a group), and 128 x 128 with 4 warps for products too small to fill the SMs with
+        128 x 256 tiles (the sweep's shapes are all large). 128 x 128 with 8 warps, 256 x 128 and
+        BLOCK_K = 128 lost on every shape; 4 stages of 128 x 256 with C whole do not fit in shared memory.
+        One pinned config under the interpreter and for the tests."""
         if INTERPRET:
             shapes = [(32, 32, 16, 1, 4, True, 8)]
         elif os.environ.get("TPFLOW_AUTOTUNE") == "0":
             shapes = [(128, 128, 64, 3, 8, True, 8)]
         else:
-            shapes = [(128, 256, 64, 3, 8, True, 8), (128, 256, 64, 3, 8, True, 16), (128, 256, 64, 4, 8, True, 8),
-                      (128, 256, 64, 3, 8, False, 8), (128, 128, 64, 4, 4, False, 8)]
+            shapes = [(128, 256, 64, 3, 8, True, 8), (128, 256, 64, 3, 8, True, 16), (128, 256, 64, 3, 8, True, 4),
+                      (128, 256, 64, 4, 8, True, 8), (128, 256, 64, 3, 8, False, 8), (128, 128, 64, 4, 4, False, 8)]
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "SUBTILE": sub},
                               num_stages=s, num_warps=w, pre_hook=_set_blocks) for m, n, k, s, w, sub, g in shapes]
 
