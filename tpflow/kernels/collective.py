@@ -49,8 +49,12 @@ __all__ = ["ADD_LATE", "ALGOS", "RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmu
 # (`benchmarks/collective_cpu.py gloo --size {512,1024}`, results in benchmarks/results/): at 2^17 per
 # message (size 512) the ring ran 0.84-0.96x of the plain path in the recorded run (0.99-1.10x in earlier,
 # unrecorded ones), at 2^19 (size 1024) 0.86-0.91x over three: the gain below 2^18 is within this VM's
-# noise, so the threshold sits there. CUDA: an estimate until measured.
-RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**22}
+# noise, so the threshold sits there. CUDA: an estimate until measured on two GPUs, from what one H100
+# showed (`benchmarks/kernels_gpu.py`): a launch of the matmul costs the host 58-199 us on that VM's CPU,
+# so the ring's W x SPLITS launches pay only where each piece's product takes longer than that. At 2^24
+# elements a message, K = 4096 and two pieces, a piece is 69 GFLOP, about 105 us at the 650 TFLOP/s
+# measured there (2^22, the earlier guess, made pieces of 26 us: bound by the host).
+RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**24}
 ALGOS = ("auto", "ring", "naive")
 # Messages per chunk of the reduce-scatter ring, by device type. With the accumulator added in the epilogue,
 # pieces let a transfer overlap the next piece's compute: on an emulated link as slow as half the compute, two
