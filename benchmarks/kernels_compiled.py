@@ -86,32 +86,30 @@ def _ptxas(ptx: str, arch: int) -> tuple[int, int]:
 
 
 class _CompileEachConfig:
-    """Stands in for an autotuned kernel: ``kernel[grid](...)`` compiles the call under each config
+    """Stands in for an autotuned kernel (``tiles._Tuned``): ``launch`` compiles the call under each config
     (after its pre_hook, as the autotuner would) instead of timing it."""
 
     def __init__(self, tuner, name: str, configs: list, arch: int, found: list[Compiled]):
         self.tuner, self.name, self.configs, self.arch, self.found = tuner, name, configs, arch, found
         self.variant = ""
 
-    def __getitem__(self, grid):
-        def compile_all(*args, **kwargs):
-            for config in self.configs:
-                nargs = {**dict(zip(self.tuner.arg_names, args)), **kwargs, **config.all_kwargs()}
-                if config.pre_hook:
-                    config.pre_hook(nargs)
-                compiled = self.tuner.fn.warmup(*args, grid=grid, **kwargs, **config.all_kwargs())
-                ptx = compiled.asm["ptx"]
-                registers, spilled = _ptxas(ptx, self.arch)
-                shared, wgmma = compiled.metadata.shared, ptx.count("wgmma.mma_async")
-                k = config.kwargs
-                a = getattr(args[0], "base", args[0])  # the tiled kernel's A, or the persistent one's descriptor's
-                tile_bytes = (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * a.element_size()
-                in_flight = config.num_stages - (0 if wgmma else 1)  # mma.sync pipelines keep one stage fewer
-                self.found.append(Compiled(
-                    self.variant, self.name, _config_name(config), shared, shared <= MAX_SHARED[self.arch],
-                    shared >= in_flight * tile_bytes, registers, spilled, wgmma, ptx.count("cp.async.bulk.tensor"),
-                    len(re.findall(r"cp\.async\.c[ag]", ptx))))
-        return compile_all
+    def launch(self, grid, key: tuple, args: tuple, kwargs: dict, set_blocks=None) -> None:
+        for config in self.configs:
+            nargs = {**dict(zip(self.tuner.arg_names, args)), **kwargs, **config.all_kwargs()}
+            if config.pre_hook:
+                config.pre_hook(nargs)
+            compiled = self.tuner.fn.warmup(*args, grid=grid, **kwargs, **config.all_kwargs())
+            ptx = compiled.asm["ptx"]
+            registers, spilled = _ptxas(ptx, self.arch)
+            shared, wgmma = compiled.metadata.shared, ptx.count("wgmma.mma_async")
+            k = config.kwargs
+            a = getattr(args[0], "base", args[0])  # the tiled kernel's A, or the persistent one's descriptor's
+            tile_bytes = (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * a.element_size()
+            in_flight = config.num_stages - (0 if wgmma else 1)  # mma.sync pipelines keep one stage fewer
+            self.found.append(Compiled(
+                self.variant, self.name, _config_name(config), shared, shared <= MAX_SHARED[self.arch],
+                shared >= in_flight * tile_bytes, registers, spilled, wgmma, ptx.count("cp.async.bulk.tensor"),
+                len(re.findall(r"cp\.async\.c[ag]", ptx))))
 
 
 def _config_name(config) -> str:
@@ -158,8 +156,8 @@ def offline(arch: int, pinned: bool, found: list[Compiled]):
     saved = (tiles._tiled, tiles._persistent, tiles._programs, torch.cuda.get_device_capability)
     with _env(TPFLOW_AUTOTUNE="0" if pinned else "1"):
         configs = tiles._tiled_configs(), tiles._persistent_configs()
-    tiles._tiled = _CompileEachConfig(tiles._tiled, "tiled", configs[0], arch, found)
-    tiles._persistent = _CompileEachConfig(tiles._persistent, "persistent", configs[1], arch, found)
+    tiles._tiled = _CompileEachConfig(tiles._tiled.autotuner, "tiled", configs[0], arch, found)
+    tiles._persistent = _CompileEachConfig(tiles._persistent.autotuner, "persistent", configs[1], arch, found)
     tiles._programs = lambda device: 132
     torch.cuda.get_device_capability = lambda device=None: divmod(arch, 10)
     driver.set_active(_OfflineDriver(arch))

@@ -44,7 +44,7 @@ def main() -> None:
     for bm, bn, bk, stages, warps, subtile, group in CANDIDATES:
         config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "SUBTILE": subtile},
                                num_stages=stages, num_warps=warps, pre_hook=tiles._set_blocks)
-        tiles._persistent = tiles._autotune([config], tiles._KEY + ["A_T", "B_T"])(tiles._persistent_kernel)
+        tiles._persistent = tiles._persistent_tuned([config])
         line = [f"{bm}x{bn}x{bk} s{stages} w{warps} sub{int(subtile)} g{group}"]
         for a, b, t_torch in operands:
             try:

@@ -242,12 +242,10 @@ def test_persistent_shapes_and_layouts(m, k, n, a_t, b_t, dtype):
 @pytest.mark.parametrize("has_bias, activation, has_acc",
                          list(itertools.product([False, True], [None, "relu", "gelu", "silu"], [False, True])))
 def test_persistent_epilogues(monkeypatch, has_bias, activation, has_acc, subtile):
-    if not tiles.INTERPRET and not subtile:
-        pytest.skip("compiled, the pinned or autotuned config decides whether C is stored in halves")
-    if tiles.INTERPRET:  # the pinned config decides whether C is stored in halves
-        config = tiles._persistent_configs()[0]
-        pinned = triton.Config({**config.kwargs, "SUBTILE": subtile})
-        monkeypatch.setattr(tiles, "_persistent_configs", lambda: [pinned])
+    config = tiles._persistent_configs()[0]  # the pinned one: the interpreter's, or TPFLOW_AUTOTUNE=0's
+    pinned = triton.Config({**config.kwargs, "SUBTILE": subtile}, num_warps=config.num_warps,
+                           num_stages=config.num_stages, pre_hook=config.pre_hook)
+    monkeypatch.setattr(tiles, "_persistent", tiles._persistent_tuned([pinned]))
     dtype = PERSISTENT_DTYPES[0]
     a, b = _rand(41, 128, dtype=dtype, seed=1), _rand(72, 128, dtype=dtype, seed=2).mT  # nn.Linear's layout
     bias = _rand(72, dtype=dtype, seed=3) if has_bias else None
@@ -291,6 +289,28 @@ def test_persistent_linear_gradients(activation):
     ref = torch.autograd.grad(linear_ref(*as64, activation), as64, g.double())
     for got_t, want_t, ref_t in zip(got, want, ref):
         _close(got_t, want_t, ref_t, dtype)
+
+
+@pytest.mark.parametrize("kernel", tiles.KERNELS)
+def test_a_tuned_key_launches_without_the_autotuner(monkeypatch, kernel):
+    """A key's first launch goes through the autotuner; later ones launch its chosen config directly, with
+    the same results; a new key (here a bias) goes through the autotuner again."""
+    monkeypatch.setenv("TPFLOW_MATMUL", kernel)
+    tuned = getattr(tiles, f"_{kernel}")
+    monkeypatch.setattr(tuned, "chosen", {})
+    tuner_runs = []
+    real = tuned.autotuner.run
+    monkeypatch.setattr(tuned.autotuner, "run", lambda *args, **kw: tuner_runs.append(1) or real(*args, **kw))
+    a, b = _rand(41, 128, dtype=torch.float16, seed=1), _rand(72, 128, dtype=torch.float16, seed=2).mT
+    bias = _rand(72, dtype=torch.float16, seed=3)
+    assert _persistent_runs(a, b) == (kernel == "persistent")
+    for _ in range(3):
+        _close(matmul(a, b), matmul_ref(a, b), matmul_ref(a, b, upcast=True), torch.float16)
+    assert len(tuner_runs) == 1 and len(tuned.chosen) == 1
+    for _ in range(2):
+        _close(matmul(a, b, bias=bias), matmul_ref(a, b, bias=bias), matmul_ref(a, b, bias=bias, upcast=True),
+               torch.float16)
+    assert len(tuner_runs) == 2 and len(tuned.chosen) == 2
 
 
 def test_kernel_choice(monkeypatch):
