@@ -28,20 +28,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpflow import comm, init_distributed
+from tpflow import config, init_distributed
 from tpflow.bench.measure import cpu_name, source_version, step_times
-from tpflow.comm import stats
-from tpflow.kernels import ADD_LATE, FakeWorld, all_gather_matmul, matmul_reduce_scatter, row_bounds
+from tpflow.dist import FakeWorld, comm, row_bounds
+from tpflow.dist.comm import stats
+from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
 
 
 def add_late(flag: bool, fn):
-    """``fn`` with the reduce-scatter ring's late add (``tpflow.kernels.ADD_LATE``) set to ``flag`` on CPU."""
+    """``fn`` with the reduce-scatter ring's late add (the ``ring_add_late`` switch) set to ``flag``."""
     def run(*args):
-        saved, ADD_LATE["cpu"] = ADD_LATE["cpu"], flag
-        try:
+        with config.override(ring_add_late=flag):
             return fn(*args)
-        finally:
-            ADD_LATE["cpu"] = saved
     return run
 
 
@@ -68,7 +66,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     own = slice(*rows[rank])
     x_rows = torch.randn(size, size, generator=gen)[own].contiguous()  # M shard: a sequence-parallel input
     w_cols = torch.randn(size, size // world, generator=gen)
-    group = dist.group.WORLD  # the library collectives, with their bytes counted by tpflow.comm
+    group = dist.group.WORLD  # the library collectives, with their bytes counted by tpflow.dist.comm
 
     def torch_rs():
         return comm.reduce_scatter(torch.matmul(x, w), 0, rows, group)

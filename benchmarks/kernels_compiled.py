@@ -16,7 +16,7 @@ config it reports:
   copies (``cp.async.bulk.tensor``, loads and stores) and ``cp.async`` copies (the tiled kernel's
   pipeline).
 
-``--pinned`` compiles only the config the tests pin (``TPFLOW_AUTOTUNE=0``). Speed is still to be
+``--pinned`` compiles only the config the tests pin (the ``autotune`` switch off). Speed is still to be
 measured on a GPU (``benchmarks/kernels_gpu.py``); this shows whether the kernels lower as intended.
 """
 
@@ -36,8 +36,9 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
+from tpflow import config
 from tpflow.bench.report import markdown_table
-from tpflow.kernels import tiles
+from tpflow.kernels import launcher, tiles, tuning
 
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes of shared memory one block may use
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -86,11 +87,12 @@ def _ptxas(ptx: str, arch: int) -> tuple[int, int]:
 
 
 class _CompileEachConfig:
-    """Stands in for an autotuned kernel (``tiles._Tuned``): ``launch`` compiles the call under each config
+    """Stands in for an autotuned kernel (``tuning.Tuned``): ``launch`` compiles the call under each config
     (after its pre_hook, as the autotuner would) instead of timing it."""
 
-    def __init__(self, tuner, name: str, configs: list, arch: int, found: list[Compiled]):
-        self.tuner, self.name, self.configs, self.arch, self.found = tuner, name, configs, arch, found
+    def __init__(self, name: str, configs: list, arch: int, found: list[Compiled]):
+        self.tuner = tuning.Tuned(name, configs).autotuner
+        self.name, self.configs, self.arch, self.found = name, configs, arch, found
         self.variant = ""
 
     def launch(self, grid, key: tuple, args: tuple, kwargs: dict, set_blocks=None) -> None:
@@ -119,7 +121,7 @@ def _config_name(config) -> str:
 
 
 def variants(dtype: torch.dtype) -> dict:
-    """The products the layers and rings launch, as (a, b, out, keyword arguments of ``tiles.launch``)."""
+    """The products the layers and rings launch, as (a, b, out, keyword arguments of ``launcher.launch``)."""
     m, n, k = 256, 128, 192  # multiples of 16, as in real models: the same specialisation as 8192 x 4096
     x, w, dz = (torch.empty(*s, dtype=dtype) for s in ((m, k), (n, k), (m, n)))
     flags = dict(bias=None, activation=0, acc=None, pre=None, row_start=0, tile_offset=0)
@@ -137,36 +139,23 @@ def variants(dtype: torch.dtype) -> dict:
 
 
 @contextlib.contextmanager
-def _env(**values: str):
-    """Environment variables set for the block, then put back as they were."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.update({name: value})
-
-
-@contextlib.contextmanager
 def offline(arch: int, pinned: bool, found: list[Compiled]):
-    """tiles' kernels compile for ``arch`` instead of launching, and the operands count as on that GPU.
+    """The kernels compile for ``arch`` instead of launching, and the operands count as on that GPU (132 SMs).
     Everything is put back after, including the kernels' caches (which would hold the fake target)."""
     driver = triton.runtime.driver
-    saved = (tiles._tiled, tiles._persistent, tiles._programs, torch.cuda.get_device_capability)
-    with _env(TPFLOW_AUTOTUNE="0" if pinned else "1"):
-        configs = tiles._tiled_configs(), tiles._persistent_configs()
-    tiles._tiled = _CompileEachConfig(tiles._tiled.autotuner, "tiled", configs[0], arch, found)
-    tiles._persistent = _CompileEachConfig(tiles._persistent.autotuner, "persistent", configs[1], arch, found)
-    tiles._programs = lambda device: 132
+    saved = (launcher.programs, torch.cuda.get_device_capability)
+    stand_ins = {kernel: _CompileEachConfig(kernel, tuning.configs(kernel, autotune=not pinned), arch, found)
+                 for kernel in tuning.KERNELS}
+    launcher.programs = lambda device: 132
     torch.cuda.get_device_capability = lambda device=None: divmod(arch, 10)
     driver.set_active(_OfflineDriver(arch))
     try:
-        yield
+        with tuning.use("tiled", stand_ins["tiled"]), tuning.use("persistent", stand_ins["persistent"]):
+            yield stand_ins
     finally:
-        tiles._tiled, tiles._persistent, tiles._programs, torch.cuda.get_device_capability = saved
+        launcher.programs, torch.cuda.get_device_capability = saved
         driver._active = None  # back to finding the real driver when next asked
-        for jit in (tiles._tiled_kernel.fn, tiles._persistent_kernel):
+        for jit in (tiles.tiled_kernel.fn, tiles.persistent_kernel):
             jit.device_caches.clear()
 
 
@@ -175,15 +164,15 @@ def compile_all(arch: int = 90, pinned: bool = False, dtype: torch.dtype = torch
     if tiles.INTERPRET:
         raise RuntimeError("compiling for a GPU needs TRITON_INTERPRET unset")
     found: list[Compiled] = []
-    with offline(arch, pinned, found):
+    with offline(arch, pinned, found) as stand_ins:
         for variant, (a, b, out, kw) in variants(dtype).items():
-            for kernel in tiles.KERNELS:
-                with _env(TPFLOW_MATMUL=kernel):
-                    if tiles.kernel_choice(a, b, out, kw["pre"]) != kernel:
+            for kernel in tuning.KERNELS:
+                with config.override(matmul=kernel):
+                    if launcher.kernel_choice(a, b, out, kw["pre"]) != kernel:
                         continue  # the persistent kernel below Hopper: its rows would be the tiled one's again
-                    tiles._tiled.variant = tiles._persistent.variant = variant
-                    tiles.launch(a, b, kw["bias"], kw["activation"], kw["acc"], out, kw["pre"], kw["row_start"],
-                                 kw["row_start"] + out.shape[0], kw["tile_offset"])
+                    stand_ins[kernel].variant = variant
+                    launcher.launch(a, b, kw["bias"], kw["activation"], kw["acc"], out, kw["pre"], kw["row_start"],
+                                    kw["row_start"] + out.shape[0], kw["tile_offset"])
     return found
 
 

@@ -3,22 +3,22 @@
     PYTHONPATH=. python benchmarks/kernels_configs.py [--dtype bf16]
 
 Autotuning keeps only each shape's winner; this shows every candidate on every shape of
-``benchmarks/kernels_gpu.py``, which is how ``tiles._persistent_configs`` was chosen (a config that
-wins nowhere costs compile and tuning time for nothing). Prints one line per config: its
+``benchmarks/kernels_gpu.py``, which is how the persistent configs of ``tpflow.kernels.tuning`` were
+chosen (a config that wins nowhere costs compile and tuning time for nothing). Prints one line per config: its
 cuBLAS time / its time on each shape, or the compile error (shared memory) where it does not fit.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import triton
 from triton.testing import do_bench
 
 from kernels_gpu import DTYPES, SHAPES
-from tpflow.kernels import matmul, tiles
+from tpflow import config
+from tpflow.kernels import matmul, tuning
 
 # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, C stored in halves, row tiles a group
 CANDIDATES = [
@@ -34,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     dtype = DTYPES[parser.parse_args().dtype]
-    os.environ["TPFLOW_MATMUL"] = "persistent"
+    config.set(matmul="persistent")
     operands = []
     for m, n, k in SHAPES:
         a = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -42,16 +42,16 @@ def main() -> None:
         operands.append((a, b, do_bench(lambda: torch.matmul(a, b), warmup=50, rep=200)))
     print("shapes (M, N, K):", *SHAPES)
     for bm, bn, bk, stages, warps, subtile, group in CANDIDATES:
-        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "SUBTILE": subtile},
-                               num_stages=stages, num_warps=warps, pre_hook=tiles._set_blocks)
-        tiles._persistent = tiles._persistent_tuned([config])
+        candidate = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "SUBTILE": subtile},
+                                   num_stages=stages, num_warps=warps, pre_hook=tuning.set_blocks)
         line = [f"{bm}x{bn}x{bk} s{stages} w{warps} sub{int(subtile)} g{group}"]
-        for a, b, t_torch in operands:
-            try:
-                torch.testing.assert_close(matmul(a, b), torch.matmul(a, b), rtol=2e-2, atol=2e-1)
-                line.append(round(t_torch / do_bench(lambda: matmul(a, b), warmup=50, rep=200), 3))
-            except triton.runtime.errors.OutOfResources as e:
-                line.append(f"does not fit: {e}"[:60])
+        with tuning.use("persistent", tuning.Tuned("persistent", [candidate])):
+            for a, b, t_torch in operands:
+                try:
+                    torch.testing.assert_close(matmul(a, b), torch.matmul(a, b), rtol=2e-2, atol=2e-1)
+                    line.append(round(t_torch / do_bench(lambda: matmul(a, b), warmup=50, rep=200), 3))
+                except triton.runtime.errors.OutOfResources as e:
+                    line.append(f"does not fit: {e}"[:60])
         print(*line, flush=True)
 
 

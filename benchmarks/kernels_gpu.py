@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/kernels_gpu.py [--dtypes bf16 fp16] [--kernels tiled persistent] [--quick]
 
 Writes ``kernels_<device>_<time>.md`` (and ``.csv``) in ``--out``. For each kernel
-(``TPFLOW_MATMUL``) on square and LLM shapes: TFLOP/s against cuBLAS, the fused bias + GELU
+(the ``matmul`` switch) on square and LLM shapes: TFLOP/s against cuBLAS, the fused bias + GELU
 epilogue against torch's matmul + bias + gelu, and the cost of computing one product as 8
 row-range launches (the ring collectives' decomposition) against one launch: as launched from
 Python, and replayed from a CUDA graph (the GPU's side alone, without the host's launch cost).
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import os
 import pathlib
 import time
 
@@ -29,7 +28,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from tpflow.bench.report import markdown_table
 from tpflow.kernels import matmul
-from tpflow.kernels.tiles import KERNELS, kernel_choice
+from tpflow import config
+from tpflow.kernels.launcher import KERNELS, kernel_choice
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,7 +50,7 @@ def eight_ranges(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 def measure(kernel: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor, t_torch: float,
             t_torch_fused: float) -> dict:
     """One kernel's columns: checked against torch, then timed."""
-    os.environ["TPFLOW_MATMUL"] = kernel
+    config.set(matmul=kernel)
     m, n, k = a.shape[0], b.shape[1], a.shape[1]
     out = torch.empty(m, n, device="cuda", dtype=a.dtype)
     if kernel_choice(a, b, out) != kernel:
@@ -91,7 +91,7 @@ def host_costs(kernels: list[str]) -> str:
     out = torch.empty_like(a)
     costs = {"torch.matmul": host_us(lambda: torch.matmul(a, b.mT, out=out))}
     for kernel in kernels:
-        os.environ["TPFLOW_MATMUL"] = kernel
+        config.set(matmul=kernel)
         costs[kernel] = host_us(lambda: matmul(a, b.mT, out=out))
     return ", ".join(f"{name} {us:.1f} us" for name, us in costs.items())
 

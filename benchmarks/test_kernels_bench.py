@@ -21,10 +21,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpflow.kernels import ADD_LATE, FakeWorld, matmul, matmul_reduce_scatter
+import tpflow as tpf
+from tpflow.dist import FakeWorld
+from tpflow.kernels import matmul
+from tpflow.ops import matmul_reduce_scatter
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a GPU")
+
+
+@pytest.fixture
+def switches():
+    """What a benchmark sets with tpf.config.set is put back after it."""
+    yield
+    tpf.config.reset("matmul", "ring_add_late")
+
 GPU_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 14336), (8192, 14336, 4096)]  # M, N, K
 
 
@@ -39,10 +50,10 @@ def _synced(fn):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m, n, k", GPU_SHAPES)
 @pytest.mark.parametrize("impl", ["tpflow tiled", "tpflow persistent", "torch"])
-def test_matmul_gpu(monkeypatch, benchmark, impl, m, n, k, dtype):
+def test_matmul_gpu(switches, benchmark, impl, m, n, k, dtype):
     benchmark.group = f"matmul {m}x{n}x{k} {dtype}"
     if impl != "torch":
-        monkeypatch.setenv("TPFLOW_MATMUL", impl.removeprefix("tpflow "))
+        tpf.config.set(matmul=impl.removeprefix("tpflow "))
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(n, k, device="cuda", dtype=dtype).mT  # nn.Linear's layout, read in place
     fn = (lambda: torch.matmul(a, b)) if impl == "torch" else (lambda: matmul(a, b))
@@ -52,9 +63,9 @@ def test_matmul_gpu(monkeypatch, benchmark, impl, m, n, k, dtype):
 
 @gpu
 @pytest.mark.parametrize("impl", ["tpflow tiled", "tpflow persistent", "torch"])
-def test_bias_gelu_gpu(monkeypatch, benchmark, impl):
+def test_bias_gelu_gpu(switches, benchmark, impl):
     if impl != "torch":
-        monkeypatch.setenv("TPFLOW_MATMUL", impl.removeprefix("tpflow "))
+        tpf.config.set(matmul=impl.removeprefix("tpflow "))
     m, n, k = 8192, 4096, 4096
     benchmark.group = f"matmul + bias + gelu {m}x{n}x{k} bf16"
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -95,11 +106,11 @@ RING_CASES = {  # (messages per chunk, algo, late add)
 
 
 @pytest.mark.parametrize("case", list(RING_CASES))
-def test_ring_on_emulated_link(monkeypatch, benchmark, case):
+def test_ring_on_emulated_link(switches, benchmark, case):
     torch.set_num_threads(1)
     benchmark.group = f"matmul + reduce-scatter, fake link, transfer = 0.5x compute, {RING}"
     splits, algo, late = RING_CASES[case]
-    monkeypatch.setitem(ADD_LATE, "cpu", late)
+    tpf.config.set(ring_add_late=late)
     xs, ws = _ring_operands()
     bandwidth = _link_bandwidth(xs, ws)
 

@@ -7,24 +7,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
 
+import tpflow as tpf
 from tests import harness
-from tpflow.kernels import collective, tiles
-from tpflow.kernels import (
-    FakeWorld,
-    all_gather_matmul,
-    all_gather_matmul_ref,
-    as_transport,
-    matmul_ref,
-    matmul_reduce_scatter,
-    matmul_reduce_scatter_ref,
-    row_bounds,
-    use_triton,
-)
+from tpflow.dist import FakeWorld, as_transport, row_bounds
+from tpflow.kernels import matmul_ref, use_triton
+from tpflow.ops import all_gather_matmul, all_gather_matmul_ref, matmul_reduce_scatter, matmul_reduce_scatter_ref
 
 F64 = torch.float64
 
@@ -128,10 +119,10 @@ SHAPES = [(9, 7, 5), (13, 8, 6), (2, 5, 3), (16, 12, 8)]  # M < W for W = 3, 4; 
 @pytest.mark.parametrize("splits, algo, bias", [(2, "ring", True), (1, "ring", False), (3, "ring", True),
                                                 (2, "naive", True)])
 @pytest.mark.parametrize("add_late", [True, False], ids=["late add", "add in the epilogue"])
-def test_matmul_reduce_scatter(monkeypatch, world, m, k, n, splits, algo, bias, add_late):
-    monkeypatch.setitem(collective.ADD_LATE, "cpu", add_late)
+def test_matmul_reduce_scatter(world, m, k, n, splits, algo, bias, add_late):
     X, Wt, b, dY = _problem(m, k, n, bias)
-    results = FakeWorld(world).run(_rs_rank, X, Wt, b, dY, splits, algo)
+    with tpf.config.override(ring_add_late=add_late):
+        results = FakeWorld(world).run(_rs_rank, X, Wt, b, dY, splits, algo)
     _check_rs(results, X, Wt, b, dY)
     if algo != "ring":
         return
@@ -190,11 +181,11 @@ def test_sequence_dims_fold_into_rows(world, algo):
 
 
 @pytest.mark.parametrize("threshold, ring", [(24, True), (25, False)])
-def test_auto_decides_alike_on_every_rank(monkeypatch, threshold, ring):
+def test_auto_decides_alike_on_every_rank(threshold, ring):
     """K = 9 over 2 ranks gives shards of 5 and 4 columns; the choice must not depend on them."""
-    monkeypatch.setitem(collective.RING_MIN_ELEMENTS, "cpu", threshold)  # a message is 4 rows x 6 = 24 elements
     X, Wt, b, dY = _problem(8, 9, 6, True)
-    results = FakeWorld(2).run(_rs_rank, X, Wt, b, dY, 2, "auto")
+    with tpf.config.override(ring_min_elements=threshold):  # a message is 4 rows x 6 = 24 elements
+        results = FakeWorld(2).run(_rs_rank, X, Wt, b, dY, 2, "auto")
     _check_rs(results, X, Wt, b, dY)
     assert [r[4][1] for r in results] == [2 if ring else 1] * 2
 
@@ -367,27 +358,34 @@ def test_gloo(world, algo, m, inner):
         _close(r[3], y_act, "all-gather reference")
     if algo == "ring":
         bounds = row_bounds(m, world)
-        for rank, r in enumerate(results):  # counted in tpflow.comm.stats, with the rest of the rank's traffic
+        for rank, r in enumerate(results):  # counted in tpflow.dist.comm.stats, with the rest of the rank's traffic
             assert r[0][4][0] == (m - (bounds[rank][1] - bounds[rank][0])) * math.prod(inner) * n * 8
 
 
 # The Triton kernels (row ranges, the received partial added in the epilogue) through the interpreter.
 
+class Counting:
+    """Launches a kernel as ``inner`` does, counting the launches (for ``tuning.use``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.launches = inner, 0
+
+    def launch(self, *args, **kwargs) -> None:
+        self.launches += 1
+        self.inner.launch(*args, **kwargs)
+
+
 def _triton_rank(dtype, bias, activation, kernel, shape, add_late):
     """The rings on the Triton kernels; with ``kernel="persistent"``, also how many products ran on it."""
-    os.environ.update(TPFLOW_KERNELS="triton", TPFLOW_MATMUL=kernel)
-    launches = []
-    real, late = tiles._launch_persistent, collective.ADD_LATE["cpu"]
-    tiles._launch_persistent = lambda *args: launches.append(1) or real(*args)
-    collective.ADD_LATE["cpu"] = add_late
-    try:
+    from tpflow.kernels import tuning
+
+    persistent = Counting(tuning.tuned("persistent"))
+    with tpf.config.override(kernels="triton", matmul=kernel, ring_add_late=add_late), \
+            tuning.use("persistent", persistent):
         X, Wt, b, dY = _problem(*shape, bias, seed=3, dtype=dtype)
         assert use_triton(X), "the rings must run the Triton kernels here"
         return (_rs_rank(None, X, Wt, b, dY, 2, "ring")[:4],
-                _ag_rank(None, X, Wt, b, dY, activation, "ring")[:4], len(launches))
-    finally:
-        tiles._launch_persistent, collective.ADD_LATE["cpu"] = real, late
-        del os.environ["TPFLOW_KERNELS"], os.environ["TPFLOW_MATMUL"]
+                _ag_rank(None, X, Wt, b, dY, activation, "ring")[:4], persistent.launches)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -398,7 +396,7 @@ def _triton_rank(dtype, bias, activation, kernel, shape, add_late):
     (torch.float16, True, "gelu", "persistent", (48, 32, 24), True),
 ], ids=["fp32, partials added in the epilogue", "fp32, late add", "fp16", "fp16 persistent"])
 def test_triton_kernels_in_the_rings(world, dtype, bias, activation, kernel, shape, add_late):
-    """fp16 outputs get the partials added in the epilogue whatever ``ADD_LATE`` says (fp32 partials)."""
+    """fp16 outputs get the partials added in the epilogue whatever ``ring_add_late`` says (fp32 partials)."""
     pytest.importorskip("triton")
     results = harness.run(world, _triton_rank, dtype, bias, activation, kernel, shape, add_late, timeout=300)
     if kernel == "persistent":  # the chunks' products, their accumulating epilogues and the backward's products

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import tpflow as tpf
 from tests import harness
-from tpflow import kernels
-from tpflow.kernels import tiles
+from tests.test_collective import Counting
+from tpflow.dist import FakeWorld, as_transport, row_bounds
+from tpflow.kernels import matmul, matmul_ref
+from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -48,21 +45,20 @@ def test_cuda_world_of_one():
 # the fused accumulator epilogue in bf16 / fp16), and over NCCL where there are two GPUs.
 
 def _ring_case(group, X, Wt, b, rows, k_cols):
-    t = kernels.as_transport(group)
-    rs = kernels.matmul_reduce_scatter(X[:, slice(*k_cols[t.rank])], Wt[slice(*k_cols[t.rank])], group, bias=b,
-                                       algo="ring")
-    ag = kernels.all_gather_matmul(X[slice(*rows[t.rank])], Wt, group, rows=X.shape[0], bias=b, activation="gelu",
-                                   algo="ring")
+    t = as_transport(group)
+    rs = matmul_reduce_scatter(X[:, slice(*k_cols[t.rank])], Wt[slice(*k_cols[t.rank])], group, bias=b, algo="ring")
+    ag = all_gather_matmul(X[slice(*rows[t.rank])], Wt, group, rows=X.shape[0], bias=b, activation="gelu",
+                           algo="ring")
     return rs, ag
 
 
 def _check_rings(results, X, Wt, b, dtype):
     X64, Wt64, b64 = X.double(), Wt.double(), b.double()
     for got, ref64, ref in (
-        (torch.cat([r[0] for r in results]), kernels.matmul_ref(X64, Wt64, bias=b64),
-         kernels.matmul_ref(X, Wt, bias=b)),
-        (results[-1][1], kernels.matmul_ref(X64, Wt64, bias=b64, activation="gelu"),
-         kernels.matmul_ref(X, Wt, bias=b, activation="gelu")),
+        (torch.cat([r[0] for r in results]), matmul_ref(X64, Wt64, bias=b64),
+         matmul_ref(X, Wt, bias=b)),
+        (results[-1][1], matmul_ref(X64, Wt64, bias=b64, activation="gelu"),
+         matmul_ref(X, Wt, bias=b, activation="gelu")),
     ):
         err, torch_err = (got.to(ref64.device).double() - ref64).abs().max(), (ref.double() - ref64).abs().max()
         atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype] * ref64.abs().max()
@@ -71,24 +67,24 @@ def _check_rings(results, X, Wt, b, dtype):
 
 @pytest.mark.parametrize("kernel", ["tiled", "persistent"])  # persistent: fp16 / bf16 only; fp32 stays tiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_rings_compiled_on_one_gpu(monkeypatch, dtype, kernel):
-    monkeypatch.setenv("TPFLOW_MATMUL", kernel)
-    launches = []
-    real = tiles._launch_persistent
-    monkeypatch.setattr(tiles, "_launch_persistent", lambda *args: launches.append(1) or real(*args))
+def test_rings_compiled_on_one_gpu(dtype, kernel):
+    from tpflow.kernels import tuning
+
+    persistent = Counting(tuning.tuned("persistent"))
     world, (m, k, n) = 3, (1000, 768, 512)
     gen = torch.Generator(device="cuda").manual_seed(0)
     X, Wt, b = (torch.randn(*s, device="cuda", generator=gen).to(dtype) for s in ((m, k), (k, n), (n,)))
-    rows, k_cols = kernels.row_bounds(m, world), kernels.row_bounds(k, world)
-    _check_rings(kernels.FakeWorld(world).run(_ring_case, X, Wt, b, rows, k_cols), X, Wt, b, dtype)
-    assert bool(launches) == (kernel == "persistent" and dtype != torch.float32), len(launches)
+    rows, k_cols = row_bounds(m, world), row_bounds(k, world)
+    with tpf.config.override(matmul=kernel), tuning.use("persistent", persistent):
+        _check_rings(FakeWorld(world).run(_ring_case, X, Wt, b, rows, k_cols), X, Wt, b, dtype)
+    assert bool(persistent.launches) == (kernel == "persistent" and dtype != torch.float32), persistent.launches
 
 
 def _nccl_rings(dtype):
     torch.manual_seed(0)  # every rank draws the same full operands
     X, Wt, b = (torch.randn(*s, device="cuda").to(dtype) for s in ((1000, 768), (768, 512), (512,)))
     world = torch.distributed.get_world_size()
-    rs, ag = _ring_case(None, X, Wt, b, kernels.row_bounds(1000, world), kernels.row_bounds(768, world))
+    rs, ag = _ring_case(None, X, Wt, b, row_bounds(1000, world), row_bounds(768, world))
     return rs.cpu(), ag.cpu(), X.cpu(), Wt.cpu(), b.cpu()
 
 
@@ -100,26 +96,18 @@ def test_rings_over_nccl(dtype):
     _check_rings([(r[0], r[1]) for r in results], X.cuda(), Wt.cuda(), b.cuda(), dtype)
 
 
-ACCUMULATE_IN_PLACE = """
-import os, torch
-from tpflow.kernels import matmul, tiles
-torch.manual_seed(0)
-a = torch.randn(256, 192, device="cuda", dtype=torch.float16)
-b = torch.randn(128, 192, device="cuda", dtype=torch.float16).mT
-for kernel in ("tiled", "persistent"):
-    os.environ["TPFLOW_MATMUL"] = kernel
-    s = torch.ones(256, 128, device="cuda")
-    assert tiles.kernel_choice(a, b, s) == kernel
-    want = s + a.float() @ b.float()
-    matmul(a, b, acc=s, out=s)  # the first call of this key autotunes: every config runs on s several times
-    torch.testing.assert_close(s, want, rtol=2e-3, atol=2e-2, msg=lambda m: f"{kernel}: {m}")
-"""
-
-
 def test_accumulating_in_place_survives_autotuning():
-    """``matmul(a, b, acc=s, out=s)`` (the rings' weight gradients) with autotuning on, in a process of its own:
-    the tuning runs must not add into s."""
-    env = {**os.environ, "TPFLOW_AUTOTUNE": "1", "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
-    done = subprocess.run([sys.executable, "-c", ACCUMULATE_IN_PLACE], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """``matmul(a, b, acc=s, out=s)`` (the rings' weight gradients) with autotuning on (the tests pin one config):
+    the tuning runs, every config several times on s, must not add into s."""
+    from tpflow.kernels import launcher
+
+    torch.manual_seed(0)
+    a = torch.randn(256, 192, device="cuda", dtype=torch.float16)
+    b = torch.randn(128, 192, device="cuda", dtype=torch.float16).mT
+    for kernel in ("tiled", "persistent"):
+        with tpf.config.override(matmul=kernel, autotune=True):
+            s = torch.ones(256, 128, device="cuda")
+            assert launcher.kernel_choice(a, b, s) == kernel
+            want = s + a.float() @ b.float()
+            matmul(a, b, acc=s, out=s)  # the first call of this key autotunes
+            torch.testing.assert_close(s, want, rtol=2e-3, atol=2e-2, msg=lambda m: f"{kernel}: {m}")

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tpflow as tpf
 from tests import harness
-from tpflow.comm import bounds
+from tpflow.dist.comm import bounds
 
 B, S0 = tpf.sbp.broadcast, tpf.sbp.split(0)
 
@@ -91,7 +91,7 @@ def _partial_gradients_in_one_all_reduce(rows, bucket_bytes):
     assert all(tpf.get_sbp(p.grad) == (tpf.sbp.partial_sum,) for p in model.parameters())
     tpf.comm.stats.reset()
     tpf.gradients.reduce_partial_gradients(model.parameters(), bucket_bytes)
-    buckets = 1 if bucket_bytes == tpf.gradients.BUCKET_BYTES else len(list(model.parameters()))
+    buckets = 1 if bucket_bytes == tpf.config.get("grad_bucket_bytes") else len(list(model.parameters()))
     assert tpf.comm.stats.messages_sent == 2 * (world - 1) * buckets
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert tpf.get_sbp(p.grad) == (B,)
@@ -101,7 +101,7 @@ def _partial_gradients_in_one_all_reduce(rows, bucket_bytes):
 
 @pytest.mark.parametrize("world, bucket_bytes", [(2, None), (3, None), (2, 1)], ids=["2", "3", "2, a bucket each"])
 def test_partial_gradients_are_summed_in_one_all_reduce(world, bucket_bytes):
-    bucket_bytes = bucket_bytes or tpf.gradients.BUCKET_BYTES
+    bucket_bytes = bucket_bytes or tpf.config.get("grad_bucket_bytes")
     assert all(harness.run(world, _partial_gradients_in_one_all_reduce, 7, bucket_bytes))
 
 

@@ -17,7 +17,7 @@ import tpflow as tpf
 from tests import harness
 from tests.checks import ints
 from tests.test_layers import _own, _world
-from tpflow.comm import ring_bytes, stats
+from tpflow.dist.comm import ring_bytes, stats
 
 WIDTHS = (5, 7, 3)  # uneven over 2-4 ranks; 3 leaves rank 3 of 4 without a block
 
@@ -53,7 +53,7 @@ def _trio_rank(sequence_parallel, keep_gathered, bias):
     ref = Trio(bias=bias)
     style = tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel, keep_gathered=keep_gathered)
     model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"[abc]": style})
-    assert model.a._columns is model.b._columns is model.c._columns is not None
+    assert model.a.fused_group is model.b.fused_group is model.c.fused_group is not None
     x_full = ints((2 * W, 3, 6), seed=20)  # [sequence, batch, features]: sequence parallelism splits dim 0 evenly
     mine = slice(2 * r, 2 * r + 2) if sequence_parallel else slice(None)
     x = x_full[mine].clone().requires_grad_()
@@ -146,9 +146,10 @@ def _patterns_rank():
     glob = tpf.tensor(x, placement=_world(), sbp=tpf.sbp.broadcast)  # a global input: each layer alone
     for y, y_ref in zip(model(glob), ref(x)):
         assert torch.equal(y.full_tensor(), y_ref), "a global input"
-    assert not model.a._columns._pending
+    assert not model.a.fused_group._pending
     copied = copy.deepcopy(model)
-    assert copied.a._columns is not model.a._columns and copied.a._columns.layers == (copied.a, copied.b, copied.c)
+    assert copied.a.fused_group is not model.a.fused_group
+    assert copied.a.fused_group.layers == (copied.a, copied.b, copied.c)
     with torch.no_grad():
         assert all(torch.equal(p, q) for p, q in zip(copied(x), model(x)))
 
@@ -252,8 +253,8 @@ def _llama_rank(sequence_parallel):
               "row": tpf.RowParallel(sequence_parallel=sequence_parallel)}
     model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={k: styles[v] for k, v in LLAMA_PLAN.items()})
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    assert attn.q_proj._columns.layers == (attn.q_proj, attn.k_proj, attn.v_proj)
-    assert mlp.gate_proj._columns.layers == (mlp.gate_proj, mlp.up_proj)
+    assert attn.q_proj.fused_group.layers == (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert mlp.gate_proj.fused_group.layers == (mlp.gate_proj, mlp.up_proj)
     W, r = dist.get_world_size(), dist.get_rank()
     tokens = torch.randint(0, 50, (2, 4 * W), generator=torch.Generator().manual_seed(1))
     targets = tokens.roll(-1, 1)
@@ -313,7 +314,7 @@ def _errors_rank():
         assert all(type(m) is nn.Linear for m in (model.a, model.b, model.c, model.d)), "the model is unchanged"
     lone = tpf.parallelize(Mixed(), placement=P, plan={"a": tpf.ColumnParallel(fuse=True),
                                                        "inner.0": tpf.ColumnParallel(fuse=True)})
-    assert lone.a._columns is None and lone.inner[0]._columns is None, "a lone layer under its parent stays alone"
+    assert lone.a.fused_group is None and lone.inner[0].fused_group is None, "a lone layer under its parent stays alone"
 
 
 def test_fuse_errors_name_the_layers_before_the_model_changes():

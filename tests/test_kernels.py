@@ -15,7 +15,11 @@ try:
 except ImportError:  # the fixture below skips every test
     triton = None
 
-from tpflow.kernels import linear, linear_ref, matmul, matmul_ref, tiles
+import tpflow as tpf
+from tpflow.kernels import linear, linear_ref, matmul, matmul_ref
+
+if triton is not None:
+    from tpflow.kernels import launcher, tuning
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # interpreter: no bf16
@@ -23,12 +27,12 @@ ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
-def _triton_kernels(monkeypatch):
+def _triton_kernels():
     """The Triton kernels on CPU too; the tiled one unless a test asks for the persistent one (the
-    default on a GPU), so that a GPU checks both."""
+    default on a GPU), so that a GPU checks both. A test may set switches further: they are put back."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TPFLOW_KERNELS", "triton")
-    monkeypatch.setenv("TPFLOW_MATMUL", "tiled")
+    with tpf.config.override(kernels="triton", matmul="tiled"):
+        yield
 
 
 def _close(got, want_torch, ref64, dtype):
@@ -67,12 +71,12 @@ def test_epilogues(has_bias, activation, has_acc, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("has_bias, activation, has_acc, into",
                          list(itertools.product([False, True], [None, "relu"], [False, True], ["new", "out", "acc"])))
-def test_torch_path(monkeypatch, has_bias, activation, has_acc, into, dtype):
-    """CPU tensors without TPFLOW_KERNELS: torch's BLAS (addmm where the epilogue is only adds), accumulating
+def test_torch_path(has_bias, activation, has_acc, into, dtype):
+    """CPU tensors with the kernels switch at torch: torch's BLAS (addmm where the epilogue is only adds), accumulating
     in fp32 like the kernel, whatever the input dtype."""
     if into == "acc" and not has_acc:
         pytest.skip("accumulating in place needs an accumulator")
-    monkeypatch.delenv("TPFLOW_KERNELS")
+    tpf.config.set(kernels="torch")
     a, b = _rand(37, 20, dtype=dtype, seed=1).cpu(), _rand(20, 9, dtype=dtype, seed=2).cpu()
     bias = _rand(9, dtype=dtype, seed=3).cpu() if has_bias else None
     acc = _rand(33, 9, dtype=torch.float32, seed=4).cpu() if has_acc else None
@@ -84,9 +88,9 @@ def test_torch_path(monkeypatch, has_bias, activation, has_acc, into, dtype):
     torch.testing.assert_close(got, want)
 
 
-def test_torch_path_accumulates_fp16_in_fp32(monkeypatch):
+def test_torch_path_accumulates_fp16_in_fp32():
     """A sum past fp16's range (65504) into an fp32 accumulator stays finite and exact, as in the kernel."""
-    monkeypatch.delenv("TPFLOW_KERNELS")
+    tpf.config.set(kernels="torch")
     a, b = torch.full((8, 4096), 30.0, dtype=torch.float16), torch.ones(4096, 3, dtype=torch.float16)
     acc = torch.zeros(8, 3)
     assert torch.equal(matmul(a, b, acc=acc, out=acc), torch.full((8, 3), 122880.0))
@@ -161,10 +165,10 @@ def test_linear_gradients(activation, has_bias, dtype):
         _close(got_t, want_t, ref_t, dtype)
 
 
-def test_linear_on_the_torch_path_is_autograds_own_unless_backward_adds_work(monkeypatch):
-    """CPU tensors without TPFLOW_KERNELS: plain calls are F.linear (native backward, same values); a dgrad
+def test_linear_on_the_torch_path_is_autograds_own_unless_backward_adds_work():
+    """CPU tensors with the kernels switch at torch: plain calls are F.linear (native backward, same values); a dgrad
     hook or a dtype change keeps the autograd function; mixed dtypes are refused on both paths."""
-    monkeypatch.delenv("TPFLOW_KERNELS")
+    tpf.config.set(kernels="torch")
     x = torch.randn(2, 5, 4, requires_grad=True)
     w, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
     for activation in (None, "gelu"):
@@ -180,7 +184,7 @@ def test_linear_on_the_torch_path_is_autograds_own_unless_backward_adds_work(mon
 
 def test_linear_dgrad_hook_overlaps_the_weight_gradient(monkeypatch):
     """The hook sees dx before the weight gradient is computed, and what it returns is waited after it."""
-    monkeypatch.delenv("TPFLOW_KERNELS")
+    tpf.config.set(kernels="torch")
     events = []
 
     class Pending:
@@ -211,8 +215,8 @@ PERSISTENT_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else
 
 
 @pytest.fixture
-def persistent(monkeypatch):
-    monkeypatch.setenv("TPFLOW_MATMUL", "persistent")
+def persistent():
+    tpf.config.set(matmul="persistent")  # put back by _triton_kernels
 
 
 def _layout(t, transposed):
@@ -222,7 +226,7 @@ def _layout(t, transposed):
 
 def _persistent_runs(a, b, out=None, pre=None):
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=DEVICE) if out is None else out
-    return tiles.kernel_choice(a, b, out, pre) == "persistent"
+    return launcher.kernel_choice(a, b, out, pre) == "persistent"
 
 
 @pytest.mark.usefixtures("persistent")
@@ -241,11 +245,15 @@ def test_persistent_shapes_and_layouts(m, k, n, a_t, b_t, dtype):
 @pytest.mark.parametrize("subtile", [True, False], ids=["C in halves", "C whole"])
 @pytest.mark.parametrize("has_bias, activation, has_acc",
                          list(itertools.product([False, True], [None, "relu", "gelu", "silu"], [False, True])))
-def test_persistent_epilogues(monkeypatch, has_bias, activation, has_acc, subtile):
-    config = tiles._persistent_configs()[0]  # the pinned one: the interpreter's, or TPFLOW_AUTOTUNE=0's
+def test_persistent_epilogues(has_bias, activation, has_acc, subtile):
+    config = tuning.configs("persistent", autotune=False)[0]  # the pinned one (the interpreter's on CPU)
     pinned = triton.Config({**config.kwargs, "SUBTILE": subtile}, num_warps=config.num_warps,
                            num_stages=config.num_stages, pre_hook=config.pre_hook)
-    monkeypatch.setattr(tiles, "_persistent", tiles._persistent_tuned([pinned]))
+    with tuning.use("persistent", tuning.Tuned("persistent", [pinned])):
+        _check_persistent_epilogue(has_bias, activation, has_acc)
+
+
+def _check_persistent_epilogue(has_bias, activation, has_acc):
     dtype = PERSISTENT_DTYPES[0]
     a, b = _rand(41, 128, dtype=dtype, seed=1), _rand(72, 128, dtype=dtype, seed=2).mT  # nn.Linear's layout
     bias = _rand(72, dtype=dtype, seed=3) if has_bias else None
@@ -291,12 +299,12 @@ def test_persistent_linear_gradients(activation):
         _close(got_t, want_t, ref_t, dtype)
 
 
-@pytest.mark.parametrize("kernel", tiles.KERNELS)
+@pytest.mark.parametrize("kernel", ["tiled", "persistent"])
 def test_a_tuned_key_launches_without_the_autotuner(monkeypatch, kernel):
     """A key's first launch goes through the autotuner; later ones launch its chosen config directly, with
     the same results; a new key (here a bias) goes through the autotuner again."""
-    monkeypatch.setenv("TPFLOW_MATMUL", kernel)
-    tuned = getattr(tiles, f"_{kernel}")
+    tpf.config.set(matmul=kernel)
+    tuned = tuning.tuned(kernel)
     monkeypatch.setattr(tuned, "chosen", {})
     tuner_runs = []
     real = tuned.autotuner.run
@@ -318,21 +326,24 @@ def test_kernel_choice(monkeypatch):
     compiled and tiled under the interpreter."""
     a, b = _rand(16, 32, dtype=torch.float16, seed=1), _rand(32, 24, dtype=torch.float16, seed=2)
     out = torch.empty(16, 24, dtype=torch.float16, device=DEVICE)
-    assert tiles.kernel_choice(a, b, out) == "tiled"
-    monkeypatch.delenv("TPFLOW_MATMUL")
-    assert tiles.kernel_choice(a, b, out) == ("tiled" if tiles.INTERPRET else "persistent")
-    monkeypatch.setenv("TPFLOW_MATMUL", "persistent")
-    assert tiles.kernel_choice(a, b, out) == "persistent"
-    assert tiles.kernel_choice(a, b, out.float()) == "persistent"  # an fp32 result (the rings' partials)
-    assert tiles.kernel_choice(a.float(), b.float(), out.float()) == "tiled"  # fp32 operands: tf32 / ieee dots
-    assert tiles.kernel_choice(_rand(16, 33, dtype=torch.float16, seed=1)[:, :32], b, out) == "tiled"  # 66-byte rows
+    assert launcher.kernel_choice(a, b, out) == "tiled"
+    tpf.config.set(matmul="auto")
+    assert launcher.kernel_choice(a, b, out) == ("tiled" if launcher.INTERPRET else "persistent")
+    tpf.config.set(matmul="persistent")
+    assert launcher.kernel_choice(a, b, out) == "persistent"
+    assert launcher.kernel_choice(a, b, out.float()) == "persistent"  # an fp32 result (the rings' partials)
+    assert launcher.kernel_choice(a.float(), b.float(), out.float()) == "tiled"  # fp32 operands: tf32 / ieee dots
+    assert launcher.kernel_choice(_rand(16, 33, dtype=torch.float16, seed=1)[:, :32], b, out) == "tiled"  # 66-byte rows
     shifted = _rand(16 * 32 + 1, dtype=torch.float16, seed=1)[1:].view(16, 32)  # base 2 bytes past an alignment
-    assert tiles.kernel_choice(shifted, b, out) == "tiled"
-    assert tiles.kernel_choice(a, b[:, ::2], out[:, :12]) == "tiled"  # no unit stride
-    assert tiles.kernel_choice(a, b, out.mT.contiguous().mT) == "tiled"  # C is stored row-major
+    assert launcher.kernel_choice(shifted, b, out) == "tiled"
+    assert launcher.kernel_choice(a, b[:, ::2], out[:, :12]) == "tiled"  # no unit stride
+    assert launcher.kernel_choice(a, b, out.mT.contiguous().mT) == "tiled"  # C is stored row-major
     row = _rand(1, 32, dtype=torch.float16, seed=3)
-    assert tiles.kernel_choice(row.expand(16, 32), b, out) == "tiled"  # stride 0: rows are not apart
-    assert tiles.kernel_choice(a, b, out[:, :1].expand(16, 24)) == "tiled"
-    monkeypatch.setenv("TPFLOW_MATMUL", "fast")
-    with pytest.raises(ValueError, match="TPFLOW_MATMUL must be one of"):
+    assert launcher.kernel_choice(row.expand(16, 32), b, out) == "tiled"  # stride 0: rows are not apart
+    assert launcher.kernel_choice(a, b, out[:, :1].expand(16, 24)) == "tiled"
+    with pytest.raises(ValueError, match=r"switch matmul \(TPFLOW_MATMUL\) must be one of"):
+        tpf.config.set(matmul="fast")
+    tpf.config.reset("matmul")
+    monkeypatch.setenv("TPFLOW_MATMUL", "fast")  # the environment is read when used, and checked there
+    with pytest.raises(ValueError, match=r"switch matmul \(TPFLOW_MATMUL\) must be one of"):
         matmul(a, b)

@@ -117,7 +117,7 @@ def test_flags_map_to_torchrun():
 EXIT_SCRIPT = textwrap.dedent("""
     import atexit, os, torch
     import tpflow as tpf
-    from tpflow.kernels import matmul_reduce_scatter
+    from tpflow.ops import matmul_reduce_scatter
 
     def gloo_threads():
         names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]

@@ -121,17 +121,21 @@ def _debug_log():
     handler.emit = records.append
     logger = logging.getLogger("tpflow")
     logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
     try:
-        pl = tpf.placement("cpu", [0, 1])
-        a = tpf.randn(64, 8, placement=pl, sbp=S0)
-        b = tpf.randn(8, 4, placement=pl, sbp=S0)
-        tpf.matmul(a, b)
-        tpf.to_global(a, placement=tpf.placement("cpu", [1]), sbp=B)
+        with tpf.config.override(debug=True):  # the switch turns the lines on
+            _box_and_multiply()
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.WARNING)
     return [r.getMessage() for r in records]
+
+
+def _box_and_multiply():
+    pl = tpf.placement("cpu", [0, 1])
+    a = tpf.randn(64, 8, placement=pl, sbp=S0)
+    b = tpf.randn(8, 4, placement=pl, sbp=S0)
+    tpf.matmul(a, b)
+    tpf.to_global(a, placement=tpf.placement("cpu", [1]), sbp=B)
 
 
 def test_debug_log_names_signature_choice_and_routes():
@@ -144,16 +148,11 @@ def test_debug_log_names_signature_choice_and_routes():
 
 def _through_triton_kernels(world):
     """tpf.matmul's local products and their backward run tpflow's Triton kernel when asked."""
-    import os
-
-    os.environ["TPFLOW_KERNELS"] = "triton"
-    try:
+    with tpf.config.override(kernels="triton"):
         pl = tpf.placement("cpu", list(range(world)))
         a_ref, b_ref = ints((9, 41), 1), ints((41, 13), 2)
         return [f for f in (_check_product(pl, a_ref, b_ref, (S1,), (S0,), (P,)),
                             _check_product(pl, a_ref, b_ref, (S0,), (B,), (S0,))) if f]
-    finally:
-        del os.environ["TPFLOW_KERNELS"]
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpflow.layers.schedule import Action, build, render, simulate
+from tpflow.pipeline.schedule import Action, build, render, simulate
 
 
 def _peak_in_flight(timeline_row):

@@ -1,21 +1,30 @@
 """tpflow: tensor-parallel layers for PyTorch with OneFlow's global view.
 
-Every global tensor has a placement (which ranks) and an SBP (split / broadcast / partial
-sum per placement axis); underneath it is a ``DTensor``. ``TPFLOW_DEBUG=1`` logs every boxing
-route and matmul signature choice to stderr.
+Every global tensor has a placement (which ranks) and an SBP (split / broadcast / partial sum per
+placement axis); underneath it is a ``DTensor``. The package is layered, each folder using only
+those below it:
+
+    config, placement, sbp   switches; which ranks; how a tensor is laid out over them
+    dist                     collectives on local shards with byte counters; transports; metadata messages
+    kernels                  Triton kernels and their torch references (nothing distributed)
+    ops                      kernels x transports: the ring matmul collectives
+    global_tensor            creation, boxing, to_global / from_local, matmul with SBP inference
+    layers                   ColumnParallelLinear, RowParallelLinear, fused column groups
+    plans                    parallelize: plans of module-name patterns
+    pipeline                 stages, schedules as tables, the executor
+    bench, launch            the benchmark harness; python -m tpflow.launch
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
-from tpflow import comm, gradients, kernels, sbp
+from tpflow import config, dist, kernels, ops, sbp
+from tpflow.dist import comm
 from tpflow.global_tensor import (
     from_local,
     full,
     get_placement,
     get_sbp,
+    gradients,
     matmul,
     ones,
     rand,
@@ -25,18 +34,10 @@ from tpflow.global_tensor import (
     to_local,
     zeros,
 )
-from tpflow.layers import (
-    ColumnParallel,
-    ColumnParallelLinear,
-    Pipeline,
-    PipelineError,
-    RowParallel,
-    RowParallelLinear,
-    Stage,
-    parallelize,
-    stage,
-)
+from tpflow.layers import ColumnParallelLinear, RowParallelLinear
+from tpflow.pipeline import Pipeline, PipelineError, Stage, stage
 from tpflow.placement import Placement, get_rank, get_world_size, init_distributed, placement
+from tpflow.plans import ColumnParallel, RowParallel, parallelize
 
 __all__ = [
     "ColumnParallel",
@@ -48,6 +49,8 @@ __all__ = [
     "RowParallelLinear",
     "Stage",
     "comm",
+    "config",
+    "dist",
     "from_local",
     "full",
     "get_placement",
@@ -59,6 +62,7 @@ __all__ = [
     "kernels",
     "matmul",
     "ones",
+    "ops",
     "parallelize",
     "placement",
     "rand",
@@ -72,15 +76,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-
-def _debug_logging() -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"[tpflow rank {os.environ.get('RANK', '0')}] %(message)s"))
-    logger = logging.getLogger("tpflow")
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-
-
-if os.environ.get("TPFLOW_DEBUG") == "1":
-    _debug_logging()

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tpflow import config
+
 __all__ = ["Placement", "placement", "get_rank", "get_world_size", "init_distributed", "placement_of_mesh"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
@@ -32,7 +34,7 @@ _EXIT_HOOK_PID: int | None = None  # the process whose exit runs _shutdown (not 
 
 def _timeout() -> datetime.timedelta:
     """Collective timeout: a rank that never arrives fails the job instead of hanging it."""
-    return datetime.timedelta(seconds=float(os.environ.get("TPFLOW_TIMEOUT", "300")))
+    return datetime.timedelta(seconds=config.get("timeout"))
 
 
 def init_distributed() -> None:

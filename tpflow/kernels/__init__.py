@@ -1,26 +1,16 @@
-"""Local compute of tpflow: every local product of a global tensor or layer goes through here.
+"""Local compute: Triton kernels and their torch references, and nothing distributed.
 
-The tile kernels know nothing of distribution; they see plain tensors. The collective kernels
-see a ``Transport`` (point-to-point messages between the ranks of one group), so they run the
-same on torch.distributed and in one process on a fake one.
+Every local product of a global tensor or a layer goes through ``matmul`` or ``linear``: on CUDA
+tensors tpflow's Triton kernels (``tiles``, picked and launched by ``launcher``, tuned by
+``tuning``), on CPU tensors torch unless the ``kernels`` switch asks for the kernels through Triton's
+interpreter. ``epilogue`` holds the fused epilogue's math in torch. The collectives that combine
+these kernels with communication are in ``tpflow.ops``.
 """
 
 from __future__ import annotations
 
-from tpflow.kernels.collective import (
-    ADD_LATE,
-    RING_MIN_ELEMENTS,
-    SPLITS,
-    all_gather_matmul,
-    all_gather_matmul_ref,
-    matmul_reduce_scatter,
-    matmul_reduce_scatter_ref,
-)
-from tpflow.kernels.fake_transport import FakeTransport, FakeWorld
+from tpflow.kernels.epilogue import ACTIVATIONS
 from tpflow.kernels.linear import linear, linear_ref
-from tpflow.kernels.matmul import ACTIVATIONS, matmul, matmul_ref, use_triton
-from tpflow.kernels.transport import DistTransport, Handle, Transport, as_transport, row_bounds
+from tpflow.kernels.matmul import matmul, matmul_ref, use_triton
 
-__all__ = ["ACTIVATIONS", "ADD_LATE", "RING_MIN_ELEMENTS", "SPLITS", "DistTransport", "FakeTransport", "FakeWorld",
-           "Handle", "Transport", "all_gather_matmul", "all_gather_matmul_ref", "as_transport", "linear", "linear_ref",
-           "matmul", "matmul_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref", "row_bounds", "use_triton"]
+__all__ = ["ACTIVATIONS", "linear", "linear_ref", "matmul", "matmul_ref", "use_triton"]

@@ -1,4 +1,4 @@
-"""``y = act(x @ W^T + b)`` as an autograd function on the tiled matmul kernel.
+"""``y = act(x @ W^T + b)`` as an autograd function on the matmul kernels.
 
     x  [M, K]   (leading dims folded into M)     W  [N, K]  (nn.Linear's layout; the math reads W^T [K, N])
     forward   y  = act(x @ W^T + b)              one kernel, bias and activation fused
@@ -8,7 +8,7 @@
 Saved for backward: x and W always; for relu the output (its sign is the mask); for gelu and
 silu the pre-activation z, written by the same kernel launch.
 
-Where the products run in torch (CPU tensors without ``TPFLOW_KERNELS=triton``) and the backward
+Where the products run in torch (CPU tensors, unless the ``kernels`` switch is ``"triton"``) and the backward
 has nothing to add (no ``dgrad_hook``, no dtype change), ``linear`` is ``F.linear`` and the
 activation, with autograd's own backward: the same products, without Python in the backward.
 """
@@ -20,15 +20,27 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tpflow.kernels.matmul import (ACTIVATIONS, activate, activation_grad, bias_grad, matmul, needs_pre, saved_for_grad,
-                                    use_triton)
+from tpflow.kernels.epilogue import ACTIVATIONS, activate, activation_grad, bias_grad, needs_pre, saved_for_grad
+from tpflow.kernels.matmul import matmul, use_triton
 
 __all__ = ["linear", "linear_ref"]
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                activation: str | None = None) -> torch.Tensor:
-    """torch reference of ``linear`` (differentiable by autograd)."""
+    """The torch reference of ``linear``, differentiable by autograd.
+
+    Args:
+        x, weight, bias, activation: as in ``linear``.
+
+    Returns:
+        ``act(x @ weight.T + bias)``.
+
+    Example::
+
+        >>> linear_ref(torch.ones(2, 3), torch.ones(4, 3), activation="silu").shape
+        torch.Size([2, 4])
+    """
     return activate(F.linear(x, weight, bias), activation)
 
 
@@ -71,13 +83,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            activation: str | None = None, *, out_dtype: torch.dtype | None = None,
            dgrad_hook: Callable[[torch.Tensor], object] | None = None,
            dgrad_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout).
+    """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout), differentiable.
 
-    ``out_dtype``: the output's dtype (e.g. fp32 partial sums of bf16 inputs, to be summed over ranks).
-    ``dgrad_hook(dx)`` is called in backward as soon as the input gradient is computed (in
-    ``dgrad_dtype``, default x's) and may start work on it in place (an async all-reduce); what it
-    returns is ``wait()``-ed after the weight gradient, so that work overlaps the weight-gradient
-    matmul. dx is then cast to x's dtype.
+    Forward is one kernel launch (bias and activation fused); backward two (dx and dW, transposes read as
+    strides), with the bias gradient summed in fp32.
+
+    Args:
+        x: the input, of ``weight``'s dtype.
+        weight: ``[N, K]``.
+        bias: ``[N]`` or None.
+        activation: ``None``, ``"relu"``, ``"gelu"`` (tanh form) or ``"silu"``.
+        out_dtype: the output's dtype (e.g. fp32 partial sums of bf16 inputs, to be summed over ranks).
+        dgrad_hook: called in backward as ``dgrad_hook(dx)`` as soon as the input gradient is computed (in
+            ``dgrad_dtype``), to start work on it in place (an async all-reduce); what it returns is
+            ``wait()``-ed after the weight gradient, so that work overlaps the weight-gradient matmul.
+        dgrad_dtype: the dtype ``dgrad_hook`` sees dx in (default: x's); dx is then cast to x's dtype.
+
+    Returns:
+        ``[..., N]``.
+
+    Example::
+
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> lin = torch.nn.Linear(8, 3)
+        >>> y = linear(x, lin.weight, lin.bias, "relu")
+        >>> y.sum().backward()
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")

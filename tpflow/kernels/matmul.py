@@ -1,87 +1,52 @@
 """``act(a @ b + bias) + acc`` with the epilogue fused, in Triton; the local product of every tpflow layer.
 
-The kernels are in ``tpflow.kernels.tiles``: a tiled kernel reading any strides, and a persistent
-TMA kernel for Hopper, the default where TMA can read the operands (``TPFLOW_MATMUL`` picks). Both
-fuse the bias, the activation (relu, tanh-GELU, SiLU), the added accumulator (a ring's received
-partial) and the output cast while the fp32 accumulator is in registers, and can compute only the
-rows ``[row_start, row_end)`` starting at a rotated ``tile_offset``: the ring collectives compute one
-chunk of rows per step this way, without slicing (no copies, one compiled variant per config). A
-transposed operand (``w.mT``) is read in place.
+The kernels are in ``tiles`` (a tiled kernel reading any strides, and a persistent TMA kernel for
+Hopper, the default where TMA can read the operands: the ``matmul`` switch picks), launched by
+``launcher``. Both fuse the bias, the activation (relu, tanh-GELU, SiLU), the added accumulator (a
+ring's received partial) and the output cast while the fp32 accumulator is in registers, and can
+compute only the rows ``[row_start, row_end)`` starting at a rotated ``tile_offset``: the ring
+collectives compute one chunk of rows per step this way, without slicing (no copies, one compiled
+variant per config). A transposed operand (``w.mT``) is read in place.
 
-Dispatch: CUDA tensors run the Triton kernels; CPU tensors run torch unless
-``TPFLOW_KERNELS=triton``, which runs the same kernels through ``TRITON_INTERPRET=1`` (how the
+Dispatch: CUDA tensors run the Triton kernels; CPU tensors run torch unless the ``kernels`` switch is
+``"triton"``, which runs the same kernels through Triton's interpreter (``TRITON_INTERPRET=1``; how the
 tests check them without a GPU; the interpreter mishandles bfloat16, so CPU tests use fp32/fp16).
 """
 
 from __future__ import annotations
 
-import math
-import os
+import importlib.util
 
 import torch
-import torch.nn.functional as F
 
-from tpflow.kernels import tiles
+from tpflow import config
+from tpflow.kernels.epilogue import ACTIVATIONS, accumulate_dtype, activate
 
-__all__ = ["ACTIVATIONS", "accumulate_dtype", "activate", "activation_grad", "bias_grad", "matmul", "matmul_ref",
-           "needs_pre", "saved_for_grad", "use_triton"]
+if importlib.util.find_spec("triton") is not None:
+    from tpflow.kernels import launcher
+else:  # CPU installs without triton run torch's matmul
+    launcher = None
 
-ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "silu": 3}  # gelu is the tanh form
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """The epilogue's activations in torch (gelu is the tanh form)."""
-    if activation == "relu":
-        return torch.relu(y)
-    if activation == "gelu":
-        return F.gelu(y, approximate="tanh")
-    if activation == "silu":
-        return F.silu(y)
-    return y
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where sums of ``dtype`` values are kept: fp32 for fp16 / bf16 / fp32, fp64 for fp64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def bias_grad(dz: torch.Tensor) -> torch.Tensor:
-    """The gradient of a bias added to every row of ``dz``'s 2-D rows, summed in ``accumulate_dtype``."""
-    return dz.sum(0, dtype=accumulate_dtype(dz.dtype)).to(dz.dtype)
-
-
-def activation_grad(dy: torch.Tensor, saved: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """dz from dy for ``y = act(z)``: ``saved`` is the output y for relu and the pre-activation z otherwise."""
-    if activation is None:
-        return dy
-    if activation == "relu":
-        return dy * (saved > 0)
-    wide = accumulate_dtype(saved.dtype)
-    z = saved.to(wide)
-    if activation == "gelu":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
-        slope = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
-    else:
-        s = torch.sigmoid(z)
-        slope = s * (1 + z * (1 - s))
-    return (dy.to(wide) * slope).to(dy.dtype)
-
-
-def saved_for_grad(y: torch.Tensor, pre: torch.Tensor | None, activation: str | None) -> torch.Tensor | None:
-    """What ``activation_grad`` needs of a forward: the output for relu, the pre-activation for gelu / silu."""
-    return y if activation == "relu" else pre
-
-
-def needs_pre(activation: str | None) -> bool:
-    """Whether a forward must store the pre-activation for its backward."""
-    return activation in ("gelu", "silu")
+__all__ = ["matmul", "matmul_ref", "use_triton"]
 
 
 def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, activation: str | None = None,
                acc: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                upcast: bool = False) -> torch.Tensor:
-    """torch reference of ``matmul``: ``act(a @ b + bias) + acc``; ``upcast`` computes in float64."""
+    """The torch reference of ``matmul``: ``act(a @ b + bias) + acc``, used by tests and benchmarks.
+
+    Args:
+        a, b, bias, activation, acc, out_dtype: as in ``matmul``.
+        upcast: compute in float64 and return float64 (the reference a tolerance is measured against).
+
+    Returns:
+        The product, in ``out_dtype`` (default: ``a``'s dtype).
+
+    Example::
+
+        >>> matmul_ref(torch.ones(2, 3), torch.ones(3, 4), activation="relu").shape
+        torch.Size([2, 4])
+    """
     out_dtype = out_dtype or a.dtype
     if upcast:
         a, b = a.double(), b.double()
@@ -97,14 +62,28 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = 
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether the local product of ``t`` runs the Triton kernel (see the module docstring)."""
+    """Whether the local product of ``t`` runs the Triton kernels: on CUDA where triton is installed; on CPU when
+    the ``kernels`` switch is ``"triton"`` (which needs triton and ``TRITON_INTERPRET=1``).
+
+    Args:
+        t: an operand of the product.
+
+    Returns:
+        True for the Triton kernels, False for torch's matmul.
+
+    Example::
+
+        >>> with tpf.config.override(kernels="torch"):
+        ...     use_triton(torch.ones(2, 2))
+        False
+    """
     if t.is_cuda:
-        return tiles.triton is not None
-    if os.environ.get("TPFLOW_KERNELS") != "triton":
+        return launcher is not None
+    if config.get("kernels") != "triton":
         return False
-    if tiles.triton is None or not tiles.INTERPRET:
-        raise RuntimeError("TPFLOW_KERNELS=triton on CPU tensors needs triton installed and TRITON_INTERPRET=1 set "
-                           "before tpflow is imported")
+    if launcher is None or not launcher.INTERPRET:
+        raise RuntimeError("the kernels switch is 'triton' (TPFLOW_KERNELS=triton) on CPU tensors, which needs "
+                           "triton installed and TRITON_INTERPRET=1 set before tpflow is imported")
     return True
 
 
@@ -128,13 +107,31 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
            acc: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            pre: torch.Tensor | None = None, row_start: int = 0, row_end: int | None = None,
            tile_offset: int = 0) -> torch.Tensor:
-    """``act(a @ b + bias) + acc`` cast to ``out_dtype``, for ``a [..., M, K]`` and ``b [K, N]``.
+    """``act(a @ b + bias) + acc`` cast to ``out_dtype``, for ``a [..., M, K]`` and ``b [K, N]``, in one kernel.
 
-    ``pre`` (2-D, shaped like the result) receives ``a @ b + bias`` before the activation, for a
-    backward that needs it.
-    ``row_start`` / ``row_end`` (2-D ``a``) compute only those rows; ``acc`` and ``out`` (when
-    given) then hold just the rows of the range, ``[row_end - row_start, N]``. Leading batch dims
-    of ``a`` are folded into rows. A batched ``b`` runs torch's matmul.
+    Sums are kept in fp32 (fp64 for fp64 inputs) whatever the operands' dtype. Leading batch dims of ``a``
+    are folded into rows; a batched ``b`` runs torch's matmul.
+
+    Args:
+        a, b: the operands, of one dtype; a transposed view (``w.mT``) is read in place.
+        bias: ``[N]``, added to every row.
+        activation: ``None``, ``"relu"``, ``"gelu"`` (tanh form) or ``"silu"``, applied after the bias.
+        acc: added after the activation (a ring's received partial sum).
+        out_dtype: the result's dtype (default: ``a``'s), e.g. fp32 partial sums of bf16 operands.
+        out: a tensor to write the result into (then ``out_dtype`` is its dtype).
+        pre: receives ``a @ b + bias`` before the activation (2-D, shaped like the result), for a backward.
+        row_start, row_end: with a 2-D ``a``, compute only these rows; ``acc``, ``out`` and ``pre`` then hold
+            just the rows of the range, ``[row_end - row_start, N]``.
+        tile_offset: start the tile walk this many row tiles into the range (the rings' chunks).
+
+    Returns:
+        The result, ``[..., M, N]`` (or the rows of the range).
+
+    Example::
+
+        >>> a, b = torch.randn(8, 16), torch.randn(16, 4)
+        >>> y = matmul(a, b, bias=torch.zeros(4), activation="gelu")
+        >>> torch.testing.assert_close(y, matmul_ref(a, b, bias=torch.zeros(4), activation="gelu"))
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
@@ -178,5 +175,5 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         raise ValueError(f"pre must have out's strides {out.stride()}, got {pre.stride()}")
     if out.numel():  # the kernels read the bias with unit stride
         bias = None if bias is None else bias.contiguous()
-        tiles.launch(a, b, bias, ACTIVATIONS[activation], acc, out, pre, row_start, row_end, tile_offset)
+        launcher.launch(a, b, bias, ACTIVATIONS[activation], acc, out, pre, row_start, row_end, tile_offset)
     return out

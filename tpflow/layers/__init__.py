@@ -1,11 +1,13 @@
-"""Parallel layers and pipeline stages: what a model uses tpflow through."""
+"""The parallel modules: what a model computes through.
+
+    linear   ColumnParallelLinear (W split(1)) and RowParallelLinear (W split(0)), on local blocks
+    fused    column layers of one parent reading one input (q / k / v) run as one product
+    blocks   parameters' local blocks as one autograd node, and blocks joined in one storage
+"""
 
 from __future__ import annotations
 
-from tpflow.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tpflow.layers.parallelize import ColumnParallel, RowParallel, parallelize
-from tpflow.layers.pipeline import Pipeline, PipelineError
-from tpflow.layers.stage import Stage, stage
+from tpflow.layers.fused import ColumnGroup
+from tpflow.layers.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 
-__all__ = ["ColumnParallel", "ColumnParallelLinear", "Pipeline", "PipelineError", "RowParallel", "RowParallelLinear",
-           "Stage", "parallelize", "stage"]
+__all__ = ["ColumnGroup", "ColumnParallelLinear", "ParallelLinear", "RowParallelLinear"]

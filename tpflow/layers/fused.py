@@ -23,37 +23,32 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tpflow.layers.blocks import join
 from tpflow.layers.linear import ColumnParallelLinear
 
 __all__ = ["ColumnGroup"]
 
 
 class ColumnGroup:
-    """Column layers of one parent module computed as one product (see the module docstring)."""
+    """Column layers of one parent module computed as one product (see the module docstring).
+
+    Args:
+        layers: column layers alike but for ``out_features`` (``parallelize`` checks), each in no other group.
+        parent: the module whose forward calls them; its forward pre-hook drops outputs not taken.
+
+    Example::
+
+        >>> ColumnGroup([attn.q_proj, attn.k_proj, attn.v_proj], attn)  # what parallelize(fuse=True) does
+    """
 
     def __init__(self, layers: Sequence[ColumnParallelLinear], parent: nn.Module) -> None:
-        """``layers``: alike but for out_features (parallelize checks), each in no other group."""
         self.layers = tuple(layers)
         self._products = 0  # products computed: the token of the pending outputs' product
         self._clear()
         for layer in layers:
-            layer._columns = self
-        self._join()
+            layer.fused_group = self
+        join([layer.weight for layer in self.layers])
         parent.register_forward_pre_hook(self._clear)  # a bound method: deep copies of the model keep their own
-
-    def _join(self) -> None:
-        """Move the members' weight blocks (the same tensors, the same values) back to back into one storage,
-        if they are not there: at the start, and again after a conversion (``model.double()``, a deep copy)
-        gave them storages of their own."""
-        blocks = [layer.weight._local_tensor for layer in self.layers]
-        if _adjacent(blocks):
-            return
-        joined = torch.cat([b.detach().contiguous() for b in blocks]).untyped_storage()
-        offset = 0
-        with torch.no_grad():
-            for b in blocks:
-                b.set_(joined, offset, b.shape)
-                offset += b.numel()
 
     def _clear(self, *_) -> None:
         self._input: weakref.ref | None = None
@@ -73,18 +68,27 @@ class ColumnGroup:
 
     def output(self, layer: ColumnParallelLinear, x: torch.Tensor, data_split: tuple[bool, ...]) -> torch.Tensor:
         """``layer``'s output on ``x``: taken from the product already computed on ``x`` with these weights, or
-        a new product."""
+        a new product of every member.
+
+        Args:
+            layer: a member.
+            x: its input's local block.
+            data_split: per data-parallel axis, whether the input is split there.
+
+        Returns:
+            What ``layer`` alone would return.
+        """
         index = self.layers.index(layer)
         if index in self._pending and self._input() is x and self._key == self._state(x, data_split):
             y = self._pending.pop(index)
             if not self._pending:
                 self._clear()
             return y
-        self._join()
-        blocks = [member._locals(data_split) for member in self.layers]
+        join([member.weight for member in self.layers])  # again, if a conversion gave them storages of their own
+        blocks = [member.local_blocks(data_split) for member in self.layers]
         w = _Joined.apply(*(w for w, _ in blocks))
         b = None if blocks[0][1] is None else torch.cat([b for _, b in blocks])
-        y = self.layers[0]._product(x, w, b, rows=None)
+        y = self.layers[0].product(x, w, b, rows=None)
         self._products += 1
         if y.requires_grad:
             y.register_hook(_spent_hook(self, self._products))
@@ -104,16 +108,6 @@ def _spent_hook(group: ColumnGroup, product: int):
         if (alive := ref()) is not None:
             alive._forget(product)
     return hook
-
-
-def _adjacent(blocks: Sequence[torch.Tensor]) -> bool:
-    """Whether ``blocks`` (2-D, rows of one width) lie back to back, in order, contiguous in one storage."""
-    storage, offset = blocks[0].untyped_storage().data_ptr(), blocks[0].storage_offset()
-    for b in blocks:
-        if not b.is_contiguous() or b.untyped_storage().data_ptr() != storage or b.storage_offset() != offset:
-            return False
-        offset += b.numel()
-    return True
 
 
 class _Joined(torch.autograd.Function):

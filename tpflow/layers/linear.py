@@ -24,7 +24,6 @@ optimizers see the global tensors.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABCMeta, abstractmethod
 
 import torch
@@ -32,44 +31,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow import comm, gradients
-from tpflow.global_tensor import from_local, get_placement, get_sbp, off_placement, tensor, to_global
-from tpflow.kernels import all_gather_matmul, linear, matmul_reduce_scatter
-from tpflow.kernels.collective import ALGOS
-from tpflow.kernels.matmul import accumulate_dtype
+from tpflow.dist import comm
+from tpflow.global_tensor import from_local, get_placement, get_sbp, gradients, tensor, to_global
+from tpflow.global_tensor.blocks import off_placement
+from tpflow.kernels import linear
+from tpflow.kernels.epilogue import accumulate_dtype
+from tpflow.layers.blocks import LocalBlocks
+from tpflow.ops import ALGOS, all_gather_matmul, matmul_reduce_scatter
 from tpflow.placement import Placement
 from tpflow.sbp import PartialSum, Sbp, Split, broadcast, local_region, split
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
-
-
-class _LocalBlocks(torch.autograd.Function):
-    """The local blocks of a layer's DTensor parameters on the eager hot path, as one autograd node.
-    ``DTensor.to_local`` re-derives the gradient's global layout on every call (two autograd functions
-    per parameter: 0.15-0.3 ms a parameter per step on a 2-core CPU, by torch.profiler); this wraps each
-    gradient with a layout computed once per parameter."""
-
-    @staticmethod
-    def forward(ctx, grad_specs, *params):
-        ctx.grad_specs = grad_specs
-        ctx.set_materialize_grads(False)  # an unused block's gradient stays None
-        blocks = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
-        frozen = [b for b, p in zip(blocks, params) if not p.requires_grad]
-        if frozen:  # no weight gradient is computed for a frozen weight
-            ctx.mark_non_differentiable(*frozen)
-        return blocks
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return None, *(None if g is None else DTensor(_owned(g), spec, requires_grad=False)
-                       for g, spec in zip(grads, ctx.grad_specs))
-
-
-def _owned(g: torch.Tensor) -> torch.Tensor:
-    """``g`` contiguous, in a storage of its own: a fused group's gradient is a slice of one buffer, which would
-    stay alive with it, and a DTensor whose block is such a slice cannot be deep-copied."""
-    g = g.contiguous()
-    return g if g.untyped_storage().nbytes() == g.numel() * g.element_size() else g.clone()
+__all__ = ["ColumnParallelLinear", "ParallelLinear", "RowParallelLinear"]
 
 
 def _grad_placements(p: DTensor, data_split: tuple[bool, ...]) -> tuple:
@@ -78,7 +50,10 @@ def _grad_placements(p: DTensor, data_split: tuple[bool, ...]) -> tuple:
     return (*(Partial() if split_here else Replicate() for split_here in data_split), p.placements[-1])
 
 
-class _ParallelLinear(nn.Module, metaclass=ABCMeta):
+class ParallelLinear(nn.Module, metaclass=ABCMeta):
+    """What column and row layers share: a weight split over the last axis of a placement, read as local
+    blocks on the hot path, ``nn.Linear``'s initialisation and state-dict layout."""
+
     _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
 
     def __init__(self, in_features: int, out_features: int, bias: bool, placement: Placement,
@@ -104,7 +79,7 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         coord = placement.coordinate()
         self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
         self._group = None
-        self._grad_specs: dict = {}  # data axes split -> (the parameters' layouts, their gradients' layouts)
+        self._blocks = LocalBlocks()
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init and RNG use
         self._adopt(full.weight, full.bias)
 
@@ -200,25 +175,29 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
         layer's layout, and ``rows`` its dim 0's size before the tensor-parallel split (None for 1-D);
         ``data_split`` says, per data-parallel axis, whether the input is split there."""
 
-    def _locals(self, data_split: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's weight and bias blocks. On the axes before the tensor-parallel one, each copy of a
-        parameter sees its own rows of data when the input is split there, so its gradient is a partial sum
-        (reduced when read, as OneFlow's data parallelism does); with a broadcast input it is whole."""
+    def local_blocks(self, data_split: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's weight and bias blocks, differentiable into the parameters' gradients.
+
+        On the axes before the tensor-parallel one, each copy of a parameter sees its own rows of data when
+        the input is split there, so its gradient is a partial sum (reduced when read, as OneFlow's data
+        parallelism does); with a broadcast input it is whole.
+
+        Args:
+            data_split: per data-parallel axis, whether the input is split there.
+
+        Returns:
+            ``(weight block, bias block or None)``.
+
+        Example::
+
+            >>> w, b = layer.local_blocks(data_split=())  # doctest: +SKIP
+        """
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        if torch.compiler.is_compiling():  # traced code takes DTensor's own path
-            blocks = tuple(p.to_local(grad_placements=_grad_placements(p, data_split)) for p in params)
-        else:
-            specs, grad_specs = self._grad_specs.get(data_split, ((), ()))
-            if len(specs) != len(params) or any(spec is not p._spec for spec, p in zip(specs, params)):
-                specs = tuple(p._spec for p in params)  # recomputed when a parameter is replaced or converted
-                grad_specs = tuple(dataclasses.replace(p._spec, placements=_grad_placements(p, data_split))
-                                   for p in params)
-                self._grad_specs[data_split] = (specs, grad_specs)
-            blocks = _LocalBlocks.apply(grad_specs, *params)
+        blocks = self._blocks(params, data_split, lambda p: _grad_placements(p, data_split))
         return blocks[0], blocks[1] if len(blocks) > 1 else None
 
     @classmethod
-    def from_linear(cls, module: nn.Linear, *, placement: Placement, **options) -> _ParallelLinear:
+    def from_linear(cls, module: nn.Linear, *, placement: Placement, **options) -> ParallelLinear:
         """This layer holding ``module``'s values (each rank keeps its block; no RNG is drawn)."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(module).__name__}")
@@ -248,7 +227,7 @@ class _ParallelLinear(nn.Module, metaclass=ABCMeta):
                 + (f", algo={self.algo!r}" if self.algo != "auto" else ""))
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(ParallelLinear):
     """``y = x @ W + b`` with W split(1): each rank computes a block of the output features.
 
     Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 0 (Shard(0)),
@@ -272,7 +251,7 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
                              "the backward: it needs sequence_parallel=True")
         self.gather_output, self.keep_gathered = gather_output, keep_gathered
-        self._columns = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
+        self.fused_group = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
@@ -287,18 +266,32 @@ class ColumnParallelLinear(_ParallelLinear):
     def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
                        from_global: bool = False) -> torch.Tensor:
         self._check_features(x, self.in_features, "the whole input features")
-        if self._columns is not None and not from_global:
+        if self.fused_group is not None and not from_global:
             # under torch.compile the group runs eagerly between graphs: its pending outputs are Python state
             # keyed by tensor identity, and dynamo cannot trace DTensor blocks that share a storage ("Attempted
             # to set the storage of a tensor ... to a storage on different device meta", torch 2.13)
-            output = torch.compiler.disable(self._columns.output) if torch.compiler.is_compiling() \
-                else self._columns.output
+            output = torch.compiler.disable(self.fused_group.output) if torch.compiler.is_compiling() \
+                else self.fused_group.output
             return output(self, x, data_split)
-        y = self._product(x, *self._locals(data_split), rows)
+        y = self.product(x, *self.local_blocks(data_split), rows)
         return comm.gather(y, -1, self.out_features, self.group) if self.gather_output else y
 
-    def _product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int | None) -> torch.Tensor:
-        """``x @ w.T + b`` for weight and bias blocks ``w``, ``b``, with the layout's collectives."""
+    def product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int | None) -> torch.Tensor:
+        """``x @ w.T + b`` for weight and bias blocks ``w``, ``b`` with this layer's collectives: what a fused
+        group runs over its members' blocks side by side.
+
+        Args:
+            x: the input's local block in the layer's layout.
+            w, b: ``[n, in_features]`` and ``[n]`` (or None): blocks of one or more column layers.
+            rows: dim 0's size before a sequence-parallel split (None: even chunks, checked).
+
+        Returns:
+            This rank's output features for ``w``'s rows.
+
+        Example::
+
+            >>> y = layer.product(x, *layer.local_blocks(()), rows=None)  # doctest: +SKIP
+        """
         group = self.group
         if group is None:
             return linear(x, w, b)
@@ -310,12 +303,12 @@ class ColumnParallelLinear(_ParallelLinear):
                       dgrad_dtype=accumulate_dtype(x.dtype))
 
     def extra_repr(self) -> str:
-        fused = "" if self._columns is None else f", fused with {len(self._columns.layers) - 1} other layers"
+        fused = "" if self.fused_group is None else f", fused with {len(self.fused_group.layers) - 1} other layers"
         return (super().extra_repr() + (", gather_output" if self.gather_output else "")
                 + ("" if self.keep_gathered else ", keep_gathered=False") + fused)
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(ParallelLinear):
     """``y = x @ W + b`` with W split(0): each rank multiplies its block of input features.
 
     Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 1 (Shard(1));
@@ -355,7 +348,7 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_features(x, self.in_features, "the whole input features")
             x = comm.scatter(x, -1, group)
-        w, b = self._locals(data_split)
+        w, b = self.local_blocks(data_split)
         if group is None:
             return linear(x, w, b)
         if self.sequence_parallel and x.ndim > 1:

@@ -24,15 +24,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpflow import comm
-from tpflow.global_tensor import from_local, get_sbp, post_across, tensor, to_global
-from tpflow.layers import schedule as schedules
-from tpflow.layers.stage import Stage
+from tpflow.dist import comm
+from tpflow.dist.wire import FAILED, HEADER_BYTES, OK, header, read_header
+from tpflow.global_tensor import from_local, get_sbp, tensor, to_global
+from tpflow.global_tensor.boxing import post_across
+from tpflow.pipeline import schedule as schedules
+from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
-from tpflow.layers.meta import FAILED, HEADER_BYTES, OK, PipelineError, header, read_header
 from tpflow.sbp import Sbp, broadcast, dual
 
-__all__ = ["Pipeline", "PipelineError"]
+__all__ = ["Pipeline"]
 
 # A failed step's sends, for the process's lifetime: a peer may take them after the pipeline is gone, and gloo
 # drops a send whose work and buffer are freed before it is taken.

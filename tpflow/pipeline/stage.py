@@ -18,23 +18,34 @@ module built from global parameters and tpflow's ops or layers runs on global te
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow import comm
-from tpflow.global_tensor import from_local, get_placement, get_sbp, off_placement, tensor, to_global
-from tpflow.layers.linear import _LocalBlocks
-from tpflow.layers.meta import FAILED, HEADER_BYTES, OK, PipelineError, header, read_header
+from tpflow.dist import comm
+from tpflow.dist.wire import FAILED, HEADER_BYTES, OK, header, read_header
+from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
+from tpflow.global_tensor.blocks import off_placement
+from tpflow.layers.blocks import LocalBlocks
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, Sbp, Split, broadcast, normalize
 
-__all__ = ["Stage", "stage"]
+__all__ = ["PipelineError", "Stage", "stage"]
 
 _TAG = 1 << 24  # the output header of an eager call, apart from a pipeline's per-micro-batch tags
+
+
+class PipelineError(RuntimeError):
+    """A stage failed: the ranks that did not run it raise this, with the failing stage's error.
+
+    Example::
+
+        >>> try:
+        ...     pipe.step(x, y)
+        ... except tpf.PipelineError as e:
+        ...     print(e)  # "stage 1 (ranks [1]) failed on F0: ..."  # doctest: +SKIP
+    """
 
 
 class Stage(nn.Module):
@@ -53,7 +64,7 @@ class Stage(nn.Module):
         if sbp is not None:
             normalize(sbp, placement.ndim, 1)  # a malformed SBP fails here, not at the first call
         self.plain = not any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
-        self._grad_specs: dict[tuple[bool, ...], tuple[tuple, tuple]] = {}  # split axes -> (specs, grad specs)
+        self._blocks = LocalBlocks()
         self.module = to_global(module, placement=placement)
 
     def input_sbp(self, src: Placement, src_sbps: tuple[Sbp, ...], ndim: int) -> tuple[Sbp, ...]:
@@ -96,23 +107,17 @@ class Stage(nn.Module):
             return self._compute_local(x, sbps)
         return self.check_output(self.module(x))
 
-    def _blocks(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
+    def _local_state(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
         """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
         named = list(self.module.named_parameters())
-        names, params = [n for n, _ in named], tuple(p for _, p in named)
-        specs, grad_specs = self._grad_specs.get(split, ((), ()))
-        if len(specs) != len(params) or any(spec is not p._spec for spec, p in zip(specs, params)):
-            specs = tuple(p._spec for p in params)  # recomputed when a parameter is replaced
-            grad_specs = tuple(dataclasses.replace(p._spec, placements=tuple(Partial() if on else Replicate()
-                                                                             for on in split)) for p in params)
-            self._grad_specs[split] = (specs, grad_specs)
-        blocks = dict(zip(names, _LocalBlocks.apply(grad_specs, *params))) if params else {}
-        return blocks | {name: b.to_local() for name, b in self.module.named_buffers()}
+        grad_placements = tuple(Partial() if on else Replicate() for on in split)
+        blocks = self._blocks(tuple(p for _, p in named), split, lambda p: grad_placements)
+        return dict(zip((n for n, _ in named), blocks)) | {name: b.to_local() for name, b in self.module.named_buffers()}
 
     def _compute_local(self, x: DTensor, sbps: tuple[Sbp, ...]) -> DTensor:
         split = tuple(s == Split(0) for s in sbps)
         local = x.to_local()
-        y = torch.func.functional_call(self.module, self._blocks(split), (local,))
+        y = torch.func.functional_call(self.module, self._local_state(split), (local,))
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"stage {self.stage_id} must return one tensor, got {type(y).__name__}")
         if any(split) and (y.ndim == 0 or y.shape[0] != local.shape[0]):

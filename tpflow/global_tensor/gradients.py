@@ -2,9 +2,8 @@
 
 Data parallelism by SBP leaves each parameter's gradient a partial sum over the ranks that saw
 different rows (OneFlow reduces it when it is read). Left to DTensor, an optimizer step reduces them
-one parameter at a time: an all-reduce and a redistribute per parameter, which made the step of
-``python -m tpflow.bench``'s MLP on 2 CPU ranks 1.6x DDP's (commit df0ac33). ``reduce_partial_gradients`` instead sums them with one all-reduce (per mesh
-axis) per bucket of up to 4 MiB of gradients that share mesh, layout and dtype, as DDP buckets them,
+one parameter at a time: an all-reduce and a redistribute per parameter. ``reduce_partial_gradients``
+instead sums them with one all-reduce (per mesh axis) per bucket of up to 4 MiB of gradients that share mesh, layout and dtype, as DDP buckets them,
 while micro-batches still accumulate into partial sums for free. Unlike DDP's, the reduction cannot
 overlap the backward: it waits until the gradients are read.
 
@@ -23,16 +22,27 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tpflow import comm
+from tpflow import config
+from tpflow.dist import comm
 
-__all__ = ["BUCKET_BYTES", "HOOK", "adopt", "reduce_partial_gradients"]
+__all__ = ["HOOK", "adopt", "reduce_partial_gradients"]
 
-BUCKET_BYTES = 4 << 20  # per all-reduce: DDP's first bucket is 1 MiB, the rest 25 MiB
 _MARK = "_tpflow_sums_partial_grads"  # an attribute, not a WeakSet: a set lookup would compare tensors with ==
 
 
 def adopt(param: torch.Tensor) -> torch.Tensor:
-    """Mark a parameter tpflow made, whose partial-sum gradients the optimizer hook may sum; returns it."""
+    """Mark a parameter tpflow made, whose partial-sum gradients the optimizer hook sums before a step.
+
+    Args:
+        param: a parameter (a DTensor ``nn.Parameter``).
+
+    Returns:
+        ``param`` itself.
+
+    Example::
+
+        >>> weight = tpf.gradients.adopt(nn.Parameter(tpf.zeros(4, 4, placement=P, sbp=tpf.sbp.broadcast)))
+    """
     setattr(param, _MARK, True)
     return param
 
@@ -46,10 +56,24 @@ def _summed_axes(p: torch.Tensor) -> tuple[int, ...]:
                  if type(gp) is Partial and gp.reduce_op == "sum" and isinstance(pp, Replicate))
 
 
-def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Sum the partial-sum DTensor gradients of ``params`` (on the axes where the parameter is broadcast) with
-    one flat all-reduce per ``bucket_bytes`` of gradients that share mesh, layout and dtype; the flat copy
-    is the memory this costs, so buckets are capped. Each gradient keeps its storage."""
+def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int | None = None) -> None:
+    """Sum the partial-sum gradients of ``params`` where the parameter is broadcast, bucket by bucket.
+
+    One flat all-reduce per mesh axis and bucket of gradients that share mesh, layout and dtype; the
+    flat copy is the memory this costs, so buckets are capped. Each gradient keeps its storage. Other
+    gradients are left as they are.
+
+    Args:
+        params: parameters (global or plain; only global ones with partial-sum gradients are touched).
+        bucket_bytes: the cap of a bucket (default: the ``grad_bucket_bytes`` switch, 4 MiB).
+
+    Example::
+
+        >>> loss.backward()
+        >>> tpf.gradients.reduce_partial_gradients(model.parameters())  # before reading the gradients
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    """
+    bucket_bytes = config.get("grad_bucket_bytes") if bucket_bytes is None else bucket_bytes
     groups: dict[tuple, list[list[torch.Tensor]]] = {}
     filled: dict[tuple, int] = {}
     for p in params:

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tpflow import comm
-from tpflow.comm import CommStats, stats
-from tpflow.comm import bounds as row_bounds
+from tpflow.dist import comm
+from tpflow.dist.comm import CommStats, stats
+from tpflow.dist.comm import bounds as row_bounds
 
 __all__ = ["DistTransport", "Handle", "Transport", "as_transport", "row_bounds"]
 
@@ -80,7 +80,7 @@ class Transport(ABC):
         ``after(start, end)``, if given, runs once the piece's send has started: other work on
         those rows (a weight gradient) that the transfer can hide behind.
 
-        Each chunk travels as ``splits`` pieces (``tpflow.kernels.SPLITS`` sets the default per device).
+        Each chunk travels as ``splits`` pieces (the ``ring_splits`` switch of ``tpflow.config`` sets the default per device).
         ``compute`` adds ``acc`` inside the matmul, so it
         cannot start before ``acc`` arrives; with one piece a rank would wait, every step, for its
         neighbour's whole chunk to cross the link, since the neighbour finished computing it at
@@ -177,7 +177,7 @@ class DistTransport(Transport):
     On NCCL a step's operations are one group launched on NCCL's own stream, ordered after the
     kernels already queued on the current stream, and ``wait`` only makes the current stream wait
     for them: the host never blocks, and the next chunk's matmul runs beside the transfer.
-    Its bytes count into ``tpflow.comm.stats`` with the rest of this rank's traffic.
+    Its bytes count into ``tpflow.dist.comm.stats`` with the rest of this rank's traffic.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:

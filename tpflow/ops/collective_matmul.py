@@ -8,7 +8,7 @@
 Rows are dim 0, chunked by ``torch.chunk``'s rule (tpflow's split(0)); x may have more dims
 ([S, B, K] in sequence parallelism), which fold into the rows of each chunk. Reduce-scatter: at step s rank r
 computes chunk (r - s - 1) mod W, adding the partial received from r - 1 in the matmul's
-epilogue (or, where ``ADD_LATE`` says so, after the product, so the transfer hides behind it), and
+epilogue (or, where the ``ring_add_late`` switch says so, after the product, so the transfer hides behind it), and
 sends the sum on to r + 1; the last step leaves chunk r fully reduced. All-gather:
 rank r computes on the rows it holds while forwarding them and receiving the next.
 
@@ -17,7 +17,7 @@ dx = dy @ w^T chunk by chunk, with the weight gradient x^T @ dy of each chunk co
 arrives; d(all_gather_matmul) reduce-scatters dz @ w^T, with x^T @ dz of each chunk between
 the steps.
 
-Below ``RING_MIN_ELEMENTS`` per message (a chunk of the output for reduce-scatter, of the input
+Below the ``ring_min_elements`` switch's count per message (a chunk of the output for reduce-scatter, of the input
 for all-gather), per-step overheads outweigh what the ring hides, and ``algo="auto"`` runs one
 matmul and the plain collective instead. The rule reads only sizes every rank shares, so all
 ranks take the same path.
@@ -31,45 +31,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tpflow.kernels.matmul import (
-    accumulate_dtype,
-    activation_grad,
-    bias_grad,
-    matmul,
-    matmul_ref,
-    needs_pre,
-    saved_for_grad,
-)
-from tpflow.kernels.transport import Transport, as_transport, row_bounds
+from tpflow import config
+from tpflow.dist.transport import Transport, as_transport, row_bounds
+from tpflow.kernels.epilogue import accumulate_dtype, activation_grad, bias_grad, needs_pre, saved_for_grad
+from tpflow.kernels.matmul import matmul, matmul_ref
 
-__all__ = ["ADD_LATE", "ALGOS", "RING_MIN_ELEMENTS", "SPLITS", "all_gather_matmul", "all_gather_matmul_ref",
-           "matmul_reduce_scatter", "matmul_reduce_scatter_ref"]
+__all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref"]
 
-# Elements per message from which the ring pays, by device type. CPU, 2 gloo ranks x 1 thread
-# (`benchmarks/collective_cpu.py gloo --size {512,1024}`, results in benchmarks/results/): at 2^17 per
-# message (size 512) the ring ran 0.84-0.96x of the plain path in the recorded run (0.99-1.10x in earlier,
-# unrecorded ones), at 2^19 (size 1024) 0.86-0.91x over three: the gain below 2^18 is within this VM's
-# noise, so the threshold sits there. CUDA: an estimate until measured on two GPUs, from what one H100
-# showed (`benchmarks/kernels_gpu.py`): a launch of the matmul costs the host 58-199 us on that VM's CPU,
-# so the ring's W x SPLITS launches pay only where each piece's product takes longer than that. At 2^24
-# elements a message, K = 4096 and two pieces, a piece is 69 GFLOP, about 105 us at the 650 TFLOP/s
-# measured there (2^22, the earlier guess, made pieces of 26 us: bound by the host).
-RING_MIN_ELEMENTS = {"cpu": 2**18, "cuda": 2**24}
 ALGOS = ("auto", "ring", "naive")
-# Messages per chunk of the reduce-scatter ring, by device type. With the accumulator added in the epilogue,
-# pieces let a transfer overlap the next piece's compute: on an emulated link as slow as half the compute, two
-# hid 86-99% of it and four 88-100% over three runs, one message -14% to 20% (`python benchmarks/collective_cpu.py
-# fake --reps 21`, at commit c8e8445). On CPU the late add (below) hides the transfer with one message.
-SPLITS = {"cpu": 1, "cuda": 2}
-# Whether the reduce-scatter ring computes a piece's product while its accumulator crosses the link and adds
-# it after, in a separate pass, by device type (only where the output keeps the partials' dtype). On CPU over
-# gloo that pass is cheap beside the wait it removes: one message with the late add ran 0.77-0.87x (median
-# 0.82x) of matmul + reduce_scatter_tensor over five runs, against 0.79-0.89x (median 0.85x) with the add in
-# the epilogue (`python -m tpflow.launch --nproc_per_node 2 benchmarks/collective_cpu.py gloo --reps 41`, at
-# commit c8e8445). It has no slack, though: on the emulated link above, where the ranks drift apart, it hid
-# 56-67%. On CUDA the add stays in the matmul's epilogue, fused, and the pieces do the hiding.
-ADD_LATE = {"cpu": True, "cuda": False}
-
 Group = dist.ProcessGroup | Transport | None
 
 
@@ -80,11 +49,7 @@ def _use_ring(algo: str, t: Transport, bounds: list[tuple[int, int]], width: int
     if t.world_size == 1 or algo == "naive":
         return False
     per_message = (bounds[0][1] - bounds[0][0]) * width
-    return algo == "ring" or per_message >= RING_MIN_ELEMENTS.get(device.type, RING_MIN_ELEMENTS["cuda"])
-
-
-def _splits(device: torch.device) -> int:
-    return SPLITS.get(device.type, SPLITS["cuda"])
+    return algo == "ring" or per_message >= config.get("ring_min_elements", device)
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, name: str) -> None:
@@ -133,7 +98,7 @@ def _reduce_scatter_product(x: torch.Tensor, w: torch.Tensor, t: Transport, boun
         return matmul(x, w, acc=acc, row_start=start, row_end=end, out_dtype=partial_dtype)
 
     # a late add into a rounded output would round twice: only where the output keeps the partials' dtype
-    add_late = ADD_LATE.get(x.device.type, ADD_LATE["cuda"]) and out_dtype == partial_dtype
+    add_late = config.get("ring_add_late", x.device) and out_dtype == partial_dtype
     t.ring_reduce_scatter(bounds, compute, width=w.shape[1], dtype=partial_dtype, device=x.device, splits=splits,
                           add_late=add_late, after=wgrad)
     return out
@@ -231,7 +196,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
             dx = _reduce_scatter_product(dz, w.mT, ctx.t, ctx.bounds, ring=ctx.ring, bias=None,
                                          out_dtype=ctx.x_dtype, partial_dtype=accumulate_dtype(dz.dtype),
-                                         splits=_splits(dz.device),
+                                         splits=config.get("ring_splits", dz.device),
                                          wgrad=wgrad if need_w and ctx.keep_gathered else None)
         db = bias_grad(dz) if ctx.has_bias and need_b else None
         return dx, None if dw is None else dw.sum.to(w.dtype), db, *[None] * 6
@@ -246,15 +211,15 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     Every rank passes the same shape; rank r gets ``chunk(r)`` of dim 0 (``torch.chunk``'s rule). ``group``
     is a process group (default: the world) or a ``Transport``. Partials travel in
     ``partial_dtype`` (default: fp32, or fp64 for fp64 inputs; one rounding at the end), each chunk as
-    ``splits`` messages (default ``SPLITS`` by device); with more than one, the link works while the
+    ``splits`` messages (default: the ``ring_splits`` switch); with more than one, the link works while the
     next piece computes. ``algo``: ``"ring"``, ``"naive"`` (one matmul,
-    then the plain reduce-scatter), or ``"auto"`` (the ring from ``RING_MIN_ELEMENTS`` per message).
+    then the plain reduce-scatter), or ``"auto"`` (the ring from the ``ring_min_elements`` switch's count per message).
 
     Differentiable. The bias is added once, on each row's owner; its gradient (from the all-gathered
     output gradient) is the whole one on every rank.
     """
     _check_operands(x, w, bias, "matmul_reduce_scatter")
-    splits = _splits(x.device) if splits is None else splits
+    splits = config.get("ring_splits", x.device) if splits is None else splits
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     t = as_transport(group)

@@ -12,63 +12,14 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-import dataclasses
 
 from torch import nn
 
-from tpflow.layers.fused import ColumnGroup
-from tpflow.layers.linear import ColumnParallelLinear, RowParallelLinear, _ParallelLinear
+from tpflow.layers import ColumnGroup
 from tpflow.placement import Placement
+from tpflow.plans.styles import ColumnParallel, RowParallel, style_of
 
-__all__ = ["ColumnParallel", "RowParallel", "parallelize"]
-
-
-class _Style:
-    """A plan entry: its fields are the options of its layer's ``from_linear``."""
-
-    layer: type[_ParallelLinear]
-    _plan_only: tuple[str, ...] = ()  # fields that parallelize() reads, not the layer
-
-    def build(self, module: nn.Linear, placement: Placement) -> _ParallelLinear:
-        options = {k: v for k, v in dataclasses.asdict(self).items() if k not in self._plan_only}
-        return self.layer.from_linear(module, placement=placement, **options)
-
-
-@dataclasses.dataclass(frozen=True)
-class ColumnParallel(_Style):
-    """Plan entry for a ``ColumnParallelLinear`` (``"column"`` is ``ColumnParallel()``)."""
-
-    layer = ColumnParallelLinear
-    gather_output: bool = False
-    sequence_parallel: bool = False
-    algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
-    keep_gathered: bool = True  # False: gather the sequence-parallel input again in backward (less memory)
-    # True: the fuse=True column layers of one parent module (q / k / v, gate / up) run as one product, so their
-    # shared input crosses the ranks once (tpflow.layers.fused); they need the same options and in_features
-    fuse: bool = False
-    _plan_only = ("fuse",)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowParallel(_Style):
-    """Plan entry for a ``RowParallelLinear`` (``"row"`` is ``RowParallel()``)."""
-
-    layer = RowParallelLinear
-    input_is_parallel: bool = True
-    sequence_parallel: bool = False
-    algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
-
-
-_NAMED = {"column": ColumnParallel(), "row": RowParallel()}
-
-
-def _style(pattern: str, style: object) -> ColumnParallel | RowParallel:
-    if isinstance(style, (ColumnParallel, RowParallel)):
-        return style
-    if isinstance(style, str) and style in _NAMED:
-        return _NAMED[style]
-    raise ValueError(f"plan[{pattern!r}] must be 'column', 'row', tpf.ColumnParallel(...) or tpf.RowParallel(...), "
-                     f"got {style!r}")
+__all__ = ["parallelize"]
 
 
 def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object]) -> nn.Module:
@@ -84,7 +35,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen: dict[str, tuple[str, ColumnParallel | RowParallel]] = {}
     for pattern, style in plan.items():
-        style = _style(pattern, style)
+        style = style_of(pattern, style)
         names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
         if not names:
             linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpflow.comm import CommStats
-from tpflow.kernels.transport import Handle, Pairs, Transport
+from tpflow.dist.comm import CommStats
+from tpflow.dist.transport import Handle, Pairs, Transport
 
 __all__ = ["FakeTransport", "FakeWorld"]
 

@@ -1,0 +1,255 @@
+"""Every runtime switch of tpflow, in one place: what it does, its environment variable, its default.
+
+A switch is read when it is used, never at import, so it may change at any point of a run:
+
+- from the environment: ``TPFLOW_KERNELS=triton python train.py``;
+- from code, which wins over the environment: ``tpf.config.set(kernels="triton")`` for the rest of
+  the process, or ``with tpf.config.override(kernels="triton"):`` for a block (how tests set them).
+
+Some switches hold one value per device type (``ring_splits`` is 1 on CPU and 2 on CUDA by default).
+Setting them to a single value sets every device type; a dict (``{"cpu": 2}``) or, in the environment,
+``cpu=2,cuda=4`` sets some. ``python -m tpflow.config`` prints every switch with its value in force
+and where that value came from. ``docs/config.md`` is the same table with examples.
+
+``TRITON_INTERPRET=1`` is Triton's own switch, not tpflow's: Triton reads it when it first compiles
+the kernels' definitions (when ``tpflow.kernels`` loads its Triton code), so it must be set before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["SWITCHES", "Switch", "debug", "describe", "get", "override", "reset", "set", "source"]
+
+
+def _flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "on", "yes"):
+        return True
+    if lowered in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{text!r} is not a flag: use 1 or 0")
+
+
+def _size(text: str) -> int:
+    return int(float(text))  # 2.6e5 or 262144
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One runtime switch: ``default`` is a value, or a dict of values by device type."""
+
+    name: str
+    env: str
+    default: object
+    parse: Callable[[str], object]
+    doc: str
+    choices: tuple = ()
+
+    @property
+    def by_device(self) -> bool:
+        return isinstance(self.default, dict)
+
+    def check(self, value: object) -> object:
+        """``value`` as this switch holds it (parsed from text), or a ValueError naming the switch."""
+        try:
+            value = value if self.parse is _flag and isinstance(value, bool) else \
+                _flag(str(value)) if self.parse is _flag else self.parse(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"tpflow switch {self.name} ({self.env}): {e}") from None
+        if self.choices and value not in self.choices:
+            raise ValueError(f"tpflow switch {self.name} ({self.env}) must be one of {self.choices}, got {value!r}")
+        return value
+
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("debug", "TPFLOW_DEBUG", False, _flag,
+           "log every boxing route and matmul signature choice to stderr, each line with its rank"),
+    Switch("timeout", "TPFLOW_TIMEOUT", 300.0, float,
+           "seconds a collective of the process group tpflow sets up may wait: a rank that never arrives fails "
+           "the job instead of hanging it (read when the group is made)"),
+    Switch("kernels", "TPFLOW_KERNELS", "torch", str,
+           "what computes the local products of CPU tensors: torch's matmul, or tpflow's Triton kernels through "
+           "Triton's interpreter (TRITON_INTERPRET=1; how the tests check the kernels without a GPU). CUDA tensors "
+           "always run the Triton kernels", ("torch", "triton")),
+    Switch("matmul", "TPFLOW_MATMUL", "auto", str,
+           "which Triton kernel: auto is the persistent TMA kernel where it can read the operands on a Hopper or "
+           "datacenter Blackwell GPU (0.90-1.01x cuBLAS on an H100 against the tiled kernel's 0.75-0.84x, "
+           "benchmarks/README.md), the tiled kernel elsewhere and under the interpreter",
+           ("auto", "persistent", "tiled")),
+    Switch("autotune", "TPFLOW_AUTOTUNE", True, _flag,
+           "autotune the Triton kernels' tile configs per shape; off, one pinned config per kernel compiles (the "
+           "tests pin it so that a GPU run compiles one variant per shape, not a sweep)"),
+    Switch("ring_min_elements", "TPFLOW_RING_MIN_ELEMENTS", {"cpu": 2**18, "cuda": 2**24}, _size,
+           "elements per message from which algo='auto' runs the ring collectives (all-gather + matmul, matmul + "
+           "reduce-scatter) instead of one matmul and the plain collective. CPU: at 2^17 the ring's gain over 2 gloo "
+           "ranks was within the VM's noise, at 2^19 it ran 0.86-0.91x of the plain path "
+           "(benchmarks/collective_cpu.py). CUDA: an estimate until measured on two GPUs: at 2^24 elements, K = 4096 "
+           "and two pieces a message, a piece's product takes about 105 us on an H100, past the 58-199 us a launch "
+           "costs the host there"),
+    Switch("ring_splits", "TPFLOW_RING_SPLITS", {"cpu": 1, "cuda": 2}, int,
+           "messages per chunk of the reduce-scatter ring: with the accumulator added in the matmul's epilogue, a "
+           "piece's transfer overlaps the next piece's compute (two pieces hid 86-99% of the transfer on an "
+           "emulated link as slow as half the compute, one piece -14% to 20%; benchmarks/collective_cpu.py fake)"),
+    Switch("ring_add_late", "TPFLOW_RING_ADD_LATE", {"cpu": True, "cuda": False}, _flag,
+           "whether the reduce-scatter ring computes a piece's product while its accumulator crosses the link and "
+           "adds it after, in a separate pass (only where the output keeps the partials' dtype). On 2 gloo ranks "
+           "it ran 0.77-0.87x of matmul + reduce_scatter_tensor against 0.79-0.89x with the add in the epilogue; "
+           "on CUDA the add stays fused and the pieces do the hiding"),
+    Switch("grad_bucket_bytes", "TPFLOW_GRAD_BUCKET_BYTES", 4 << 20, _size,
+           "bytes of partial-sum gradients summed by one all-reduce before an optimizer step (the flat copy is the "
+           "memory this costs; DDP's first bucket is 1 MiB, the rest 25 MiB)"),
+)}
+
+_SET: dict[str, object] = {}  # values set from code
+_LOG = logging.getLogger("tpflow")
+
+
+def _switch(name: str) -> Switch:
+    if name not in SWITCHES:
+        raise KeyError(f"tpflow has no switch {name!r}; its switches are {sorted(SWITCHES)}")
+    return SWITCHES[name]
+
+
+def _parse_env(switch: Switch, text: str) -> object:
+    if switch.by_device and "=" in text:
+        pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
+        return {kind.strip(): switch.check(value) for kind, value in pairs}
+    return switch.check(text)
+
+
+def _checked(switch: Switch, value: object) -> object:
+    if switch.by_device and isinstance(value, dict):
+        return {kind: switch.check(v) for kind, v in value.items()}
+    return switch.check(value)
+
+
+def source(name: str) -> str:
+    """Where the value in force of switch ``name`` comes from: ``"code"``, ``"environment"`` or ``"default"``.
+
+    Example::
+
+        >>> tpf.config.source("kernels")
+        'default'
+    """
+    switch = _switch(name)
+    return "code" if name in _SET else "environment" if switch.env in os.environ else "default"
+
+
+def get(name: str, device: object = None) -> object:
+    """The value in force of switch ``name``: set from code, else from its environment variable, else its default.
+
+    Args:
+        name: a key of ``SWITCHES``.
+        device: for switches with a value per device type, the device (a ``torch.device`` or its type as a
+            string) whose value to return; device types without an entry take the CUDA one.
+
+    Returns:
+        The switch's value, parsed (a bool, a number or one of the switch's choices).
+
+    Example::
+
+        >>> tpf.config.get("ring_splits", "cpu")
+        1
+    """
+    switch = _switch(name)
+    where = source(name)
+    value = _SET[name] if where == "code" else \
+        _parse_env(switch, os.environ[switch.env]) if where == "environment" else switch.default
+    if not switch.by_device:
+        return value
+    if device is None:
+        raise ValueError(f"tpflow switch {name} has a value per device type: pass device= ('cpu', 'cuda' or a "
+                         "torch.device)")
+    kind = getattr(device, "type", device)
+    if not isinstance(value, dict):
+        return value
+    merged = {**switch.default, **value}
+    return merged.get(kind, merged["cuda"])
+
+
+def set(**values: object) -> None:  # noqa: A001 - tpf.config.set reads as what it does
+    """Set switches from code, for the rest of the process (until ``reset``); they win over the environment.
+
+    Every value is checked before any is set, so a bad one changes nothing.
+
+    Args:
+        **values: switch name -> value (a dict by device type for the switches that have one).
+
+    Example::
+
+        >>> tpf.config.set(kernels="triton", autotune=False)
+    """
+    checked = {name: _checked(_switch(name), value) for name, value in values.items()}
+    _SET.update(checked)
+
+
+def reset(*names: str) -> None:
+    """Forget the values set from code for ``names`` (all switches when none is named), so the environment and
+    the defaults apply again.
+
+    Example::
+
+        >>> tpf.config.reset("kernels")
+    """
+    for name in names or list(_SET):
+        _switch(name)
+        _SET.pop(name, None)
+
+
+@contextlib.contextmanager
+def override(**values: object) -> Iterator[None]:
+    """Set switches from code for a ``with`` block, then put back what was set before.
+
+    Example::
+
+        >>> with tpf.config.override(matmul="tiled"):
+        ...     pass  # products of this block run the tiled kernel
+    """
+    before = {name: _SET[name] for name in values if name in _SET}
+    set(**values)
+    try:
+        yield
+    finally:
+        for name in values:
+            _SET.pop(name, None)
+        _SET.update(before)
+
+
+def describe() -> str:
+    """Every switch, its value in force and where it came from, as a Markdown table.
+
+    Example::
+
+        >>> print(tpf.config.describe())  # doctest: +SKIP
+    """
+    rows = ["| switch | environment | value | from | what |", "|---|---|---|---|---|"]
+    for name, switch in SWITCHES.items():
+        value = _SET.get(name, os.environ.get(switch.env, switch.default))
+        rows.append(f"| {name} | `{switch.env}` | {value} | {source(name)} | {switch.doc} |")
+    return "\n".join(rows)
+
+
+def debug(message: str, *args: object) -> None:
+    """Log ``message % args`` to stderr, with this process's rank, when the ``debug`` switch is on.
+
+    Example::
+
+        >>> tpf.config.debug("boxing %s -> %s", "split(0)", "broadcast")  # silent unless debug is on
+    """
+    if not get("debug"):
+        return
+    if not _LOG.handlers:  # a handler of the caller's own takes the lines instead
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[tpflow rank {os.environ.get('RANK', '0')}] %(message)s"))
+        _LOG.addHandler(handler)
+    _LOG.setLevel(logging.DEBUG)
+    _LOG.debug(message, *args)
+
+
+if __name__ == "__main__":
+    print(describe())

@@ -1,0 +1,22 @@
+"""Global tensors: OneFlow's vocabulary over ``DTensor``.
+
+    blocks      a global tensor as this rank's block; get_sbp, get_placement, to_local
+    creation    randn, rand, full, zeros, ones, tensor: one device's values for any layout
+    boxing      layout changes within a placement and across placements (no autograd)
+    local       from_local: a global tensor from each rank's block
+    convert     to_global, for global tensors, plain tensors and modules (module)
+    matmul      matmul with SBP inference
+    gradients   partial-sum gradients summed in buckets before an optimizer step
+"""
+
+from __future__ import annotations
+
+from tpflow.global_tensor import gradients
+from tpflow.global_tensor.blocks import get_placement, get_sbp, to_local
+from tpflow.global_tensor.convert import to_global
+from tpflow.global_tensor.creation import full, ones, rand, randn, tensor, zeros
+from tpflow.global_tensor.local import from_local
+from tpflow.global_tensor.matmul import matmul
+
+__all__ = ["from_local", "full", "get_placement", "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor",
+           "to_global", "to_local", "zeros"]

@@ -1,0 +1,117 @@
+"""Local -> global: a global tensor from each rank's block (OneFlow's ``to_global`` of a local tensor).
+
+Without a global shape, the ranks exchange their blocks' shapes and dtypes in one fixed-size
+all-gather (``tpflow.dist.wire``), which also checks that the blocks fit together, so a mismatch is
+an error on every rank rather than a hang or a wrong value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tpflow.dist import comm, wire
+from tpflow.global_tensor.blocks import check_placement, wrap
+from tpflow.global_tensor.boxing import box
+from tpflow.placement import Placement
+from tpflow.sbp import Broadcast, Sbp, Split, dual, from_dtensor, local_region, normalize
+
+__all__ = ["from_local"]
+
+
+class _LocalToGlobal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, pl, sbps, shape, grad_sbps, sync_data):
+        ctx.pl, ctx.grad_sbps, ctx.local_shape = pl, grad_sbps, local.shape
+        coord = pl.coordinate()
+        if coord is None:
+            return wrap(None, pl, sbps, shape, local.dtype)
+        if sync_data and any(isinstance(s, Broadcast) for s in sbps):
+            local = local.detach().clone()
+            for axis, s in enumerate(sbps):
+                if isinstance(s, Broadcast) and pl.hierarchy[axis] > 1:
+                    root = pl.rank_at(coord[:axis] + (0,) + coord[axis + 1:])
+                    dist.broadcast(local, src=root, group=pl.mesh.get_group(axis))
+        return wrap(local.detach(), pl, sbps, shape, local.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = box(grad, ctx.pl, from_dtensor(grad.placements), ctx.pl, ctx.grad_sbps)
+        local = grad.to_local() if ctx.pl.coordinate() is not None else grad.to_local().new_zeros(ctx.local_shape)
+        return local, None, None, None, None, None
+
+
+def _all_gather_meta(local: torch.Tensor, device: torch.device) -> list[tuple[tuple[int, ...], object]]:
+    """Every rank's (shape, dtype), in one fixed-size all-gather over the world."""
+    meta = torch.tensor(wire.meta_ints(local.shape, local.dtype), device=device)
+    metas = torch.empty(dist.get_world_size() * meta.numel(), dtype=meta.dtype, device=device)
+    comm.all_gather_single(metas, meta)
+    out = []
+    for ints in metas.view(-1, meta.numel()).tolist():
+        shape, dtype = wire.read_meta_ints(ints)
+        out.append((shape, "unsupported" if dtype is None else dtype))
+    return out
+
+
+def _global_shape(local: torch.Tensor, pl: Placement, sbp: object,
+                  shape: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[Sbp, ...]]:
+    """(global shape, SBPs) of per-rank blocks, checked on every rank so a mismatch fails everywhere."""
+    if shape is not None:
+        shape = tuple(shape)
+        sbps = normalize(sbp, pl.ndim, len(shape))
+        coord = pl.coordinate()
+        if coord is not None and tuple(local.shape) != local_region(shape, sbps, pl.hierarchy, coord)[1]:
+            raise ValueError(
+                f"rank {dist.get_rank()} holds a block of shape {tuple(local.shape)}, but global shape {shape} "
+                f"with sbp {sbps} on {pl} gives it {local_region(shape, sbps, pl.hierarchy, coord)[1]}"
+            )
+        return shape, sbps
+    members = {r: meta for r, meta in enumerate(_all_gather_meta(local, pl.device)) if r in pl}
+    if len({m[1] for m in members.values()}) > 1:
+        raise ValueError(f"the ranks of {pl} hold blocks of different dtypes: {members}")
+    if len({len(m[0]) for m in members.values()}) > 1:
+        raise ValueError(f"the ranks of {pl} hold blocks of different ndim: { {r: m[0] for r, m in members.items()} }")
+    first = members[pl.flat_ranks[0]][0]
+    sbps = normalize(sbp, pl.ndim, len(first))
+    shape = list(first)
+    for dim in {s.dim for s in sbps if isinstance(s, Split)}:
+        along = [axis for axis, s in enumerate(sbps) if s == Split(dim)]
+        shape[dim] = sum(members[r][0][dim] for r in pl.flat_ranks
+                         if all(c == 0 for axis, c in enumerate(pl.coordinate(r)) if axis not in along))
+    wrong = {r: m[0] for r, m in members.items()
+             if m[0] != local_region(shape, sbps, pl.hierarchy, pl.coordinate(r))[1]}
+    if wrong:
+        expected = {r: local_region(shape, sbps, pl.hierarchy, pl.coordinate(r))[1] for r in wrong}
+        raise ValueError(
+            f"local blocks do not make a global tensor with sbp {sbps} on {pl}: ranks hold {wrong}, but global "
+            f"shape {tuple(shape)} needs {expected} (split blocks follow torch.chunk sizes; other dims must agree)"
+        )
+    return tuple(shape), sbps
+
+
+def from_local(local: torch.Tensor, placement: Placement, sbp: object, *, shape: Sequence[int] | None = None,
+               grad_sbp: object = None, sync_data: bool = True) -> DTensor:
+    """A global tensor from each rank's block (OneFlow's local -> global ``to_global``).
+
+    With ``split`` each rank's tensor is its shard, with ``partial_sum`` its addend, with
+    ``broadcast`` the whole value (copied from the axis' first rank when ``sync_data``).
+    Without ``shape`` the ranks exchange their block shapes: one small collective that also
+    checks they fit together. The gradient of ``local`` is this rank's block of the global
+    gradient in layout ``grad_sbp`` (default: ``sbp``, with partial sums read as broadcast).
+    """
+    if not isinstance(local, torch.Tensor) or isinstance(local, DTensor):
+        raise TypeError(f"from_local takes a plain torch.Tensor, got {type(local).__name__}")
+    pl = check_placement(placement)
+    global_shape, sbps = _global_shape(local, pl, sbp, shape)
+    grad_sbps = dual(sbps) if grad_sbp is None else normalize(grad_sbp, pl.ndim, len(global_shape))
+    for coord in map(pl.coordinate, pl.flat_ranks):
+        if local_region(global_shape, grad_sbps, pl.hierarchy, coord)[1] != \
+                local_region(global_shape, sbps, pl.hierarchy, coord)[1]:
+            raise ValueError(
+                f"grad_sbp {grad_sbps} gives blocks of another shape than sbp {sbps}: the gradient of a local "
+                "tensor must have its shape, so use grad_sbp that differs only in broadcast / partial_sum"
+            )
+    return _LocalToGlobal.apply(local, pl, sbps, global_shape, grad_sbps, sync_data)

@@ -1,0 +1,52 @@
+"""``to_global`` of an ``nn.Module``: every parameter and buffer converted, shared ones kept shared."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpflow.global_tensor import gradients
+from tpflow.global_tensor.blocks import get_placement, get_sbp
+from tpflow.global_tensor.boxing import box, box_within
+from tpflow.global_tensor.local import from_local
+from tpflow.placement import Placement
+from tpflow.sbp import broadcast, normalize
+
+__all__ = ["module_to_global"]
+
+
+def module_to_global(module: nn.Module, pl: Placement, sbp: object) -> nn.Module:
+    """Every parameter and buffer, read as its whole (single-device) value, laid out as ``sbp`` on ``pl``.
+
+    With ``sbp=None`` a global tensor keeps its SBP (moving to ``pl`` if it lives elsewhere) and a plain
+    one is broadcast. Plain tensors are taken from the placement's first rank, so every rank starts from
+    the same model whatever its own initialisation drew. Shared parameters stay shared; a tensor already
+    in its layout is kept as it is (the same object).
+    """
+    entries = []  # validate every tensor before converting any, so an error leaves the module intact
+    for mod_name, mod in module.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(mod, kind).items():
+                if t is not None:
+                    want = get_sbp(t) if sbp is None and isinstance(t, DTensor) else \
+                        (broadcast,) * pl.ndim if sbp is None else sbp
+                    try:
+                        entries.append((getattr(mod, kind), name, t, normalize(want, pl.ndim, t.ndim)))
+                    except ValueError as e:
+                        raise ValueError(f"{f'{mod_name}.{name}'.lstrip('.')}: {e}") from None
+    converted: dict[int, torch.Tensor] = {}
+    for table, name, t, sbps in entries:
+        if isinstance(t, DTensor) and (get_placement(t), get_sbp(t)) == (pl, sbps):
+            continue
+        if id(t) not in converted:
+            with torch.no_grad():
+                if isinstance(t, DTensor):
+                    new = box(t, get_placement(t), get_sbp(t), pl, sbps)
+                else:
+                    whole = from_local(t.detach(), pl, (broadcast,) * pl.ndim, shape=t.shape)
+                    new = box_within(whole, pl, (broadcast,) * pl.ndim, sbps)
+            converted[id(t)] = gradients.adopt(nn.Parameter(new, t.requires_grad)) if isinstance(t, nn.Parameter) \
+                else new
+        table[name] = converted[id(t)]
+    return module
