@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from tpflow import config, init_distributed
 from tpflow.bench.measure import cpu_name, source_version, step_times
-from tpflow.dist import FakeWorld, comm, row_bounds
-from tpflow.dist.comm import stats
+from tpflow.comm import FakeWorld, comm, row_bounds
+from tpflow.comm.collectives import stats
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
 
 
@@ -66,7 +66,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     own = slice(*rows[rank])
     x_rows = torch.randn(size, size, generator=gen)[own].contiguous()  # M shard: a sequence-parallel input
     w_cols = torch.randn(size, size // world, generator=gen)
-    group = dist.group.WORLD  # the library collectives, with their bytes counted by tpflow.dist.comm
+    group = dist.group.WORLD  # the library collectives, with their bytes counted by tpflow.comm
 
     def torch_rs():
         return comm.reduce_scatter(torch.matmul(x, w), 0, rows, group)

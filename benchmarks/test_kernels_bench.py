@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import tpflow as tpf
-from tpflow.dist import FakeWorld
+from tpflow.comm import FakeWorld
 from tpflow.kernels import matmul
 from tpflow.ops import matmul_reduce_scatter
 

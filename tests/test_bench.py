@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.test_examples import _run
-from tpflow.dist.wire import HEADER_BYTES
+from tpflow.comm.wire import HEADER_BYTES
 
 TWO_D = {"data x tensor", "pipeline x tensor"}
 FP32 = 4

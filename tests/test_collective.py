@@ -13,7 +13,7 @@ import torch
 
 import tpflow as tpf
 from tests import harness
-from tpflow.dist import FakeWorld, as_transport, row_bounds
+from tpflow.comm import FakeWorld, as_transport, row_bounds
 from tpflow.kernels import matmul_ref, use_triton
 from tpflow.ops import all_gather_matmul, all_gather_matmul_ref, matmul_reduce_scatter, matmul_reduce_scatter_ref
 
@@ -358,7 +358,7 @@ def test_gloo(world, algo, m, inner):
         _close(r[3], y_act, "all-gather reference")
     if algo == "ring":
         bounds = row_bounds(m, world)
-        for rank, r in enumerate(results):  # counted in tpflow.dist.comm.stats, with the rest of the rank's traffic
+        for rank, r in enumerate(results):  # counted in tpflow.comm.stats, with the rest of the rank's traffic
             assert r[0][4][0] == (m - (bounds[rank][1] - bounds[rank][0])) * math.prod(inner) * n * 8
 
 

@@ -8,7 +8,7 @@ import torch
 import tpflow as tpf
 from tests import harness
 from tests.test_collective import Counting
-from tpflow.dist import FakeWorld, as_transport, row_bounds
+from tpflow.comm import FakeWorld, as_transport, row_bounds
 from tpflow.kernels import matmul, matmul_ref
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tpflow as tpf
 from tests import harness
-from tpflow.dist.comm import bounds
+from tpflow.comm.collectives import bounds
 
 B, S0 = tpf.sbp.broadcast, tpf.sbp.split(0)
 

@@ -15,7 +15,7 @@ from torch import nn
 import tpflow as tpf
 from tests import harness
 from tests.checks import B, S0, backward_logical, ints, logical
-from tpflow.dist.comm import bounds
+from tpflow.comm.collectives import bounds
 
 FEATURES = [(6, 8), (5, 7), (3, 2)]  # even for W = 2; uneven; fewer output features than ranks
 
@@ -530,7 +530,7 @@ def test_parameter_bytes_per_rank(world):
 
 def _traffic_rank(kind):
     """Bytes each layer kind moves per step, counted by tpflow, against the minimum for its layout (fp32)."""
-    from tpflow.dist.comm import stats
+    from tpflow.comm.collectives import stats
 
     P, W = _world(), dist.get_world_size()
     s, b, h, f = 4 * W, 3, 6, 8  # [S, B, H] input, hidden f; S splits evenly

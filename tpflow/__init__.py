@@ -5,7 +5,7 @@ placement axis); underneath it is a ``DTensor``. The package is layered, each fo
 those below it:
 
     config, placement, sbp   switches; which ranks; how a tensor is laid out over them
-    dist                     collectives on local shards with byte counters; transports; metadata messages
+    comm                     collectives on local shards with byte counters; transports; metadata messages
     kernels                  Triton kernels and their torch references (nothing distributed)
     ops                      kernels x transports: the ring matmul collectives
     global_tensor            creation, boxing, to_global / from_local, matmul with SBP inference
@@ -17,8 +17,7 @@ those below it:
 
 from __future__ import annotations
 
-from tpflow import config, dist, kernels, ops, sbp
-from tpflow.dist import comm
+from tpflow import comm, config, kernels, ops, sbp
 from tpflow.global_tensor import (
     from_local,
     full,
@@ -50,7 +49,6 @@ __all__ = [
     "Stage",
     "comm",
     "config",
-    "dist",
     "from_local",
     "full",
     "get_placement",

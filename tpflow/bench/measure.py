@@ -1,6 +1,6 @@
 """What the harness measures besides time: the machine, every rank's values, bytes sent, peak memory.
 
-Bytes: tpflow counts its own transfers (``tpflow.dist.comm.stats``: point-to-point sends as sent);
+Bytes: tpflow counts its own transfers (``tpflow.comm.stats``: point-to-point sends as sent);
 ``counting()`` adds torch's functional collectives (DTensor's redistributes, ``parallelize_module``)
 by watching the dispatcher, and ``count_ddp`` adds DDP's bucket all-reduces through a comm hook (a
 Python call per bucket around DDP's own all-reduce hook). A collective is counted as what the ring
@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpflow.dist import comm
+from tpflow import comm
 
 __all__ = ["count_ddp", "counting", "cpu_name", "device_name", "every_rank", "hold_freed_memory", "quantiles",
            "source_version", "step_peak", "step_times"]

@@ -43,8 +43,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 import tpflow as tpf
-from tpflow.dist import comm
-from tpflow.dist.comm import ring_bytes
+from tpflow import comm
+from tpflow.comm.collectives import ring_bytes
 from tpflow.bench.measure import count_ddp
 from tpflow.bench.workloads import Workload
 

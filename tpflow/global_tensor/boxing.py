@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tpflow import config
-from tpflow.dist import comm
+from tpflow import comm
 from tpflow.global_tensor.blocks import block, is_zero_partial, wrap
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_region, to_dtensor

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tpflow import config
-from tpflow.dist import comm
+from tpflow import comm
 
 __all__ = ["HOOK", "adopt", "reduce_partial_gradients"]
 

@@ -1,7 +1,7 @@
 """Local -> global: a global tensor from each rank's block (OneFlow's ``to_global`` of a local tensor).
 
 Without a global shape, the ranks exchange their blocks' shapes and dtypes in one fixed-size
-all-gather (``tpflow.dist.wire``), which also checks that the blocks fit together, so a mismatch is
+all-gather (``tpflow.comm.wire``), which also checks that the blocks fit together, so a mismatch is
 an error on every rank rather than a hang or a wrong value.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tpflow.dist import comm, wire
+from tpflow.comm import collectives, wire
 from tpflow.global_tensor.blocks import check_placement, wrap
 from tpflow.global_tensor.boxing import box
 from tpflow.placement import Placement
@@ -48,7 +48,7 @@ def _all_gather_meta(local: torch.Tensor, device: torch.device) -> list[tuple[tu
     """Every rank's (shape, dtype), in one fixed-size all-gather over the world."""
     meta = torch.tensor(wire.meta_ints(local.shape, local.dtype), device=device)
     metas = torch.empty(dist.get_world_size() * meta.numel(), dtype=meta.dtype, device=device)
-    comm.all_gather_single(metas, meta)
+    collectives.all_gather_single(metas, meta)
     out = []
     for ints in metas.view(-1, meta.numel()).tolist():
         shape, dtype = wire.read_meta_ints(ints)

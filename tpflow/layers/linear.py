@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow.dist import comm
+from tpflow import comm
 from tpflow.global_tensor import from_local, get_placement, get_sbp, gradients, tensor, to_global
 from tpflow.global_tensor.blocks import off_placement
 from tpflow.kernels import linear

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tpflow import config
-from tpflow.dist.transport import Transport, as_transport, row_bounds
+from tpflow.comm.transport import Transport, as_transport, row_bounds
 from tpflow.kernels.epilogue import accumulate_dtype, activation_grad, bias_grad, needs_pre, saved_for_grad
 from tpflow.kernels.matmul import matmul, matmul_ref
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow.dist import comm
-from tpflow.dist.wire import FAILED, HEADER_BYTES, OK, header, read_header
+from tpflow import comm
+from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
 from tpflow.global_tensor.blocks import off_placement
 from tpflow.layers.blocks import LocalBlocks

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpflow.dist.comm import CommStats
-from tpflow.dist.transport import Handle, Pairs, Transport
+from tpflow.comm.collectives import CommStats
+from tpflow.comm.transport import Handle, Pairs, Transport
 
 __all__ = ["FakeTransport", "FakeWorld"]
 

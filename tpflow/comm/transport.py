@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tpflow.dist import comm
-from tpflow.dist.comm import CommStats, stats
-from tpflow.dist.comm import bounds as row_bounds
+from tpflow.comm import collectives
+from tpflow.comm.collectives import CommStats, stats
+from tpflow.comm.collectives import bounds as row_bounds
 
 __all__ = ["DistTransport", "Handle", "Transport", "as_transport", "row_bounds"]
 
@@ -177,7 +177,7 @@ class DistTransport(Transport):
     On NCCL a step's operations are one group launched on NCCL's own stream, ordered after the
     kernels already queued on the current stream, and ``wait`` only makes the current stream wait
     for them: the host never blocks, and the next chunk's matmul runs beside the transfer.
-    Its bytes count into ``tpflow.dist.comm.stats`` with the rest of this rank's traffic.
+    Its bytes count into ``tpflow.comm.stats`` with the rest of this rank's traffic.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -202,7 +202,7 @@ class DistTransport(Transport):
         """NCCL's reduce-scatter on CUDA; on CPU the plain ring, since gloo's is an all-reduce underneath
         (twice the bytes)."""
         if full.is_cuda:
-            return comm.reduce_scatter(full, 0, bounds, self.group)
+            return collectives.reduce_scatter(full, 0, bounds, self.group)
         return super().reduce_scatter(full, bounds)
 
     def gather_ints(self, value: int, device: torch.device | str = "cpu") -> list[int]:
@@ -212,7 +212,7 @@ class DistTransport(Transport):
 
     def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The library's all-gather (uneven chunks padded)."""
-        return comm.all_gather(part, 0, bounds, self.group)
+        return collectives.all_gather(part, 0, bounds, self.group)
 
 
 def as_transport(group: dist.ProcessGroup | Transport | None) -> Transport:
