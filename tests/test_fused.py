@@ -225,18 +225,37 @@ def test_fused_checkpoint_reshards(tmp_path):
         assert all(torch.equal(a, b) for got, want in zip(state, saved) for a, b in zip(got, want))
 
 
+class _Around(nn.Module):
+    """Work before and after a fused group, as a model has: what torch.compile puts in graphs."""
+
+    def __init__(self, trio: nn.Module) -> None:
+        super().__init__()
+        self.trio = trio
+
+    def forward(self, x):
+        a, b, c = self.trio(x * 2)
+        return a.sum() + b.square().sum() + c.relu().sum()
+
+
 def _compile_rank():
     """Under torch.compile the group runs eagerly between graphs (its blocks share a storage, which dynamo
-    cannot trace): the same values and gradients as eager."""
-    eager = tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
-    compiled = torch.compile(copy.deepcopy(eager))
+    cannot trace): the same values and gradients as eager, in two graphs (before and after the group's
+    product), and no recompile on the next call."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager = _Around(tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)}))
+    graphs = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(copy.deepcopy(eager), backend=graphs)
     x = ints((3, 6), seed=2)
-    outs, outs_compiled = eager(x), compiled(x)
-    assert all(torch.equal(y, y_c) for y, y_c in zip(outs, outs_compiled))
-    sum(y.square().sum() for y in outs).backward()
-    sum(y.square().sum() for y in outs_compiled).backward()
+    y, y_c = eager(x), compiled(x)
+    assert torch.equal(y, y_c)
+    y.backward()
+    y_c.backward()
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), f"gradient of {name}"
+    assert torch.equal(compiled(x), eager(x))
+    assert graphs.frame_count == 2, f"{graphs.frame_count} graphs: one break, at the group's product, was expected"
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -56,9 +56,12 @@ def test_tiled_pipelines_with_cp_async_and_persistent_moves_tiles_by_tma(compile
             assert c["tma_copies"] > 0 and c["cp_async"] == 0, c
 
 
-def test_epilogues_spill_at_most_a_few_bytes(compiled):
-    """Both kernels run their epilogue on half tiles. The persistent kernel spills nothing under the pinned
-    config; the tiled one spills 16 bytes or fewer in the fused GELU. On whole tiles the pinned config
-    spilled 52 bytes in the fused GELU and the fp32 partials (the results file at commit a6a1245)."""
-    assert all(c["spilled"] == 0 for c in compiled if c["kernel"] == "persistent"), compiled
-    assert all(c["spilled"] <= 32 for c in compiled), compiled
+def test_epilogues_spill_at_most_16_bytes(compiled):
+    """Both kernels run their epilogue on half tiles. Under the pinned config the persistent kernel spills
+    nothing, and the tiled one 16 bytes in the fused GELU and nothing elsewhere
+    (``benchmarks/results/compiled_sm90_triton-3.6.0_2026-11-22.md``). On whole tiles the pinned config spilled
+    52 bytes in the fused GELU and the fp32 partials (that file's first run, at commit a6a1245)."""
+    spilled = {(c["variant"], c["kernel"]): c["spilled"] for c in compiled}
+    gelu = ("forward + bias + gelu, saving z", "tiled")
+    assert spilled[gelu] <= 16, spilled
+    assert all(v == 0 for key, v in spilled.items() if key != gelu), spilled

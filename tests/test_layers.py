@@ -120,18 +120,18 @@ def _close(a, b, msg):
     torch.testing.assert_close(a, b, msg=msg)
 
 
-def _mlp_rank(sequence_parallel, seq, hidden, gelu):
-    ref = Stack(5, hidden, depth=2, act=F.gelu if gelu else torch.relu).double()
-    plan = {"*.fc1": tpf.ColumnParallel(sequence_parallel=sequence_parallel),
-            "*.fc2": tpf.RowParallel(sequence_parallel=sequence_parallel)}
+def _mlp_rank(sequence_parallel, seq, hidden, gelu, dtype=torch.float64, algo="auto"):
+    ref = Stack(5, hidden, depth=2, act=F.gelu if gelu else torch.relu).to(dtype)
+    plan = {"*.fc1": tpf.ColumnParallel(sequence_parallel=sequence_parallel, algo=algo),
+            "*.fc2": tpf.RowParallel(sequence_parallel=sequence_parallel, algo=algo)}
     model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=plan)
     same = _close if gelu else _equal  # exact with relu (small integers); gelu: up to the order of sums over ranks
-    x_ref = ints((seq, 2, 5), seed=7).double().requires_grad_()  # [S, B, H]: sequence parallelism splits S
+    x_ref = ints((seq, 2, 5), seed=7).to(dtype).requires_grad_()  # [S, B, H]: sequence parallelism splits S
     rows = _own(seq) if sequence_parallel else slice(None)
     x = x_ref.detach()[rows].clone().requires_grad_()
     y, y_ref = model(x), ref(x_ref)
     same(y, y_ref[rows], msg="output")
-    g = ints(y_ref.shape, seed=8).double()
+    g = ints(y_ref.shape, seed=8).to(dtype)
     y.backward(g[rows])
     y_ref.backward(g)
     same(x.grad, x_ref.grad[rows], msg="input gradient")
@@ -312,10 +312,15 @@ def test_matches_pytorch_tensor_parallel(world):
 
 
 def _compile_rank():
+    """One graph for the whole block, collectives included, and no recompile on the next call (a byte counter
+    traced into the graph once made every call recompile at W > 1, until dynamo gave up and ran eagerly)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch._dynamo.reset()
     ref = Stack(6, 10, depth=1)
     eager = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
-    compiled = torch.compile(copy.deepcopy(eager))
+    graphs = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(copy.deepcopy(eager), backend=graphs)
     x = ints((3, 6), seed=2)
     y, y_c = eager(x), compiled(x)
     assert torch.equal(y, y_c)
@@ -323,6 +328,8 @@ def _compile_rank():
     y_c.square().sum().backward()
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), f"gradient of {name}"
+    assert torch.equal(compiled(x), eager(x))
+    assert graphs.frame_count == 1, f"{graphs.frame_count} graphs: a graph break or a recompile"
 
 
 @pytest.mark.parametrize("world", [1, 2])

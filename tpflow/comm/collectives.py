@@ -31,12 +31,30 @@ __all__ = ["CommStats", "Pending", "all_gather", "all_reduce", "bounds", "count_
 
 @dataclass
 class CommStats:
-    """Bytes and messages this rank has sent since the last ``reset()``."""
+    """Bytes and messages this rank has sent since the last ``reset()``.
+
+    Transfers inside a graph torch.compile traces are not counted: dynamo would bake the count into the
+    graph and guard on its value, so every call changed it and recompiled until the recompile limit.
+
+    Example::
+
+        >>> tpf.comm.stats.reset()
+        >>> # ... a training step ...
+        >>> tpf.comm.stats.bytes_sent  # doctest: +SKIP
+        8408064
+    """
 
     bytes_sent: int = 0
     messages_sent: int = 0
 
+    def add(self, nbytes: int, messages: int = 1) -> None:
+        """Count ``messages`` transfers of ``nbytes`` in all (nothing while torch.compile traces)."""
+        if not torch.compiler.is_compiling():
+            self.bytes_sent += nbytes
+            self.messages_sent += messages
+
     def reset(self) -> None:
+        """Start counting from zero."""
         self.bytes_sent = 0
         self.messages_sent = 0
 
@@ -73,8 +91,7 @@ def post(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, t
         if tensor.numel():
             pending.buffers.append(tensor.contiguous())
             pending.works.append(dist.isend(pending.buffers[-1], dst=peer, tag=tag))
-            stats.bytes_sent += tensor.numel() * tensor.element_size()
-            stats.messages_sent += 1
+            stats.add(tensor.numel() * tensor.element_size())
     return pending
 
 
@@ -99,8 +116,7 @@ def ring_bytes(nbytes: int, world: int, passes: int) -> int:
 
 def count_ring(t: torch.Tensor, world: int, passes: int) -> None:
     """Count ``passes`` ring passes over ``t`` on a group of ``world`` ranks."""
-    stats.bytes_sent += ring_bytes(t.numel() * t.element_size(), world, passes)
-    stats.messages_sent += passes * (world - 1)
+    stats.add(ring_bytes(t.numel() * t.element_size(), world, passes), passes * (world - 1))
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):

@@ -63,8 +63,7 @@ class Transport(ABC):
 
     def _count(self, sends: Pairs) -> None:
         for tensor, _ in sends:
-            self.stats.bytes_sent += tensor.numel() * tensor.element_size()
-            self.stats.messages_sent += 1
+            self.stats.add(tensor.numel() * tensor.element_size())
 
     # The two rings. ``bounds[c]`` are the rows of chunk c, which rank c owns.
 

@@ -78,7 +78,7 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         self.label = f"{type(self).__name__}({in_features}, {out_features})"  # parallelize() names it by its path
         coord = placement.coordinate()
         self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
-        self._group = None
+        self._group = self._find_group()
         self._blocks = LocalBlocks()
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init and RNG use
         self._adopt(full.weight, full.bias)
@@ -107,18 +107,25 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         synced = from_local(block, pl, sbp, shape=value.shape, sync_data=True).detach()
         return gradients.adopt(nn.Parameter(synced, requires_grad=value.requires_grad))
 
+    def _find_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel axis' process group, looked up once: resolved lazily on the first forward, it
+        would change the module during the first traced call, and torch.compile would recompile on the next."""
+        if self._tp_size == 1 or self._tp_rank is None:
+            return None
+        return self.placement.mesh.get_group(self.placement.ndim - 1)
+
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel process group (None on a single rank: nothing to communicate)."""
-        if self._tp_size == 1:
-            return None
-        if self._group is None:
-            self._group = self.placement.mesh.get_group(self.placement.ndim - 1)
         return self._group
 
     def __getstate__(self) -> dict:
         """The process group is this process's handle: a copy (``copy.deepcopy``, pickle) looks it up again."""
         return {**self.__dict__, "_group": None}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._group = self._find_group()
 
     def _local_features(self, size: int) -> int:
         start, end = comm.bounds(size, self._tp_size)[self._tp_rank]

@@ -1,0 +1,58 @@
+"""The parallel layers, parallelize() and fused column groups on tpflow's Triton kernels: the GPU's hot path,
+run here through Triton's interpreter (small shapes, fp32 and fp16; the interpreter mishandles bf16).
+
+The rank functions are the torch-path tests' own, run with the ``kernels`` switch at ``"triton"``; each run
+also counts the kernel launches, so a path that silently fell back to torch's matmul fails. Values are small
+integers, so fp32 results are exact whatever order the kernel sums in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpflow as tpf
+from tests import harness
+from tests.test_collective import Counting
+from tests.test_fused import _trio_rank
+from tests.test_layers import _low_precision_rank, _mlp_rank
+
+pytest.importorskip("triton")
+
+
+def _on_triton(fn, *args):
+    """``fn(*args)`` with every local product on the Triton kernels; (its result, the launches it made)."""
+    from tpflow.kernels import tuning
+
+    tiled = Counting(tuning.tuned("tiled"))
+    with tpf.config.override(kernels="triton", matmul="tiled"), tuning.use("tiled", tiled):
+        return fn(*args), tiled.launches
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence_parallel, algo", [(False, "auto"), (True, "ring"), (True, "naive")],
+                         ids=["tp", "tp+sp ring", "tp+sp plain"])
+def test_mlp_through_parallelize_on_the_kernels(world, sequence_parallel, algo):
+    """Column -> relu -> row blocks, forward and every gradient equal to nn.Linear's; with sequence parallelism
+    the ring collectives compute their chunks as row ranges of the kernels."""
+    for _, launches in harness.run(world, _on_triton, _mlp_rank, sequence_parallel, 4 * world, 7, False,
+                                   torch.float32, algo, timeout=300):
+        assert launches >= 12, f"{launches} kernel launches: the layers must compute on the Triton kernels"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence_parallel, keep_gathered", [(False, True), (True, True), (True, False)],
+                         ids=["tp", "tp+sp", "tp+sp regather"])
+def test_fused_columns_on_the_kernels(world, sequence_parallel, keep_gathered):
+    """q / k / v-like column layers as one product on the kernels: each member's output and gradients equal
+    nn.Linear's, and the group sends what one layer as wide as the three sends."""
+    for (fused, one), launches in harness.run(world, _on_triton, _trio_rank, sequence_parallel, keep_gathered, True,
+                                              timeout=300):
+        assert fused == one, f"fused layers sent {fused} bytes (forward, backward), one layer {one}"
+        assert launches >= 6, f"{launches} kernel launches"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_half_precision_on_the_kernels(world):
+    """fp16 column and row layers round once, as one device does: their partial sums travel in fp32."""
+    for _, launches in harness.run(world, _on_triton, _low_precision_rank, torch.float16, timeout=300):
+        assert launches >= 2, f"{launches} kernel launches"
