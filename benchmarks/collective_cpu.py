@@ -28,10 +28,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpflow import config, init_distributed
+from tpflow import comm, config, init_distributed
 from tpflow.bench.measure import cpu_name, source_version, step_times
-from tpflow.comm import FakeWorld, comm, row_bounds
-from tpflow.comm.collectives import stats
+from tpflow.comm import FakeWorld, row_bounds, stats
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
 
 

@@ -43,7 +43,8 @@ def source(ref: torch.Tensor, pl, sbps, seed: int = 7, requires_grad: bool = Fal
             if isinstance(s, PartialSum):
                 k = pl.hierarchy[axis]
                 # the same addends on broadcast replicas: key on the other non-broadcast axes only
-                others = tuple(c for a, (t, c) in enumerate(zip(sbps, coord)) if a != axis and not isinstance(t, Broadcast))
+                others = tuple(c for a, (t, c) in enumerate(zip(sbps, coord))
+                               if a != axis and not isinstance(t, Broadcast))
                 key = hash((seed, axis, others)) % 2**31
                 noise = [ints(lengths, key + c) for c in range(1, k)]
                 local += -sum(noise) if coord[axis] == 0 else noise[coord[axis] - 1]

@@ -38,6 +38,8 @@ def _bad_input():
         tpf.randn(4, 5, placement=p01, sbp=(S0, B))
     with pytest.raises(ValueError, match="2 SBP"):
         tpf.to_global(tpf.randn(4, 5, placement=p01, sbp=S0), sbp=(S0, B))
+    with pytest.raises(ValueError, match="cannot keep the SBP .*: give sbp=, one per axis"):
+        tpf.to_global(tpf.randn(4, 5, placement=p01, sbp=S0), placement=p2d)
     with pytest.raises(TypeError, match="placement must be a tpf.placement"):
         tpf.zeros(2, placement=[0, 1], sbp=B)
 

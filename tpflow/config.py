@@ -8,11 +8,11 @@ A switch is read when it is used, never at import, so it may change at any point
 
 Some switches hold one value per device type (``ring_splits`` is 1 on CPU and 2 on CUDA by default).
 Setting them to a single value sets every device type; a dict (``{"cpu": 2}``) or, in the environment,
-``cpu=2,cuda=4`` sets some. ``python -m tpflow.config`` prints every switch with its value in force
-and where that value came from. ``docs/config.md`` is the same table with examples.
+``cpu=2,cuda=4`` sets some. ``tpf.config.describe()`` is every switch with its value in force and
+where that value came from. ``docs/config.md`` is the same table with examples.
 
-``TRITON_INTERPRET=1`` is Triton's own switch, not tpflow's: Triton reads it when it first compiles
-the kernels' definitions (when ``tpflow.kernels`` loads its Triton code), so it must be set before.
+``TRITON_INTERPRET=1`` is Triton's own switch, not tpflow's: Triton reads it when it decorates the
+kernels' definitions, which happens when tpflow is imported, so it must be set before.
 """
 
 from __future__ import annotations
@@ -41,7 +41,28 @@ def _size(text: str) -> int:
 
 @dataclass(frozen=True)
 class Switch:
-    """One runtime switch: ``default`` is a value, or a dict of values by device type."""
+    """One runtime switch: ``default`` is a value, or a dict of values by device type.
+
+    ``SWITCHES`` holds every switch of tpflow by name; ``get`` reads the value in force of one.
+
+    Args:
+        name: the name ``get``, ``set`` and ``override`` take.
+        env: the environment variable that sets it.
+        default: its value where neither code nor the environment sets one; for a switch with a value per
+            device type, a dict by device type (``{"cpu": 1, "cuda": 2}``).
+        parse: turns a value (the environment's text, say) into the switch's type, raising a ValueError or
+            TypeError where it cannot.
+        doc: what the switch does, for ``describe``.
+        choices: the values allowed; empty: any value ``parse`` accepts.
+
+    Example::
+
+        >>> splits = tpf.config.SWITCHES["ring_splits"]
+        >>> splits.env, splits.default
+        ('TPFLOW_RING_SPLITS', {'cpu': 1, 'cuda': 2})
+        >>> splits.check("4")
+        4
+    """
 
     name: str
     env: str
@@ -52,6 +73,7 @@ class Switch:
 
     @property
     def by_device(self) -> bool:
+        """Whether the switch holds one value per device type."""
         return isinstance(self.default, dict)
 
     def check(self, value: object) -> object:
@@ -131,6 +153,13 @@ def _checked(switch: Switch, value: object) -> object:
 def source(name: str) -> str:
     """Where the value in force of switch ``name`` comes from: ``"code"``, ``"environment"`` or ``"default"``.
 
+    Args:
+        name: a key of ``SWITCHES``.
+
+    Returns:
+        ``"code"`` where ``set`` or ``override`` set it, else ``"environment"`` where its environment variable is
+        set, else ``"default"``.
+
     Example::
 
         >>> tpf.config.source("kernels")
@@ -192,6 +221,9 @@ def reset(*names: str) -> None:
     """Forget the values set from code for ``names`` (all switches when none is named), so the environment and
     the defaults apply again.
 
+    Args:
+        *names: keys of ``SWITCHES``; an unknown name raises a KeyError.
+
     Example::
 
         >>> tpf.config.reset("kernels")
@@ -204,6 +236,14 @@ def reset(*names: str) -> None:
 @contextlib.contextmanager
 def override(**values: object) -> Iterator[None]:
     """Set switches from code for a ``with`` block, then put back what was set before.
+
+    Every value is checked before any is set, as by ``set``; they win over the environment inside the block.
+
+    Args:
+        **values: switch name -> value (a dict by device type for the switches that have one).
+
+    Returns:
+        A context manager for the ``with`` statement (``as`` binds None).
 
     Example::
 
@@ -223,19 +263,37 @@ def override(**values: object) -> Iterator[None]:
 def describe() -> str:
     """Every switch, its value in force and where it came from, as a Markdown table.
 
+    ``print(tpf.config.describe())`` shows what a run will use.
+
+    Returns:
+        The table: one row per switch, with its environment variable, value, source (as ``source`` says) and
+        what it does.
+
     Example::
 
         >>> print(tpf.config.describe())  # doctest: +SKIP
     """
     rows = ["| switch | environment | value | from | what |", "|---|---|---|---|---|"]
     for name, switch in SWITCHES.items():
-        value = _SET.get(name, os.environ.get(switch.env, switch.default))
+        value = _SET[name] if name in _SET else \
+            _parse_env(switch, os.environ[switch.env]) if switch.env in os.environ else switch.default
+        if switch.by_device and isinstance(value, dict):
+            value = {**switch.default, **value}
+        elif switch.by_device:
+            value = {kind: value for kind in switch.default}
         rows.append(f"| {name} | `{switch.env}` | {value} | {source(name)} | {switch.doc} |")
     return "\n".join(rows)
 
 
 def debug(message: str, *args: object) -> None:
     """Log ``message % args`` to stderr, with this process's rank, when the ``debug`` switch is on.
+
+    The lines go to the ``tpflow`` logger; where it has no handler of the caller's own, one is added that
+    writes to stderr with the ``RANK`` environment variable in every line's prefix.
+
+    Args:
+        message: a %-format string, formatted only when the line is logged.
+        *args: the values it formats.
 
     Example::
 
@@ -250,6 +308,3 @@ def debug(message: str, *args: object) -> None:
     _LOG.setLevel(logging.DEBUG)
     _LOG.debug(message, *args)
 
-
-if __name__ == "__main__":
-    print(describe())

@@ -23,6 +23,20 @@ _WORKER = "--tpflow-worker"  # internal: how torchrun starts each rank through t
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The launcher's command line: OneFlow's flags, plus ``--logdir`` and ``-m``.
+
+    ``--nproc_per_node``, ``--nnodes``, ``--node_rank``, ``--master_addr`` and ``--master_port``, the ones
+    with an underscore also spelt with hyphens; everything after the script (or module) goes to it unchanged.
+
+    Returns:
+        The parser; :func:`torchrun_args` turns what it parses into torchrun's arguments.
+
+    Example::
+
+        >>> ns = build_parser().parse_args(["--nproc_per_node", "4", "train.py", "--lr", "0.1"])
+        >>> ns.nproc_per_node, ns.script, ns.script_args
+        (4, 'train.py', ['--lr', '0.1'])
+    """
     p = argparse.ArgumentParser(prog="python -m tpflow.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1, help="processes on this node")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
@@ -38,7 +52,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def torchrun_args(ns: argparse.Namespace) -> list[str]:
-    """torchrun's arguments for OneFlow-style flags; ValueError for flags that make no sense."""
+    """torchrun's arguments for OneFlow-style flags; ValueError for flags that make no sense.
+
+    One node without ``--master_port`` rendezvouses on a free port (``--standalone``); otherwise at
+    ``--master_addr``:``--master_port`` (29500 when not given). torchrun checks on its workers every 0.1 s
+    (``--monitor_interval``); with ``--logdir`` it also writes each rank's stdout and stderr there. Each worker
+    runs this module again, which runs the script under torch.elastic's ``record``.
+
+    Args:
+        ns: the flags, as :func:`build_parser` parses them.
+
+    Returns:
+        The arguments for ``torch.distributed.run``, in order.
+
+    Raises:
+        ValueError: ``--nproc_per_node`` or ``--nnodes`` below 1, ``--node_rank`` outside 0..nnodes-1, or
+            ``--master_port`` outside 1..65535.
+
+    Example::
+
+        >>> ns = build_parser().parse_args(["--nproc_per_node", "4", "train.py", "--lr", "0.1"])
+        >>> torchrun_args(ns)  # doctest: +NORMALIZE_WHITESPACE
+        ['--nproc_per_node', '4', '--monitor_interval', '0.1', '--standalone', '-m', 'tpflow.launch',
+         '--tpflow-worker', 'script', 'train.py', '--lr', '0.1']
+    """
     if ns.nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node must be at least 1, got {ns.nproc_per_node}")
     if ns.nnodes < 1:
@@ -76,6 +113,23 @@ def _run_worker(kind: str, target: str, args: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m tpflow.launch``: start the script's ranks through torchrun and wait for them.
+
+    Inside a worker (torchrun starts each rank through this module) it runs the user's script on that rank
+    instead. Flags that make no sense, or a script file that does not exist, end in argparse's error (exit
+    status 2).
+
+    Args:
+        argv: the arguments after ``python -m tpflow.launch``; None for ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 when every rank finished, 1 when one failed (its traceback printed to stderr).
+
+    Example::
+
+        >>> main(["--nproc_per_node", "2", "train.py", "--epochs", "1"])  # doctest: +SKIP
+        0
+    """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_WORKER]:
         _run_worker(argv[1], argv[2], argv[3:])

@@ -38,7 +38,26 @@ def _timeout() -> datetime.timedelta:
 
 
 def init_distributed() -> None:
-    """Set up the default process group once: from torchrun's environment, else a world of one."""
+    """Set up the default process group once: from torchrun's environment, else a world of one.
+
+    Placements, ``get_rank`` and ``get_world_size`` call it, so a script rarely needs to; later calls, or calls
+    after the script set up the group itself, do nothing. The backend is ``"cpu:gloo,cuda:nccl"`` when CUDA is
+    available, else gloo, and each process takes GPU ``LOCAL_RANK`` when there is one (ranks beyond the GPU count
+    run CPU placements only). Collectives time out after the ``timeout`` switch (``TPFLOW_TIMEOUT``, seconds), so
+    a rank that never arrives fails the job instead of hanging it.
+
+    With ``RANK`` and ``WORLD_SIZE`` set (as ``python -m tpflow.launch`` sets them) the process joins that world;
+    ``MASTER_ADDR`` or ``MASTER_PORT`` missing then is a ``ValueError`` that says how to launch. Without them, a
+    plain ``python script.py`` is a world of one. An exit hook lets gloo's threads finish before the interpreter
+    shuts down.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> tpf.init_distributed()   # optional: the first placement does it too
+        >>> tpf.get_world_size()     # in a plain `python script.py`
+        1
+    """
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -89,13 +108,36 @@ def _shutdown() -> None:
 
 
 def get_rank() -> int:
-    """This process's rank in the world (0 in a plain one-process run)."""
+    """This process's rank in the world (0 in a plain one-process run).
+
+    Sets up the process group first if needed (``init_distributed``).
+
+    Returns:
+        The rank, from 0 to ``get_world_size() - 1``.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> tpf.get_rank()   # under `python -m tpflow.launch --nproc_per_node 2`: 0 on one process, 1 on the other
+        0
+    """
     init_distributed()
     return dist.get_rank()
 
 
 def get_world_size() -> int:
-    """Number of processes in the world (1 in a plain one-process run)."""
+    """Number of processes in the world (1 in a plain one-process run).
+
+    Sets up the process group first if needed (``init_distributed``). Placements may only name ranks below it.
+
+    Returns:
+        The world size (``--nproc_per_node`` times ``--nnodes`` under ``python -m tpflow.launch``).
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=list(range(tpf.get_world_size())))   # every rank, as Placement.all("cpu")
+    """
     init_distributed()
     return dist.get_world_size()
 
@@ -125,6 +167,33 @@ class Placement:
 
     ``hierarchy`` is the shape of ``ranks`` (one entry per axis); the SBP of a tensor on this
     placement has one entry per axis. Placements are hashable and compare by type and ranks.
+
+    ``tpf.placement`` is this class, under OneFlow's name. Constructing one sets up the process group if needed
+    (``init_distributed``) and builds its ``DeviceMesh``, cached by type and ranks. A mesh of a subset of the ranks
+    calls ``new_group``, which every rank must call in the same order: construct the same placements in the same
+    order on every rank, ranks outside them included. Such a rank holds an empty block of every tensor on the
+    placement (``coordinate()`` is None there) and skips its work.
+
+    A bad argument is an error on every rank: a ``type`` other than ``"cpu"`` and ``"cuda"``, a rank listed twice,
+    ranks that do not increase along an axis, a rank outside the world (the message says how to launch more
+    processes), or ``"cuda"`` with no GPU visible are ``ValueError``; ``ranks`` that are not a flat or rectangular
+    2-D list of ints are ``TypeError`` or ``ValueError``.
+
+    Args:
+        type: ``"cpu"`` (gloo; blocks on the CPU) or ``"cuda"`` (NCCL; blocks on this process's current GPU).
+        ranks: a non-empty list of ints (a 1-D placement) or a rectangular 2-D list of them (a 2-D mesh, read
+            row-major); a single int, a tensor or an array also do. Each rank appears once, ranks increase along
+            every axis, and all lie in ``0 .. get_world_size() - 1``.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> P.hierarchy, P.ndim, P == tpf.placement("cpu", [0, 1])
+        ((2,), 1, True)
+        >>> M = tpf.placement("cpu", ranks=[[0, 1], [2, 3]])   # a 2 x 2 mesh: needs 4 processes  # doctest: +SKIP
+        >>> M.hierarchy, M.coordinate(2)  # doctest: +SKIP
+        ((2, 2), (1, 0))
     """
 
     def __init__(self, type: str, ranks: object) -> None:
@@ -234,7 +303,24 @@ _PLACEMENTS: dict[DeviceMesh, Placement] = {}
 
 def placement_of_mesh(mesh: DeviceMesh) -> Placement:
     """The placement of a DTensor's mesh (cached: this runs on every boxing and matmul),
-    registering meshes that torch code built itself."""
+    registering meshes that torch code built itself.
+
+    Args:
+        mesh: a 1-D or 2-D ``DeviceMesh`` whose ranks follow ``Placement``'s rules.
+
+    Returns:
+        The ``Placement`` with the mesh's device type and ranks: equal to the placement a tensor on the mesh was
+        made on, though not necessarily the same object.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from tpflow.placement import placement_of_mesh
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
+        >>> placement_of_mesh(x.device_mesh) == P
+        True
+    """
     found = _PLACEMENTS.get(mesh)
     if found is None:
         key = (mesh.device_type, _as_rank_tuple(mesh.mesh.tolist()))

@@ -38,6 +38,19 @@ T = TypeVar("T")
 
 
 def cpu_name() -> str:
+    """The CPU's model name, for the results header of a run on CPUs.
+
+    Read from the ``model name`` line of ``/proc/cpuinfo`` where there is one, else from ``platform``.
+
+    Returns:
+        The model name; where ``/proc/cpuinfo`` gives none, ``platform.processor()``, or failing that
+        ``platform.machine()``.
+
+    Example::
+
+        >>> cpu_name()  # doctest: +SKIP
+        'AMD EPYC'
+    """
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
@@ -45,7 +58,21 @@ def cpu_name() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's, for every results file."""
+    """The GPU's name, or the CPU's, for every results file.
+
+    Args:
+        device: the device the benchmark runs on.
+
+    Returns:
+        ``torch.cuda.get_device_name(device)`` for a CUDA device, else :func:`cpu_name`.
+
+    Example::
+
+        >>> device_name(torch.device("cpu"))  # doctest: +SKIP
+        'AMD EPYC'
+        >>> device_name(torch.device("cuda", 0))  # doctest: +SKIP
+        'NVIDIA H100 80GB HBM3'
+    """
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
@@ -56,19 +83,50 @@ def hold_freed_memory() -> str:
     so the next step faults its pages in again: 10-15% of a CPU layer step on a 2-core VM, by an amount
     that follows the order in which a step frees its tensors rather than the work it does. A
     caching allocator (PyTorch's on CUDA, jemalloc) has no such cost.
+
+    This raises glibc's trim and mmap thresholds to 32 MiB (glibc's largest mmap threshold) through
+    ``mallopt``, for the whole process; the harness calls it once, before building any mode, on CPU runs.
+
+    Returns:
+        The allocator setting, for the results header: ``"glibc malloc keeping freed memory (mallopt trim and
+        mmap thresholds 32 MiB)"``, which of the two took where glibc refused one, ``"glibc malloc defaults
+        (mallopt refused)"`` where it refused both, or ``"the platform's allocator"`` where there is no
+        ``libc.so.6`` to load.
+
+    Example::
+
+        >>> hold_freed_memory()  # doctest: +SKIP
+        'glibc malloc keeping freed memory (mallopt trim and mmap thresholds 32 MiB)'
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return "the platform's allocator"
     m_trim_threshold, m_mmap_threshold, limit = -1, -3, 32 << 20  # 32 MiB: glibc's largest mmap threshold
-    if libc.mallopt(m_trim_threshold, limit) and libc.mallopt(m_mmap_threshold, limit):
+    trim, mmap = libc.mallopt(m_trim_threshold, limit), libc.mallopt(m_mmap_threshold, limit)
+    if trim and mmap:
         return "glibc malloc keeping freed memory (mallopt trim and mmap thresholds 32 MiB)"
+    if trim or mmap:
+        kept = "trim" if trim else "mmap"
+        return f"glibc malloc with only its {kept} threshold at 32 MiB (mallopt refused the other)"
     return "glibc malloc defaults (mallopt refused)"
 
 
 def source_version() -> str:
-    """The commit the benchmarked code is at, marked when its code (not earlier results) differs from it."""
+    """The commit the benchmarked code is at, marked when its code (not earlier results) differs from it.
+
+    Asks git in the checkout that holds this file; the code is the tracked files under ``tpflow/`` and
+    ``benchmarks/``, except ``benchmarks/results/``.
+
+    Returns:
+        ``"commit <short sha>"``, with ``" with local changes"`` appended when the code differs from that
+        commit, or ``"not a git checkout"`` where git cannot tell (not installed, or no repository).
+
+    Example::
+
+        >>> source_version()  # doctest: +SKIP
+        'commit effe677 with local changes'
+    """
     root = pathlib.Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -82,19 +140,67 @@ def source_version() -> str:
 
 
 def every_rank(local: list[float]) -> torch.Tensor:
-    """Every rank's ``local`` values, a row per rank (over the CPU backend)."""
+    """Every rank's ``local`` values, a row per rank (over the CPU backend).
+
+    A collective over the default process group: every rank calls it, each with a list of the same length.
+
+    Args:
+        local: this rank's values.
+
+    Returns:
+        A float64 CPU tensor of shape ``[world size, len(local)]``; row ``r`` holds rank ``r``'s values.
+
+    Example::
+
+        >>> # on 2 ranks, each passing [its rank, 10 * its rank]
+        >>> every_rank([float(rank), 10.0 * rank])  # doctest: +SKIP
+        tensor([[ 0.,  0.],
+                [ 1., 10.]], dtype=torch.float64)
+    """
     every = [torch.zeros(len(local), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(every, torch.tensor(local, dtype=torch.float64))
     return torch.stack(every)
 
 
 def step_times(local: list[float]) -> list[float]:
-    """Each repetition's time on its slowest rank."""
+    """Each repetition's time on its slowest rank.
+
+    A collective, like :func:`every_rank`: every rank calls it with its own times of the same repetitions.
+
+    Args:
+        local: this rank's time of each repetition, in seconds.
+
+    Returns:
+        For each repetition, the longest time any rank measured for it.
+
+    Example::
+
+        >>> # rank 0 measured [0.010, 0.012], rank 1 [0.011, 0.009]
+        >>> step_times(times)  # doctest: +SKIP
+        [0.011, 0.012]
+    """
     return every_rank(local).amax(0).tolist()
 
 
 def quantiles(times: list[float]) -> tuple[float, float, float]:
-    """Median, 20th and 80th percentile."""
+    """Median, 20th and 80th percentile.
+
+    The percentiles are ``statistics.quantiles``'s inclusive ones (interpolated between the samples); a single
+    sample is all three.
+
+    Args:
+        times: the samples (step times, or per-step speed-up ratios); at least one.
+
+    Returns:
+        ``(median, p20, p80)``.
+
+    Example::
+
+        >>> quantiles([1.0, 2.0, 3.0, 4.0, 5.0])
+        (3.0, 1.8, 4.2)
+        >>> quantiles([0.5])
+        (0.5, 0.5, 0.5)
+    """
     if len(times) == 1:
         return times[0], times[0], times[0]
     p20, _, _, p80 = statistics.quantiles(times, n=5, method="inclusive")
@@ -130,7 +236,24 @@ class _FunctionalCollectives(TorchDispatchMode):
 
 @contextmanager
 def counting() -> Iterator[comm.CommStats]:
-    """Count every byte this rank sends inside the block, tpflow's and torch's collectives alike."""
+    """Count every byte this rank sends inside the block, tpflow's and torch's collectives alike.
+
+    Resets ``tpflow.comm.stats`` on entry. Besides the transfers tpflow counts itself, torch's functional
+    collectives (DTensor's redistributes, ``parallelize_module``'s layers) are counted by watching the
+    dispatcher, each as the ring algorithm's bytes; one whose ring cost the harness does not know raises
+    RuntimeError rather than counting as zero. DDP's all-reduces also need :func:`count_ddp`.
+
+    Returns:
+        A context manager that yields ``tpflow.comm.stats``; its ``bytes_sent`` and ``messages_sent`` hold
+        what the block sent.
+
+    Example::
+
+        >>> with counting() as stats:  # doctest: +SKIP
+        ...     share = trainer.step()
+        >>> stats.bytes_sent  # doctest: +SKIP
+        8408064
+    """
     comm.stats.reset()
     with _FunctionalCollectives():
         yield comm.stats
@@ -142,7 +265,22 @@ def _counted_allreduce(group, bucket):  # no annotations: DDP checks them, and t
 
 
 def count_ddp(model: torch.nn.parallel.DistributedDataParallel) -> None:
-    """Have DDP's bucket all-reduces (its own, unchanged) counted in ``comm.stats``."""
+    """Have DDP's bucket all-reduces (its own, unchanged) counted in ``comm.stats``.
+
+    Registers a comm hook that counts each bucket as a ring all-reduce (two passes), then runs DDP's default
+    all-reduce hook on it: one Python call per bucket. DDP takes one comm hook per model, registered before
+    the first backward.
+
+    Args:
+        model: the DDP-wrapped model, with no comm hook registered yet.
+
+    Example::
+
+        >>> ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)  # doctest: +SKIP
+        >>> count_ddp(ddp)  # doctest: +SKIP
+        >>> with counting() as stats:  # doctest: +SKIP
+        ...     F.mse_loss(ddp(x), y).backward()
+    """
     model.register_comm_hook(None, _counted_allreduce)
 
 
@@ -164,7 +302,23 @@ def step_peak(step: Callable[[], T], device: torch.device) -> tuple[int, T]:
     """The most bytes ``step()`` holds above what was live when it began (for a trainer that frees its
     gradients after each step: activations, gradients, communication buffers), and what it returned.
     CUDA's allocator statistics; on CPU, the profiler's allocation events (frees of blocks allocated
-    before the step are not among them, so a step that frees what it did not allocate reads high)."""
+    before the step are not among them, so a step that frees what it did not allocate reads high).
+    On CPU, file descriptor 2 (stderr) goes to /dev/null while the step runs under the profiler.
+
+    Args:
+        step: the step to run once, with no arguments.
+        device: the device the step runs on: for CUDA the allocator's peak is read, for any other type the
+            CPU profiler's events.
+
+    Returns:
+        ``(peak, result)``: the peak in bytes above what was live at the start, and what ``step()`` returned.
+
+    Example::
+
+        >>> peak, total = step_peak(lambda: torch.ones(1024, 1024).sum(), torch.device("cpu"))
+        >>> peak  # doctest: +SKIP
+        4194316
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)

@@ -54,11 +54,44 @@ LR = 0.05
 
 
 class Skip(Exception):
-    """The mode cannot run this workload on this world; the message says why."""
+    """The mode cannot run this workload on this world; the message says why.
+
+    A mode raises it from :func:`build`; the harness (``python -m tpflow.bench``) then lists the mode as
+    skipped, with the message, and runs the others.
+
+    Args:
+        *args: as for any exception: one message, saying why. Keyword arguments are not accepted.
+
+    Example::
+
+        >>> from tpflow.bench.workloads import build as build_workload
+        >>> w = build_workload("mlp", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
+        >>> try:
+        ...     build("data, DDP", w, Context(world=3, rank=0, device=torch.device("cpu")))
+        ... except Skip as why:
+        ...     print(why)
+        DDP averages the ranks' gradients, which is the batch's only when its 64 samples split evenly over 3 ranks
+    """
 
 
 @dataclass
 class Context:
+    """Where a mode runs: the world's size, this rank, its device, and the pipelines' micro-batches.
+
+    Every mode builds on this; ``placement(ranks)`` is a ``tpf.placement`` of ``ranks`` on the device's type.
+
+    Args:
+        world: the number of ranks in the job.
+        rank: this process's rank, 0..world-1.
+        device: this rank's device: ``cuda:<local rank>``, or the CPU.
+        micro_batches: micro-batches per pipeline step; None for 2 per stage.
+
+    Example::
+
+        >>> ctx = Context(world=2, rank=dist.get_rank(), device=torch.device("cpu"))  # doctest: +SKIP
+        >>> P = ctx.placement(range(ctx.world))  # doctest: +SKIP
+    """
+
     world: int
     rank: int
     device: torch.device
@@ -69,7 +102,21 @@ class Context:
 
 
 def block_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of this rank's blocks of ``tensors`` (global or plain)."""
+    """Bytes of this rank's blocks of ``tensors`` (global or plain).
+
+    A DTensor counts its local block (``to_local()``), a plain tensor all of itself.
+
+    Args:
+        tensors: DTensors and plain tensors, e.g. a mode's parameters.
+
+    Returns:
+        The sum of the blocks' ``nbytes``.
+
+    Example::
+
+        >>> block_bytes([torch.zeros(4, 8), torch.zeros(8)])
+        160
+    """
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
 
@@ -77,7 +124,27 @@ def block_bytes(tensors: Iterable[torch.Tensor]) -> int:
 class Trainer:
     """One training step (``step()`` returns this rank's share of the loss, or None; it leaves no gradients
     behind), the parameters this rank holds, the bytes it keeps between steps besides them (``state_bytes``:
-    DDP's buckets), and the fewest bytes it must send per step (``minimum``)."""
+    DDP's buckets), and the fewest bytes it must send per step (``minimum``).
+
+    What every mode's builder returns, so that the harness times, counts and profiles the modes alike;
+    ``param_bytes()`` is :func:`block_bytes` of ``params``.
+
+    Args:
+        step: one training step, with no arguments; returns this rank's share of the loss (the shares over
+            the ranks sum to the loss), or None where this rank reports no share.
+        params: the parameters this rank trains (DTensors or plain tensors).
+        minimum: the fewest bytes this rank must send per step for the mode's layout.
+        ranks: the ranks the mode runs on.
+        state_bytes: the bytes kept between steps besides the parameters (DDP's buckets); 0 for the others.
+
+    Example::
+
+        >>> idle = Trainer(step=lambda: None, params=[], minimum=0, ranks=[0])  # one device's, off rank 0
+        >>> idle.step() is None, idle.param_bytes()
+        (True, 0)
+        >>> trainer = build("data, DDP", w, ctx)  # doctest: +SKIP
+        >>> share = trainer.step()  # doctest: +SKIP
+    """
 
     step: Callable[[], torch.Tensor | None]
     params: list[torch.Tensor]
@@ -384,12 +451,52 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
 
 
 def slug(mode: str) -> str:
-    """The mode's name for the command line: "data, DDP" is data-ddp."""
+    """The mode's name for the command line: "data, DDP" is data-ddp.
+
+    Lower case, with ", " and spaces made hyphens: the choices of ``python -m tpflow.bench --modes``.
+
+    Args:
+        mode: a key of ``MODES``.
+
+    Returns:
+        The hyphenated name.
+
+    Example::
+
+        >>> slug("data, DDP")
+        'data-ddp'
+        >>> slug("pipeline x tensor")
+        'pipeline-x-tensor'
+    """
     return mode.lower().replace(", ", "-").replace(" ", "-")
 
 
 def build(name: str, w: Workload, ctx: Context) -> Trainer:
-    """Mode ``name`` on a fresh copy of the workload's model (every rank calls it, in the same order)."""
+    """Mode ``name`` on a fresh copy of the workload's model (every rank calls it, in the same order).
+
+    The model is deep-copied, so every mode starts from the same values and ``w`` is left as it was (the
+    batch's tensors are shared). Building a mode can run collectives (DDP broadcasts its parameters, for
+    one), hence the same order on every rank.
+
+    Args:
+        name: a key of ``MODES``, e.g. ``"tensor, tpflow"``.
+        w: the workload, the same on every rank.
+        ctx: this rank's world, rank and device.
+
+    Returns:
+        The mode's :class:`Trainer` on this rank.
+
+    Raises:
+        Skip: the mode cannot run this workload on this world.
+
+    Example::
+
+        >>> from tpflow.bench.workloads import build as build_workload
+        >>> w = build_workload("mlp", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
+        >>> ctx = Context(world=2, rank=dist.get_rank(), device=torch.device("cpu"))  # doctest: +SKIP
+        >>> trainer = build("tensor, tpflow", w, ctx)  # doctest: +SKIP
+        >>> share = trainer.step()  # doctest: +SKIP
+    """
     fresh = dataclasses.replace(w, model=copy.deepcopy(w.model))
     return MODES[name](fresh, ctx)
 

@@ -2,7 +2,7 @@
 
 Apart from the run so that the GPU machines, which have no matplotlib, need only the JSON. For each
 workload: the speed-up of every mode against one device (bars, with the p20-p80 of its per-step ratios
-as whiskers), and the bytes each rank sent per step against the minimum for the mode's layout. With no
+as whiskers), and the bytes the busiest rank sent per step against the minimum for the mode's layout. With no
 file named, the newest ``benchmarks/results/bench_*.json``.
 """
 
@@ -17,6 +17,23 @@ __all__ = ["main", "plot"]
 
 
 def plot(results: pathlib.Path) -> pathlib.Path:
+    """Draw one results file of ``python -m tpflow.bench`` as a PNG beside it.
+
+    A row of two panels per workload: the speed-up of every mode against one device (bars: the median of
+    its per-step ratios, whiskers: their p20-p80), and the KiB the busiest rank sent per step against the
+    minimum for the mode's layout. Skipped modes are left out. Needs matplotlib (drawn with its Agg backend).
+
+    Args:
+        results: a ``bench_*.json`` file that ``python -m tpflow.bench`` wrote.
+
+    Returns:
+        The PNG's path: ``results`` with the suffix ``.png``.
+
+    Example::
+
+        >>> plot(pathlib.Path("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json"))  # doctest: +SKIP
+        PosixPath('benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.png')
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,6 +73,23 @@ def plot(results: pathlib.Path) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m tpflow.bench.plot``: plot each results file named, or the newest ``bench_*.json`` in ``--folder``.
+
+    Prints each PNG's path. With no file named, the newest by modification time in ``--folder`` (default
+    ``benchmarks/results``); when there is none, argparse's error exits with status 2.
+
+    Args:
+        argv: the command line's arguments after the program's name; None for ``sys.argv[1:]``.
+
+    Returns:
+        The exit status, 0.
+
+    Example::
+
+        >>> main(["benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json"])  # doctest: +SKIP
+        plot: benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.png
+        0
+    """
     p = argparse.ArgumentParser(prog="python -m tpflow.bench.plot", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="*", type=pathlib.Path, help="JSON files of python -m tpflow.bench")
     p.add_argument("--folder", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))

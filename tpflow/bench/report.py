@@ -46,7 +46,22 @@ def _by_workload(rows: list[dict], meta: dict):
 
 
 class Progress:
-    """A bar per workload on rank 0's terminal; nothing elsewhere."""
+    """A bar per workload on rank 0's terminal; nothing elsewhere.
+
+    A context manager around ``rich.progress.Progress`` (transient: the bars go when it exits). Disabled, or
+    without rich installed, it does nothing, so every rank makes the same calls: ``add(description, total)``
+    starts a bar and returns its task (None when it does nothing), ``advance(task)`` moves that bar one step.
+
+    Args:
+        enabled: show the bars; the harness passes ``rank == 0``.
+
+    Example::
+
+        >>> with Progress(enabled=True) as progress:  # doctest: +SKIP
+        ...     task = progress.add("mlp on 2 ranks", total=24)
+        ...     for _ in range(24):
+        ...         progress.advance(task)
+    """
 
     def __init__(self, enabled: bool) -> None:
         self.bar = rich.progress.Progress(transient=True) if enabled and rich is not None else None
@@ -69,7 +84,22 @@ class Progress:
 
 
 def show(rows: list[dict], meta: dict) -> None:
-    """The tables on the terminal."""
+    """The tables on the terminal.
+
+    A table per workload, titled with its description, the world's size, the device and the time; then the
+    command that repeats the run. Drawn with rich where it is installed, else as :func:`markdown`'s lines.
+
+    Args:
+        rows: the result rows of every workload: dicts with ``workload`` and the keys ``COLUMNS`` reads, or,
+            for a skipped mode, ``workload``, ``mode`` and ``skipped`` (the reason).
+        meta: the run's metadata: ``workloads`` (their descriptions, in the rows' order), ``world``,
+            ``device``, ``timestamp``, ``command``, ``code`` and ``torch``.
+
+    Example::
+
+        >>> data = json.loads(pathlib.Path("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json").read_text())
+        >>> show(data["rows"], data["meta"])  # doctest: +SKIP
+    """
     for title, part in _by_workload(rows, meta):
         if rich is None:
             print("\n".join(["", title, *markdown(part)]))
@@ -84,12 +114,41 @@ def show(rows: list[dict], meta: dict) -> None:
 
 
 def markdown_table(header: list[str], rows: list[list], numbers: bool = False) -> list[str]:
-    """A Markdown table's lines; ``numbers`` right-aligns every column but the first."""
+    """A Markdown table's lines; ``numbers`` right-aligns every column but the first.
+
+    Args:
+        header: the columns' headers.
+        rows: the table's rows, a value per column, each written with ``str``.
+        numbers: right-align every column but the first (columns of numbers).
+
+    Returns:
+        The header's line, the alignment rule, then a line per row; no newlines.
+
+    Example::
+
+        >>> markdown_table(["mode", "step ms"], [["one device", 1.5], ["data, DDP", 0.9]], numbers=True)
+        ['| mode | step ms |', '|---|---:|', '| one device | 1.5 |', '| data, DDP | 0.9 |']
+    """
     rule = "|---" + ("|---:" if numbers else "|---") * (len(header) - 1) + "|"
     return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(str(v) for v in r) + " |" for r in rows)]
 
 
 def markdown(rows: list[dict]) -> list[str]:
+    """Result rows as a Markdown table under ``COLUMNS``' headers, every column but the mode right-aligned.
+
+    A skipped mode's row gives its name and ``skipped: <reason>``, its other cells empty.
+
+    Args:
+        rows: result rows, as for :func:`show`; usually one workload's.
+
+    Returns:
+        The table's lines, as :func:`markdown_table` gives them.
+
+    Example::
+
+        >>> markdown([{"mode": "data, DDP", "skipped": "needs 4 ranks"}])[2]
+        '| data, DDP | skipped: needs 4 ranks |  |  |  |  |  |  |  |'
+    """
     return markdown_table(list(COLUMNS), [_cells(r) for r in rows], numbers=True)
 
 
@@ -99,7 +158,26 @@ def _slug(text: str) -> str:
 
 def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
     """``bench_<device>_w<W>_<time>.json`` (meta and rows), ``.csv`` (a row per mode, meta repeated) and
-    ``.md`` (the tables with their device, date and command)."""
+    ``.md`` (the tables with their device, date and command).
+
+    The folder is created when missing. ``<device>`` is the device's name with each run of characters other
+    than letters and digits made one hyphen, ``<time>`` the run's timestamp as ``YYYY-mm-dd_HHMMSS``. The CSV
+    leaves out list values (per-rank bytes, losses) and the meta's nested values (settings, workloads).
+
+    Args:
+        rows: the result rows, as for :func:`show`.
+        meta: the run's metadata, as for :func:`show`, with ``allocator`` as well; ``timestamp`` in ISO format.
+        out: the results folder.
+
+    Returns:
+        The files' paths by kind: ``"json"``, ``"csv"`` and ``"table"`` (the Markdown).
+
+    Example::
+
+        >>> paths = write(rows, meta, "benchmarks/results")  # doctest: +SKIP
+        >>> paths["json"]  # doctest: +SKIP
+        PosixPath('benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json')
+    """
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.fromisoformat(meta["timestamp"]).strftime("%Y-%m-%d_%H%M%S")

@@ -23,6 +23,22 @@ __all__ = ["LLAMA_PLAN", "MLP_PLAN", "Attention", "DecoderLayer", "FeedForward",
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square normalisation over the last dimension, with a learned scale and no bias (Llama's norm).
+
+    ``weight * x / sqrt(mean(x ** 2) + eps)``, the mean over the last dimension. Not in the plans: under
+    tensor parallelism every rank holds the whole scale.
+
+    Args:
+        dim: the size of the last dimension, the scale's length; the scale starts at ones.
+        eps: added to the mean square before the square root.
+
+    Example::
+
+        >>> norm = RMSNorm(32)
+        >>> norm(torch.randn(4, 32)).shape
+        torch.Size([4, 32])
+    """
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
@@ -32,7 +48,25 @@ class RMSNorm(nn.Module):
 
 
 def rotary(x, positions, base: float = 10000.0):
-    """Rotate pairs of features of x [b, h, s, d] by position-dependent angles."""
+    """Rotate pairs of features of x [b, h, s, d] by position-dependent angles.
+
+    Rotary position embedding: at position ``p``, features ``2i`` and ``2i + 1`` turn together by the angle
+    ``p * base ** (-2i / d)``.
+
+    Args:
+        x: queries or keys, [batch, heads, seq, head dim], with an even head dim.
+        positions: the sequence positions, [seq].
+        base: the angles' base; larger turns the pairs more slowly.
+
+    Returns:
+        ``x`` rotated, of the same shape and dtype.
+
+    Example::
+
+        >>> q = torch.randn(2, 8, 16, 4)
+        >>> rotary(q, torch.arange(16)).shape
+        torch.Size([2, 8, 16, 4])
+    """
     d = x.shape[-1]
     freqs = base ** (-torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d)
     angles = torch.outer(positions.to(x.dtype), freqs)  # [s, d/2]
@@ -42,6 +76,24 @@ def rotary(x, positions, base: float = 10000.0):
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped key/value heads, without biases (Llama's).
+
+    ``q_proj``, ``k_proj`` and ``v_proj`` are column parallel in ``LLAMA_PLAN``, ``o_proj`` row parallel. The
+    forward takes the head count from the projections' outputs, so under a column split each rank computes
+    its own heads: ``heads / tp`` query heads and ``kv_heads / tp`` key/value heads.
+
+    Args:
+        dim: the model's width, the input's last dimension; each head has ``dim // heads`` features.
+        heads: the query heads.
+        kv_heads: the key/value heads, each shared by ``heads // kv_heads`` query heads.
+
+    Example::
+
+        >>> attn = Attention(dim=32, heads=8, kv_heads=4)
+        >>> attn(torch.randn(2, 8, 32)).shape  # [batch, seq, dim]
+        torch.Size([2, 8, 32])
+    """
+
     def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
         super().__init__()
         self.head_dim, self.groups = dim // heads, heads // kv_heads
@@ -63,6 +115,21 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU feed-forward without biases (Llama's): ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+    ``gate_proj`` and ``up_proj`` are column parallel in ``LLAMA_PLAN``, ``down_proj`` row parallel.
+
+    Args:
+        dim: the model's width, of the input and output.
+        hidden: the width between the projections.
+
+    Example::
+
+        >>> ff = FeedForward(dim=32, hidden=64)
+        >>> ff(torch.randn(2, 8, 32)).shape
+        torch.Size([2, 8, 32])
+    """
+
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
@@ -74,6 +141,23 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """A Llama-style decoder layer: attention, then a SwiGLU feed-forward, each a pre-norm residual branch.
+
+    ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``; the submodules have
+    Hugging Face Llama's names, which ``LLAMA_PLAN`` matches.
+
+    Args:
+        dim: the model's width.
+        heads, kv_heads: the attention's query heads and key/value heads (see :class:`Attention`).
+        hidden: the feed-forward's width.
+
+    Example::
+
+        >>> layer = DecoderLayer(dim=32, heads=8, kv_heads=4, hidden=64)
+        >>> layer(torch.randn(2, 8, 32)).shape  # [batch, seq, dim]
+        torch.Size([2, 8, 32])
+    """
+
     def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
         super().__init__()
         self.input_layernorm, self.self_attn = RMSNorm(dim), Attention(dim, heads, kv_heads)
@@ -85,6 +169,21 @@ class DecoderLayer(nn.Module):
 
 
 class MLPBlock(nn.Module):
+    """A residual MLP block with biases: ``x + fc2(gelu(fc1(x)))``.
+
+    ``fc1`` is column parallel in ``MLP_PLAN``, ``fc2`` row parallel.
+
+    Args:
+        dim: the width of the input and output.
+        hidden: ``fc1``'s output width.
+
+    Example::
+
+        >>> block = MLPBlock(dim=32, hidden=64)
+        >>> block(torch.randn(64, 32)).shape  # [tokens, dim]
+        torch.Size([64, 32])
+    """
+
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
@@ -102,7 +201,27 @@ MLP_PLAN = {"*.fc1": "column", "*.fc2": "row"}
 
 @dataclass
 class Workload:
-    """A model to train, its batch and its tensor-parallel plan (module-name patterns -> "column" / "row")."""
+    """A model to train, its batch and its tensor-parallel plan (module-name patterns -> "column" / "row").
+
+    ``samples`` is the batch's first dimension, ``tokens`` the number of its rows of features (the product of
+    every dimension but the last), ``describe()`` a line naming it for the results.
+
+    Args:
+        name: the workload's name, ``"mlp"`` or ``"transformer"``.
+        model: the blocks, on one device; a pipeline cuts it between blocks.
+        inputs, targets: the batch and the MSE loss's targets, of one shape.
+        plan: ``fnmatch`` patterns of module names, each mapped to ``"column"`` or ``"row"``.
+        heads, kv_heads: the attention's heads and key/value heads, which the number of tensor-parallel ranks
+            must divide; 0 for a model without attention.
+
+    Example::
+
+        >>> w = build("mlp", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
+        >>> w.describe()
+        'mlp: 4 blocks, input 64x32, 16,768 parameters'
+        >>> w.samples, w.tokens
+        (64, 64)
+    """
 
     name: str
     model: nn.Sequential
@@ -129,7 +248,36 @@ class Workload:
 
 def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int, heads: int,
           kv_heads: int) -> Workload:
-    """The workload ``name`` ("mlp" or "transformer"), the same on every rank (fixed seeds)."""
+    """The workload ``name`` ("mlp" or "transformer"), the same on every rank (fixed seeds).
+
+    The model's values come from ``torch.manual_seed(0)`` (set here, for the process), the inputs and targets
+    (standard normal) from a generator seeded with 1. The MLP is ``depth`` :class:`MLPBlock` on
+    ``[tokens, dim]``; the transformer ``depth`` :class:`DecoderLayer` on ``[tokens // seq, seq, dim]``.
+
+    Args:
+        name: ``"mlp"`` or ``"transformer"``.
+        dim: the model's width.
+        hidden: the feed-forward's width.
+        depth: the number of blocks.
+        tokens: the tokens in the batch.
+        seq: the transformer's sequence length, which must divide ``tokens``; unused by the MLP.
+        heads, kv_heads: the transformer's query heads and key/value heads; ``heads`` must divide ``dim``, and
+            ``kv_heads`` must divide ``heads``. Unused by the MLP.
+
+    Returns:
+        The :class:`Workload`, its ``heads`` and ``kv_heads`` set for the transformer and 0 for the MLP.
+
+    Raises:
+        ValueError: an unknown name, or transformer sizes that do not divide as above.
+
+    Example::
+
+        >>> w = build("transformer", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
+        >>> w.describe()
+        'transformer: 4 blocks, input 8x8x32, 37,120 parameters'
+        >>> w.samples, w.tokens
+        (8, 64)
+    """
     torch.manual_seed(0)
     if name == "mlp":
         model = nn.Sequential(*(MLPBlock(dim, hidden) for _ in range(depth)))

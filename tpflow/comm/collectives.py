@@ -35,6 +35,11 @@ class CommStats:
 
     Transfers inside a graph torch.compile traces are not counted: dynamo would bake the count into the
     graph and guard on its value, so every call changed it and recompiled until the recompile limit.
+    ``tpf.comm.stats`` is the one this rank's collectives count into; a ``FakeTransport`` keeps its own.
+
+    Args:
+        bytes_sent: bytes sent so far.
+        messages_sent: messages sent so far (a ring pass over ``W`` ranks counts ``W - 1``).
 
     Example::
 
@@ -42,6 +47,10 @@ class CommStats:
         >>> # ... a training step ...
         >>> tpf.comm.stats.bytes_sent  # doctest: +SKIP
         8408064
+        >>> counter = tpf.comm.CommStats()
+        >>> counter.add(4096, messages=2)
+        >>> counter.bytes_sent, counter.messages_sent
+        (4096, 2)
     """
 
     bytes_sent: int = 0
@@ -67,13 +76,26 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 
 
 class Pending:
-    """Posted point-to-point transfers; their send buffers stay alive until ``wait`` returns."""
+    """Posted point-to-point transfers; their send buffers stay alive until ``wait`` returns.
+
+    ``post`` makes one, or adds to the one it is given, so that the transfers of several calls are waited on
+    together. The receive buffers hold their data once ``wait`` has returned.
+
+    Example::
+
+        >>> pending = tpf.comm.Pending()
+        >>> # on rank 0 of 2: send x to rank 1 and receive its block into buf, in two calls
+        >>> _ = tpf.comm.post([(1, x)], [], pending=pending)  # doctest: +SKIP
+        >>> _ = tpf.comm.post([], [(1, buf)], pending=pending)  # doctest: +SKIP
+        >>> pending.wait()  # doctest: +SKIP
+    """
 
     def __init__(self) -> None:
         self.works: list = []
         self.buffers: list[torch.Tensor] = []
 
     def wait(self) -> None:
+        """Wait for every transfer, then let go of the send buffers."""
         for work in self.works:
             work.wait()
         self.works, self.buffers = [], []
@@ -81,8 +103,27 @@ class Pending:
 
 def post(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], tag: int = 0,
          pending: Pending | None = None) -> Pending:
-    """Post sends and receives without waiting (added to ``pending`` if given). ``recvs`` buffers are filled
-    in place once waited on; empty tensors travel nowhere, on both sides."""
+    """Post sends and receives without waiting (added to ``pending`` if given).
+
+    ``recvs`` buffers are filled in place once waited on; empty tensors travel nowhere, on both sides.
+    Peers are ranks of the world group. Receives are posted before sends; every send is counted in ``stats``,
+    and the tensor it reads (made contiguous) is kept in the ``Pending`` until ``wait``.
+
+    Args:
+        sends: ``(peer, tensor)`` pairs: what to send to which rank.
+        recvs: ``(peer, buffer)`` pairs: the buffers to receive into, and from which rank.
+        tag: the tag of every message posted; both ends must use the same.
+        pending: a ``Pending`` to add the transfers to; default: a new one.
+
+    Returns:
+        The ``Pending`` holding the transfers: call its ``wait()`` before reading the receive buffers.
+
+    Example::
+
+        >>> # on rank 0 of 2: send x to rank 1, and receive rank 1's block into buf
+        >>> pending = tpf.comm.post([(1, x)], [(1, buf)])  # doctest: +SKIP
+        >>> pending.wait()  # doctest: +SKIP
+    """
     pending = Pending() if pending is None else pending
     for peer, buf in recvs:
         if buf.numel():
@@ -100,27 +141,99 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
 
     Posting all before waiting on any means two ranks that send to each other cannot
     deadlock. ``recvs`` buffers are filled in place; empty tensors are skipped.
+
+    Args:
+        sends: ``(peer, tensor)`` pairs, peers being ranks of the world group.
+        recvs: ``(peer, buffer)`` pairs: the buffers to receive into, and from which rank.
+
+    Example::
+
+        >>> # ranks 0 and 1 swap blocks of the same shape
+        >>> peer = 1 - tpf.get_rank()  # doctest: +SKIP
+        >>> tpf.comm.exchange([(peer, block)], [(peer, buf)])  # doctest: +SKIP
     """
     post(sends, recvs).wait()
 
 
 def bounds(size: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each of ``parts`` chunks of ``size``, by ``torch.chunk``'s rule (tpflow's split)."""
+    """``[start, end)`` of each of ``parts`` chunks of ``size``, by ``torch.chunk``'s rule (tpflow's split).
+
+    Args:
+        size: the length to cut.
+        parts: the number of chunks.
+
+    Returns:
+        ``parts`` pairs ``(start, end)``; trailing chunks are empty where ``size`` runs out.
+
+    Example::
+
+        >>> tpf.comm.bounds(10, 4)
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+        >>> tpf.comm.bounds(5, 4)
+        [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
     return [(offset, offset + length) for offset, length in (chunk_range(size, parts, i) for i in range(parts))]
 
 
 def ring_bytes(nbytes: int, world: int, passes: int) -> int:
-    """Bytes one rank sends in ``passes`` ring passes over ``nbytes`` on ``world`` ranks: (W-1)/W of it each."""
+    """Bytes one rank sends in ``passes`` ring passes over ``nbytes`` on ``world`` ranks: (W-1)/W of it each.
+
+    Args:
+        nbytes: the size of the whole tensor, in bytes.
+        world: the number of ranks in the ring.
+        passes: ring passes: 1 for an all-gather or a reduce-scatter, 2 for an all-reduce.
+
+    Returns:
+        ``passes * (world - 1) * nbytes // world``.
+
+    Example::
+
+        >>> tpf.comm.ring_bytes(1 << 20, world=4, passes=2)  # an all-reduce of 1 MiB on 4 ranks
+        1572864
+    """
     return passes * (world - 1) * nbytes // world
 
 
 def count_ring(t: torch.Tensor, world: int, passes: int) -> None:
-    """Count ``passes`` ring passes over ``t`` on a group of ``world`` ranks."""
+    """Count ``passes`` ring passes over ``t`` on a group of ``world`` ranks.
+
+    Adds ``ring_bytes`` of ``t``'s bytes and ``passes * (world - 1)`` messages to ``stats``.
+
+    Args:
+        t: the whole tensor the ring passes over, not one rank's chunk.
+        world: the number of ranks in the group.
+        passes: ring passes, as in ``ring_bytes``.
+
+    Example::
+
+        >>> tpf.comm.stats.reset()
+        >>> tpf.comm.count_ring(torch.empty(1024), world=4, passes=1)
+        >>> tpf.comm.stats.bytes_sent, tpf.comm.stats.messages_sent
+        (3072, 3)
+    """
     stats.add(ring_bytes(t.numel() * t.element_size(), world, passes), passes * (world - 1))
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """Sum ``t`` in place over ``group``; with ``async_op`` the work to wait on."""
+    """Sum ``t`` in place over ``group``; with ``async_op`` the work to wait on.
+
+    Counted as two ring passes over ``t``.
+
+    Args:
+        t: this rank's tensor; it holds the sum once the all-reduce is done.
+        group: the process group to sum over.
+        async_op: return at once with the work instead of waiting for it.
+
+    Returns:
+        With ``async_op``, the work: ``wait()`` on it before reading ``t``; else None.
+
+    Example::
+
+        >>> t = torch.ones(4)
+        >>> tpf.comm.all_reduce(t, torch.distributed.group.WORLD)  # doctest: +SKIP
+        >>> t  # on 2 ranks  # doctest: +SKIP
+        tensor([2., 2., 2., 2.])
+    """
     count_ring(t, dist.get_world_size(group), 2)
     return dist.all_reduce(t, group=group, async_op=async_op)
 
@@ -129,7 +242,30 @@ Chunks = Sequence[tuple[int, int]]
 
 
 def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's chunk along ``dim`` (rank i holds ``[start, end) = chunks[i]``), concatenated in rank order."""
+    """Every rank's chunk along ``dim`` (rank i holds ``[start, end) = chunks[i]``), concatenated in rank order.
+
+    Chunks of unequal sizes are padded to the largest for the library collective, and the padding is dropped
+    after. Counted as one ring pass over the gathered tensor.
+
+    Args:
+        part: this rank's chunk; its size along ``dim`` must be that of ``chunks[rank]`` (else ValueError).
+        dim: the dim the chunks cut.
+        chunks: ``(start, end)`` of every rank's chunk, in rank order, e.g. ``bounds(size, world)``.
+        group: the process group to gather over.
+
+    Returns:
+        The whole tensor: ``part``'s shape but for ``dim``, which holds every chunk.
+
+    Example::
+
+        >>> # on 2 ranks: rank 0 holds rows [0, 3) of 5, rank 1 rows [3, 5)
+        >>> rank = tpf.get_rank()  # doctest: +SKIP
+        >>> part = torch.full((3 - rank, 2), float(rank))  # doctest: +SKIP
+        >>> group = torch.distributed.group.WORLD  # doctest: +SKIP
+        >>> full = tpf.comm.all_gather(part, 0, tpf.comm.bounds(5, 2), group)  # doctest: +SKIP
+        >>> full.shape  # doctest: +SKIP
+        torch.Size([5, 2])
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     part = part.movedim(dim, 0)
     if part.shape[0] != chunks[rank][1] - chunks[rank][0]:
@@ -149,7 +285,29 @@ def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.Process
 
 
 def reduce_scatter(full: torch.Tensor, dim: int, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's chunk (``chunks[rank]`` along ``dim``) of the sum over ``group`` of ``full``."""
+    """This rank's chunk (``chunks[rank]`` along ``dim``) of the sum over ``group`` of ``full``.
+
+    Chunks of unequal sizes are padded to the largest for the library collective. Counted as one ring pass
+    over the (padded) tensor on CUDA, and two on CPU, where gloo's reduce-scatter is an all-reduce underneath.
+
+    Args:
+        full: this rank's whole tensor (its partial sum).
+        dim: the dim the chunks cut.
+        chunks: ``(start, end)`` of every rank's chunk, in rank order, e.g. ``bounds(size, world)``.
+        group: the process group to sum over.
+
+    Returns:
+        Rows ``chunks[rank]`` along ``dim`` of the sum.
+
+    Example::
+
+        >>> full = torch.ones(5, 2)  # a partial sum on each of 2 ranks
+        >>> group = torch.distributed.group.WORLD  # doctest: +SKIP
+        >>> out = tpf.comm.reduce_scatter(full, 0, tpf.comm.bounds(5, 2), group)  # doctest: +SKIP
+        >>> out  # on rank 1  # doctest: +SKIP
+        tensor([[2., 2.],
+                [2., 2.]])
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     full = full.movedim(dim, 0)
     step = max(e - s for s, e in chunks)
@@ -212,15 +370,76 @@ def _single(group: dist.ProcessGroup | None) -> bool:
 
 
 def reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-reduce forward, identity backward: partial sums leaving as one replicated value."""
+    """All-reduce forward, identity backward: partial sums leaving as one replicated value.
+
+    A no-op on a group of one (or None). A contiguous ``x`` is summed in place, and autograd raises if
+    anything still needed the partial sum; any other ``x`` is summed in a contiguous copy.
+
+    Args:
+        x: this rank's partial sum.
+        group: the process group to sum over; None: no parallelism.
+
+    Returns:
+        The sum over ``group`` (``x`` itself on a group of one).
+
+    Example::
+
+        >>> x = torch.randn(4, 8)
+        >>> tpf.comm.reduce(x, None) is x  # a group of one: nothing to do
+        True
+        >>> group = torch.distributed.group.WORLD  # doctest: +SKIP
+        >>> y = tpf.comm.reduce(partial, group)  # a row-parallel layer's partial sums  # doctest: +SKIP
+    """
     return x if _single(group) else _Reduce.apply(x, group)
 
 
 def gather(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-gather along ``dim`` (of full ``size``) forward; backward keeps this rank's chunk of the gradient."""
+    """All-gather along ``dim`` (of full ``size``) forward; backward keeps this rank's chunk of the gradient.
+
+    A no-op on a group of one (or None). Chunks follow ``torch.chunk``'s rule (``bounds``).
+
+    Args:
+        x: this rank's chunk along ``dim``, ``bounds(size, world)[rank]``.
+        dim: the dim to gather along.
+        size: the whole tensor's size along ``dim``.
+        group: the process group to gather over; None: no parallelism.
+
+    Returns:
+        The whole tensor, ``size`` along ``dim`` (``x`` itself on a group of one).
+
+    Example::
+
+        >>> x = torch.randn(4, 8)
+        >>> tpf.comm.gather(x, 1, 8, None) is x
+        True
+        >>> group = torch.distributed.group.WORLD  # doctest: +SKIP
+        >>> y = tpf.comm.gather(x, 1, 16, group)  # 2 ranks of 8 columns each  # doctest: +SKIP
+        >>> y.shape  # doctest: +SKIP
+        torch.Size([4, 16])
+    """
     return x if _single(group) else _Gather.apply(x, dim, size, group)
 
 
 def scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's chunk along ``dim`` forward (no transfer); all-gather of the gradient backward."""
+    """This rank's chunk along ``dim`` forward (no transfer); all-gather of the gradient backward.
+
+    A no-op on a group of one (or None). Chunks follow ``torch.chunk``'s rule (``bounds``).
+
+    Args:
+        x: the whole tensor, the same on every rank of ``group``.
+        dim: the dim to cut.
+        group: the process group whose ranks take a chunk each; None: no parallelism.
+
+    Returns:
+        This rank's chunk, contiguous (``x`` itself on a group of one).
+
+    Example::
+
+        >>> x = torch.arange(6.0)
+        >>> tpf.comm.scatter(x, 0, None) is x
+        True
+        >>> group = torch.distributed.group.WORLD  # doctest: +SKIP
+        >>> tpf.comm.scatter(x, 0, group)  # on rank 1 of 2  # doctest: +SKIP
+        tensor([3., 4., 5.])
+    """
     return x if _single(group) else _Scatter.apply(x, dim, group)

@@ -62,8 +62,28 @@ class _Wait:
 class FakeWorld:
     """``world_size`` ranks in one process; ``run(fn)`` calls ``fn(transport)`` on each in its own thread.
 
-    ``bandwidth`` in bytes/s (None: infinite), ``latency`` and ``jitter`` in seconds. A rank that
-    waits ``timeout`` seconds for a message that never comes raises, naming what it waited for.
+    Each ordered pair of ranks has its own link: a message crosses it after ``latency + bytes / bandwidth``
+    (plus up to ``jitter`` at random), one message at a time and in order. A rank that waits ``timeout``
+    seconds for a message that never comes raises, naming what it waited for. Once a rank has failed, the
+    world is broken: make a new one. ``transports`` holds each rank's ``FakeTransport``.
+
+    Args:
+        world_size: the number of ranks, at least 1.
+        bandwidth: bytes/s of each link; None: infinite.
+        latency: seconds every message takes on top of its transfer time.
+        jitter: the most seconds added to a message's arrival at random.
+        seed: the seed of the jitter's random numbers.
+        timeout: seconds a rank waits for a message before it raises.
+
+    Example::
+
+        >>> world = tpf.comm.FakeWorld(3, bandwidth=1e9, latency=1e-4, jitter=1e-4)
+        >>> def gather(transport):
+        ...     return transport.all_gather(torch.full((1, 2), float(transport.rank)), tpf.comm.bounds(3, 3))
+        >>> world.run(gather)[0]
+        tensor([[0., 0.],
+                [1., 1.],
+                [2., 2.]])
     """
 
     def __init__(self, world_size: int, *, bandwidth: float | None = None, latency: float = 0.0,
@@ -146,7 +166,24 @@ class FakeWorld:
 
 
 class FakeTransport(Transport):
-    """One rank's end of a ``FakeWorld``."""
+    """One rank's end of a ``FakeWorld``.
+
+    ``FakeWorld`` makes one per rank (its ``transports``) and hands each to the function ``run`` calls. Its
+    ``stats`` counts this rank's sends only, apart from ``tpf.comm.stats``. A peer must be another rank of
+    the world.
+
+    Args:
+        world: the ``FakeWorld`` this end belongs to.
+        rank: this end's rank in ``world``.
+
+    Example::
+
+        >>> world = tpf.comm.FakeWorld(2)
+        >>> world.run(lambda transport: transport.gather_ints(10 + transport.rank))
+        [[10, 11], [10, 11]]
+        >>> world.transports[0].stats.bytes_sent, world.transports[0].stats.messages_sent
+        (8, 1)
+    """
 
     def __init__(self, world: FakeWorld, rank: int) -> None:
         self.world, self.rank, self.world_size = world, rank, world.world_size

@@ -34,19 +34,56 @@ def _sub_bounds(start: int, end: int, parts: int) -> list[tuple[int, int]]:
 
 
 class Handle:
-    """Completion of a set of posted operations."""
+    """Completion of a set of posted operations.
+
+    ``Transport.post`` returns one for its sends and one for its receives. ``wait`` returns once the operations
+    are done or, on NCCL, once the current stream waits for them (see ``DistTransport``); a second ``wait`` is
+    a no-op.
+
+    Args:
+        works: the operations, objects with a ``wait()`` method (torch.distributed works); none: already done.
+
+    Example::
+
+        >>> done = tpf.comm.Handle()  # nothing to wait for
+        >>> done.wait()
+    """
 
     def __init__(self, works: Sequence = ()) -> None:
         self._works = list(works)
 
     def wait(self) -> None:
+        """Wait for every operation; later calls return at once."""
         for work in self._works:
             work.wait()
         self._works = []
 
 
 class Transport(ABC):
-    """Point-to-point messages between the ``world_size`` ranks of one group."""
+    """Point-to-point messages between the ``world_size`` ranks of one group.
+
+    A subclass sets ``rank``, ``world_size`` and ``stats`` and implements ``post``; the two rings
+    (``ring_reduce_scatter``, ``ring_all_gather``) and the plain collectives over them (``reduce_scatter``,
+    ``all_gather``, ``gather_ints``) come with the interface. ``DistTransport`` runs over torch.distributed,
+    ``FakeTransport`` over threads of one process.
+
+    Attributes:
+        rank: this rank, in ``[0, world_size)``.
+        world_size: the number of ranks in the group.
+        stats: the ``CommStats`` the sends are counted in.
+
+    Example::
+
+        >>> def swap(transport):  # two ranks send each other their rank
+        ...     peer, buf = 1 - transport.rank, torch.empty(3)
+        ...     sent, got = transport.post(sends=[(torch.full((3,), float(transport.rank)), peer)],
+        ...                                recvs=[(buf, peer)])
+        ...     got.wait()
+        ...     sent.wait()
+        ...     return buf
+        >>> tpf.comm.FakeWorld(2).run(swap)
+        [tensor([1., 1., 1.]), tensor([0., 0., 0.])]
+    """
 
     rank: int
     world_size: int
@@ -79,9 +116,9 @@ class Transport(ABC):
         ``after(start, end)``, if given, runs once the piece's send has started: other work on
         those rows (a weight gradient) that the transfer can hide behind.
 
-        Each chunk travels as ``splits`` pieces (the ``ring_splits`` switch of ``tpflow.config`` sets the default per device).
-        ``compute`` adds ``acc`` inside the matmul, so it
-        cannot start before ``acc`` arrives; with one piece a rank would wait, every step, for its
+        Each chunk travels as ``splits`` pieces (the ``ring_splits`` switch of ``tpflow.config`` sets the default
+        per device). ``compute`` adds ``acc`` inside the matmul, so it cannot start before ``acc`` arrives; with
+        one piece a rank would wait, every step, for its
         neighbour's whole chunk to cross the link, since the neighbour finished computing it at
         the same moment. With two, the first piece crosses while the second computes.
         ``add_late`` instead computes each piece's product while its ``acc`` crosses the link, and
@@ -177,6 +214,16 @@ class DistTransport(Transport):
     kernels already queued on the current stream, and ``wait`` only makes the current stream wait
     for them: the host never blocks, and the next chunk's matmul runs beside the transfer.
     Its bytes count into ``tpflow.comm.stats`` with the rest of this rank's traffic.
+
+    Args:
+        group: the process group whose ranks the peers are; default: the world group.
+
+    Example::
+
+        >>> tpf.init_distributed()  # doctest: +SKIP
+        >>> transport = tpf.comm.DistTransport()  # doctest: +SKIP
+        >>> transport.gather_ints(10 + transport.rank)  # on 2 ranks  # doctest: +SKIP
+        [10, 11]
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -215,8 +262,26 @@ class DistTransport(Transport):
 
 
 def as_transport(group: dist.ProcessGroup | Transport | None) -> Transport:
-    """The transport of ``group``: itself if it is one, else a torch.distributed one (3 us to make; not cached,
-    so that nothing here keeps a process group, and its gloo threads, alive past ``destroy_process_group``)."""
+    """The transport of ``group``: itself if it is one, else a torch.distributed one.
+
+    A ``DistTransport`` takes 3 us to make; it is not cached, so that nothing here keeps a process group, and
+    its gloo threads, alive past ``destroy_process_group``. Without an initialized process group (and no
+    ``Transport`` given) it raises a RuntimeError.
+
+    Args:
+        group: a ``Transport`` (returned as it is), a process group, or None for the world group.
+
+    Returns:
+        A ``Transport`` over the ranks of ``group``.
+
+    Example::
+
+        >>> world = tpf.comm.FakeWorld(2)
+        >>> tpf.comm.as_transport(world.transports[0]) is world.transports[0]
+        True
+        >>> tpf.comm.as_transport(None).world_size  # under python -m tpflow.launch  # doctest: +SKIP
+        2
+    """
     if isinstance(group, Transport):
         return group
     if not dist.is_initialized():

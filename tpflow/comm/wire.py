@@ -91,6 +91,7 @@ def header(status: int, shape: Sequence[int] = (), dtype: torch.dtype = torch.fl
 
     Example::
 
+        >>> from tpflow import sbp
         >>> read_header(header(OK, (4, 5), torch.float32, (sbp.split(0),)))[:4]
         (0, (4, 5), torch.float32, (sbp.split(dim=0),))
     """

@@ -20,19 +20,80 @@ __all__ = ["block", "check_placement", "get_placement", "get_sbp", "is_zero_part
 
 
 def block(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The block of ``t`` that starts at ``offsets`` and has sizes ``lengths``: a view (``narrow`` along each
+    dimension), no copy.
+
+    Args:
+        t: a plain tensor.
+        offsets, lengths: the block's start and size in each leading dimension of ``t``, as ``sbp.local_region``
+            gives them.
+
+    Returns:
+        A view of ``t``.
+
+    Example::
+
+        >>> import torch
+        >>> from tpflow.global_tensor.blocks import block
+        >>> block(torch.arange(12).reshape(4, 3), (2, 0), (2, 3))
+        tensor([[ 6,  7,  8],
+                [ 9, 10, 11]])
+    """
     for dim, (o, n) in enumerate(zip(offsets, lengths)):
         t = t.narrow(dim, o, n)
     return t
 
 
-def is_zero_partial(pl: Placement, sbps: Sequence[Sbp], coord: Sequence[int]) -> bool:
-    """Whether a partial-sum block at ``coord`` is all zeros when made from a whole value."""
+def is_zero_partial(sbps: Sequence[Sbp], coord: Sequence[int]) -> bool:
+    """Whether a partial-sum block at ``coord`` is all zeros when made from a whole value.
+
+    A partial sum made from a whole value keeps the value on coordinate 0 of each partial-sum axis and zeros on
+    the others, so the blocks still sum to the value.
+
+    Args:
+        sbps: the SBPs, one per placement axis.
+        coord: a mesh coordinate.
+
+    Returns:
+        True when some partial-sum axis has a coordinate other than 0.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.blocks import is_zero_partial
+        >>> is_zero_partial((tpf.sbp.partial_sum,), (1,)), is_zero_partial((tpf.sbp.partial_sum,), (0,))
+        (True, False)
+    """
     return any(isinstance(s, PartialSum) and c != 0 for s, c in zip(sbps, coord))
 
 
 def wrap(local: torch.Tensor | None, pl: Placement, sbps: Sequence[Sbp], shape: Sequence[int],
          dtype: torch.dtype) -> DTensor:
-    """A DTensor from this rank's block (None on ranks outside ``pl``: an empty block)."""
+    """A DTensor from this rank's block (None on ranks outside ``pl``: an empty block).
+
+    No communication and no checks: the block must already be this rank's part of the layout. The DTensor has
+    the global ``shape`` with contiguous strides.
+
+    Args:
+        local: this rank's block, or None on ranks outside ``pl``.
+        pl: the placement.
+        sbps: the SBPs, one per placement axis, with split dims >= 0.
+        shape: the global shape.
+        dtype: the dtype of the empty block made when ``local`` is None.
+
+    Returns:
+        A global tensor (``DTensor``) on ``pl``.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.blocks import wrap
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = wrap(torch.ones(2, 5), P, (tpf.sbp.split(0),), (4, 5), torch.float32)   # 2 rows on each rank
+        >>> x.shape
+        torch.Size([4, 5])
+    """
     if local is None:
         local = torch.empty(0, dtype=dtype, device=pl.device)
     stride = [1] * len(shape)
@@ -43,31 +104,106 @@ def wrap(local: torch.Tensor | None, pl: Placement, sbps: Sequence[Sbp], shape: 
 
 
 def local_of_full(full: torch.Tensor, pl: Placement, sbps: Sequence[Sbp]) -> torch.Tensor | None:
-    """This rank's block of a whole value (zeros for partial-sum blocks off coordinate 0)."""
+    """This rank's block of a whole value (zeros for partial-sum blocks off coordinate 0).
+
+    Args:
+        full: the whole (global) value, the same on every rank.
+        pl: the placement.
+        sbps: the SBPs, one per placement axis, with split dims >= 0.
+
+    Returns:
+        A copy of this rank's block, or None on ranks outside ``pl``.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.blocks import local_of_full
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> local_of_full(torch.arange(6.).reshape(2, 3), P, (tpf.sbp.split(0),))   # on rank 1
+        tensor([[3., 4., 5.]])
+    """
     coord = pl.coordinate()
     if coord is None:
         return None
     offsets, lengths = local_region(full.shape, sbps, pl.hierarchy, coord)
-    if is_zero_partial(pl, sbps, coord):
+    if is_zero_partial(sbps, coord):
         return full.new_zeros(lengths)
     return block(full, offsets, lengths).clone()
 
 
 def check_placement(placement: object) -> Placement:
+    """``placement`` itself when it is a ``Placement``, else a ``TypeError`` that says what was given.
+
+    Args:
+        placement: the value a caller passed as ``placement=``.
+
+    Returns:
+        ``placement``, unchanged.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.blocks import check_placement
+        >>> check_placement([0, 1])
+        Traceback (most recent call last):
+            ...
+        TypeError: placement must be a tpf.placement(type, ranks), got [0, 1]
+    """
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
     return placement
 
 
 def get_sbp(x: torch.Tensor) -> tuple[Sbp, ...]:
-    """The SBP of a global tensor, one entry per placement axis."""
+    """The SBP of a global tensor, one entry per placement axis.
+
+    Always a tuple, also on a 1-D placement, so compare it with a tuple. A plain ``torch.Tensor`` is a
+    ``TypeError`` ("get_sbp takes a global tensor; this is a plain torch.Tensor (make it one with
+    tpf.to_global)"); a DTensor whose placements have no SBP (``Partial("max")``, say) is a ``TypeError`` too.
+
+    Args:
+        x: a global tensor (any ``DTensor``).
+
+    Returns:
+        A tuple of SBPs (``tpf.sbp.split(dim)``, ``tpf.sbp.broadcast``, ``tpf.sbp.partial_sum``).
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
+        >>> tpf.get_sbp(x)
+        (sbp.split(dim=0),)
+        >>> tpf.get_sbp(x) == (tpf.sbp.split(0),)
+        True
+    """
     if not isinstance(x, DTensor):
         raise TypeError("get_sbp takes a global tensor; this is a plain torch.Tensor (make it one with tpf.to_global)")
     return from_dtensor(x.placements)
 
 
 def get_placement(x: torch.Tensor) -> Placement:
-    """The placement of a global tensor."""
+    """The placement of a global tensor.
+
+    A plain ``torch.Tensor`` is a ``TypeError`` ("get_placement takes a global tensor; this is a plain
+    torch.Tensor (make it one with tpf.to_global)"). A DTensor that torch code made on its own ``DeviceMesh`` has
+    a placement too.
+
+    Args:
+        x: a global tensor (any ``DTensor``).
+
+    Returns:
+        A ``Placement`` equal to the one ``x`` was made on.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
+        >>> tpf.get_placement(x)
+        placement(type="cpu", ranks=[0, 1])
+    """
     if not isinstance(x, DTensor):
         raise TypeError(
             "get_placement takes a global tensor; this is a plain torch.Tensor (make it one with tpf.to_global)"
@@ -76,7 +212,26 @@ def get_placement(x: torch.Tensor) -> Placement:
 
 
 def to_local(x: torch.Tensor) -> torch.Tensor:
-    """This rank's block of a global tensor (empty on ranks outside its placement)."""
+    """This rank's block of a global tensor (empty on ranks outside its placement).
+
+    No communication: with ``split`` the block is this rank's shard, with ``broadcast`` the whole value, with
+    ``partial_sum`` this rank's addend. It is DTensor's ``to_local``, so gradients flow back to ``x``. A plain
+    tensor is a ``TypeError`` ("to_local takes a global tensor; this is already a plain (local) torch.Tensor").
+
+    Args:
+        x: a global tensor.
+
+    Returns:
+        This rank's block, a plain ``torch.Tensor``.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(5, 4, placement=P, sbp=tpf.sbp.split(0))
+        >>> tpf.to_local(x).shape   # on rank 0; rank 1 holds the other 2 rows (torch.chunk sizes)
+        torch.Size([3, 4])
+    """
     if not isinstance(x, DTensor):
         raise TypeError("to_local takes a global tensor; this is already a plain (local) torch.Tensor")
     return x.to_local()
@@ -97,7 +252,31 @@ def off_placement(x: torch.Tensor, pl: Placement, sbps: tuple[Sbp, ...], shape: 
                   requires_grad: bool) -> DTensor:
     """What a rank outside ``pl`` holds of an output computed there from ``x``: an empty block with the output's
     shape and SBP. It requires grad where the computed output does, and stays in the graph of ``x``, so that in
-    backward this rank still takes part in the boxings after it and in the one that brought ``x`` to ``pl``."""
+    backward this rank still takes part in the boxings after it and in the one that brought ``x`` to ``pl``.
+
+    The gradient it gives ``x`` is zeros. Layers and pipeline stages call it on the ranks that skip a computation.
+
+    Args:
+        x: the input of the computation, as this rank holds it.
+        pl: the placement the output is computed on (this rank is outside it).
+        sbps: the output's SBPs, one per axis of ``pl``.
+        shape, dtype: the output's global shape and dtype.
+        requires_grad: whether the computed output requires grad (used when ``x`` does not).
+
+    Returns:
+        A global tensor on ``pl`` whose block on this rank is empty.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.blocks import off_placement
+        >>> P, Q = tpf.placement("cpu", ranks=[0, 1]), tpf.placement("cpu", ranks=[1])
+        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
+        >>> y = off_placement(x, Q, (tpf.sbp.broadcast,), (4, 5), torch.float32, False)   # on rank 0
+        >>> tpf.to_local(y).shape
+        torch.Size([0])
+    """
     if x.requires_grad:
         return _OffPlacement.apply(x, pl, sbps, tuple(shape), dtype)
     return wrap(None, pl, sbps, shape, dtype).requires_grad_(requires_grad)

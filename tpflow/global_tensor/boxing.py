@@ -26,7 +26,30 @@ __all__ = ["box", "box_within", "post_across"]
 
 
 def box(x: DTensor, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst: tuple[Sbp, ...]) -> DTensor:
-    """A new DTensor of x's value in the new layout (never x itself: autograd may steal it as a grad)."""
+    """A new DTensor of x's value in the new layout (never x itself: autograd may steal it as a grad).
+
+    The same layout gives a new DTensor over the same block; the same placement goes through ``box_within``;
+    other ranks get their blocks point to point. Changing the device type (``"cpu"`` to ``"cuda"``) is a
+    ``ValueError``. Every rank of both placements must call it. ``to_global`` is its differentiable form.
+
+    Args:
+        x: a global tensor.
+        src_pl, src: ``x``'s placement and SBPs (a tuple, one per axis, split dims >= 0).
+        dst_pl, dst: the placement and SBPs to move the value to.
+
+    Returns:
+        A global tensor on ``dst_pl`` with SBPs ``dst``.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.boxing import box
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
+        >>> y = box(x, P, (tpf.sbp.split(0),), P, (tpf.sbp.broadcast,))   # an all-gather
+        >>> tpf.get_sbp(y)
+        (sbp.broadcast,)
+    """
     if (src_pl, src) == (dst_pl, dst):
         return wrap(x.to_local() if src_pl.coordinate() is not None else None, dst_pl, dst, x.shape, x.dtype)
     if src_pl == dst_pl:
@@ -41,7 +64,29 @@ def box(x: DTensor, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, 
 
 def box_within(x: DTensor, pl: Placement, src: tuple[Sbp, ...], dst: tuple[Sbp, ...]) -> DTensor:
     """DTensor redistributes to every SBP but partial sum; axes that become partial sums are
-    made locally: a split block is placed in zeros, a broadcast one kept on coordinate 0."""
+    made locally: a split block is placed in zeros, a broadcast one kept on coordinate 0.
+
+    Unlike ``box``, it returns ``x`` itself when ``src == dst``. Ranks outside ``pl`` get an empty block without
+    communicating; the ranks of ``pl`` must all call it.
+
+    Args:
+        x: a global tensor on ``pl``.
+        pl: its placement.
+        src, dst: its SBPs and the SBPs to convert to (tuples, one per axis, split dims >= 0).
+
+    Returns:
+        A global tensor on ``pl`` with SBPs ``dst``.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.boxing import box_within
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
+        >>> p = box_within(x, P, (tpf.sbp.split(0),), (tpf.sbp.partial_sum,))   # local: own rows placed in zeros
+        >>> tpf.to_local(p).shape
+        torch.Size([4, 5])
+    """
     if src == dst:
         return x
     if pl.coordinate() is None:  # nothing to do off the placement; DTensor would build a malformed spec here
@@ -88,7 +133,7 @@ def _across_plan(src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst
         offsets, lengths = local_region(shape, dst, dst_pl.hierarchy, coord)
         if direct:
             transfers.append((src_ranks[j], receiver, offsets, lengths))
-        elif not is_zero_partial(dst_pl, dst, coord):
+        elif not is_zero_partial(dst, coord):
             if receiver in src_ranks:
                 sender = receiver
             else:
@@ -102,7 +147,34 @@ def post_across(x: DTensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_
                 pending: comm.Pending | None = None) -> tuple[comm.Pending, torch.Tensor | None]:
     """Post this rank's part of boxing ``x`` from ``src_pl`` to ``dst_pl`` without waiting: its sends (``x`` is
     needed on the source ranks only) and receives. Returns the transfers and this rank's destination block
-    (None off ``dst_pl``), complete once they are waited on."""
+    (None off ``dst_pl``), complete once they are waited on.
+
+    The plan is direct when both sides have the same mesh shape and SBP; otherwise source ranks first gather
+    ``x`` to broadcast among themselves (a collective over ``src_pl``) and each destination block is cut by one
+    sender. Pipelines use it to hand activations on while computing.
+
+    Args:
+        x: the global tensor on the ranks of ``src_pl``; None is fine on the others.
+        src_pl, src: the source placement and SBPs (a tuple, one per axis, split dims >= 0).
+        dst_pl, dst: the destination placement and SBPs.
+        shape, dtype: the global shape and dtype of ``x``, which ranks without ``x`` need too.
+        tag: the point-to-point message tag, which keeps transfers between the same ranks apart.
+        pending: a ``comm.Pending`` to add the transfers to (default: a new one).
+
+    Returns:
+        ``(pending, local)``: the posted transfers, and this rank's block of the destination (None on ranks
+        outside ``dst_pl``), valid after ``pending.wait()``.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.boxing import post_across
+        >>> P, Q = tpf.placement("cpu", ranks=[0, 1]), tpf.placement("cpu", ranks=[1])
+        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
+        >>> pending, local = post_across(x, P, (tpf.sbp.split(0),), Q, (tpf.sbp.broadcast,), (4, 5), torch.float32)
+        >>> pending.wait()   # now local is the whole 4 x 5 value on rank 1, None on rank 0
+    """
     rank = dist.get_rank()
     direct, transfers = _across_plan(src_pl, src, dst_pl, dst, shape)
     source = None

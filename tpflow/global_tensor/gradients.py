@@ -3,9 +3,9 @@
 Data parallelism by SBP leaves each parameter's gradient a partial sum over the ranks that saw
 different rows (OneFlow reduces it when it is read). Left to DTensor, an optimizer step reduces them
 one parameter at a time: an all-reduce and a redistribute per parameter. ``reduce_partial_gradients``
-instead sums them with one all-reduce (per mesh axis) per bucket of up to 4 MiB of gradients that share mesh, layout and dtype, as DDP buckets them,
-while micro-batches still accumulate into partial sums for free. Unlike DDP's, the reduction cannot
-overlap the backward: it waits until the gradients are read.
+instead sums them with one all-reduce (per mesh axis) per bucket of up to 4 MiB of gradients that share mesh,
+layout and dtype, as DDP buckets them, while micro-batches still accumulate into partial sums for free. Unlike
+DDP's, the reduction cannot overlap the backward: it waits until the gradients are read.
 
 tpflow runs it before every optimizer step (``torch.optim``'s global step pre-hook, ``HOOK``), for the
 parameters tpflow made (``to_global`` of a module, the parallel layers, stages) and only on the axes

@@ -101,6 +101,43 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: object, *, shape:
     Without ``shape`` the ranks exchange their block shapes: one small collective that also
     checks they fit together. The gradient of ``local`` is this rank's block of the global
     gradient in layout ``grad_sbp`` (default: ``sbp``, with partial sums read as broadcast).
+
+    That exchange is an all-gather over the whole world, so without ``shape`` every rank calls ``from_local``,
+    ranks outside the placement included (their ``local``, ``torch.empty(0)`` say, is ignored, and they get an
+    empty block and a zero gradient). Split blocks must follow ``torch.chunk``'s sizes and the other dimensions
+    must agree. ``tpf.to_global`` of a plain tensor calls this.
+
+    A ``local`` that is not a plain tensor is a ``TypeError``. Blocks that do not fit together (the message lists
+    what each rank holds and what the global shape needs), blocks of different dtypes or ndims, a block that does
+    not match a given ``shape``, or a ``grad_sbp`` whose blocks have another shape than ``sbp``'s are a
+    ``ValueError`` on every rank.
+
+    Args:
+        local: this rank's block, a plain ``torch.Tensor``.
+        placement: the ranks that hold the global tensor (``tpf.placement``).
+        sbp: how the blocks make up the value: one SBP for a 1-D placement, else a tuple with one per axis.
+        shape: the global shape, if known (skips the exchange; each rank then checks only its own block).
+        grad_sbp: the layout of the global gradient whose blocks are ``local``'s gradient; it may differ from
+            ``sbp`` only in ``broadcast`` / ``partial_sum``.
+        sync_data: whether ``broadcast`` axes copy the value from the axis' first rank (False trusts the ranks
+            to hold the same value already, and saves the broadcast).
+
+    Returns:
+        A global tensor (a ``DTensor``).
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> rank = tpf.get_rank()
+        >>> mine = torch.full((2 - rank, 3), float(rank))   # 2 rows on rank 0, 1 row on rank 1
+        >>> tpf.from_local(mine, P, tpf.sbp.split(0)).shape
+        torch.Size([3, 3])
+        >>> s = tpf.from_local(torch.ones(2, 3), P, tpf.sbp.partial_sum, shape=(2, 3))
+        >>> s.full_tensor()   # the sum of both ranks' ones
+        tensor([[2., 2., 2.],
+                [2., 2., 2.]])
     """
     if not isinstance(local, torch.Tensor) or isinstance(local, DTensor):
         raise TypeError(f"from_local takes a plain torch.Tensor, got {type(local).__name__}")

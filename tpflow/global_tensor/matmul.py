@@ -69,6 +69,32 @@ def matmul(a: DTensor, b: DTensor) -> DTensor:
     The output SBP follows from the inputs' (S0 x B -> S0, B x S1 -> S1, S1 x S0 -> P, B x B -> B,
     P x B -> P, B x P -> P, per placement axis). Inputs with no legal signature are first boxed
     to the one that moves the fewest bytes; ``TPFLOW_DEBUG=1`` logs that choice.
+
+    Each rank multiplies its blocks with tpflow's kernels; no communication happens unless inputs are boxed. The
+    product is differentiable, and the gradients come back in ``a``'s and ``b``'s own layouts (partial sums as
+    broadcast). A plain ``torch.Tensor`` input is a ``TypeError`` that says to make it global with
+    ``tpf.to_global``; inputs on different placements, shapes that are not ``[..., M, K] @ [K, N]`` or
+    ``[..., M, K] @ [..., K, N]``, or inner sizes that differ are a ``ValueError``.
+
+    Args:
+        a: a global tensor ``[..., M, K]``.
+        b: a global tensor ``[K, N]``, or ``[..., K, N]`` with ``a``'s batch dims, on ``a``'s placement.
+
+    Returns:
+        A global tensor ``[..., M, N]`` on the same placement, with the inferred SBP.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> a = tpf.randn(6, 8, placement=P, sbp=tpf.sbp.split(1), requires_grad=True)
+        >>> b = tpf.randn(8, 4, placement=P, sbp=tpf.sbp.split(0), requires_grad=True)
+        >>> c = tpf.matmul(a, b)
+        >>> tpf.get_sbp(c)
+        (sbp.partial_sum,)
+        >>> c.sum().backward()
+        >>> tpf.get_sbp(a.grad)
+        (sbp.split(dim=1),)
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, DTensor):

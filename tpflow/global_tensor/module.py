@@ -23,6 +23,30 @@ def module_to_global(module: nn.Module, pl: Placement, sbp: object) -> nn.Module
     one is broadcast. Plain tensors are taken from the placement's first rank, so every rank starts from
     the same model whatever its own initialisation drew. Shared parameters stay shared; a tensor already
     in its layout is kept as it is (the same object).
+
+    The module is converted in place. Every tensor is checked before any is converted, so an SBP that does not
+    fit one (``split(1)`` of a 1-D bias, say) is a ``ValueError`` naming it, with the module left unchanged. New
+    parameters are ``nn.Parameter`` objects marked with ``gradients.adopt``, so their partial-sum gradients are summed
+    in buckets before an optimizer step. Every rank calls it (it is a collective). ``tpf.to_global(module, ...)``
+    calls this.
+
+    Args:
+        module: the module whose parameters and buffers to convert.
+        pl: the placement to put them on.
+        sbp: the layout of every parameter and buffer (one SBP, or a tuple with one per axis of ``pl``), or None.
+
+    Returns:
+        ``module`` itself.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.global_tensor.module import module_to_global
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> model = module_to_global(torch.nn.Linear(3, 2), P, None)   # as tpf.to_global(model, placement=P)
+        >>> tpf.get_sbp(model.weight)
+        (sbp.broadcast,)
     """
     entries = []  # validate every tensor before converting any, so an error leaves the module intact
     for mod_name, mod in module.named_modules():

@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout), differentiable.
 
     Forward is one kernel launch (bias and activation fused); backward two (dx and dW, transposes read as
-    strides), with the bias gradient summed in fp32.
+    strides), with the bias gradient summed in fp32 (fp64 for fp64 inputs).
 
     Args:
         x: the input, of ``weight``'s dtype.

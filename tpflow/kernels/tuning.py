@@ -31,6 +31,17 @@ def set_blocks(args: dict) -> None:
 
     Args:
         args: the launch's arguments by name, the config's meta-parameters included.
+
+    Example::
+
+        >>> from triton.tools.tensor_descriptor import TensorDescriptor
+        >>> a, b, c = (torch.empty(256, 256, dtype=torch.float16) for _ in range(3))
+        >>> descs = {name: TensorDescriptor.from_tensor(t, [16, 16])
+        ...          for name, t in (("a_desc", a), ("b_desc", b), ("c_desc", c), ("pre_desc", c))}
+        >>> set_blocks({**descs, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "SUBTILE": True,
+        ...             "A_T": False, "B_T": True})
+        >>> descs["a_desc"].block_shape, descs["b_desc"].block_shape, descs["c_desc"].block_shape
+        ([128, 64], [256, 64], [128, 128])
     """
     bm, bn, bk = args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]
     args["a_desc"].block_shape = [bk, bm] if args["A_T"] else [bm, bk]
@@ -199,6 +210,10 @@ def use(kernel: str, launcher: object) -> Iterator[None]:
     Args:
         kernel: ``"tiled"`` or ``"persistent"``.
         launcher: a ``Tuned`` over pinned configs, or a stand-in.
+
+    Returns:
+        A context manager for the ``with`` statement (``as`` binds None); on leaving it, the launcher in use
+        before (if any) is back.
 
     Example::
 

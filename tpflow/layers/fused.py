@@ -32,13 +32,20 @@ __all__ = ["ColumnGroup"]
 class ColumnGroup:
     """Column layers of one parent module computed as one product (see the module docstring).
 
+    The first member called on an input computes every member's output; the others take theirs when called
+    on the same input, so the input (and its gradient) crosses the ranks once for the group. Making a group
+    joins the members' weight blocks into one storage and sets each member's ``fused_group``.
+    ``parallelize`` makes one for the ``ColumnParallel(fuse=True)`` layers of each parent module.
+
     Args:
         layers: column layers alike but for ``out_features`` (``parallelize`` checks), each in no other group.
         parent: the module whose forward calls them; its forward pre-hook drops outputs not taken.
 
     Example::
 
-        >>> ColumnGroup([attn.q_proj, attn.k_proj, attn.v_proj], attn)  # what parallelize(fuse=True) does
+        >>> from tpflow.layers import ColumnGroup
+        >>> # attn: a module whose q_proj / k_proj / v_proj are ColumnParallelLinear layers, all read by its forward
+        >>> group = ColumnGroup([attn.q_proj, attn.k_proj, attn.v_proj], attn)  # what parallelize(fuse=True) does
     """
 
     def __init__(self, layers: Sequence[ColumnParallelLinear], parent: nn.Module) -> None:

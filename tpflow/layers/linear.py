@@ -52,7 +52,38 @@ def _grad_placements(p: DTensor, data_split: tuple[bool, ...]) -> tuple:
 
 class ParallelLinear(nn.Module, metaclass=ABCMeta):
     """What column and row layers share: a weight split over the last axis of a placement, read as local
-    blocks on the hot path, ``nn.Linear``'s initialisation and state-dict layout."""
+    blocks on the hot path, ``nn.Linear``'s initialisation and state-dict layout.
+
+    An abstract base: build a ``ColumnParallelLinear`` or a ``RowParallelLinear`` (or convert an ``nn.Linear``
+    with their ``from_linear``); both take these options, as keywords after ``bias``. The parameters are drawn
+    as ``nn.Linear`` draws them on one device for the same seed, then each rank keeps its block. The last axis
+    of ``placement`` is the tensor-parallel one; the axes before it hold copies (data parallelism).
+
+    Args:
+        in_features, out_features: the whole layer's sizes (``nn.Linear``'s), not a rank's block of them;
+            blocks of the split one follow ``torch.chunk``'s rule.
+        bias: whether the layer has a bias.
+        placement: the ranks the parameters live on (``tpf.placement``), 1-D or 2-D.
+        sequence_parallel: whether the activation on the layer's sequence side (the column layer's input,
+            the row layer's output) is split over dim 0, the sequence, its collective run with the matmul
+            by ``tpflow.ops``.
+        algo: how sequence parallelism's collectives run: ``"ring"`` (fused into a ring that overlaps the
+            matmul), ``"naive"`` (the plain collective, then one matmul) or ``"auto"`` (the ring from the
+            ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
+            ``sequence_parallel=True``.
+        device: where the parameters are made (default: the placement's device); its type must be the
+            placement's.
+        dtype: the parameters' dtype (default: torch's default dtype).
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from tpflow.layers import ParallelLinear
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> fc1 = tpf.ColumnParallelLinear(512, 2048, placement=P)
+        >>> isinstance(fc1, ParallelLinear), fc1.group is not None   # a 2-rank tensor-parallel group
+        (True, True)
+    """
 
     _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
 
@@ -205,7 +236,23 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
 
     @classmethod
     def from_linear(cls, module: nn.Linear, *, placement: Placement, **options) -> ParallelLinear:
-        """This layer holding ``module``'s values (each rank keeps its block; no RNG is drawn)."""
+        """This layer holding ``module``'s values (each rank keeps its block; no RNG is drawn).
+
+        Every rank must pass the same values (build or load the model the same on every rank); along the
+        data-parallel axes of a 2-D placement the copies are taken from each axis' first rank.
+
+        Args:
+            module: the ``nn.Linear`` to convert; its sizes, bias and dtype are kept, and it is left unchanged.
+            placement: the ranks the new layer lives on (``tpf.placement``).
+            options: the layer's other keyword options (``gather_output``, ``sequence_parallel``, ...).
+
+        Returns:
+            A new layer of this class on ``placement``.
+
+        Example::
+
+            >>> fc1 = tpf.ColumnParallelLinear.from_linear(nn.Linear(512, 2048), placement=P)  # doctest: +SKIP
+        """
         if not isinstance(module, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(module).__name__}")
         with torch.random.fork_rng(devices=[placement.device] if placement.type == "cuda" else []):
@@ -246,6 +293,55 @@ class ColumnParallelLinear(ParallelLinear):
     the backward (Megatron's choice: the layer then saves only its rows of the input, for (W-1)/W of
     the gathered input's bytes more per rank). A global input may have any layout; the output is
     split on its last dim (broadcast with ``gather_output``).
+
+    Without sequence parallelism the forward is one local matmul and the backward all-reduces the input's
+    gradient while the weight's gradient computes; with it, the input's gather runs around a ring fused with
+    the matmul, and the backward reduce-scatters the input's gradient. ``parallelize``'s ``"column"`` entry
+    (``tpf.ColumnParallel``) builds this layer from a model's ``nn.Linear``.
+
+    Args:
+        in_features: the size of each input sample, whole on every rank.
+        out_features: the size of each output sample over all ranks; rank r holds and computes
+            ``torch.chunk``'s block r of these features.
+        bias: whether the layer has a bias (default True), split over the ranks like the output features.
+        placement: the ranks the layer lives on (``tpf.placement``). On a 2-D placement the last axis is
+            tensor parallel and the axes before it hold copies (data parallelism), whose parameter gradients
+            are partial sums reduced when read.
+        gather_output: all-gather the output's features, so that every rank gets the whole y instead of its
+            block (default False: the block, which a ``RowParallelLinear`` takes as its input).
+        sequence_parallel: a plain input of two or more dims is this rank's chunk of dim 0 (the sequence, in
+            Megatron's ``[seq, batch, hidden]`` layout), all-gathered into the product by ``all_gather_matmul``;
+            the output then has the whole dim 0 (default False: the whole input on every rank).
+        algo: how the sequence-parallel all-gather runs: ``"ring"`` (fused with the matmul around a ring),
+            ``"naive"`` (the plain all-gather, then one matmul) or ``"auto"`` (the default: the ring from the
+            ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
+            ``sequence_parallel=True``.
+        keep_gathered: with ``sequence_parallel``, keep the gathered input from the forward for the weight
+            gradient (default True), or, with False, save only this rank's rows and gather them again in the
+            backward (less memory, more bytes sent). False needs ``sequence_parallel=True``.
+        device: where the parameters are made (default: the placement's device); its type must be the
+            placement's.
+        dtype: the parameters' dtype (default: torch's default dtype).
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                          # the same parameters and x on every rank
+        >>> fc1 = tpf.ColumnParallelLinear(512, 2048, placement=P)
+        >>> fc1.weight.shape, fc1.weight.to_local().shape     # global [out, in]; this rank's Shard(0) block
+        (torch.Size([2048, 512]), torch.Size([1024, 512]))
+        >>> x = torch.randn(8, 512)                           # the whole x on every rank
+        >>> fc1(x).shape                                      # this rank's block of the 2048 features
+        torch.Size([8, 1024])
+        >>> whole = tpf.ColumnParallelLinear(512, 2048, placement=P, gather_output=True)
+        >>> whole(x).shape
+        torch.Size([8, 2048])
+        >>> sp = tpf.ColumnParallelLinear(512, 2048, placement=P, sequence_parallel=True, keep_gathered=False)
+        >>> tokens = torch.randn(16, 2, 512)                  # [seq, batch, hidden]
+        >>> sp(tokens.chunk(2)[tpf.get_rank()]).shape         # this rank's 8 tokens in, all 16 out
+        torch.Size([16, 2, 1024])
     """
 
     _weight_split = 0
@@ -324,6 +420,56 @@ class RowParallelLinear(ParallelLinear):
     or the whole x with ``input_is_parallel=False``. The output is the whole y on every rank; with
     ``sequence_parallel`` it is this rank's chunk of dim 0 instead, reduce-scattered by
     ``matmul_reduce_scatter`` (a plain input's dim 0 must then split evenly).
+
+    Without sequence parallelism the partial products are all-reduced (in fp32 at least) and the backward
+    needs no collective; with it, the reduce-scatter runs around a ring fused with the matmul, and the
+    backward all-gathers the output's gradient. A global input may have any layout; the output is broadcast
+    (split on dim 0 with ``sequence_parallel``). ``parallelize``'s ``"row"`` entry (``tpf.RowParallel``)
+    builds this layer from a model's ``nn.Linear``.
+
+    Args:
+        in_features: the size of each input sample over all ranks; rank r holds ``torch.chunk``'s block r of
+            these features (the weight's columns).
+        out_features: the size of each output sample, whole on every rank.
+        bias: whether the layer has a bias (default True), whole on every rank.
+        placement: the ranks the layer lives on (``tpf.placement``). On a 2-D placement the last axis is
+            tensor parallel and the axes before it hold copies (data parallelism), whose parameter gradients
+            are partial sums reduced when read.
+        input_is_parallel: a plain input is this rank's block of the input features, as a
+            ``ColumnParallelLinear`` returns it (default True); with False it is the whole x, the same on every
+            rank, and each rank takes its block (no transfer forward, an all-gather of its gradient backward).
+        sequence_parallel: the output of a plain input of two or more dims is this rank's chunk of dim 0 (the
+            sequence), reduce-scattered by ``matmul_reduce_scatter`` (default False: the whole y). Needs
+            ``input_is_parallel=True``, and a plain input's dim 0 must be a multiple of the ranks.
+        algo: how the sequence-parallel reduce-scatter runs: ``"ring"`` (fused with the matmul around a
+            ring), ``"naive"`` (one matmul, then the plain reduce-scatter) or ``"auto"`` (the default: the
+            ring from the ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
+            ``sequence_parallel=True``.
+        device: where the parameters are made (default: the placement's device); its type must be the
+            placement's.
+        dtype: the parameters' dtype (default: torch's default dtype).
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                          # the same parameters and x on every rank
+        >>> fc1 = tpf.ColumnParallelLinear(512, 2048, placement=P)
+        >>> fc2 = tpf.RowParallelLinear(2048, 512, placement=P)
+        >>> fc2.weight.to_local().shape                       # this rank's Shard(1) block of [512, 2048]
+        torch.Size([512, 1024])
+        >>> x = torch.randn(8, 512)
+        >>> fc2(torch.relu(fc1(x))).shape                     # one all-reduce, in fc2: the whole y everywhere
+        torch.Size([8, 512])
+        >>> whole_in = tpf.RowParallelLinear(2048, 512, placement=P, input_is_parallel=False)
+        >>> whole_in(torch.randn(8, 2048)).shape
+        torch.Size([8, 512])
+        >>> sp1 = tpf.ColumnParallelLinear(512, 2048, placement=P, sequence_parallel=True)
+        >>> sp2 = tpf.RowParallelLinear(2048, 512, placement=P, sequence_parallel=True, algo="ring")
+        >>> tokens = torch.randn(16, 2, 512).chunk(2)[tpf.get_rank()]   # this rank's 8 of 16 tokens
+        >>> sp2(torch.relu(sp1(tokens))).shape                # back to this rank's tokens
+        torch.Size([8, 2, 512])
     """
 
     _weight_split = 1

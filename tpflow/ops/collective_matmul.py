@@ -217,6 +217,39 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
 
     Differentiable. The bias is added once, on each row's owner; its gradient (from the all-gathered
     output gradient) is the whole one on every rank.
+
+    This is what a sequence-parallel ``RowParallelLinear`` runs; its backward is ``all_gather_matmul``'s
+    forward, with each chunk's weight gradient computed as the chunk arrives.
+
+    Args:
+        x: this rank's operand ``[M, ..., K_r]``: all M rows, this rank's block of the K inner features.
+            Dims between the first and the last fold into the rows of each chunk.
+        w: this rank's block of the weight, ``[K_r, N]``.
+        group: a process group (default None: the world) or a ``Transport`` (``tpf.comm.FakeWorld``'s, say).
+        bias: ``[N]``, added once to the sum (default None).
+        out_dtype: the output's dtype (default: ``x``'s).
+        partial_dtype: the dtype the partial sums travel and add in (default: fp32, or fp64 for fp64 inputs).
+        splits: messages per chunk in the ring (default: the ``ring_splits`` switch); at least 1.
+        algo: ``"ring"``, ``"naive"`` or ``"auto"`` (the default), as above.
+
+    Returns:
+        This rank's rows of the sum, ``[M_r, ..., N]``: ``chunk(r)`` of dim 0.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.ops import matmul_reduce_scatter
+        >>> P = tpf.placement("cpu", ranks=[0, 1])                # run on 2 ranks
+        >>> x = torch.randn(16, 2, 256)                           # [seq, batch, this rank's 256 of K = 512]
+        >>> w = torch.randn(256, 1024)
+        >>> y = matmul_reduce_scatter(x, w, P.mesh.get_group(0), algo="ring")
+        >>> y.shape                                               # this rank's 8 of the 16 rows of the sum
+        torch.Size([8, 2, 1024])
+        >>> world = tpf.comm.FakeWorld(2)                         # or 2 ranks as threads of one process
+        >>> xs, ws = torch.randn(2, 8, 4), torch.randn(2, 4, 6)  # rank r holds xs[r] and ws[r]
+        >>> out = world.run(lambda t: matmul_reduce_scatter(xs[t.rank], ws[t.rank], t, algo="ring"))
+        >>> torch.testing.assert_close(torch.cat(out), xs[0] @ ws[0] + xs[1] @ ws[1])
     """
     _check_operands(x, w, bias, "matmul_reduce_scatter")
     splits = config.get("ring_splits", x.device) if splits is None else splits
@@ -247,6 +280,45 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
     ``keep_gathered=False``, gathered again in the backward (Megatron's sequence parallelism): the
     saved activation shrinks from ``gather(x)`` to ``x``, for (W-1)/W of ``gather(x)``'s bytes more
     per rank, sent while the chunks' weight gradients compute.
+
+    This is what a sequence-parallel ``ColumnParallelLinear`` runs; its backward is ``matmul_reduce_scatter``'s
+    forward on ``dz @ w^T``.
+
+    Args:
+        x: this rank's rows ``[M_r, ..., K]``: ``chunk(r)`` of dim 0 of the whole input. Dims between the
+            first and the last fold into the rows of each chunk.
+        w: the weight ``[K, N]`` (in a column layer, this rank's block of its output features).
+        group: a process group (default None: the world) or a ``Transport`` (``tpf.comm.FakeWorld``'s, say).
+        rows: M, the whole dim 0 (default None: ``W * M_r``, checked).
+        bias: ``[N]``, added before the activation (default None).
+        activation: ``None`` (the default), ``"relu"``, ``"gelu"`` (the tanh form) or ``"silu"``, applied in
+            the matmul's epilogue.
+        out_dtype: the output's dtype (default: ``x``'s).
+        return_gathered: also return ``gather(x)`` (default False).
+        keep_gathered: keep ``gather(x)`` from the forward for the weight gradient (default True), or gather
+            ``x`` again in the backward (False).
+        algo: ``"ring"``, ``"naive"`` (the plain all-gather, then one matmul) or ``"auto"`` (the default), as in
+            ``matmul_reduce_scatter``.
+
+    Returns:
+        ``act(gather(x) @ w + bias)``, ``[M, ..., N]`` on every rank; with ``return_gathered``, the pair
+        ``(that, gather(x))``.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.ops import all_gather_matmul
+        >>> P = tpf.placement("cpu", ranks=[0, 1])                # run on 2 ranks
+        >>> x = torch.randn(8, 2, 512)                            # [this rank's 8 of 16 tokens, batch, hidden]
+        >>> w = torch.randn(512, 1024)
+        >>> y, gathered = all_gather_matmul(x, w, P.mesh.get_group(0), activation="gelu", return_gathered=True)
+        >>> y.shape, gathered.shape
+        (torch.Size([16, 2, 1024]), torch.Size([16, 2, 512]))
+        >>> world = tpf.comm.FakeWorld(2)                         # or 2 ranks as threads of one process
+        >>> xs, w = torch.randn(5, 4), torch.randn(4, 6)          # 5 rows: rank 0 holds 3, rank 1 holds 2
+        >>> out = world.run(lambda t: all_gather_matmul(xs.chunk(2)[t.rank], w, t, rows=5, algo="ring"))
+        >>> torch.testing.assert_close(out[1], xs @ w)
     """
     _check_operands(x, w, bias, "all_gather_matmul")
     t = as_transport(group)
@@ -268,7 +340,32 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
 
 def matmul_reduce_scatter_ref(x: torch.Tensor, w: torch.Tensor, group: Group = None, *,
                               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The unfused reference: ``torch.matmul``, then the library's reduce-scatter (not differentiable)."""
+    """The unfused reference: ``torch.matmul``, then the library's reduce-scatter (not differentiable).
+
+    What ``matmul_reduce_scatter`` computes, for tests and benchmarks to compare against; the partial
+    sums travel in ``x``'s dtype.
+
+    Args:
+        x: this rank's operand ``[M, ..., K_r]``: all M rows, this rank's block of K.
+        w: this rank's block of the weight, ``[K_r, N]``.
+        group: a process group (default None: the world) or a ``Transport``.
+        bias: ``[N]``, added to the sum (default None).
+        out_dtype: the output's dtype (default: ``x``'s).
+
+    Returns:
+        This rank's rows of ``sum over ranks (x @ w) + bias``, ``[M_r, ..., N]``.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.ops import matmul_reduce_scatter, matmul_reduce_scatter_ref
+        >>> world = tpf.comm.FakeWorld(2)
+        >>> xs, ws = torch.randn(2, 8, 4), torch.randn(2, 4, 6)
+        >>> fused = world.run(lambda t: matmul_reduce_scatter(xs[t.rank], ws[t.rank], t))
+        >>> ref = world.run(lambda t: matmul_reduce_scatter_ref(xs[t.rank], ws[t.rank], t))
+        >>> torch.testing.assert_close(fused, ref)
+    """
     t = as_transport(group)
     y = torch.matmul(x, w)
     out = t.reduce_scatter(y.flatten(1), row_bounds(x.shape[0], t.world_size))
@@ -279,7 +376,33 @@ def matmul_reduce_scatter_ref(x: torch.Tensor, w: torch.Tensor, group: Group = N
 def all_gather_matmul_ref(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, rows: int | None = None,
                           bias: torch.Tensor | None = None, activation: str | None = None,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The unfused reference: the library's all-gather, then ``torch.matmul`` (not differentiable)."""
+    """The unfused reference: the library's all-gather, then ``torch.matmul`` (not differentiable).
+
+    What ``all_gather_matmul`` computes, for tests and benchmarks to compare against.
+
+    Args:
+        x: this rank's rows ``[M_r, ..., K]``, ``chunk(r)`` of dim 0.
+        w: the weight ``[K, N]``.
+        group: a process group (default None: the world) or a ``Transport``.
+        rows: M, the whole dim 0 (default None: ``W * M_r``, not checked).
+        bias: ``[N]``, added before the activation (default None).
+        activation: ``None`` (the default), ``"relu"``, ``"gelu"`` (the tanh form) or ``"silu"``.
+        out_dtype: the output's dtype (default: ``x``'s).
+
+    Returns:
+        ``act(gather(x) @ w + bias)``, ``[M, ..., N]``.
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.ops import all_gather_matmul, all_gather_matmul_ref
+        >>> world = tpf.comm.FakeWorld(2)
+        >>> xs, w = torch.randn(8, 4), torch.randn(4, 6)
+        >>> fused = world.run(lambda t: all_gather_matmul(xs.chunk(2)[t.rank], w, t, activation="relu"))
+        >>> ref = world.run(lambda t: all_gather_matmul_ref(xs.chunk(2)[t.rank], w, t, activation="relu"))
+        >>> torch.testing.assert_close(fused, ref)
+    """
     t = as_transport(group)
     rows = x.shape[0] * t.world_size if rows is None else rows
     gathered = t.all_gather(x.flatten(1).contiguous(), row_bounds(rows, t.world_size))

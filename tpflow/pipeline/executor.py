@@ -198,6 +198,44 @@ class Pipeline(nn.Module):
     stage's ranks; None elsewhere), leaving every parameter's gradient as one device would on the whole
     batch. ``pipe(x)`` runs the stages in order eagerly, on every rank. ``trace`` holds the last step's
     actions on this rank with their start and end times (seconds from the step's start).
+
+    Every rank builds the same ``Pipeline`` (one SPMD script) and calls ``step`` with the whole batch, as one
+    device would: the batch's rows (dim 0) are cut into ``micro_batches`` by ``torch.tensor_split``. Each
+    rank runs only its own stage's actions of the schedule table (``schedule_table()`` draws it); stages
+    hand activations and gradients to their neighbours by cross-placement boxing. An error in any stage
+    reaches every rank as a ``tpf.PipelineError``, after which the pipeline runs no more steps. Fewer
+    micro-batches than stages, gaps in the stage ids, a rank in two stages or stages of different device
+    types are refused here.
+
+    Args:
+        stages: the ``tpf.stage`` modules, in any order (they are sorted by ``stage_id``), or a module that
+            holds them; their ids must be 0, 1, ..., each once, and each rank in at most one stage.
+        micro_batches: the number of micro-batches a step cuts the batch into: at least the number of stages,
+            and at most the batch's rows. More of them shrink the bubble, ``(p - 1) / (m + p - 1)`` of a step.
+        loss_fn: called on the last stage's ranks as ``loss_fn(output, target)`` for each micro-batch, with the
+            stage's output and the micro-batch's targets, both whole on every rank of that stage (global
+            tensors, broadcast); returns a scalar, such as ``F.cross_entropy``.
+        schedule: ``"1f1b"`` (the default: PipeDream-flush, at most p - s micro-batches of activations held
+            on stage s) or ``"gpipe"`` (all forwards, then all backwards: m micro-batches held).
+        loss_reduction: ``"mean"`` (the default) when ``loss_fn`` averages over its rows: each micro-batch's
+            loss is weighted by its share of the batch's rows; ``"sum"`` when it sums them: no weights. Either
+            way the gradients and the returned loss are those of the whole batch.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> import tpflow as tpf
+        >>> stages = [tpf.stage(nn.Sequential(nn.Linear(8, 32), nn.ReLU()), stage_id=0,
+        ...                     placement=tpf.placement("cpu", ranks=[0])),
+        ...           tpf.stage(nn.Linear(32, 4), stage_id=1, placement=tpf.placement("cpu", ranks=[1]))]
+        >>> pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=F.cross_entropy)
+        >>> print(pipe.schedule_table())  # doctest: +SKIP
+        >>> opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        >>> x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+        >>> loss = pipe.step(x, y)   # the batch's mean loss on rank 1, None on rank 0
+        >>> opt.step()               # each rank updates its own stage's parameters
     """
 
     def __init__(self, stages: Sequence[Stage] | nn.Module, *, micro_batches: int, loss_fn: Callable,

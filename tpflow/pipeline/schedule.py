@@ -30,6 +30,21 @@ COMPUTE = ("F", "B")
 
 @dataclasses.dataclass(frozen=True)
 class Action:
+    """One entry of a schedule table: what a stage's ranks do next, for which micro-batch.
+
+    Args:
+        kind: ``"F"``, ``"B"``, ``"recv_act"``, ``"send_act"``, ``"recv_grad"`` or ``"send_grad"`` (see the
+            module docstring).
+        micro_batch: the micro-batch's index, from 0.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import Action
+        >>> a = Action("F", 3)
+        >>> str(a), a.kind, a.micro_batch
+        ('F3', 'F', 3)
+    """
+
     kind: str  # "F", "B", "recv_act", "send_act", "recv_grad", "send_grad"
     micro_batch: int
 
@@ -67,7 +82,25 @@ SCHEDULES = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 
 
 def build(schedule: str, stages: int, micro_batches: int) -> Table:
-    """Every stage's actions for one step of ``micro_batches`` through ``stages`` stages."""
+    """Every stage's actions for one step of ``micro_batches`` through ``stages`` stages.
+
+    The table is checked by ``simulate`` before it is returned, so a schedule that would deadlock fails here.
+
+    Args:
+        schedule: ``"gpipe"`` or ``"1f1b"`` (the keys of ``SCHEDULES``).
+        stages: the number of stages, at least 1.
+        micro_batches: the number of micro-batches in one step, at least 1.
+
+    Returns:
+        Per stage, in stage order, the list of its ``Action``s in the order its ranks perform them.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build
+        >>> table = build("1f1b", stages=2, micro_batches=2)
+        >>> [str(a) for a in table[1]]
+        ['recv_act0', 'F0', 'B0', 'send_grad0', 'recv_act1', 'F1', 'B1', 'send_grad1']
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
     if stages < 1 or micro_batches < 1:
@@ -79,7 +112,23 @@ def build(schedule: str, stages: int, micro_batches: int) -> Table:
 
 def simulate(table: Sequence[Sequence[Action]]) -> list[list[tuple[int, Action]]]:
     """Replay ``table``: each stage's compute actions with their start times (unit time each). Raises if an
-    action repeats or is missing, a send has no receive (or the other way round), or the stages deadlock."""
+    action repeats or is missing, a send has no receive (or the other way round), or the stages deadlock.
+
+    The replay follows the executor's rules: sends are asynchronous, receives wait, transfers are free,
+    and a forward or a backward takes one time step.
+
+    Args:
+        table: per stage, its actions in order, as ``build`` makes them.
+
+    Returns:
+        Per stage, its ``"F"`` and ``"B"`` actions in order, each as ``(start time, action)``.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build, simulate
+        >>> [(t, str(a)) for t, a in simulate(build("gpipe", stages=2, micro_batches=2))[1]]
+        [(1, 'F0'), (2, 'F1'), (3, 'B0'), (4, 'B1')]
+    """
     stages = len(table)
     micro_batches = 1 + max((a.micro_batch for actions in table for a in actions), default=-1)
     for s, actions in enumerate(table):
@@ -99,7 +148,8 @@ def simulate(table: Sequence[Sequence[Action]]) -> list[list[tuple[int, Action]]
                 a = actions[position[s]]
                 if a.kind in COMPUTE:
                     if a.kind == "B" and Action("F", a.micro_batch) not in computed[s]:
-                        raise ValueError(f"stage {s} runs the backward of micro-batch {a.micro_batch} before its forward")
+                        raise ValueError(f"stage {s} runs the backward of micro-batch {a.micro_batch} before its "
+                                         "forward")
                     timeline[s].append((clock[s], a))
                     computed[s].add(a)
                     clock[s] += 1
@@ -119,7 +169,24 @@ def simulate(table: Sequence[Sequence[Action]]) -> list[list[tuple[int, Action]]
 
 
 def render(table: Sequence[Sequence[Action]]) -> str:
-    """The replay as a grid: a row per stage, a column per time step, ``F3`` / ``B3`` where it computes."""
+    """The replay as a grid: a row per stage, a column per time step, ``F3`` / ``B3`` where it computes.
+
+    ``Pipeline.schedule_table`` prints this under a line with the bubble's share of the step.
+
+    Args:
+        table: per stage, its actions in order, as ``build`` makes them (replayed by ``simulate``).
+
+    Returns:
+        The grid as text, one line per stage under a header of time steps; ``.`` where a stage idles.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build, render
+        >>> print(render(build("1f1b", stages=2, micro_batches=3)))
+        step      0  1  2  3  4  5  6  7
+        stage 0  F0 F1  . B0 F2 B1  . B2
+        stage 1   . F0 B0 F1 B1 F2 B2  .
+    """
     timeline = simulate(table)
     steps = max((t + 1 for row in timeline for t, _ in row), default=0)
     cells = [["."] * steps for _ in timeline]

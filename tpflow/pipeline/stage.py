@@ -39,10 +39,21 @@ _TAG = 1 << 24  # the output header of an eager call, apart from a pipeline's pe
 class PipelineError(RuntimeError):
     """A stage failed: the ranks that did not run it raise this, with the failing stage's error.
 
+    A stage's error is sent on to every rank instead of leaving them waiting for its messages. Called eagerly,
+    the stage's own ranks raise the original exception and the other ranks this error. In
+    ``tpf.Pipeline.step`` every rank of the pipeline raises it, the failing stage's ranks with the original
+    exception as its cause, and the pipeline then runs no more steps. A ``Pipeline`` also raises it when the
+    ranks of one stage hand off different tensors, or a gradient's shape does not match its output's.
+
+    Args:
+        *args: the message, as for any exception: the failing stage, its ranks, the action it failed on (in a
+            pipeline) and its error.
+
     Example::
 
+        >>> import tpflow as tpf
         >>> try:
-        ...     pipe.step(x, y)
+        ...     loss = pipe.step(x, y)  # doctest: +SKIP
         ... except tpf.PipelineError as e:
         ...     print(e)  # "stage 1 (ranks [1]) failed on F0: ..."  # doctest: +SKIP
     """
@@ -50,7 +61,38 @@ class PipelineError(RuntimeError):
 
 class Stage(nn.Module):
     """``module`` as stage ``stage_id`` of a pipeline, on ``placement``; ``sbp`` is its input's layout there
-    (None: the incoming SBP where the placements have the same shape, else broadcast)."""
+    (None: the incoming SBP where the placements have the same shape, else broadcast).
+
+    ``tpf.stage`` builds one (the same, with keyword arguments). The module's plain parameters and buffers are
+    converted in place to global ones broadcast on ``placement`` (global ones keep their SBP), so they live
+    only on its ranks. Calling the stage moves its input onto ``placement`` (``to_global``) and runs the
+    module there; ranks outside the placement skip the module and get an empty block of the output, whose
+    shape and SBP the stage's first rank sends them. The module must return one global tensor on
+    ``placement``, unless it is a plain PyTorch module fed split(0) or broadcast rows, which runs on the
+    ranks' local blocks (see the module docstring).
+
+    Args:
+        module: the stage's computation: an ``nn.Module`` taking one tensor and returning one.
+        stage_id: its position in the pipeline, an int from 0; a ``tpf.Pipeline`` needs ids 0, 1, ..., each
+            once.
+        placement: the ranks that run it (``tpf.placement``), 1-D or 2-D; in a ``tpf.Pipeline`` no rank may
+            be in two stages.
+        sbp: the input's layout on ``placement``: one SBP for a 1-D placement, else one per placement axis
+            (``tpf.sbp.split(0)`` runs a plain module data parallel on the ranks' own rows). Default None: the
+            incoming SBP where the placements have the same shape, else broadcast.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> first = tpf.Stage(nn.Linear(8, 32), 0, tpf.placement("cpu", ranks=[0]))
+        >>> second = tpf.Stage(nn.Linear(32, 4), 1, P, sbp=tpf.sbp.split(0))   # data parallel on ranks 0, 1
+        >>> y = second(first(torch.randn(16, 8)))                                # every rank calls both
+        >>> tpf.get_sbp(y), y.shape
+        ((sbp.split(dim=0),), torch.Size([16, 4]))
+    """
 
     def __init__(self, module: nn.Module, stage_id: int, placement: Placement, sbp: object = None) -> None:
         super().__init__()
@@ -112,7 +154,8 @@ class Stage(nn.Module):
         named = list(self.module.named_parameters())
         grad_placements = tuple(Partial() if on else Replicate() for on in split)
         blocks = self._blocks(tuple(p for _, p in named), split, lambda p: grad_placements)
-        return dict(zip((n for n, _ in named), blocks)) | {name: b.to_local() for name, b in self.module.named_buffers()}
+        buffers = {name: b.to_local() for name, b in self.module.named_buffers()}
+        return dict(zip((n for n, _ in named), blocks)) | buffers
 
     def _compute_local(self, x: DTensor, sbps: tuple[Sbp, ...]) -> DTensor:
         split = tuple(s == Split(0) for s in sbps)
@@ -161,5 +204,37 @@ class Stage(nn.Module):
 
 def stage(module: nn.Module, *, stage_id: int, placement: Placement, sbp: object = None) -> Stage:
     """``module`` as pipeline stage ``stage_id`` on ``placement`` (OneFlow's ``set_stage``): plain parameters
-    and buffers are broadcast there, global ones keep their SBP; ``sbp`` is the input's layout on entry."""
+    and buffers are broadcast there, global ones keep their SBP; ``sbp`` is the input's layout on entry.
+
+    The stage's parameters live only on its ranks, and any SBP works inside it: data parallel (a plain
+    module on split(0) rows), tensor parallel (column / row layers, or ``parallelize`` applied to the module
+    on ``placement``), or both on a 2-D placement. Stages called in order run as one SPMD script (every rank
+    calls every stage; ranks outside one skip it); a ``tpf.Pipeline`` runs them over micro-batches, each rank
+    only its own stage.
+
+    Args:
+        module: the stage's computation: an ``nn.Module`` taking one tensor and returning one. Its parameters
+            and buffers are converted in place.
+        stage_id: its position in the pipeline, an int from 0; a ``tpf.Pipeline`` needs ids 0, 1, ..., each
+            once.
+        placement: the ranks that run it (``tpf.placement``), 1-D or 2-D; in a ``tpf.Pipeline`` no rank may
+            be in two stages.
+        sbp: the input's layout on ``placement``: one SBP for a 1-D placement, else one per placement axis.
+            Default None: the incoming SBP where the placements have the same shape, else broadcast.
+
+    Returns:
+        The ``Stage`` module, which holds ``module`` as its ``module``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import tpflow as tpf
+        >>> stages = [tpf.stage(nn.Sequential(nn.Linear(8, 32), nn.ReLU()), stage_id=0,
+        ...                     placement=tpf.placement("cpu", ranks=[0])),
+        ...           tpf.stage(nn.Linear(32, 4), stage_id=1, placement=tpf.placement("cpu", ranks=[1]))]
+        >>> out = stages[1](stages[0](torch.randn(16, 8)))   # eagerly, stage after stage: every rank calls both
+        >>> out.shape, tpf.to_local(out).shape               # on rank 1 (rank 0 holds an empty block)
+        (torch.Size([16, 4]), torch.Size([16, 4]))
+    """
     return Stage(module, stage_id, placement, sbp)

@@ -29,6 +29,38 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     ``"*.fc1"`` matches ``"blocks.0.mlp.fc1"``). Every pattern must match at least one module,
     each match must be an ``nn.Linear``, and no module may match two patterns: anything else is
     an error naming the pattern, raised before the model is changed.
+
+    Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block), so a
+    model built and loaded on one device, the same on every rank, becomes a tensor-parallel one. A module
+    shared under two names becomes one layer under both, if their entries agree. A parameter a planned
+    layer shares with another module (a tied embedding) would come untied, which is an error too. The
+    ``ColumnParallel(fuse=True)`` layers of one parent module become one fused group (``ColumnGroup``).
+
+    Args:
+        model: the model to change, in place.
+        placement: the ranks its parallel layers live on (``tpf.placement``); on a 2-D placement the last
+            axis is tensor parallel and the others data parallel.
+        plan: ``fnmatch`` patterns over module names, each mapped to its entry: ``"column"`` (W split(1)),
+            ``"row"`` (W split(0)), or ``tpf.ColumnParallel(...)`` / ``tpf.RowParallel(...)`` with options.
+
+    Returns:
+        ``model`` itself, its matched ``nn.Linear`` modules replaced.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                          # the same model on every rank
+        >>> block = nn.Sequential()
+        >>> block.mlp = nn.Sequential()
+        >>> block.mlp.fc1, block.mlp.act, block.mlp.fc2 = nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)
+        >>> model = tpf.parallelize(block, placement=P, plan={"*.fc1": "column", "*.fc2": "row"})
+        >>> type(model.mlp.fc1).__name__, type(model.mlp.fc2).__name__
+        ('ColumnParallelLinear', 'RowParallelLinear')
+        >>> model(torch.randn(8, 512)).shape                  # the whole output on every rank
+        torch.Size([8, 512])
     """
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
