@@ -96,20 +96,20 @@ class _CompileEachConfig:
         self.variant = ""
 
     def launch(self, grid, key: tuple, args: tuple, kwargs: dict, set_blocks=None) -> None:
-        for config in self.configs:
-            nargs = {**dict(zip(self.tuner.arg_names, args)), **kwargs, **config.all_kwargs()}
-            if config.pre_hook:
-                config.pre_hook(nargs)
-            compiled = self.tuner.fn.warmup(*args, grid=grid, **kwargs, **config.all_kwargs())
+        for candidate in self.configs:
+            nargs = {**dict(zip(self.tuner.arg_names, args)), **kwargs, **candidate.all_kwargs()}
+            if candidate.pre_hook:
+                candidate.pre_hook(nargs)
+            compiled = self.tuner.fn.warmup(*args, grid=grid, **kwargs, **candidate.all_kwargs())
             ptx = compiled.asm["ptx"]
             registers, spilled = _ptxas(ptx, self.arch)
             shared, wgmma = compiled.metadata.shared, ptx.count("wgmma.mma_async")
-            k = config.kwargs
+            k = candidate.kwargs
             a = getattr(args[0], "base", args[0])  # the tiled kernel's A, or the persistent one's descriptor's
             tile_bytes = (k["BLOCK_M"] + k["BLOCK_N"]) * k["BLOCK_K"] * a.element_size()
-            in_flight = config.num_stages - (0 if wgmma else 1)  # mma.sync pipelines keep one stage fewer
+            in_flight = candidate.num_stages - (0 if wgmma else 1)  # mma.sync pipelines keep one stage fewer
             self.found.append(Compiled(
-                self.variant, self.name, _config_name(config), shared, shared <= MAX_SHARED[self.arch],
+                self.variant, self.name, _config_name(candidate), shared, shared <= MAX_SHARED[self.arch],
                 shared >= in_flight * tile_bytes, registers, spilled, wgmma, ptx.count("cp.async.bulk.tensor"),
                 len(re.findall(r"cp\.async\.c[ag]", ptx))))
 

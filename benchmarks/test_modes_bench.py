@@ -15,17 +15,17 @@ import torch
 import torch.distributed as dist
 
 from tests import harness
-from tpflow.bench import modes, workloads
+from tpflow.bench import modes, trainer, workloads
 from tpflow.bench.measure import hold_freed_memory
 
 WORLD = 2
 MLP = dict(dim=256, hidden=1024, depth=4, tokens=256, seq=32, heads=8, kv_heads=4)
-_TRAINERS: dict[str, modes.Trainer] = {}  # in each rank
+_TRAINERS: dict[str, trainer.Trainer] = {}  # in each rank
 
 
 def _build(mode: str) -> None:
     hold_freed_memory()
-    ctx = modes.Context(dist.get_world_size(), dist.get_rank(), torch.device("cpu"))
+    ctx = trainer.Context(dist.get_world_size(), dist.get_rank(), torch.device("cpu"))
     _TRAINERS[mode] = modes.build(mode, workloads.build("mlp", **MLP), ctx)
 
 

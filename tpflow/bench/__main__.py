@@ -29,7 +29,8 @@ import tpflow as tpf
 from tpflow.bench import report
 from tpflow.bench.measure import counting, device_name, every_rank, hold_freed_memory, quantiles, source_version, \
     step_peak, step_times
-from tpflow.bench.modes import MODES, Context, Skip, Trainer, build, slug
+from tpflow.bench.modes import MODES, build, slug
+from tpflow.bench.trainer import Context, Skip, Trainer
 from tpflow.bench.workloads import build as build_workload
 
 DEFAULTS = dict(dim=256, hidden=1024, depth=4, tokens=256, seq=32, heads=8, kv_heads=4, reps=10, warmup=1)

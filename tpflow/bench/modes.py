@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 import dataclasses
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -46,149 +45,10 @@ import tpflow as tpf
 from tpflow import comm
 from tpflow.comm.collectives import ring_bytes
 from tpflow.bench.measure import count_ddp
+from tpflow.bench.trainer import Context, Skip, Trainer, block_bytes, forward_backward, make_trainer, rows_share
 from tpflow.bench.workloads import Workload
 
-__all__ = ["MODES", "Context", "Skip", "Trainer", "block_bytes", "build", "slug"]
-
-LR = 0.05
-
-
-class Skip(Exception):
-    """The mode cannot run this workload on this world; the message says why.
-
-    A mode raises it from :func:`build`; the harness (``python -m tpflow.bench``) then lists the mode as
-    skipped, with the message, and runs the others.
-
-    Args:
-        *args: as for any exception: one message, saying why. Keyword arguments are not accepted.
-
-    Example::
-
-        >>> from tpflow.bench.workloads import build as build_workload
-        >>> w = build_workload("mlp", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
-        >>> try:
-        ...     build("data, DDP", w, Context(world=3, rank=0, device=torch.device("cpu")))
-        ... except Skip as why:
-        ...     print(why)
-        DDP averages the ranks' gradients, which is the batch's only when its 64 samples split evenly over 3 ranks
-    """
-
-
-@dataclass
-class Context:
-    """Where a mode runs: the world's size, this rank, its device, and the pipelines' micro-batches.
-
-    Every mode builds on this; ``placement(ranks)`` is a ``tpf.placement`` of ``ranks`` on the device's type.
-
-    Args:
-        world: the number of ranks in the job.
-        rank: this process's rank, 0..world-1.
-        device: this rank's device: ``cuda:<local rank>``, or the CPU.
-        micro_batches: micro-batches per pipeline step; None for 2 per stage.
-
-    Example::
-
-        >>> ctx = Context(world=2, rank=dist.get_rank(), device=torch.device("cpu"))  # doctest: +SKIP
-        >>> P = ctx.placement(range(ctx.world))  # doctest: +SKIP
-    """
-
-    world: int
-    rank: int
-    device: torch.device
-    micro_batches: int | None = None  # per pipeline; None: 2 per stage
-
-    def placement(self, ranks: Sequence) -> tpf.Placement:
-        return tpf.placement(self.device.type, list(ranks))
-
-
-def block_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of this rank's blocks of ``tensors`` (global or plain).
-
-    A DTensor counts its local block (``to_local()``), a plain tensor all of itself.
-
-    Args:
-        tensors: DTensors and plain tensors, e.g. a mode's parameters.
-
-    Returns:
-        The sum of the blocks' ``nbytes``.
-
-    Example::
-
-        >>> block_bytes([torch.zeros(4, 8), torch.zeros(8)])
-        160
-    """
-    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
-
-
-@dataclass
-class Trainer:
-    """One training step (``step()`` returns this rank's share of the loss, or None; it leaves no gradients
-    behind), the parameters this rank holds, the bytes it keeps between steps besides them (``state_bytes``:
-    DDP's buckets), and the fewest bytes it must send per step (``minimum``).
-
-    What every mode's builder returns, so that the harness times, counts and profiles the modes alike;
-    ``param_bytes()`` is :func:`block_bytes` of ``params``.
-
-    Args:
-        step: one training step, with no arguments; returns this rank's share of the loss (the shares over
-            the ranks sum to the loss), or None where this rank reports no share.
-        params: the parameters this rank trains (DTensors or plain tensors).
-        minimum: the fewest bytes this rank must send per step for the mode's layout.
-        ranks: the ranks the mode runs on.
-        state_bytes: the bytes kept between steps besides the parameters (DDP's buckets); 0 for the others.
-
-    Example::
-
-        >>> idle = Trainer(step=lambda: None, params=[], minimum=0, ranks=[0])  # one device's, off rank 0
-        >>> idle.step() is None, idle.param_bytes()
-        (True, 0)
-        >>> trainer = build("data, DDP", w, ctx)  # doctest: +SKIP
-        >>> share = trainer.step()  # doctest: +SKIP
-    """
-
-    step: Callable[[], torch.Tensor | None]
-    params: list[torch.Tensor]
-    minimum: int
-    ranks: list[int] = field(default_factory=list)
-    state_bytes: int = 0
-
-    def param_bytes(self) -> int:
-        return block_bytes(self.params)
-
-
-def _trainer(params: list[torch.Tensor], forward_backward: Callable[[], torch.Tensor | None], minimum: int,
-             ranks: Sequence[int], after_backward: Callable[[], None] | None = None) -> Trainer:
-    """``forward_backward()`` (returning the loss share), ``after_backward()``, an SGD step, then the gradients
-    freed: between steps a rank holds only its parameters (and state), so a step's peak is measured from there."""
-    opt = torch.optim.SGD(params, lr=LR)
-
-    def step():
-        share = forward_backward()
-        if after_backward is not None:
-            after_backward()
-        opt.step()
-        opt.zero_grad()
-        return share
-    return Trainer(step, params, minimum, list(ranks))
-
-
-def _rows_share(total: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss of a rank's rows: their share of the mean squared error over ``total`` elements, so that
-    the shares over split rows sum to the loss (a mean over uneven blocks would weight them wrongly)."""
-    return lambda y, target: (y - target).square().sum() / total
-
-
-def _forward_backward(model: Callable, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable = F.mse_loss,
-                      weight: float = 1.0) -> Callable[[], torch.Tensor | None]:
-    """The loss of ``model(x)`` against ``y`` and its backward; the step's share of the loss is the value (its
-    local block) times ``weight``, None where the weight is 0 (a copy of a loss another rank reports)."""
-    def run():
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        value = loss.detach()
-        return None if weight == 0 else (value.to_local() if isinstance(value, DTensor) else value) * weight
-    return run
-
+__all__ = ["MODES", "build", "slug"]
 
 def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, tokens: int, tp: int,
                   sequence: bool = False) -> int:
@@ -250,7 +110,7 @@ def one_device(w: Workload, ctx: Context) -> Trainer:
     model, x, y = w.model.to(ctx.device), w.inputs.to(ctx.device), w.targets.to(ctx.device)
     if ctx.rank != 0:
         return Trainer(lambda: None, [], 0, [0])
-    return _trainer(list(model.parameters()), _forward_backward(model, x, y), 0, [0])
+    return make_trainer(list(model.parameters()), forward_backward(model, x, y), 0, [0])
 
 
 def data_sbp(w: Workload, ctx: Context) -> Trainer:
@@ -259,8 +119,8 @@ def data_sbp(w: Workload, ctx: Context) -> Trainer:
     x, y = w.inputs.to(ctx.device), tpf.tensor(w.targets.to(ctx.device), placement=P, sbp=S0)
     params = list(st.parameters())
     # the optimizer's pre-step hook sums the partial gradients in one all-reduce (tpflow.gradients)
-    return _trainer(params, _forward_backward(st, x, y, _rows_share(y.numel())),
-                    ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
+    return make_trainer(params, forward_backward(st, x, y, rows_share(y.numel())),
+                        ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
 
 
 def data_ddp(w: Workload, ctx: Context) -> Trainer:
@@ -275,8 +135,8 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
     rows = _rows(w.samples, ctx.world, ctx.rank)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
     params = list(ddp.parameters())  # each rank's mean over its (equal) rows: 1/W of the batch's
-    trainer = _trainer(params, _forward_backward(ddp, x, y, weight=1 / ctx.world),
-                       ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
+    trainer = make_trainer(params, forward_backward(ddp, x, y, weight=1 / ctx.world),
+                           ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
     trainer.state_bytes = block_bytes(params)
     return trainer
 
@@ -286,8 +146,8 @@ def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
     minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
     model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)), plan=_tpflow_plan(w))
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
-    return _trainer(list(model.parameters()), _forward_backward(model, x, y, weight=float(ctx.rank == 0)), minimum,
-                    range(ctx.world))
+    step = forward_backward(model, x, y, weight=float(ctx.rank == 0))
+    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
 
 
 def _tpflow_plan(w: Workload, sequence_parallel: bool = False, algo: str = "auto", keep_gathered: bool = True) -> dict:
@@ -313,8 +173,8 @@ def tensor_torch(w: Workload, ctx: Context) -> Trainer:
         raise Skip(f"parallelize_module needs the split widths ({uneven}) to divide by {ctx.world} ranks")
     model = parallelize_module(w.model.to(ctx.device), P.mesh, plan)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
-    return _trainer(list(model.parameters()), _forward_backward(model, x, y, weight=float(ctx.rank == 0)), minimum,
-                    range(ctx.world))
+    step = forward_backward(model, x, y, weight=float(ctx.rank == 0))
+    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
 
 
 def _sequence(w: Workload, ctx: Context, algo: str, keep_gathered: bool = True) -> Trainer:
@@ -328,9 +188,9 @@ def _sequence(w: Workload, ctx: Context, algo: str, keep_gathered: bool = True) 
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
     plain = _plain_params(model)  # norms see this rank's rows only: their gradients are partial sums
     minimum = layers + sum(ring_bytes(block_bytes([p]), ctx.world, 2) for p in plain)
-    return _trainer(list(model.parameters()), _forward_backward(model, x, y, _rows_share(w.targets.numel())),
-                    minimum, range(ctx.world),
-                    _grad_all_reduce(plain, dist.group.WORLD))
+    step = forward_backward(model, x, y, rows_share(w.targets.numel()))
+    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world),
+                        _grad_all_reduce(plain, dist.group.WORLD))
 
 
 def sequence_ring(w: Workload, ctx: Context) -> Trainer:
@@ -358,13 +218,13 @@ def _pipeline(w: Workload, ctx: Context, stages: list[tpf.Stage], schedule: str,
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
     first_of_last = s == len(stages) - 1 and ctx.rank == pl.flat_ranks[0]
 
-    def forward_backward():
+    def step():
         loss = pipe.step(x, y)
         return loss if first_of_last else None
     # each micro-batch's activation forward (but from the last stage) and its gradient back (but to the first)
     directions = (s < len(stages) - 1) + (s > 0)
     minimum = directions * handoff + layers
-    return _trainer(list(pipe.parameters()), forward_backward, minimum, range(ctx.world))
+    return make_trainer(list(pipe.parameters()), step, minimum, range(ctx.world))
 
 
 def _one_rank_stages(w: Workload, ctx: Context) -> list[tpf.Stage]:
@@ -407,9 +267,9 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
     model = tpf.parallelize(w.model.to(ctx.device), placement=P2, plan=_tpflow_plan(w))
     plain = _plain_params(model)  # norms: copies over the data axis saw different rows
     minimum = layers + sum(ring_bytes(block_bytes([p]), len(ranks), 2) for p in model.parameters())
-    forward_backward = _forward_backward(model, x, y, _rows_share(w.targets.numel()), weight=float(j == 0))
-    return _trainer(list(model.parameters()), forward_backward, minimum, range(ctx.world),
-                    _grad_all_reduce(plain, P2.mesh.get_group(0)))
+    step = forward_backward(model, x, y, rows_share(w.targets.numel()), weight=float(j == 0))
+    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world),
+                        _grad_all_reduce(plain, P2.mesh.get_group(0)))
 
 
 def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:

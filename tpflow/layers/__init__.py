@@ -1,6 +1,8 @@
 """The parallel modules: what a model computes through.
 
-    linear   ColumnParallelLinear (W split(1)) and RowParallelLinear (W split(0)), on local blocks
+    linear   ParallelLinear: what the column and row layers share (storage, init, inputs, local blocks)
+    column   ColumnParallelLinear: W split(1), a block of output features per rank
+    row      RowParallelLinear: W split(0), a block of input features per rank
     fused    column layers of one parent reading one input (q / k / v) run as one product
     blocks   parameters' local blocks as one autograd node, and blocks joined in one storage
 """
@@ -8,6 +10,8 @@
 from __future__ import annotations
 
 from tpflow.layers.fused import ColumnGroup
-from tpflow.layers.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
+from tpflow.layers.column import ColumnParallelLinear
+from tpflow.layers.linear import ParallelLinear
+from tpflow.layers.row import RowParallelLinear
 
 __all__ = ["ColumnGroup", "ColumnParallelLinear", "ParallelLinear", "RowParallelLinear"]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tpflow.layers.blocks import join
-from tpflow.layers.linear import ColumnParallelLinear
+from tpflow.layers.column import ColumnParallelLinear
 
 __all__ = ["ColumnGroup"]
 

@@ -1,0 +1,150 @@
+"""``ColumnParallelLinear``: W split(1), each rank computes a block of the output features.
+
+    x [M, K] whole        w_shard_n [N/R, K]     y_shard_n = x @ w_shard_n.T + b_shard_n     [M, N/R]
+    dgrad                 dx = all_reduce(dy_shard_n @ w_shard_n), overlapping the dW matmul
+    sequence parallel     y_shard_n = all_gather(x_shard_m) @ w_shard_n.T, around a ring (tpflow.ops)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpflow import comm
+from tpflow.kernels import linear
+from tpflow.kernels.epilogue import accumulate_dtype
+from tpflow.layers.linear import ParallelLinear
+from tpflow.ops import all_gather_matmul
+from tpflow.placement import Placement
+from tpflow.sbp import Sbp, broadcast, split
+
+__all__ = ["ColumnParallelLinear"]
+
+
+class ColumnParallelLinear(ParallelLinear):
+    """``y = x @ W + b`` with W split(1): each rank computes a block of the output features.
+
+    Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 0 (Shard(0)),
+    and ``bias`` is split the same way. A plain input is the whole x, the same on every rank
+    (Megatron's convention); the output is this rank's block of features, or the whole y with
+    ``gather_output``. With ``sequence_parallel`` the input is instead this rank's chunk of dim 0
+    (the sequence), gathered on the fly by ``all_gather_matmul``; the weight gradient needs the
+    gathered input, which is kept from the forward, or with ``keep_gathered=False`` gathered again in
+    the backward (Megatron's choice: the layer then saves only its rows of the input, for (W-1)/W of
+    the gathered input's bytes more per rank). A global input may have any layout; the output is
+    split on its last dim (broadcast with ``gather_output``).
+
+    Without sequence parallelism the forward is one local matmul and the backward all-reduces the input's
+    gradient while the weight's gradient computes; with it, the input's gather runs around a ring fused with
+    the matmul, and the backward reduce-scatters the input's gradient. ``parallelize``'s ``"column"`` entry
+    (``tpf.ColumnParallel``) builds this layer from a model's ``nn.Linear``.
+
+    Args:
+        in_features: the size of each input sample, whole on every rank.
+        out_features: the size of each output sample over all ranks; rank r holds and computes
+            ``torch.chunk``'s block r of these features.
+        bias: whether the layer has a bias (default True), split over the ranks like the output features.
+        placement: the ranks the layer lives on (``tpf.placement``). On a 2-D placement the last axis is
+            tensor parallel and the axes before it hold copies (data parallelism), whose parameter gradients
+            are partial sums reduced when read.
+        gather_output: all-gather the output's features, so that every rank gets the whole y instead of its
+            block (default False: the block, which a ``RowParallelLinear`` takes as its input).
+        sequence_parallel: a plain input of two or more dims is this rank's chunk of dim 0 (the sequence, in
+            Megatron's ``[seq, batch, hidden]`` layout), all-gathered into the product by ``all_gather_matmul``;
+            the output then has the whole dim 0 (default False: the whole input on every rank).
+        algo: how the sequence-parallel all-gather runs: ``"ring"`` (fused with the matmul around a ring),
+            ``"naive"`` (the plain all-gather, then one matmul) or ``"auto"`` (the default: the ring from the
+            ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
+            ``sequence_parallel=True``.
+        keep_gathered: with ``sequence_parallel``, keep the gathered input from the forward for the weight
+            gradient (default True), or, with False, save only this rank's rows and gather them again in the
+            backward (less memory, more bytes sent). False needs ``sequence_parallel=True``.
+        device: where the parameters are made (default: the placement's device); its type must be the
+            placement's.
+        dtype: the parameters' dtype (default: torch's default dtype).
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                          # the same parameters and x on every rank
+        >>> fc1 = tpf.ColumnParallelLinear(512, 2048, placement=P)
+        >>> fc1.weight.shape, fc1.weight.to_local().shape     # global [out, in]; this rank's Shard(0) block
+        (torch.Size([2048, 512]), torch.Size([1024, 512]))
+        >>> x = torch.randn(8, 512)                           # the whole x on every rank
+        >>> fc1(x).shape                                      # this rank's block of the 2048 features
+        torch.Size([8, 1024])
+        >>> whole = tpf.ColumnParallelLinear(512, 2048, placement=P, gather_output=True)
+        >>> whole(x).shape
+        torch.Size([8, 2048])
+        >>> sp = tpf.ColumnParallelLinear(512, 2048, placement=P, sequence_parallel=True, keep_gathered=False)
+        >>> tokens = torch.randn(16, 2, 512)                  # [seq, batch, hidden]
+        >>> sp(tokens.chunk(2)[tpf.get_rank()]).shape         # this rank's 8 tokens in, all 16 out
+        torch.Size([16, 2, 1024])
+    """
+
+    _weight_split = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
+                 gather_output: bool = False, sequence_parallel: bool = False, algo: str = "auto",
+                 keep_gathered: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if not keep_gathered and not sequence_parallel:
+            raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
+                             "the backward: it needs sequence_parallel=True")
+        self.gather_output, self.keep_gathered = gather_output, keep_gathered
+        self.fused_group = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
+        super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
+
+    def _bias_sbp(self) -> tuple[Sbp, ...]:
+        return self._axes(split(0))
+
+    def _input_tp_sbp(self, ndim: int) -> Sbp:
+        return split(0) if self.sequence_parallel and ndim > 1 else broadcast
+
+    def _output_tp_sbp(self, ndim: int) -> Sbp:
+        return broadcast if self.gather_output else split(ndim - 1)
+
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
+                       from_global: bool = False) -> torch.Tensor:
+        self._check_features(x, self.in_features, "the whole input features")
+        if self.fused_group is not None and not from_global:
+            # under torch.compile the group runs eagerly between graphs: its pending outputs are Python state
+            # keyed by tensor identity, and dynamo cannot trace DTensor blocks that share a storage ("Attempted
+            # to set the storage of a tensor ... to a storage on different device meta", torch 2.13)
+            output = torch.compiler.disable(self.fused_group.output) if torch.compiler.is_compiling() \
+                else self.fused_group.output
+            return output(self, x, data_split)
+        y = self.product(x, *self.local_blocks(data_split), rows)
+        return comm.gather(y, -1, self.out_features, self.group) if self.gather_output else y
+
+    def product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int | None) -> torch.Tensor:
+        """``x @ w.T + b`` for weight and bias blocks ``w``, ``b`` with this layer's collectives: what a fused
+        group runs over its members' blocks side by side.
+
+        Args:
+            x: the input's local block in the layer's layout.
+            w, b: ``[n, in_features]`` and ``[n]`` (or None): blocks of one or more column layers.
+            rows: dim 0's size before a sequence-parallel split (None: even chunks, checked).
+
+        Returns:
+            This rank's output features for ``w``'s rows.
+
+        Example::
+
+            >>> y = layer.product(x, *layer.local_blocks(()), rows=None)  # doctest: +SKIP
+        """
+        group = self.group
+        if group is None:
+            return linear(x, w, b)
+        if self.sequence_parallel and x.ndim > 1:
+            return all_gather_matmul(x, w.mT, group, rows=rows, bias=b, algo=self.algo,
+                                     keep_gathered=self.keep_gathered)
+        # dx's partial sums travel in fp32 at least
+        return linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
+                      dgrad_dtype=accumulate_dtype(x.dtype))
+
+    def extra_repr(self) -> str:
+        fused = "" if self.fused_group is None else f", fused with {len(self.fused_group.layers) - 1} other layers"
+        return (super().extra_repr() + (", gather_output" if self.gather_output else "")
+                + ("" if self.keep_gathered else ", keep_gathered=False") + fused)

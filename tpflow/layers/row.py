@@ -1,0 +1,127 @@
+"""``RowParallelLinear``: W split(0), each rank multiplies its block of the input features.
+
+    x_shard_k [M, K/R]    w_shard_k [N, K/R]     y = all_reduce(x_shard_k @ w_shard_k.T) + b    [M, N]
+    dgrad                 dx_shard_k = dy @ w_shard_k: no collective
+    sequence parallel     y_shard_m = reduce_scatter(x_shard_k @ w_shard_k.T) + b, around a ring (tpflow.ops)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpflow import comm
+from tpflow.kernels import linear
+from tpflow.kernels.epilogue import accumulate_dtype
+from tpflow.layers.linear import ParallelLinear
+from tpflow.ops import matmul_reduce_scatter
+from tpflow.placement import Placement
+from tpflow.sbp import Sbp, broadcast, split
+
+__all__ = ["RowParallelLinear"]
+
+
+class RowParallelLinear(ParallelLinear):
+    """``y = x @ W + b`` with W split(0): each rank multiplies its block of input features.
+
+    Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 1 (Shard(1));
+    ``bias`` is whole on every rank and added once, after the partial products are summed. A plain
+    input is this rank's block of features (``input_is_parallel``, the output of a column layer),
+    or the whole x with ``input_is_parallel=False``. The output is the whole y on every rank; with
+    ``sequence_parallel`` it is this rank's chunk of dim 0 instead, reduce-scattered by
+    ``matmul_reduce_scatter`` (a plain input's dim 0 must then split evenly).
+
+    Without sequence parallelism the partial products are all-reduced (in fp32 at least) and the backward
+    needs no collective; with it, the reduce-scatter runs around a ring fused with the matmul, and the
+    backward all-gathers the output's gradient. A global input may have any layout; the output is broadcast
+    (split on dim 0 with ``sequence_parallel``). ``parallelize``'s ``"row"`` entry (``tpf.RowParallel``)
+    builds this layer from a model's ``nn.Linear``.
+
+    Args:
+        in_features: the size of each input sample over all ranks; rank r holds ``torch.chunk``'s block r of
+            these features (the weight's columns).
+        out_features: the size of each output sample, whole on every rank.
+        bias: whether the layer has a bias (default True), whole on every rank.
+        placement: the ranks the layer lives on (``tpf.placement``). On a 2-D placement the last axis is
+            tensor parallel and the axes before it hold copies (data parallelism), whose parameter gradients
+            are partial sums reduced when read.
+        input_is_parallel: a plain input is this rank's block of the input features, as a
+            ``ColumnParallelLinear`` returns it (default True); with False it is the whole x, the same on every
+            rank, and each rank takes its block (no transfer forward, an all-gather of its gradient backward).
+        sequence_parallel: the output of a plain input of two or more dims is this rank's chunk of dim 0 (the
+            sequence), reduce-scattered by ``matmul_reduce_scatter`` (default False: the whole y). Needs
+            ``input_is_parallel=True``, and a plain input's dim 0 must be a multiple of the ranks.
+        algo: how the sequence-parallel reduce-scatter runs: ``"ring"`` (fused with the matmul around a
+            ring), ``"naive"`` (one matmul, then the plain reduce-scatter) or ``"auto"`` (the default: the
+            ring from the ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
+            ``sequence_parallel=True``.
+        device: where the parameters are made (default: the placement's device); its type must be the
+            placement's.
+        dtype: the parameters' dtype (default: torch's default dtype).
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                          # the same parameters and x on every rank
+        >>> fc1 = tpf.ColumnParallelLinear(512, 2048, placement=P)
+        >>> fc2 = tpf.RowParallelLinear(2048, 512, placement=P)
+        >>> fc2.weight.to_local().shape                       # this rank's Shard(1) block of [512, 2048]
+        torch.Size([512, 1024])
+        >>> x = torch.randn(8, 512)
+        >>> fc2(torch.relu(fc1(x))).shape                     # one all-reduce, in fc2: the whole y everywhere
+        torch.Size([8, 512])
+        >>> whole_in = tpf.RowParallelLinear(2048, 512, placement=P, input_is_parallel=False)
+        >>> whole_in(torch.randn(8, 2048)).shape
+        torch.Size([8, 512])
+        >>> sp1 = tpf.ColumnParallelLinear(512, 2048, placement=P, sequence_parallel=True)
+        >>> sp2 = tpf.RowParallelLinear(2048, 512, placement=P, sequence_parallel=True, algo="ring")
+        >>> tokens = torch.randn(16, 2, 512).chunk(2)[tpf.get_rank()]   # this rank's 8 of 16 tokens
+        >>> sp2(torch.relu(sp1(tokens))).shape                # back to this rank's tokens
+        torch.Size([8, 2, 512])
+    """
+
+    _weight_split = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, algo: str = "auto",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
+                             "feature-split output of a column layer)")
+        self.input_is_parallel = input_is_parallel
+        super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
+
+    def _bias_sbp(self) -> tuple[Sbp, ...]:
+        return self._axes(broadcast)
+
+    def _input_tp_sbp(self, ndim: int) -> Sbp:
+        return split(ndim - 1)
+
+    def _output_tp_sbp(self, ndim: int) -> Sbp:
+        return split(0) if self.sequence_parallel and ndim > 1 else broadcast
+
+    def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
+                       from_global: bool = False) -> torch.Tensor:
+        group = self.group
+        if self.input_is_parallel or from_global:  # a global input arrives already split
+            self._check_features(x, self._local_features(self.in_features),
+                                 f"this rank's block of the {self.in_features} input features")
+        else:
+            self._check_features(x, self.in_features, "the whole input features")
+            x = comm.scatter(x, -1, group)
+        w, b = self.local_blocks(data_split)
+        if group is None:
+            return linear(x, w, b)
+        if self.sequence_parallel and x.ndim > 1:
+            if not from_global and x.shape[0] % self._tp_size:
+                raise ValueError(f"{self.label}: sequence parallelism splits dim 0 of the input over "
+                                 f"{self._tp_size} ranks, but it has {x.shape[0]} rows: pad it to a multiple of "
+                                 f"{self._tp_size}, or pass a global tensor (uneven chunks are fine there)")
+            return matmul_reduce_scatter(x, w.mT, group, bias=b, algo=self.algo)
+        # partial sums travel in fp32 at least
+        y = comm.reduce(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)
+        return (y if b is None else y.add_(b)).to(x.dtype)  # the reduced sum is this layer's own: add in place
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")
