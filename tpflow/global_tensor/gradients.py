@@ -56,6 +56,7 @@ def _summed_axes(p: torch.Tensor) -> tuple[int, ...]:
                  if type(gp) is Partial and gp.reduce_op == "sum" and isinstance(pp, Replicate))
 
 
+@torch.no_grad()
 def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int | None = None) -> None:
     """Sum the partial-sum gradients of ``params`` where the parameter is broadcast, bucket by bucket.
 
@@ -83,7 +84,7 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
         g = p.grad
         key = (g.device_mesh, g.placements, g.dtype, axes)
         buckets = groups.setdefault(key, [[]])
-        nbytes = g._local_tensor.nbytes
+        nbytes = g.to_local().nbytes
         if buckets[-1] and filled[key] + nbytes > bucket_bytes:
             buckets.append([])
             filled[key] = 0
@@ -92,7 +93,7 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
     for (mesh, placements, _, axes), buckets in groups.items():
         summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
         for bucket in buckets:
-            blocks = [p.grad._local_tensor for p in bucket]
+            blocks = [p.grad.to_local() for p in bucket]  # (no grad mode: the blocks themselves)
             flat = torch.cat([b.reshape(-1) for b in blocks])
             for axis in axes:
                 comm.all_reduce(flat, mesh.get_group(axis))
