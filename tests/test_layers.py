@@ -138,6 +138,11 @@ def _mlp_rank(sequence_parallel, seq, hidden, gelu, dtype=torch.float64, algo="a
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         full = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
         same(full, p_ref.grad, msg=f"gradient of {name}")
+    for params in (model.parameters(), ref.parameters()):  # lr 1/4 keeps small integers exact
+        torch.optim.SGD(params, lr=0.25, momentum=0.5).step()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        same(p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p, p_ref,
+             msg=f"{name} after an optimizer step")
     return str(model)
 
 

@@ -169,6 +169,19 @@ def source(name: str) -> str:
     return "code" if name in _SET else "environment" if switch.env in os.environ else "default"
 
 
+def _value(name: str) -> object:
+    """The value in force of switch ``name``; for a per-device switch, a dict over every device type."""
+    switch = _switch(name)
+    if name in _SET:
+        value = _SET[name]
+    else:
+        text = os.environ.get(switch.env)
+        value = switch.default if text is None else _parse_env(switch, text)
+    if not switch.by_device:
+        return value
+    return {**switch.default, **value} if isinstance(value, dict) else dict.fromkeys(switch.default, value)
+
+
 def get(name: str, device: object = None) -> object:
     """The value in force of switch ``name``: set from code, else from its environment variable, else its default.
 
@@ -185,20 +198,13 @@ def get(name: str, device: object = None) -> object:
         >>> tpf.config.get("ring_splits", "cpu")
         1
     """
-    switch = _switch(name)
-    where = source(name)
-    value = _SET[name] if where == "code" else \
-        _parse_env(switch, os.environ[switch.env]) if where == "environment" else switch.default
-    if not switch.by_device:
+    value = _value(name)
+    if not isinstance(value, dict):
         return value
     if device is None:
         raise ValueError(f"tpflow switch {name} has a value per device type: pass device= ('cpu', 'cuda' or a "
                          "torch.device)")
-    kind = getattr(device, "type", device)
-    if not isinstance(value, dict):
-        return value
-    merged = {**switch.default, **value}
-    return merged.get(kind, merged["cuda"])
+    return value.get(getattr(device, "type", device), value["cuda"])
 
 
 def set(**values: object) -> None:  # noqa: A001 - tpf.config.set reads as what it does
@@ -275,13 +281,7 @@ def describe() -> str:
     """
     rows = ["| switch | environment | value | from | what |", "|---|---|---|---|---|"]
     for name, switch in SWITCHES.items():
-        value = _SET[name] if name in _SET else \
-            _parse_env(switch, os.environ[switch.env]) if switch.env in os.environ else switch.default
-        if switch.by_device and isinstance(value, dict):
-            value = {**switch.default, **value}
-        elif switch.by_device:
-            value = {kind: value for kind in switch.default}
-        rows.append(f"| {name} | `{switch.env}` | {value} | {source(name)} | {switch.doc} |")
+        rows.append(f"| {name} | `{switch.env}` | {_value(name)} | {source(name)} | {switch.doc} |")
     return "\n".join(rows)
 
 
