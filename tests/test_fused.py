@@ -292,10 +292,8 @@ def _llama_rank(sequence_parallel):
     loss.backward()
     loss_ref.backward()
     for (name, p), p_ref in zip(model.layers.named_parameters(), ref.layers.parameters()):
-        grad = p.grad.to_local() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
-        if not isinstance(p, torch.distributed.tensor.DTensor):  # norms: a partial sum over the ranks' rows
-            if sequence_parallel:
-                dist.all_reduce(grad)
+        grad = p.grad.to_local()
+        if p.placements[-1].is_replicate():  # norms: with sequence parallelism, summed over the ranks' rows
             torch.testing.assert_close(grad, p_ref.grad, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
             continue
         split = p.placements[-1].dim

@@ -373,8 +373,16 @@ def _errors_rank():
         tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"blocks.0": "column"})
     with pytest.raises(ValueError, match="matches both plan patterns"):
         tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "column", "blocks.*.fc*": "row"})
-    with pytest.raises(ValueError, match="must be 'column', 'row'"):
-        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "colwise"})
+    with pytest.raises(ValueError, match="'colwize' is not a style tpflow knows: use one of 'column', 'row', 'colwise'"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "colwize"})
+    with pytest.raises(ValueError, match="the vocabulary-parallel embedding is not in tpflow yet"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc2": "row", "*.fc1": "embedding_rowwise"})
+    with pytest.raises(ValueError, match="sequence_dim=1 says which dim sequence parallelism splits"):
+        tpf.ColumnParallelLinear(6, 8, placement=P, sequence_dim=1)
+    with pytest.raises(ValueError, match="plan must be 'auto' or a dict"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan="column")
+    with pytest.raises(ValueError, match="Stack carries no tensor-parallel plan"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan="auto")
     with pytest.raises(TypeError, match="placement must be a tpf.placement"):
         tpf.ColumnParallelLinear(6, 8, placement=[0, 1])
     with pytest.raises(ValueError, match="outside this world"):

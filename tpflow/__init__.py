@@ -36,16 +36,19 @@ from tpflow.global_tensor import (
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear
 from tpflow.pipeline import Pipeline, PipelineError, Stage, stage
 from tpflow.placement import Placement, get_rank, get_world_size, init_distributed, placement
-from tpflow.plans import ColumnParallel, RowParallel, parallelize
+from tpflow.plans import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel, hf_plan, parallelize
 
 __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
+    "GatherSequence",
     "Pipeline",
     "PipelineError",
     "Placement",
+    "Replicated",
     "RowParallel",
     "RowParallelLinear",
+    "SequenceParallel",
     "Stage",
     "comm",
     "config",
@@ -56,6 +59,7 @@ __all__ = [
     "get_sbp",
     "get_world_size",
     "gradients",
+    "hf_plan",
     "init_distributed",
     "kernels",
     "matmul",

@@ -58,6 +58,8 @@ class ColumnParallelLinear(ParallelLinear):
         keep_gathered: with ``sequence_parallel``, keep the gathered input from the forward for the weight
             gradient (default True), or, with False, save only this rank's rows and gather them again in the
             backward (less memory, more bytes sent). False needs ``sequence_parallel=True``.
+        sequence_dim: the dim sequence parallelism splits: 0 (default; Megatron's ``[seq, batch, hidden]``) or 1
+            (Hugging Face's ``[batch, seq, hidden]``). 1 needs ``sequence_parallel=True``.
         device: where the parameters are made (default: the placement's device); its type must be the
             placement's.
         dtype: the parameters' dtype (default: torch's default dtype).
@@ -87,12 +89,13 @@ class ColumnParallelLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
                  gather_output: bool = False, sequence_parallel: bool = False, algo: str = "auto",
-                 keep_gathered: bool = True, device: torch.device | str | None = None,
+                 keep_gathered: bool = True, sequence_dim: int = 0, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         if not keep_gathered and not sequence_parallel:
             raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
                              "the backward: it needs sequence_parallel=True")
-        self.gather_output, self.keep_gathered = gather_output, keep_gathered
+        self._check_sequence_dim(sequence_dim, sequence_parallel)
+        self.gather_output, self.keep_gathered, self.sequence_dim = gather_output, keep_gathered, sequence_dim
         self.fused_group = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 
@@ -100,7 +103,10 @@ class ColumnParallelLinear(ParallelLinear):
         return self._axes(split(0))
 
     def _input_tp_sbp(self, ndim: int) -> Sbp:
-        return split(0) if self.sequence_parallel and ndim > 1 else broadcast
+        return split(self.sequence_dim) if self.sequence_parallel and ndim > self.sequence_dim + 1 else broadcast
+
+    def _takes_split(self, x: torch.Tensor) -> bool:
+        return self._splits_sequence(x)
 
     def _output_tp_sbp(self, ndim: int) -> Sbp:
         return broadcast if self.gather_output else split(ndim - 1)
@@ -125,7 +131,7 @@ class ColumnParallelLinear(ParallelLinear):
         Args:
             x: the input's local block in the layer's layout.
             w, b: ``[n, in_features]`` and ``[n]`` (or None): blocks of one or more column layers.
-            rows: dim 0's size before a sequence-parallel split (None: even chunks, checked).
+            rows: the sequence dim's size before a sequence-parallel split (None: even chunks, checked).
 
         Returns:
             This rank's output features for ``w``'s rows.
@@ -137,9 +143,11 @@ class ColumnParallelLinear(ParallelLinear):
         group = self.group
         if group is None:
             return linear(x, w, b)
-        if self.sequence_parallel and x.ndim > 1:
-            return all_gather_matmul(x, w.mT, group, rows=rows, bias=b, algo=self.algo,
-                                     keep_gathered=self.keep_gathered)
+        if self._splits_sequence(x):
+            d = self.sequence_dim  # the ring gathers dim 0: a batch-first input is read as [seq, batch, ...]
+            y = all_gather_matmul(x.movedim(d, 0), w.mT, group, rows=rows, bias=b, algo=self.algo,
+                                  keep_gathered=self.keep_gathered)
+            return y.movedim(0, d)
         # dx's partial sums travel in fp32 at least
         return linear(x, w, b, dgrad_hook=lambda dx: comm.all_reduce(dx, group, async_op=True),
                       dgrad_dtype=accumulate_dtype(x.dtype))

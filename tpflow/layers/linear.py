@@ -35,6 +35,7 @@ from tpflow import comm
 from tpflow.global_tensor import from_local, get_placement, get_sbp, gradients, tensor, to_global
 from tpflow.global_tensor.blocks import off_placement
 from tpflow.layers.blocks import LocalBlocks
+from tpflow.layers.regions import SPLIT, WHOLE, reads_split, tag
 from tpflow.ops import ALGOS
 from tpflow.placement import Placement
 from tpflow.sbp import PartialSum, Sbp, Split, broadcast, local_region, split
@@ -109,6 +110,7 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
         self._group = self._find_group()
         self._blocks = LocalBlocks()
+        self._told = False  # whether the replicated modules behind a split input were told (regions.reads_split)
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init and RNG use
         self._adopt(full.weight, full.bias)
 
@@ -156,6 +158,18 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         super().__setstate__(state)
         self._group = self._find_group()
 
+    def _splits_sequence(self, x: torch.Tensor) -> bool:
+        """Whether sequence parallelism applies to ``x``: it has a sequence dim besides its features."""
+        return self.sequence_parallel and x.ndim > self.sequence_dim + 1
+
+    def _check_sequence_dim(self, sequence_dim: int, sequence_parallel: bool) -> None:
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"sequence_dim must be 0 ([seq, batch, hidden], Megatron's layout) or 1 ([batch, seq, "
+                             f"hidden], Hugging Face's), got {sequence_dim!r}")
+        if sequence_dim and not sequence_parallel:
+            raise ValueError(f"sequence_dim={sequence_dim} says which dim sequence parallelism splits: it needs "
+                             "sequence_parallel=True")
+
     def _local_features(self, size: int) -> int:
         start, end = comm.bounds(size, self._tp_size)[self._tp_rank]
         return end - start
@@ -174,11 +188,22 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
             raise ValueError(f"{self.label}: rank {dist.get_rank()} is not in the layer's placement "
                              f"{self.placement.ranks}: call it only there, or pass a global tensor (ranks outside "
                              f"the placement then get an empty block)")
-        return self._forward_local(x, rows=None, data_split=(True,) * (self.placement.ndim - 1))
+        data_split = (True,) * (self.placement.ndim - 1)
+        if torch.compiler.is_compiling():  # nothing to tag in traced code, and no work after a fused group's break
+            return self._forward_local(x, rows=None, data_split=data_split)
+        if not self._told and torch.is_grad_enabled() and self._takes_split(x):
+            reads_split(x)  # replicated modules behind a split input: once, on the first call with gradients
+            self._told = True
+        y = self._forward_local(x, rows=None, data_split=data_split)
+        return tag(y, WHOLE if self._output_tp_sbp(x.ndim) == broadcast else SPLIT)
 
     @abstractmethod
     def _input_tp_sbp(self, ndim: int) -> Sbp:
         """The layout over the tensor-parallel axis that the layer computes on, for an input of ``ndim`` dims."""
+
+    @abstractmethod
+    def _takes_split(self, x: torch.Tensor) -> bool:
+        """Whether a plain input ``x`` is this rank's part of the data (its tokens or its features)."""
 
     @abstractmethod
     def _output_tp_sbp(self, ndim: int) -> Sbp:
@@ -199,7 +224,8 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
             trained = any(p.requires_grad for p in self.parameters())
             return off_placement(x, pl, out_sbp, out_shape, x.dtype, x.requires_grad or trained)
         coord = pl.coordinate()
-        rows = local_region(x.shape, kept + (broadcast,), pl.hierarchy, coord)[1][0] if ndim > 1 else None
+        d = self.sequence_dim
+        rows = local_region(x.shape, kept + (broadcast,), pl.hierarchy, coord)[1][d] if ndim > d + 1 else None
         data_split = tuple(isinstance(s, Split) for s in kept)
         y = self._forward_local(x.to_local(), rows=rows, data_split=data_split, from_global=True)
         return from_local(y, pl, out_sbp, shape=out_shape, sync_data=False)

@@ -54,6 +54,8 @@ class RowParallelLinear(ParallelLinear):
             ring), ``"naive"`` (one matmul, then the plain reduce-scatter) or ``"auto"`` (the default: the
             ring from the ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
             ``sequence_parallel=True``.
+        sequence_dim: the dim sequence parallelism splits: 0 (default; Megatron's ``[seq, batch, hidden]``) or 1
+            (Hugging Face's ``[batch, seq, hidden]``). 1 needs ``sequence_parallel=True``.
         device: where the parameters are made (default: the placement's device); its type must be the
             placement's.
         dtype: the parameters' dtype (default: torch's default dtype).
@@ -85,11 +87,12 @@ class RowParallelLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, algo: str = "auto",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 sequence_dim: int = 0, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
                              "feature-split output of a column layer)")
-        self.input_is_parallel = input_is_parallel
+        self._check_sequence_dim(sequence_dim, sequence_parallel)
+        self.input_is_parallel, self.sequence_dim = input_is_parallel, sequence_dim
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
@@ -98,8 +101,11 @@ class RowParallelLinear(ParallelLinear):
     def _input_tp_sbp(self, ndim: int) -> Sbp:
         return split(ndim - 1)
 
+    def _takes_split(self, x: torch.Tensor) -> bool:
+        return self.input_is_parallel
+
     def _output_tp_sbp(self, ndim: int) -> Sbp:
-        return split(0) if self.sequence_parallel and ndim > 1 else broadcast
+        return split(self.sequence_dim) if self.sequence_parallel and ndim > self.sequence_dim + 1 else broadcast
 
     def _forward_local(self, x: torch.Tensor, rows: int | None, data_split: tuple[bool, ...],
                        from_global: bool = False) -> torch.Tensor:
@@ -113,12 +119,14 @@ class RowParallelLinear(ParallelLinear):
         w, b = self.local_blocks(data_split)
         if group is None:
             return linear(x, w, b)
-        if self.sequence_parallel and x.ndim > 1:
-            if not from_global and x.shape[0] % self._tp_size:
-                raise ValueError(f"{self.label}: sequence parallelism splits dim 0 of the input over "
-                                 f"{self._tp_size} ranks, but it has {x.shape[0]} rows: pad it to a multiple of "
+        if self._splits_sequence(x):
+            d = self.sequence_dim
+            if not from_global and x.shape[d] % self._tp_size:
+                raise ValueError(f"{self.label}: sequence parallelism splits dim {d} of the input over "
+                                 f"{self._tp_size} ranks, but it has {x.shape[d]} rows: pad it to a multiple of "
                                  f"{self._tp_size}, or pass a global tensor (uneven chunks are fine there)")
-            return matmul_reduce_scatter(x, w.mT, group, bias=b, algo=self.algo)
+            # the ring scatters dim 0: a batch-first input is read as [seq, batch, ...]
+            return matmul_reduce_scatter(x.movedim(d, 0), w.mT, group, bias=b, algo=self.algo).movedim(0, d)
         # partial sums travel in fp32 at least
         y = comm.reduce(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)
         return (y if b is None else y.add_(b)).to(x.dtype)  # the reduced sum is this layer's own: add in place

@@ -1,12 +1,16 @@
 """Plans: which modules of a model become which parallel layers, applied to an unchanged model.
 
-    styles        plan entries: "column", "row", ColumnParallel(...), RowParallel(...)
-    parallelize   glob patterns over module names -> layers swapped in place, fused groups joined
+    styles        plan entries: "column", "row", HF's names, ColumnParallel(...), RowParallel(...), ...
+    hf            plan="auto": a Hugging Face model's own plan, as entries
+    heads         attention heads checked against the ranks; key/value heads replicated when too few
+    parallelize   glob patterns over module names -> layers swapped in place, fused groups joined, the rest
+                  replicated as global tensors
 """
 
 from __future__ import annotations
 
+from tpflow.plans.hf import hf_plan
 from tpflow.plans.parallelize import parallelize
-from tpflow.plans.styles import ColumnParallel, RowParallel
+from tpflow.plans.styles import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel
 
-__all__ = ["ColumnParallel", "RowParallel", "parallelize"]
+__all__ = ["ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "hf_plan", "parallelize"]

@@ -15,20 +15,27 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from tpflow import comm
 from tpflow.layers import ColumnGroup
+from tpflow.layers.regions import SPLIT, WHOLE, tag
+from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
-from tpflow.plans.styles import ColumnParallel, RowParallel, style_of
+from tpflow.plans.heads import attention_heads, check, keep_columns
+from tpflow.plans.hf import hf_plan
+from tpflow.plans.styles import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel, style_of
 
 __all__ = ["parallelize"]
 
 
-def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object]) -> nn.Module:
-    """Replace the ``nn.Linear`` modules whose names match ``plan``'s patterns; returns ``model``.
+def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object] | str) -> nn.Module:
+    """Replace the ``nn.Linear`` modules whose names match ``plan``'s patterns, and make every other parameter a
+    global tensor too; returns ``model``.
 
     Patterns are ``fnmatch`` patterns over ``named_modules()`` names (``*`` crosses dots, so
     ``"*.fc1"`` matches ``"blocks.0.mlp.fc1"``). Every pattern must match at least one module,
-    each match must be an ``nn.Linear``, and no module may match two patterns: anything else is
-    an error naming the pattern, raised before the model is changed.
+    each match of a column or row entry must be an ``nn.Linear``, and no module may match two patterns:
+    anything else is an error naming the pattern, raised before the model is changed. So is an attention
+    module whose heads do not split over the tensor-parallel ranks.
 
     Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block), so a
     model built and loaded on one device, the same on every rank, becomes a tensor-parallel one. A module
@@ -36,12 +43,23 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     layer shares with another module (a tied embedding) would come untied, which is an error too. The
     ``ColumnParallel(fuse=True)`` layers of one parent module become one fused group (``ColumnGroup``).
 
+    Every parameter no entry replaces (norms, embeddings, biases of other modules) stays whole on every rank as
+    a global tensor broadcast over ``placement`` (``tpflow.layers.replicated``): the model's parameters are
+    then all DTensors, as ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim`` need, and each gets one
+    device's gradient: where a module sees only this rank's part of the data (a per-head norm, a norm on this
+    rank's tokens) its gradients are summed over the ranks. With fewer key/value heads than ranks, the k / v
+    projections stay whole and each rank keeps its head (``tpflow.plans.heads``).
+
     Args:
         model: the model to change, in place.
         placement: the ranks its parallel layers live on (``tpf.placement``); on a 2-D placement the last
             axis is tensor parallel and the others data parallel.
-        plan: ``fnmatch`` patterns over module names, each mapped to its entry: ``"column"`` (W split(1)),
-            ``"row"`` (W split(0)), or ``tpf.ColumnParallel(...)`` / ``tpf.RowParallel(...)`` with options.
+        plan: ``"auto"``: a Hugging Face model's own plan (``tpf.hf_plan(model)``); or ``fnmatch`` patterns over
+            module names, each mapped to its entry: ``"column"`` (W split(1)), ``"row"`` (W split(0)),
+            Hugging Face's names (``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
+            ``"replicated_with_grad_allreduce"``, ``"sequence_parallel"``, ...; ``tpflow.plans.styles.STYLES``), or
+            ``tpf.ColumnParallel(...)`` / ``tpf.RowParallel(...)`` / ``tpf.Replicated(...)`` /
+            ``tpf.SequenceParallel(...)`` with options.
 
     Returns:
         ``model`` itself, its matched ``nn.Linear`` modules replaced.
@@ -64,33 +82,24 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     """
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"plan must be 'auto' or a dict of module-name patterns to entries, got {plan!r}")
+        plan = hf_plan(model)
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
-    chosen: dict[str, tuple[str, ColumnParallel | RowParallel]] = {}
-    for pattern, style in plan.items():
-        style = style_of(pattern, style)
-        names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
-        if not names:
-            linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
-            raise ValueError(f"plan pattern {pattern!r} matches no module of {type(model).__name__}; its nn.Linear "
-                             f"modules are {linears}")
-        for name in names:
-            module = modules[name]
-            if type(module) is not nn.Linear:
-                raise ValueError(f"plan pattern {pattern!r} matches {name!r}, a {type(module).__name__}, not an "
-                                 f"nn.Linear")
-            if name in chosen:
-                raise ValueError(f"{name!r} matches both plan patterns {chosen[name][0]!r} and {pattern!r}")
-            chosen[name] = (pattern, style)
-    _check_ties(model, modules, chosen)
-    fused = _fused_groups(modules, chosen)
+    chosen = _match(model, modules, plan)
+    kv_heads = _heads(modules, chosen, placement.hierarchy[-1])
+    linears = {name: entry for name, entry in chosen.items() if isinstance(entry[1], (ColumnParallel, RowParallel))}
+    _check_ties(model, modules, linears)
+    fused = _fused_groups(modules, linears)
     built: dict[int, nn.Module] = {}
     styles: dict[int, tuple[str, object]] = {}
-    for name, (pattern, style) in chosen.items():  # a shared module is one layer: its names must agree
+    for name, (pattern, style) in linears.items():  # a shared module is one layer: its names must agree
         first = styles.setdefault(id(modules[name]), (pattern, style))
         if first[1] != style:
             raise ValueError(f"{name!r} is the same module as one matched by {first[0]!r}, but plan pattern "
                              f"{pattern!r} gives it another style")
-    for name, (_, style) in chosen.items():
+    for name, (_, style) in linears.items():
         module = modules[name]
         if id(module) not in built:
             layer = built[id(module)] = style.build(module, placement)
@@ -100,7 +109,104 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
             setattr(model.get_submodule(parent_name), child, built[id(module)])
     for parent, names in fused.items():
         ColumnGroup([built[id(modules[name])] for name in names], model.get_submodule(parent))
+    grads = {}
+    for name, (_, style) in chosen.items():
+        if isinstance(style, SequenceParallel):
+            grads[name] = "partial"
+            if style.split_input:
+                _on_tokens(modules[name], style.sequence_dim, placement, gather=False)
+        elif isinstance(style, GatherSequence):
+            _on_tokens(modules[name], style.sequence_dim, placement, gather=True)
+        elif isinstance(style, Replicated):
+            grads[name] = style.grads
+    coord = placement.coordinate()
+    for name, (start, end) in kv_heads.items():
+        grads[name] = "partial"
+        if coord is not None:
+            keep_columns(modules[name], start[coord[-1]], end[coord[-1]], _tp_group(placement))
+    replicate(model, placement, grads)
     return model
+
+
+def _match(model: nn.Module, modules: dict[str, nn.Module], plan: Mapping[str, object]) -> dict[str, tuple]:
+    """module name -> (its pattern, its entry), checked: every pattern matches, each name once, linears for
+    column and row entries."""
+    chosen: dict[str, tuple[str, object]] = {}
+    entries = {pattern: style_of(pattern, style) for pattern, style in plan.items()}  # every entry checked first
+    for pattern, style in entries.items():
+        names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not names:
+            linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+            raise ValueError(f"plan pattern {pattern!r} matches no module of {type(model).__name__}; its nn.Linear "
+                             f"modules are {linears}")
+        for name in names:
+            module = modules[name]
+            if isinstance(style, (ColumnParallel, RowParallel)) and type(module) is not nn.Linear:
+                raise ValueError(f"plan pattern {pattern!r} matches {name!r}, a {type(module).__name__}, not an "
+                                 f"nn.Linear")
+            if name in chosen:
+                raise ValueError(f"{name!r} matches both plan patterns {chosen[name][0]!r} and {pattern!r}")
+            chosen[name] = (pattern, style)
+    return chosen
+
+
+def _heads(modules: dict[str, nn.Module], chosen: dict, world: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Check every attention module whose projections are column layers against ``world`` ranks; where its
+    key/value heads must be replicated, take its k / v projections out of ``chosen``, set its query heads per
+    key/value head, and return each projection's name with the columns each rank keeps (starts, ends)."""
+    kept: dict[str, tuple[list[int], list[int]]] = {}
+    for name, module in modules.items():
+        counts = attention_heads(module)
+        if counts is None or not isinstance(chosen.get(f"{name}.q_proj", (None, None))[1], ColumnParallel):
+            continue
+        if check(name, counts, world):
+            continue
+        heads, kv, head_dim = counts
+        for proj in ("k_proj", "v_proj"):
+            style = chosen.pop(f"{name}.{proj}", (None, None))[1]
+            if not isinstance(style, ColumnParallel) or style.sequence_parallel or style.gather_output:
+                raise ValueError(f"{name!r} has {kv} key/value heads for {world} ranks, so its {proj} stays whole "
+                                 f"on every rank and each keeps its head, which needs a plain column entry (no "
+                                 f"sequence parallelism, no gather_output): use {kv} ranks or fewer, or plan it "
+                                 f"as tpf.ColumnParallel()")
+            share = world // kv  # ranks per key/value head
+            kept[f"{name}.{proj}"] = ([r // share * head_dim for r in range(world)],
+                                      [(r // share + 1) * head_dim for r in range(world)])
+        module.num_key_value_groups = heads // world  # the rank's query heads share its one key/value head
+    return kept
+
+
+def _tp_group(placement: Placement):
+    """The tensor-parallel axis' process group, None on one rank or outside the placement."""
+    if placement.hierarchy[-1] == 1 or placement.coordinate() is None:
+        return None
+    return placement.mesh.get_group(placement.ndim - 1)
+
+
+def _on_tokens(module: nn.Module, dim: int, placement: Placement, gather: bool) -> None:
+    """``module``'s first input (or ``hidden_states``) cut to this rank's chunk of ``dim`` (the entry of a
+    sequence-parallel region: the backward all-gathers its gradient), or, with ``gather``, this rank's chunk
+    all-gathered whole (the backward keeps this rank's chunk)."""
+    world, group = placement.hierarchy[-1], _tp_group(placement)
+
+    def cut(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        x = args[0] if args else kwargs["hidden_states"]
+        if gather:
+            x = tag(comm.gather(x, dim, x.shape[dim] * world, group), WHOLE)
+        elif x.shape[dim] % world:
+            raise ValueError(f"sequence parallelism splits dim {dim} ({x.shape[dim]} tokens) over {world} ranks: pad "
+                             f"the sequence to a multiple of {world}, or parallelize without sequence_parallel "
+                             f"(generation)")
+        else:
+            x = tag(comm.scatter(x, dim, group), SPLIT)
+        if args:
+            args[0] = x
+        else:
+            kwargs["hidden_states"] = x
+        return tuple(args), kwargs
+
+    module.register_forward_pre_hook(cut, with_kwargs=True)
 
 
 def _fused_groups(modules: dict[str, nn.Module], chosen: dict) -> dict[str, list[str]]:

@@ -3,6 +3,11 @@
     "column"                              ColumnParallel(): W split(1)
     "row"                                 RowParallel(): W split(0)
     ColumnParallel(sequence_parallel=True, fuse=True)
+    Replicated(grads="partial")           whole on every rank, gradients summed over the ranks
+    SequenceParallel(split_input=True)    runs on this rank's tokens
+    GatherSequence()                      runs on every token, gathered from the ranks' own
+
+Hugging Face's style names (``config.base_model_tp_plan``) name the same entries: ``STYLES``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from torch import nn
 from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from tpflow.placement import Placement
 
-__all__ = ["ColumnParallel", "RowParallel", "Style", "style_of"]
+__all__ = ["STYLES", "ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "Style", "style_of"]
 
 
 class Style:
@@ -61,6 +66,8 @@ class ColumnParallel(Style):
             ``sequence_parallel=True``.
         keep_gathered: False: gather the sequence-parallel input again in backward (less memory); default
             True: keep it from the forward. False needs ``sequence_parallel=True``.
+        sequence_dim: the dim sequence parallelism splits: 0 (default, ``[seq, batch, hidden]``) or 1
+            (``[batch, seq, hidden]``, Hugging Face's models).
         fuse: True: the fuse=True column layers of one parent module (q / k / v, gate / up) run as one
             product, so their shared input crosses the ranks once (``tpflow.layers.fused``); they need the same
             options and in_features (same bias or none and dtype too, and no ``gather_output``). A lone one
@@ -83,6 +90,7 @@ class ColumnParallel(Style):
     sequence_parallel: bool = False
     algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
     keep_gathered: bool = True  # False: gather the sequence-parallel input again in backward (less memory)
+    sequence_dim: int = 0  # 1 for batch-first activations ([batch, seq, hidden], Hugging Face's)
     # True: the fuse=True column layers of one parent module (q / k / v, gate / up) run as one product, so their
     # shared input crosses the ranks once (tpflow.layers.fused); they need the same options and in_features
     fuse: bool = False
@@ -105,6 +113,8 @@ class RowParallel(Style):
         algo: the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto" (the default:
             the ring from the ``ring_min_elements`` switch's count per message); anything but "auto" needs
             ``sequence_parallel=True``.
+        sequence_dim: the dim sequence parallelism splits: 0 (default, ``[seq, batch, hidden]``) or 1
+            (``[batch, seq, hidden]``, Hugging Face's models).
 
     Example::
 
@@ -120,18 +130,105 @@ class RowParallel(Style):
     input_is_parallel: bool = True
     sequence_parallel: bool = False
     algo: str = "auto"  # the sequence-parallel collectives: "ring" (fused, overlapped), "naive", "auto"
+    sequence_dim: int = 0  # 1 for batch-first activations ([batch, seq, hidden], Hugging Face's)
 
 
-_NAMED = {"column": ColumnParallel(), "row": RowParallel()}
+@dataclasses.dataclass(frozen=True)
+class Replicated:
+    """Plan entry for a module left whole on every rank, whose own parameters become global tensors broadcast
+    over the placement (``tpflow.layers.replicated``); its forward is unchanged.
+
+    ``parallelize`` does this to every module with parameters that no entry replaces; the entry says how its
+    gradient is found. HF's ``"replicated_with_grad_allreduce"`` is ``Replicated(grads="partial")``.
+
+    Args:
+        grads: ``"partial"``: the module sees this rank's part of the data (Qwen3's per-head ``q_norm``), so its
+            gradients are summed over the tensor-parallel ranks; ``"whole"``: it sees the same data on every rank;
+            ``"auto"`` (the default): found from the autograd graph on its first call with gradients.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> tpf.parallelize(model, placement=P, plan={"*.q_norm": tpf.Replicated(grads="partial"),  # doctest: +SKIP
+        ...                                          "*.q_proj": "column", "*.o_proj": "row"})
+    """
+
+    grads: str = "auto"
 
 
-def style_of(pattern: str, style: object) -> ColumnParallel | RowParallel:
-    """The plan entry ``style`` as a ``ColumnParallel`` or ``RowParallel``: ``"column"`` and ``"row"`` name
-    the default ones; anything else is a ValueError naming ``pattern``.
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """Plan entry for a module that runs on this rank's tokens (HF's ``"sequence_parallel"``): a norm between
+    a sequence-parallel row layer and the next sequence-parallel column layer, or the first module of such a
+    region, which cuts its whole input to this rank's tokens.
+
+    Its parameters stay whole on every rank and their gradients are summed over the tensor-parallel ranks.
+
+    Args:
+        split_input: the module's first input (or ``hidden_states``) arrives whole and is cut to this rank's
+            chunk of ``sequence_dim`` (the backward all-gathers its gradient): the entry of a sequence-parallel
+            region (default False: it arrives cut, from a sequence-parallel row layer).
+        sequence_dim: the sequence dim: 1 (default, ``[batch, seq, hidden]``) or 0.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> tpf.parallelize(model, placement=P, plan={                                  # doctest: +SKIP
+        ...     "model.layers.0": tpf.SequenceParallel(split_input=True),
+        ...     "*.input_layernorm": "sequence_parallel",
+        ...     "*.q_proj": tpf.ColumnParallel(sequence_parallel=True, sequence_dim=1), ...})
+    """
+
+    split_input: bool = False
+    sequence_dim: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSequence:
+    """Plan entry for a module whose first input (or ``hidden_states``) arrives as this rank's tokens and is
+    all-gathered whole before it runs (the backward keeps this rank's chunk of the gradient): an attention
+    module in a sequence-parallel model, whose own code reshapes the projections' outputs by its input's shape.
+
+    Args:
+        sequence_dim: the sequence dim: 1 (default, ``[batch, seq, hidden]``) or 0.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> tpf.parallelize(model, placement=P, plan={"*.self_attn": tpf.GatherSequence(), ...})  # doctest: +SKIP
+    """
+
+    sequence_dim: int = 1
+
+
+Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence
+
+# Hugging Face's style names (transformers' ALL_PARALLEL_STYLES) and tpflow's own, as entries
+STYLES: dict[str, Entry | None] = {
+    "column": ColumnParallel(),
+    "row": RowParallel(),
+    "colwise": ColumnParallel(),
+    "rowwise": RowParallel(),
+    "rowwise_rep": RowParallel(),
+    "colwise_gather_output": ColumnParallel(gather_output=True),
+    "colwise_rep": ColumnParallel(gather_output=True),
+    "rowwise_split_input": RowParallel(input_is_parallel=False),
+    "replicated_with_grad_allreduce": Replicated(grads="partial"),
+    "replicate": Replicated(),
+    "sequence_parallel": SequenceParallel(),
+    "embedding_rowwise": None,  # the vocabulary-parallel embedding: not built yet
+}
+
+
+def style_of(pattern: str, style: object) -> Entry:
+    """The plan entry ``style``: a name from ``STYLES`` (tpflow's ``"column"`` / ``"row"`` or Hugging Face's
+    ``"colwise"``, ``"rowwise"``, ...) or an entry itself; anything else is a ValueError naming ``pattern`` and
+    the supported names.
 
     Args:
         pattern: the plan's key for the entry, named in the error.
-        style: the plan's value: ``"column"``, ``"row"``, a ``ColumnParallel`` or a ``RowParallel``.
+        style: the plan's value: a name or an entry (``tpf.ColumnParallel(...)``, ``tpf.RowParallel(...)``,
+            ``tpf.Replicated(...)``, ``tpf.SequenceParallel(...)``).
 
     Returns:
         ``style`` itself if it is an entry already, else the one its name stands for.
@@ -141,13 +238,20 @@ def style_of(pattern: str, style: object) -> ColumnParallel | RowParallel:
         >>> import tpflow as tpf
         >>> from tpflow.plans.styles import style_of
         >>> style_of("*.fc1", "column")
-        ColumnParallel(gather_output=False, sequence_parallel=False, algo='auto', keep_gathered=True, fuse=False)
+        ColumnParallel(gather_output=False, sequence_parallel=False, algo='auto', keep_gathered=True, sequence_dim=0, fuse=False)
+        >>> style_of("lm_head", "colwise_gather_output").gather_output
+        True
         >>> style_of("*.fc2", tpf.RowParallel(sequence_parallel=True))
-        RowParallel(input_is_parallel=True, sequence_parallel=True, algo='auto')
+        RowParallel(input_is_parallel=True, sequence_parallel=True, algo='auto', sequence_dim=0)
     """
-    if isinstance(style, (ColumnParallel, RowParallel)):
+    if isinstance(style, (ColumnParallel, RowParallel, Replicated, SequenceParallel, GatherSequence)):
         return style
-    if isinstance(style, str) and style in _NAMED:
-        return _NAMED[style]
-    raise ValueError(f"plan[{pattern!r}] must be 'column', 'row', tpf.ColumnParallel(...) or tpf.RowParallel(...), "
-                     f"got {style!r}")
+    if isinstance(style, str) and style in STYLES:
+        entry = STYLES[style]
+        if entry is None:
+            raise ValueError(f"plan[{pattern!r}] = {style!r}: the vocabulary-parallel embedding is not in tpflow yet; "
+                             f"leave {pattern!r} out of the plan (it then stays whole on every rank)")
+        return entry
+    names = ", ".join(repr(n) for n, e in STYLES.items() if e is not None)
+    raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style tpflow knows: use one of {names}, or "
+                     f"tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.Replicated(...), tpf.SequenceParallel(...)")

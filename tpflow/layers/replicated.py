@@ -1,0 +1,165 @@
+"""Modules left whole on every rank (norms, an embedding until it is split), as global parameters with one
+device's gradient.
+
+``parallelize`` replaces the planned ``nn.Linear`` layers; every other parameter stays whole on every rank.
+``replicate`` makes those parameters global tensors too (broadcast over the placement), so that the whole
+model's parameters are DTensors: ``torch.nn.utils.clip_grad_norm_``, ``torch.optim``'s foreach paths and
+``torch.distributed.checkpoint`` then take the model as they take one device's, where a mix of plain tensors
+and DTensors fails ("got mixed torch.Tensor and DTensor"). The module's own forward is unchanged: around each
+call it reads its parameters as local tensors (one autograd node), and the gradient comes back global.
+
+A replicated parameter that sees only this rank's part of an activation (a per-head norm between a column
+and a row layer, a norm on this rank's tokens) gets a partial-sum gradient; left alone, the copies drift
+apart. ``grads="auto"`` finds those modules from the autograd graph on their first call with gradients
+(``tpflow.layers.regions``) and sums their gradients over the tensor-parallel ranks in the backward, so
+every copy gets one device's gradient and stays bit-identical to the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from tpflow import comm
+from tpflow.global_tensor import from_local, gradients
+from tpflow.layers.blocks import LocalBlocks
+from tpflow.layers.regions import is_split, mark
+from tpflow.placement import Placement
+from tpflow.sbp import broadcast
+
+__all__ = ["GRADS", "replicate", "replicated_grads"]
+
+GRADS = ("auto", "partial", "whole")
+_STATE = "_tpflow_replica"
+
+
+class _Replica:
+    """The hooks of one replicated module: its parameters read as local tensors around each call."""
+
+    def __init__(self, module: nn.Module, placement: Placement, grads: str) -> None:
+        self.placement, self.grads = placement, grads
+        self.partial: bool | None = {"partial": True, "whole": False}.get(grads)  # "auto": found on first use
+        self.names = [name for name, p in module.named_parameters(recurse=False) if p is not None]
+        self.blocks = LocalBlocks()
+        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        module.register_forward_hook(self.after, always_call=True)
+        module.register_load_state_dict_pre_hook(self.load)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.partial is None and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                raise RuntimeError(f"{type(module).__name__}: whether its gradients are partial sums is read off the "
+                                   "autograd graph on its first call with gradients, which torch.compile hides: run "
+                                   "the model once eagerly before compiling it, or name the module in the plan "
+                                   "(tpf.Replicated(grads='partial' or 'whole'))")
+            self.partial = is_split([*args, *kwargs.values()])
+        params = [module._parameters[name] for name in self.names]
+        data_axes = self.placement.ndim - 1  # a plain input differs over the data-parallel axes: partial sums there
+        views = self.blocks(params, key=None, grad_placements=lambda p: (Partial(),) * data_axes + (Replicate(),))
+        group = self.placement.mesh.get_group(data_axes) if self.placement.hierarchy[-1] > 1 else None
+        for name, view in zip(self.names, views):
+            if group is not None and view.requires_grad:  # read in the backward: a later layer may tell
+                view.register_hook(lambda g: _summed(g, group) if self.partial else g)
+            module.__dict__[name] = view  # found before nn.Module.__getattr__ looks in _parameters
+
+    def after(self, module: nn.Module, args: tuple, output: object) -> None:
+        for name in self.names:
+            module.__dict__.pop(name, None)
+        if self.grads == "auto" and not self.partial and not torch.compiler.is_compiling():
+            mark(output, self)
+
+    def saw_split(self) -> None:
+        """A layer downstream reads this module's output as split data: its gradients are partial sums."""
+        if self.grads == "auto":
+            self.partial = True
+
+    def load(self, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+        """A single-device checkpoint (whole plain tensors) loads as is."""
+        for name in self.names:
+            value, param = state_dict.get(prefix + name), module._parameters[name]
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                state_dict[prefix + name] = _global(value.to(param.dtype), self.placement)
+
+
+def _summed(g: torch.Tensor, group) -> torch.Tensor:
+    g = g.clone()
+    comm.all_reduce(g, group)
+    return g
+
+
+def _global(value: torch.Tensor, placement: Placement) -> DTensor:
+    """``value`` broadcast over ``placement``, each copy taken from the first rank of its axis."""
+    sbp = (broadcast,) * placement.ndim
+    return from_local(value.detach().to(placement.device), placement, sbp, shape=value.shape, sync_data=True)
+
+
+def replicate(model: nn.Module, placement: Placement, grads: str | Mapping[str, str] = "auto") -> nn.Module:
+    """Make every plain parameter of ``model``'s modules a global tensor broadcast over ``placement``, read as a
+    local tensor by its module's unchanged forward; a parameter shared by two modules stays one parameter.
+
+    Args:
+        model: the model, changed in place (parameters that are global tensors already are left as they are).
+        placement: the ranks it lives on; the last axis is the tensor-parallel one.
+        grads: for every module holding such parameters, or per module name (a mapping; names it lacks get
+            ``"auto"``): ``"whole"``: the module sees the same values on every tensor-parallel rank, so its
+            gradient is whole; ``"partial"``: it sees this rank's part (its heads, its tokens), so its gradients
+            are summed over the tensor-parallel ranks in the backward; ``"auto"`` (the default): found from the
+            autograd graph on the module's first call with gradients.
+
+    Returns:
+        ``model`` itself.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import tpflow as tpf
+        >>> from tpflow.layers.replicated import replicate
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> norm = replicate(nn.LayerNorm(8), P)
+        >>> type(norm.weight).__name__, tpf.get_sbp(norm.weight)
+        ('DTensor', (broadcast,))
+        >>> norm(torch.randn(2, 8)).shape                     # its own forward, on plain tensors
+        torch.Size([2, 8])
+    """
+    default, chosen = (grads, {}) if isinstance(grads, str) else ("auto", dict(grads))
+    for name, value in {"": default, **chosen}.items():
+        if value not in GRADS:
+            raise ValueError(f"grads[{name!r}] must be one of {GRADS}, got {value!r}")
+    if placement.coordinate() is None:
+        return model
+    converted: dict[int, nn.Parameter] = {}
+    for name, module in model.named_modules(remove_duplicate=True):
+        plain = {n: p for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)}
+        if not plain or hasattr(module, _STATE):
+            continue
+        for n, p in plain.items():
+            if id(p) not in converted:
+                converted[id(p)] = gradients.adopt(nn.Parameter(_global(p, placement), requires_grad=p.requires_grad))
+            setattr(module, n, converted[id(p)])
+        setattr(module, _STATE, _Replica(module, placement, chosen.get(name, default)))
+    return model
+
+
+def replicated_grads(module: nn.Module) -> str | None:
+    """How a replicated module's gradients are treated: ``"partial"`` (summed over the tensor-parallel ranks),
+    ``"whole"``, ``"auto"`` while not yet found, or None if ``replicate`` never took it.
+
+    Args:
+        module: any module.
+
+    Returns:
+        One of the above.
+
+    Example::
+
+        >>> replicated_grads(model.model.layers[0].self_attn.q_norm)  # doctest: +SKIP
+        'partial'
+    """
+    replica = getattr(module, _STATE, None)
+    if replica is None:
+        return None
+    return "auto" if replica.partial is None else ("partial" if replica.partial else "whole")

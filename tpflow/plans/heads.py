@@ -1,0 +1,110 @@
+"""Attention heads against the tensor-parallel degree: checked before the model changes, and key/value heads
+replicated when there are fewer of them than ranks.
+
+A column-parallel q / k / v projection gives each rank a block of heads, so the head counts must split over
+the ranks: ``num_attention_heads`` must be a multiple of the degree W. With fewer key/value heads than ranks
+(K < W, W a multiple of K) each rank needs one whole key/value head, shared with W/K - 1 other ranks: the
+k / v projections then stay whole on every rank, each rank keeps the columns of its head, and their
+gradients, each rank's share of the whole, are summed over the ranks. The attention module's
+``num_key_value_groups`` (how many query heads share a key/value head, as Hugging Face's attention reads it)
+becomes the rank's query heads per key/value head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpflow import comm
+from tpflow.layers.regions import SPLIT, tag
+
+__all__ = ["attention_heads", "check", "keep_columns"]
+
+
+def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
+    """``(query heads, key/value heads, head_dim)`` of a Hugging Face attention module, or None for any other.
+
+    Args:
+        module: any module; an attention module has ``q_proj`` / ``k_proj`` / ``v_proj``, a ``head_dim`` and a
+            ``config`` with ``num_attention_heads``.
+
+    Returns:
+        The counts, or None.
+
+    Example::
+
+        >>> attention_heads(model.model.layers[0].self_attn)  # doctest: +SKIP
+        (8, 2, 16)
+    """
+    config = getattr(module, "config", None)
+    if not all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "head_dim")) or config is None:
+        return None
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return None
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv, module.head_dim
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; the gradient summed over the ranks backward: each rank uses its own columns of the
+    projection's output, so its gradient of the shared input is its share of the whole."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        dx = dx.contiguous().clone()
+        comm.all_reduce(dx, ctx.group)
+        return dx, None
+
+
+def keep_columns(linear: nn.Linear, start: int, end: int, group: dist.ProcessGroup | None) -> None:
+    """Make ``linear`` return only its output features ``[start, end)`` (a view), tagged as split over the ranks;
+    the gradient of its input is summed over ``group`` in the backward.
+
+    Args:
+        linear: the projection, whole on every rank.
+        start, end: the features this rank keeps.
+        group: the tensor-parallel ranks (None: one rank, nothing to sum).
+
+    Example::
+
+        >>> keep_columns(attn.k_proj, 16, 32, group)  # doctest: +SKIP
+    """
+    if group is not None:
+        linear.register_forward_pre_hook(lambda module, args: (_SumGrad.apply(args[0], group), *args[1:]))
+    linear.register_forward_hook(lambda module, args, y: tag(y[..., start:end], SPLIT))
+
+
+def check(name: str, counts: tuple[int, int, int], world: int) -> bool:
+    """Whether the heads of an attention module split over the ranks as they are, or its key/value heads must be
+    replicated; a ValueError that says what to change if they cannot run at all.
+
+    Args:
+        name: the attention module's name, for the error.
+        counts: its ``attention_heads``.
+        world: the tensor-parallel degree.
+
+    Returns:
+        True: every head count splits; False: the key/value heads are fewer than the ranks and must be replicated.
+
+    Example::
+
+        >>> check("model.layers.0.self_attn", (8, 2, 16), 4)
+        False
+    """
+    heads, kv, _ = counts
+    if heads % world:
+        degrees = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        raise ValueError(f"{name!r} has {heads} attention heads, which do not split over {world} tensor-parallel "
+                         f"ranks: use a degree that divides them ({degrees}), or leave its q/k/v/o projections out "
+                         f"of the plan")
+    if kv % world and world % kv:
+        raise ValueError(f"{name!r} has {kv} key/value heads: {world} tensor-parallel ranks must be a multiple or a "
+                         f"divisor of them, so that each rank holds whole key/value heads")
+    return kv % world == 0

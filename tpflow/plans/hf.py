@@ -1,0 +1,119 @@
+"""``plan="auto"``: a Hugging Face model's own tensor-parallel plan, as tpflow entries, plus what tpflow adds.
+
+transformers keeps the plan on the config (``base_model_tp_plan``, keys under the base model's prefix,
+``model.``) and on the model class (``_tp_plan``: ``{"lm_head": "colwise_gather_output"}``); a model's
+``tp_plan`` property merges them. ``hf_plan`` reads it and adds:
+
+- ``fuse=True`` for the column layers of one parent (q / k / v, gate / up): their shared input crosses the
+  ranks once;
+- with ``sequence_parallel=True``, batch-first sequence parallelism: the first decoder layer cuts its input
+  to this rank's tokens; norms run on them; the MLP's column layers gather them into their product (dim 1)
+  and the row layers reduce-scatter back to them; attention modules, whose code reshapes by their input's
+  shape, gather every token on entry; the head gathers them back;
+- a tied head (``tie_word_embeddings``) stays whole with its embedding, and so does the embedding itself,
+  until the vocabulary-parallel embedding exists (HF's ``embedding_rowwise``).
+
+Every other module with parameters (norms, the embedding) is replicated by ``parallelize``, with its
+gradients found from the autograd graph, so entries such as ``replicated_with_grad_allreduce`` are kept but
+not needed for the numbers to be right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+from torch import nn
+
+from tpflow.plans.heads import attention_heads
+from tpflow.plans.styles import ColumnParallel, Entry, GatherSequence, RowParallel, SequenceParallel, style_of
+
+__all__ = ["hf_plan"]
+
+
+def _model_plan(model: nn.Module) -> dict[str, object]:
+    """The model's own plan with full module names: transformers' merged ``tp_plan``, or the config's and the
+    class's put together as transformers does."""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    nested = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+    plan = {(f"{prefix}.{k}" if nested else k): v for k, v in base.items()}
+    plan.update(getattr(type(model), "_tp_plan", None) or {})
+    return plan
+
+
+def _decoder_layers(model: nn.Module) -> str | None:
+    """The name of the first decoder layer: the ``ModuleList`` the model's pipeline plan calls ``layers``."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "layers" and isinstance(module, nn.ModuleList) and len(module):
+            return f"{name}.0"
+    return None
+
+
+def _is_attention(model: nn.Module, pattern: str) -> bool:
+    return any(attention_heads(m) is not None for n, m in model.named_modules() if fnmatch.fnmatchcase(n, pattern))
+
+
+def _tied(model: nn.Module, name: str) -> bool:
+    module = model.get_submodule(name) if name in dict(model.named_modules()) else None
+    weight = getattr(module, "weight", None)
+    return weight is not None and any(p is weight for n, p in model.named_parameters(remove_duplicate=False)
+                                      if not n.startswith(name + "."))
+
+
+def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True) -> dict[str, Entry]:
+    """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries.
+
+    Args:
+        model: a transformers model (its ``config.base_model_tp_plan`` and class ``_tp_plan``).
+        sequence_parallel: split the activations between the layer pairs over the ranks by tokens (dim 1): the
+            norms run on this rank's tokens, and the first decoder layer's input sequence must be a multiple of
+            the ranks (training; generation needs ``False``).
+        fuse: run the column layers of one parent as one product (default True).
+
+    Returns:
+        Module-name patterns mapped to entries (``tpf.ColumnParallel``, ``tpf.RowParallel``, ...), which
+        ``parallelize`` takes as ``plan=`` and which can be changed first.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> plan = tpf.hf_plan(model)                                  # doctest: +SKIP
+        >>> plan["model.layers.*.self_attn.o_proj"]                    # doctest: +SKIP
+        RowParallel(input_is_parallel=True, sequence_parallel=False, algo='auto', sequence_dim=0)
+    """
+    own = _model_plan(model)
+    if not own:
+        raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan (no config.base_model_tp_plan or "
+                         f"_tp_plan): pass plan={{pattern: style}} to parallelize")
+    plan: dict[str, Entry] = {}
+    for pattern, style in own.items():
+        if pattern.rpartition(".")[2] == "lm_head" and _tied(model, "lm_head"):
+            if sequence_parallel:
+                raise ValueError(f"{type(model).__name__} ties its head to its embedding, which stay whole on every "
+                                 "rank until the vocabulary-parallel embedding: a whole head would see only this "
+                                 "rank's tokens; use sequence_parallel=False")
+            continue
+        if style == "embedding_rowwise":
+            continue  # stays whole (replicated, tied) until the vocabulary-parallel embedding
+        entry = style_of(pattern, style)
+        if isinstance(entry, ColumnParallel):
+            entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
+        if sequence_parallel and isinstance(entry, (ColumnParallel, RowParallel)):
+            parent = pattern.rpartition(".")[0]
+            if isinstance(entry, RowParallel) or not _is_attention(model, parent):
+                entry = dataclasses.replace(entry, sequence_parallel=True, sequence_dim=1)
+            else:  # attention reshapes q / k / v by its input's shape: it gets every token, gathered on entry
+                plan[parent] = GatherSequence()
+        plan[pattern] = entry
+    if sequence_parallel:
+        first = _decoder_layers(model)
+        if first is None:
+            raise ValueError(f"sequence_parallel=True needs the model's decoder layers (a ModuleList named "
+                             f"'layers'); {type(model).__name__} has none")
+        plan[first] = SequenceParallel(split_input=True)
+    return plan
