@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(PY) -m tpflow.bench --nproc_per_node 2
 	$(PY) -m tpflow.bench.plot
 
-# The seed scenarios through the launcher.
+# The seed scenarios through the launcher, and a Hugging Face model fine-tuned by its own plan.
 examples: $(VENV)/.installed
 	$(LAUNCH) --nproc_per_node 2 examples/data_parallel.py
 	$(LAUNCH) --nproc_per_node 2 examples/model_parallel.py
@@ -28,6 +28,7 @@ examples: $(VENV)/.installed
 	$(LAUNCH) --nproc_per_node 2 examples/hybrid_mlp_digits.py
 	$(LAUNCH) --nproc_per_node 2 examples/pipeline_lenet.py
 	$(LAUNCH) --nproc_per_node 4 examples/pipeline_module_model.py
+	$(LAUNCH) --nproc_per_node 2 examples/finetune_hf.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,6 +22,7 @@ EXAMPLES = {  # ranks under the launcher
     "pipeline_module_model.py": 4,
 }
 PIPELINES = {"pipeline_lenet.py", "pipeline_module_model.py"}  # a rank per stage: no one-process run
+FINETUNE = "finetune_hf.py"  # compares its runs with each other (test_finetune_hf_matches_one_device)
 
 
 def _run(args):
@@ -32,7 +33,7 @@ def _run(args):
 
 
 def test_every_example_is_listed():
-    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(EXAMPLES)
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted([*EXAMPLES, FINETUNE])
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -53,3 +54,32 @@ def test_example_as_one_process(name):
 def test_pipeline_example_says_how_to_launch_it(name):
     proc = _run([f"examples/{name}"])
     assert proc.returncode == 1 and f"python -m tpflow.launch --nproc_per_node {EXAMPLES[name]}" in proc.stderr
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    return {int(line.split()[1]): float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")}
+
+
+def _generated(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("generated "))
+
+
+def test_finetune_hf_matches_one_device(tmp_path):
+    """A Hugging Face model by its own plan on 2 ranks, saved halfway and resumed: one device's losses and tokens;
+    and the 2-rank checkpoint resumed on one rank (resharded on load) goes on as the others do."""
+    pytest.importorskip("transformers")
+    two = _run(["-m", "tpflow.launch", "--nproc_per_node", "2", f"examples/{FINETUNE}", "--checkpoint",
+                str(tmp_path / "ckpt")])
+    assert two.returncode == 0, two.stderr[-4000:]
+    one = _run([f"examples/{FINETUNE}"])
+    assert one.returncode == 0, one.stderr[-4000:]
+    resumed = _run([f"examples/{FINETUNE}", "--resume", str(tmp_path / "ckpt")])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    want = _losses(one.stdout)
+    assert sorted(want) == list(range(6)) and want[5] < want[0], one.stdout
+    for run, steps in ((two, range(6)), (resumed, range(3, 6))):
+        got = _losses(run.stdout)
+        assert sorted(got) == list(steps), run.stdout
+        for step in steps:
+            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), (step, run.stdout, one.stdout)
+        assert _generated(run.stdout) == _generated(one.stdout)

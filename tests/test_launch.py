@@ -18,9 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import sys
     import torch
+    import torch.distributed as dist
+
+    ready = dist.is_initialized() and (dist.get_rank(), dist.get_world_size())  # the launcher set it up first
     import tpflow as tpf
 
     rank, world = tpf.get_rank(), tpf.get_world_size()
+    print(f"rank {rank}: ready before the first line {ready}")
     if "--fail" in sys.argv and rank == world - 1:
         raise ValueError(f"boom from rank {rank}")
     total = tpf.to_global(torch.tensor([float(rank)]), placement=tpf.placement.all("cpu"), sbp=tpf.sbp.partial_sum)
@@ -29,13 +33,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(args, tmp_path, script_args=("x",), timeout=180, text=SCRIPT):
+def _launch(args, tmp_path, script_args=("x",), timeout=180, text=SCRIPT, launcher="tpflow.launch"):
     script = tmp_path / "script.py"
     script.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    cmd = [sys.executable, *(["-m", "tpflow.launch", *args] if args is not None else []), str(script), *script_args]
+    cmd = [sys.executable, *(["-m", launcher, *args] if args is not None else []), str(script), *script_args]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     return proc, time.monotonic() - start
@@ -48,12 +52,14 @@ def test_world_of_n(nproc, tmp_path):
     total = sum(range(nproc))
     for rank in range(nproc):
         assert f"rank {rank} of {nproc}: sum of ranks {total}, args ['x']" in proc.stdout
+        assert f"rank {rank}: ready before the first line {(rank, nproc)}" in proc.stdout
 
 
 def test_plain_process_is_a_world_of_one(tmp_path):
     proc, _ = _launch(None, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "rank 0 of 1: sum of ranks 0" in proc.stdout
+    assert "rank 0: ready before the first line False" in proc.stdout  # set up by tpflow's first placement
 
 
 def test_failing_rank_stops_the_launch(tmp_path):
@@ -135,8 +141,11 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread names from /proc")
 def test_exit_hook_joins_gloo_threads(tmp_path):
-    # left to interpreter finalization, gloo's workers can abort a finished run (pytorch/pytorch#179291)
-    proc, _ = _launch(["--nproc_per_node", "2"], tmp_path, (), text=EXIT_SCRIPT)
+    # left to interpreter finalization, gloo's workers can abort a finished run (pytorch/pytorch#179291); torchrun
+    # itself starts the ranks, so that the script's first tpflow call registers the hook (tpflow's launcher would
+    # register it before the script's first line, and the script's own hook could not run after it)
+    proc, _ = _launch(["--standalone", "--nproc_per_node", "2"], tmp_path, (), text=EXIT_SCRIPT,
+                      launcher="torch.distributed.run")
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         running, after = (tmp_path / f"rank{rank}.txt").read_text().split("; ")

@@ -82,6 +82,53 @@ def test_one_rank_stages_match_one_device(world, schedule, extra, rows):
     assert [saw for _, saw in results] == [False] * (world - 1) + [True]
 
 
+def _summed_loss_module():
+    """A torch loss module's own reduction: a summed loss is not scaled down by the micro-batches."""
+    dims = [5, 7, 3]
+    blocks = _chain(dims, seed=0)
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    stages = [tpf.stage(b, stage_id=i, placement=_on(i)) for i, b in enumerate(blocks)]
+    loss_fn = nn.MSELoss(reduction="sum")
+    with pytest.raises(ValueError, match="loss_reduction='mean', but loss_fn MSELoss has reduction='sum'"):
+        tpf.Pipeline(stages, micro_batches=4, loss_fn=loss_fn, loss_reduction="mean")
+    with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\) must return a scalar"):
+        tpf.Pipeline(stages, micro_batches=4, loss_fn=nn.MSELoss(reduction="none"))
+    pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=loss_fn)
+    assert pipe.loss_reduction == "sum"
+    x, y = _batch(10, dims[0], dims[-1])
+    return _train_and_compare(pipe, ref, x, y, loss_fn)
+
+
+def test_loss_module_gives_its_reduction():
+    assert all(checked == 4 for checked, _ in harness.run(2, _summed_loss_module))
+
+
+def _clipped(norm_type):
+    """tpf.clip_grad_norm_ over stages on different ranks (one tensor-parallel): torch's norm and gradients."""
+    torch.manual_seed(0)
+    first, second = nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 10), nn.ReLU(),
+                                                                              nn.Linear(10, 4))
+    ref = nn.Sequential(copy.deepcopy(first), copy.deepcopy(second))
+    second = tpf.parallelize(second, placement=_on(1, 2), plan={"0": "column", "2": "row"})
+    stages = [tpf.stage(first, stage_id=0, placement=_on(0)), tpf.stage(second, stage_id=1, placement=_on(1, 2))]
+    pipe = tpf.Pipeline(stages, micro_batches=3, loss_fn=F.cross_entropy)
+    x, y = _batch(9, 6, 4, classes=4)
+    pipe.step(x, y)
+    F.cross_entropy(ref(x), y).backward()
+    norm = tpf.clip_grad_norm_(pipe.parameters(), 0.05, norm_type=norm_type)
+    norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+    assert norm_ref > 0.05, "clipping should bite"
+    torch.testing.assert_close(norm, norm_ref)
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+        if dist.get_rank() in tpf.get_placement(p):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_over_stages(norm_type):
+    harness.run(3, _clipped, norm_type)
+
+
 def _data_then_tensor_parallel(schedule):
     """Stage 0 data parallel on ranks 0-1 (input split(0)), stage 1 tensor parallel on ranks 2-3."""
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from tpflow import comm, config, kernels, ops, sbp
 from tpflow.global_tensor import (
+    clip_grad_norm_,
     from_local,
     full,
     get_placement,
@@ -50,6 +51,7 @@ __all__ = [
     "RowParallelLinear",
     "SequenceParallel",
     "Stage",
+    "clip_grad_norm_",
     "comm",
     "config",
     "from_local",

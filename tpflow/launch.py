@@ -4,7 +4,10 @@
     python -m tpflow.launch --nnodes 2 --node_rank 0 --nproc_per_node 2 \\
         --master_addr 192.168.1.1 --master_port 7788 script.py
 
-Every worker runs the script under torch.elastic's ``record``, so when a rank raises, torchrun
+Each worker sets up torch.distributed (gloo, or NCCL with the rank's GPU) before the script's first line,
+as OneFlow's launcher does; a script that calls ``torch.distributed.init_process_group`` itself must check
+``torch.distributed.is_initialized()`` first. Every worker runs the script under torch.elastic's ``record``,
+so when a rank raises, torchrun
 stops the others at once and the launch exits non-zero with that rank's traceback. A
 single-node launch without ``--master_port`` rendezvouses on a free port (``--standalone``),
 so several launches can run side by side.
@@ -100,8 +103,11 @@ def _run_worker(kind: str, target: str, args: list[str]) -> None:
     """One rank: run the user's script like ``python script.py`` would, errors recorded for torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from tpflow.placement import init_distributed
+
     @record
     def run() -> None:
+        init_distributed()  # the process group (and the rank's GPU) ready at the script's first line, as OneFlow's
         sys.argv = [target, *args]
         if kind == "module":
             runpy.run_module(target, run_name="__main__", alter_sys=True)

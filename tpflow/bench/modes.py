@@ -34,10 +34,8 @@ from collections.abc import Callable
 import dataclasses
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -47,6 +45,7 @@ from tpflow.comm.collectives import ring_bytes
 from tpflow.bench.measure import count_ddp
 from tpflow.bench.trainer import Context, Skip, Trainer, block_bytes, forward_backward, make_trainer, rows_share
 from tpflow.bench.workloads import Workload
+from tpflow.layers import ParallelLinear
 
 __all__ = ["MODES", "build", "slug"]
 
@@ -83,17 +82,9 @@ def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, 
     return total
 
 
-def _plain_params(model: nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if not isinstance(p, DTensor)]
-
-
-def _grad_all_reduce(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> Callable[[], None]:
-    """Sum the gradients of copies that saw different rows (Megatron's all-reduce of norm weights)."""
-    def reduce():
-        for p in params:
-            if p.grad is not None:
-                comm.all_reduce(p.grad, group)
-    return reduce
+def _norm_params(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters ``parallelize`` left whole on every rank (the norms)."""
+    return [p for m in model.modules() if not isinstance(m, ParallelLinear) for p in m.parameters(recurse=False)]
 
 
 def _rows(n: int, parts: int, index: int) -> slice:
@@ -186,11 +177,10 @@ def _sequence(w: Workload, ctx: Context, algo: str, keep_gathered: bool = True) 
                             plan=_tpflow_plan(w, sequence_parallel=True, algo=algo, keep_gathered=keep_gathered))
     rows = _rows(w.samples, ctx.world, ctx.rank)
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
-    plain = _plain_params(model)  # norms see this rank's rows only: their gradients are partial sums
-    minimum = layers + sum(ring_bytes(block_bytes([p]), ctx.world, 2) for p in plain)
+    # norms see this rank's rows only: parallelize's replicas sum their gradients in the backward, one each
+    minimum = layers + sum(ring_bytes(block_bytes([p]), ctx.world, 2) for p in _norm_params(model))
     step = forward_backward(model, x, y, rows_share(w.targets.numel()))
-    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world),
-                        _grad_all_reduce(plain, dist.group.WORLD))
+    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
 
 
 def sequence_ring(w: Workload, ctx: Context) -> Trainer:
@@ -265,11 +255,10 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
     x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
     layers = _tensor_bytes(w.model, w.plan, w.inputs, x.shape[:-1].numel(), tp)
     model = tpf.parallelize(w.model.to(ctx.device), placement=P2, plan=_tpflow_plan(w))
-    plain = _plain_params(model)  # norms: copies over the data axis saw different rows
     minimum = layers + sum(ring_bytes(block_bytes([p]), len(ranks), 2) for p in model.parameters())
     step = forward_backward(model, x, y, rows_share(w.targets.numel()), weight=float(j == 0))
-    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world),
-                        _grad_all_reduce(plain, P2.mesh.get_group(0)))
+    # the norms' copies over the data axis saw different rows: summed with the layers' (tpflow.gradients)
+    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
 
 
 def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:

@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 from tpflow.global_tensor import gradients
+from tpflow.global_tensor.gradients import clip_grad_norm_
 from tpflow.global_tensor.blocks import get_placement, get_sbp, to_local
 from tpflow.global_tensor.convert import to_global
 from tpflow.global_tensor.creation import full, ones, rand, randn, tensor, zeros
 from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
 
-__all__ = ["from_local", "full", "get_placement", "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor",
+__all__ = ["clip_grad_norm_", "from_local", "full", "get_placement", "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor",
            "to_global", "to_local", "zeros"]

@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tpflow import config
 from tpflow import comm
 
-__all__ = ["HOOK", "adopt", "reduce_partial_gradients"]
+__all__ = ["HOOK", "adopt", "clip_grad_norm_", "reduce_partial_gradients"]
 
 _MARK = "_tpflow_sums_partial_grads"  # an attribute, not a WeakSet: a set lookup would compare tensors with ==
 
@@ -103,6 +103,63 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
                 offset += block.numel()
                 p.grad = DTensor.from_local(block, mesh, summed, run_check=False, shape=p.grad.shape,
                                             stride=p.grad.stride())
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on different placements (pipeline stages on their own
+    ranks), which torch's cannot take: one norm over all of them, whole on every rank.
+
+    A collective over the whole world: every rank calls it, with its parameters (a rank's other stages' are
+    empty blocks). Partial-sum gradients are summed first (``reduce_partial_gradients``); each block counts
+    once however many ranks hold a copy. A plain tensor's gradient counts as its rank's own.
+
+    Args:
+        parameters: the parameters whose gradients are clipped in place (``pipe.parameters()``).
+        max_norm: the largest total norm left.
+        norm_type: the p of the p-norm (``float("inf")`` for the largest magnitude).
+        error_if_nonfinite: raise if the total norm is nan or inf.
+
+    Returns:
+        The total norm before clipping (a plain scalar tensor, the same on every rank).
+
+    Example::
+
+        >>> loss = pipe.step(x, y)                                         # doctest: +SKIP
+        >>> norm = tpf.clip_grad_norm_(pipe.parameters(), 1.0)            # doctest: +SKIP
+        >>> opt.step()                                                     # doctest: +SKIP
+    """
+    params = [p for p in parameters if p.grad is not None]
+    reduce_partial_gradients(params)
+    norm_type, inf = float(norm_type), float(norm_type) == float("inf")
+    total = torch.zeros((), dtype=torch.float64)
+    blocks = []
+    for p in params:
+        g = p.grad
+        block = g.to_local() if isinstance(g, DTensor) else g
+        blocks.append(block)
+        if block.numel() == 0:
+            continue
+        if inf:
+            total = torch.maximum(total, block.detach().abs().max().double().cpu())
+            continue
+        copies = 1
+        if isinstance(g, DTensor):
+            for size, placement in zip(g.device_mesh.shape, g.placements):
+                copies *= size if placement.is_replicate() else 1
+        total += torch.linalg.vector_norm(block.detach().double(), norm_type).cpu() ** norm_type / copies
+    device = blocks[0].device if blocks and blocks[0].device.type == "cuda" else torch.device("cpu")
+    total = total.to(device)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM)
+    norm = total if inf else total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}: pass "
+                           f"error_if_nonfinite=False to clip anyway")
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for block in blocks:
+        block.mul_(coef.to(block.device, block.dtype))
+    return norm.float()
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

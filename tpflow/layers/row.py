@@ -87,7 +87,8 @@ class RowParallelLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, algo: str = "auto",
-                 sequence_dim: int = 0, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 sequence_dim: int = 0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
                              "feature-split output of a column layer)")

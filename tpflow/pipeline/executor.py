@@ -191,6 +191,20 @@ def _collect(stages: object) -> list[Stage]:
     return found
 
 
+def _reduction(loss_fn: Callable, given: str | None) -> str:
+    """How ``loss_fn`` reduces its rows: ``given``, or a torch loss module's own ``reduction``, or "mean"."""
+    own = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, nn.Module) else None
+    if own is not None and own not in ("mean", "sum"):
+        raise ValueError(f"loss_fn {type(loss_fn).__name__}(reduction={own!r}) must return a scalar: give it "
+                         f"reduction='mean' or 'sum'")
+    if given is not None and given not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' (loss_fn averages over its rows) or 'sum', got {given!r}")
+    if given is not None and own is not None and given != own:
+        raise ValueError(f"loss_reduction={given!r}, but loss_fn {type(loss_fn).__name__} has reduction={own!r}: "
+                         f"leave loss_reduction out, and the loss module's own is used")
+    return given or own or "mean"
+
+
 class Pipeline(nn.Module):
     """Stages run over ``micro_batches`` by ``schedule`` ("gpipe" or "1f1b"), one rank set per stage.
 
@@ -217,9 +231,11 @@ class Pipeline(nn.Module):
             tensors, broadcast); returns a scalar, such as ``F.cross_entropy``.
         schedule: ``"1f1b"`` (the default: PipeDream-flush, at most p - s micro-batches of activations held
             on stage s) or ``"gpipe"`` (all forwards, then all backwards: m micro-batches held).
-        loss_reduction: ``"mean"`` (the default) when ``loss_fn`` averages over its rows: each micro-batch's
-            loss is weighted by its share of the batch's rows; ``"sum"`` when it sums them: no weights. Either
-            way the gradients and the returned loss are those of the whole batch.
+        loss_reduction: ``"mean"`` when ``loss_fn`` averages over its rows: each micro-batch's loss is weighted
+            by its share of the batch's rows; ``"sum"`` when it sums them: no weights. Either way the gradients
+            and the returned loss are those of the whole batch. Default: a torch loss module's own
+            ``reduction`` (``nn.MSELoss(reduction="sum")`` is ``"sum"``), else ``"mean"``; given beside a loss
+            module, it must agree with it.
 
     Example::
 
@@ -239,18 +255,16 @@ class Pipeline(nn.Module):
     """
 
     def __init__(self, stages: Sequence[Stage] | nn.Module, *, micro_batches: int, loss_fn: Callable,
-                 schedule: str = "1f1b", loss_reduction: str = "mean") -> None:
+                 schedule: str = "1f1b", loss_reduction: str | None = None) -> None:
         super().__init__()
         found = _collect(stages)
         p = len(found)
         if not isinstance(micro_batches, int) or micro_batches < p:
             raise ValueError(f"micro_batches={micro_batches!r} for {p} stages: use at least as many micro-batches as "
                              "stages, or each stage idles through most of the step")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' (loss_fn averages over its rows) or 'sum', "
-                             f"got {loss_reduction!r}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        loss_reduction = _reduction(loss_fn, loss_reduction)
         self.stages = nn.ModuleList(found)
         self.micro_batches, self.schedule, self.loss_fn, self.loss_reduction = \
             micro_batches, schedule, loss_fn, loss_reduction

@@ -13,4 +13,5 @@ from tpflow.plans.hf import hf_plan
 from tpflow.plans.parallelize import parallelize
 from tpflow.plans.styles import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel
 
-__all__ = ["ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "hf_plan", "parallelize"]
+__all__ = ["ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "hf_plan",
+           "parallelize"]

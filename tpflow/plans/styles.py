@@ -19,7 +19,8 @@ from torch import nn
 from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from tpflow.placement import Placement
 
-__all__ = ["STYLES", "ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "Style", "style_of"]
+__all__ = ["STYLES", "ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "Style",
+           "style_of"]
 
 
 class Style:
@@ -237,8 +238,8 @@ def style_of(pattern: str, style: object) -> Entry:
 
         >>> import tpflow as tpf
         >>> from tpflow.plans.styles import style_of
-        >>> style_of("*.fc1", "column")
-        ColumnParallel(gather_output=False, sequence_parallel=False, algo='auto', keep_gathered=True, sequence_dim=0, fuse=False)
+        >>> style_of("*.fc1", "column") == tpf.ColumnParallel()
+        True
         >>> style_of("lm_head", "colwise_gather_output").gather_output
         True
         >>> style_of("*.fc2", tpf.RowParallel(sequence_parallel=True))

@@ -1,0 +1,124 @@
+"""Fine-tune a Hugging Face causal LM with tensor parallelism by its own plan, checkpoint, resume, generate.
+
+    python -m tpflow.launch --nproc_per_node 2 examples/finetune_hf.py            # a tiny Qwen3, random weights
+    python -m tpflow.launch --nproc_per_node 2 examples/finetune_hf.py --model ./my-llama   # a local HF directory
+    python examples/finetune_hf.py                                                 # the same run on one device
+
+The text is the source of Python's own standard library, read from disk and cut into byte windows (a
+local model directory brings its tokenizer instead). ``tpf.parallelize(model, plan="auto")`` shards the
+model's linear layers as its config's plan says; the model's own forward, loss (``labels=``) and
+``generate`` run unchanged; torch's AdamW and ``clip_grad_norm_`` take the parameters as on one device.
+Halfway, the model and optimizer are saved with ``torch.distributed.checkpoint`` and loaded into a fresh
+copy, which trains on: the printed losses are the one-device run's. ``--resume DIR`` starts from a
+checkpoint saved by a run on any number of ranks (it is resharded on load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import tpflow as tpf
+
+STDLIB = ("textwrap.py", "json/decoder.py", "fractions.py", "heapq.py", "bisect.py", "shlex.py")
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a Hugging Face model directory (default: a tiny Qwen3 with random weights)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--checkpoint", help="where the halfway checkpoint goes (default: a temporary directory)")
+    parser.add_argument("--resume", help="a checkpoint directory to start from, saved after --steps // 2 steps")
+    return parser.parse_args()
+
+
+def build(path: str | None):
+    """The model (the same on every rank) and a tokenizer: the directory's, or bytes for the tiny model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    if path:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    config = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=128, intermediate_size=256,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  max_position_embeddings=256, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config), None
+
+
+def corpus(tokenizer) -> torch.Tensor:
+    """The standard library's source as token ids: bytes, or the model's tokenizer."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = "\n".join((root / name).read_text() for name in STDLIB)
+    ids = list(text.encode()) if tokenizer is None else tokenizer(text)["input_ids"]
+    return torch.tensor(ids)
+
+
+def batches(ids: torch.Tensor, steps: int, batch: int, seq: int) -> list[torch.Tensor]:
+    """The same windows on every rank (a fixed generator), as one device would draw them."""
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, len(ids) - seq, (steps, batch), generator=g)
+    return [torch.stack([ids[s:s + seq] for s in row]) for row in starts]
+
+
+def fresh(args, placement):
+    model, tokenizer = build(args.model)
+    model = tpf.parallelize(model, placement=placement, plan="auto")
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01), tokenizer
+
+
+def train(model, opt, windows, first: int) -> None:
+    for step, ids in enumerate(windows, start=first):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if tpf.get_rank() == 0:
+            print(f"step {step} loss {loss.item():.6f} grad norm {norm.full_tensor().item():.6f}", flush=True)
+
+
+def main() -> None:
+    args = arguments()
+    P = tpf.placement("cuda" if torch.cuda.is_available() else "cpu", ranks=list(range(tpf.get_world_size())))
+    model, opt, tokenizer = fresh(args, P)
+    windows = batches(corpus(tokenizer), args.steps, args.batch, args.seq)
+    half = args.steps // 2
+    if args.resume:
+        directory = args.resume
+    else:
+        train(model, opt, windows[:half], 0)
+        holder = [args.checkpoint or (tempfile.mkdtemp(prefix="tpflow-finetune-") if tpf.get_rank() == 0 else None)]
+        torch.distributed.broadcast_object_list(holder, src=0)  # one directory for every rank
+        directory = holder[0]
+        model_state, opt_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=directory)
+        if tpf.get_rank() == 0:
+            print(f"saved to {directory}", flush=True)
+    model, opt, tokenizer = fresh(args, P)  # a new model and optimizer, filled from the checkpoint
+    model_state, opt_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": opt_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train(model, opt, windows[half:], half)
+    model.eval()
+    prompt = windows[0][:1, :16]
+    out = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                         attention_mask=torch.ones_like(prompt))
+    new = out[0, prompt.shape[1]:].tolist()
+    text = bytes(new).decode(errors="replace") if tokenizer is None else tokenizer.decode(new)
+    if tpf.get_rank() == 0:
+        print(f"generated {new}", flush=True)
+        print(f"as text {text!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
