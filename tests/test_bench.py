@@ -47,7 +47,7 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
     for row in data["rows"]:
         if row["skipped"]:
             assert world == 2 and row["mode"] in TWO_D or world == 4 and row["mode"] == "pipeline x tensor" \
-                and row["workload"] == "transformer", row
+                and row["workload"] == "transformer" or row["mode"] == "tensor, transformers", row
             continue
         assert len(row["losses"]) == data["meta"]["settings"]["warmup"] + 2 + data["meta"]["settings"]["reps"]
         assert row["loss_rel_diff"] < 1e-5, row
@@ -109,3 +109,22 @@ def test_the_minimum_by_hand(run):
     assert rows["tensor, torch"]["sent_bytes"] == rows["tensor, tpflow"]["sent_bytes"]
     assert rows["data, DDP"]["sent_bytes"] == rows["data, tpflow SBP"]["sent_bytes"] == 2 * ring * params * FP32
     assert rows["pipeline, 1F1B"]["minimum_bytes"] == activation * (1 if world == 2 else 2)
+
+
+def test_hf_workload_beside_transformers_own_tensor_parallelism(tmp_path):
+    """A Hugging Face Llama by its own plan: tpflow, PyTorch's parallelize_module and transformers' own tensor
+    parallelism from the same checkpoint, each step's loss one device's; tpflow sends its layout's minimum."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    proc = _run(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "--out", str(tmp_path),
+                 "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    rows = {row["mode"]: row for row in data["rows"]}
+    assert rows["data, DDP"]["skipped"].startswith("the hf workload runs")
+    for mode in ("tensor, tpflow", "tensor, torch", "tensor, transformers"):
+        row = rows[mode]
+        assert not row["skipped"], row
+        assert row["loss_rel_diff"] < 1e-5 and row["losses"][-1] < row["losses"][0], row
+    tpflow = rows["tensor, tpflow"]
+    assert tpflow["sent_per_rank"] == tpflow["minimum_per_rank"]

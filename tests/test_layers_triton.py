@@ -56,3 +56,20 @@ def test_half_precision_on_the_kernels(world):
     """fp16 column and row layers round once, as one device does: their partial sums travel in fp32."""
     for _, launches in harness.run(world, _on_triton, _low_precision_rank, torch.float16, timeout=300):
         assert launches >= 2, f"{launches} kernel launches"
+
+
+def test_decode_sized_products_run_torch():
+    """Fewer rows than the triton_min_rows switch's: torch's matmul (no launch), with the same values, forward
+    and backward; from that many rows on, the kernel."""
+    from tpflow.kernels import linear, tuning
+
+    w = torch.randint(-3, 4, (6, 5)).float().requires_grad_()
+    for rows, kernel in ((3, False), (4, True)):
+        x = torch.randint(-3, 4, (rows, 5)).float().requires_grad_()
+        tiled = Counting(tuning.tuned("tiled"))
+        with tpf.config.override(kernels="triton", matmul="tiled", triton_min_rows={"cpu": 4}), \
+                tuning.use("tiled", tiled):
+            y = linear(x, w, activation="relu")
+            y.sum().backward()
+        assert (tiled.launches > 0) == kernel, (rows, tiled.launches)
+        assert torch.equal(y, torch.relu(x.detach() @ w.detach().T))

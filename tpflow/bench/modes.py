@@ -7,6 +7,8 @@
     tensor, tpflow      column / row layers over all ranks (tpf.parallelize), the batch whole everywhere;
                         the column layers reading one input (q / k / v, gate / up) run as one product
     tensor, torch       PyTorch's parallelize_module with ColwiseParallel / RowwiseParallel
+    tensor, transformers  the hf workload only: transformers' own tensor parallelism
+                        (from_pretrained(..., tp_plan="auto")) on the same checkpoint and batch
     sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
                         all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
     sequence, unfused   the same layout, the plain collective then the matmul
@@ -30,10 +32,12 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import tempfile
 from collections.abc import Callable
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -44,7 +48,7 @@ from tpflow import comm
 from tpflow.comm.collectives import ring_bytes
 from tpflow.bench.measure import count_ddp
 from tpflow.bench.trainer import Context, Skip, Trainer, block_bytes, forward_backward, make_trainer, rows_share
-from tpflow.bench.workloads import Workload
+from tpflow.bench.workloads import CausalLMLoss, Workload
 from tpflow.layers import ParallelLinear
 
 __all__ = ["MODES", "build", "slug"]
@@ -67,13 +71,13 @@ def _tensor_bytes(model: nn.Module, plan: dict[str, str], sample: torch.Tensor, 
     finally:
         for h in hooks:
             h.remove()
-    total, elem, seen = 0, sample.element_size(), []
+    total, seen = 0, []
     for name, kind in kinds.items():
         m, x = model.get_submodule(name), inputs[name]
         if kind == "column" and any(x is other for other in seen):
             continue  # gathered, and its gradient reduced, with an earlier reader's
         seen.append(x)
-        size = tokens * (m.in_features if kind == "column" else m.out_features) * elem
+        size = tokens * (m.in_features if kind == "column" else m.out_features) * x.element_size()
         both_ways = kind == "row" or x.requires_grad
         if sequence:  # all-gather (column) or reduce-scatter (row) forward, and the other one backward
             total += ring_bytes(size, tp, 1) * (2 if both_ways else 1)
@@ -101,7 +105,7 @@ def one_device(w: Workload, ctx: Context) -> Trainer:
     model, x, y = w.model.to(ctx.device), w.inputs.to(ctx.device), w.targets.to(ctx.device)
     if ctx.rank != 0:
         return Trainer(lambda: None, [], 0, [0])
-    return make_trainer(list(model.parameters()), forward_backward(model, x, y), 0, [0])
+    return make_trainer(list(model.parameters()), forward_backward(model, x, y, w.loss_fn), 0, [0])
 
 
 def data_sbp(w: Workload, ctx: Context) -> Trainer:
@@ -135,9 +139,12 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
 def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
     _check_heads(w, ctx.world)
     minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
-    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)), plan=_tpflow_plan(w))
+    hf = isinstance(w.model, CausalLMLoss)  # the model's own plan, its head included
+    minimum += _head_bytes(w, ctx.world) if hf else 0
+    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)),
+                            plan="auto" if hf else _tpflow_plan(w))
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
-    step = forward_backward(model, x, y, weight=float(ctx.rank == 0))
+    step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
     return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
 
 
@@ -148,6 +155,40 @@ def _tpflow_plan(w: Workload, sequence_parallel: bool = False, algo: str = "auto
                                            keep_gathered=keep_gathered),
               "row": tpf.RowParallel(sequence_parallel=sequence_parallel, algo=algo)}
     return {pattern: styles[kind] for pattern, kind in w.plan.items()}
+
+
+def _head_bytes(w: Workload, tp: int, embedding: bool = False) -> int:
+    """The hf workload's layers beyond the plan's: the head, column-parallel with its logits gathered (its input
+    gradient all-reduced, the gathered logits forward); with ``embedding``, a vocabulary-parallel embedding's
+    output all-reduced (transformers' own plan)."""
+    lm = w.model.lm
+    tokens, dim, vocab = w.tokens, lm.config.hidden_size, lm.config.vocab_size
+    elem = next(lm.parameters()).element_size()
+    total = ring_bytes(tokens * dim * elem, tp, 2) + ring_bytes(tokens * vocab * elem, tp, 1)
+    return total + (ring_bytes(tokens * dim * elem, tp, 2) if embedding else 0)
+
+
+def tensor_transformers(w: Workload, ctx: Context) -> Trainer:
+    """transformers' own tensor parallelism (``from_pretrained(path, tp_plan="auto")``, which needs accelerate) on
+    the checkpoint of the workload's model, saved by rank 0 to a temporary directory."""
+    _check_heads(w, ctx.world)
+    try:
+        import accelerate  # noqa: F401 - transformers' tensor parallelism needs it
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise Skip(f"transformers' tensor parallelism needs transformers and accelerate: {e}") from e
+    holder = [tempfile.mkdtemp(prefix="tpflow-bench-hf-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    if ctx.rank == 0:
+        w.model.lm.save_pretrained(holder[0])
+    dist.barrier()
+    dtype = next(w.model.parameters()).dtype
+    lm = AutoModelForCausalLM.from_pretrained(holder[0], tp_plan="auto", dtype=dtype)
+    model = CausalLMLoss(lm)
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _head_bytes(w, ctx.world, True)
+    x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
+    step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
+    return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
 
 
 def tensor_torch(w: Workload, ctx: Context) -> Trainer:
@@ -164,7 +205,7 @@ def tensor_torch(w: Workload, ctx: Context) -> Trainer:
         raise Skip(f"parallelize_module needs the split widths ({uneven}) to divide by {ctx.world} ranks")
     model = parallelize_module(w.model.to(ctx.device), P.mesh, plan)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
-    step = forward_backward(model, x, y, weight=float(ctx.rank == 0))
+    step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
     return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
 
 
@@ -289,6 +330,7 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
     "data, DDP": data_ddp,
     "tensor, tpflow": tensor_tpflow,
     "tensor, torch": tensor_torch,
+    "tensor, transformers": tensor_transformers,
     "sequence, ring": sequence_ring,
     "sequence, unfused": sequence_unfused,
     "sequence, regather": sequence_regather,
@@ -297,6 +339,10 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
     "data x tensor": data_x_tensor,
     "pipeline x tensor": pipeline_x_tensor,
 }
+
+
+HF_ONLY = ("tensor, transformers",)
+HF_MODES = ("one device", "tensor, tpflow", "tensor, torch", "tensor, transformers")
 
 
 def slug(mode: str) -> str:
@@ -346,6 +392,10 @@ def build(name: str, w: Workload, ctx: Context) -> Trainer:
         >>> trainer = build("tensor, tpflow", w, ctx)  # doctest: +SKIP
         >>> share = trainer.step()  # doctest: +SKIP
     """
+    if name in HF_ONLY and w.name != "hf":
+        raise Skip("transformers' own tensor parallelism runs the hf workload only")
+    if w.name == "hf" and name not in HF_MODES:
+        raise Skip(f"the hf workload runs {', '.join(HF_MODES)}")
     fresh = dataclasses.replace(w, model=copy.deepcopy(w.model))
     return MODES[name](fresh, ctx)
 

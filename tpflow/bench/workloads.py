@@ -11,6 +11,7 @@ linear(s) of each sub-block column parallel, the last row parallel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-__all__ = ["LLAMA_PLAN", "MLP_PLAN", "Attention", "DecoderLayer", "FeedForward", "MLPBlock", "RMSNorm", "Workload",
-           "build", "rotary"]
+__all__ = ["LLAMA_PLAN", "MLP_PLAN", "Attention", "CausalLMLoss", "DecoderLayer", "FeedForward", "MLPBlock",
+           "RMSNorm", "Workload", "build", "model_loss", "rotary"]
 
 
 class RMSNorm(nn.Module):
@@ -199,6 +200,58 @@ LLAMA_PLAN = {
 MLP_PLAN = {"*.fc1": "column", "*.fc2": "row"}
 
 
+class CausalLMLoss(nn.Module):
+    """A Hugging Face causal LM as the harness trains it: token ids in, the model's own ``labels=`` loss out.
+
+    ``tp_plan`` is the model's own plan under this module's prefix, so ``parallelize(..., plan="auto")`` takes it.
+
+    Args:
+        lm: a transformers causal LM (``AutoModelForCausalLM``).
+
+    Example::
+
+        >>> loss = CausalLMLoss(lm)(ids)  # doctest: +SKIP
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        return {f"lm.{k}": v for k, v in self.lm.tp_plan.items()}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids, labels=ids).loss
+
+
+def model_loss(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss a model computed itself (``CausalLMLoss``), as a harness loss function of (output, target).
+
+    Args:
+        loss: the model's output, its loss.
+        target: unused (the model had its labels).
+
+    Returns:
+        ``loss``.
+
+    Example::
+
+        >>> model_loss(torch.tensor(2.0), None)
+        tensor(2.)
+    """
+    return loss
+
+
+def _hf_model(dim: int, hidden: int, depth: int, heads: int, kv_heads: int, vocab: int) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
+                                  num_hidden_layers=depth, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                  head_dim=dim // heads, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config)
+
+
 @dataclass
 class Workload:
     """A model to train, its batch and its tensor-parallel plan (module-name patterns -> "column" / "row").
@@ -207,12 +260,14 @@ class Workload:
     every dimension but the last), ``describe()`` a line naming it for the results.
 
     Args:
-        name: the workload's name, ``"mlp"`` or ``"transformer"``.
-        model: the blocks, on one device; a pipeline cuts it between blocks.
-        inputs, targets: the batch and the MSE loss's targets, of one shape.
+        name: the workload's name, ``"mlp"``, ``"transformer"`` or ``"hf"``.
+        model: the blocks, on one device; a pipeline cuts it between blocks (the hf workload: a
+            ``CausalLMLoss``).
+        inputs, targets: the batch and the MSE loss's targets, of one shape (hf: token ids, twice).
         plan: ``fnmatch`` patterns of module names, each mapped to ``"column"`` or ``"row"``.
         heads, kv_heads: the attention's heads and key/value heads, which the number of tensor-parallel ranks
             must divide; 0 for a model without attention.
+        loss_fn: the loss of ``(model output, targets)``: MSE, or ``model_loss`` for a model that returns its own.
 
     Example::
 
@@ -230,6 +285,7 @@ class Workload:
     plan: dict[str, str]
     heads: int = 0  # attention heads (and key/value heads) a tensor-parallel split must divide
     kv_heads: int = 0
+    loss_fn: Callable = F.mse_loss  # of (output, target); the hf workload's model returns its own loss
 
     @property
     def samples(self) -> int:
@@ -238,24 +294,28 @@ class Workload:
 
     @property
     def tokens(self) -> int:
-        return self.inputs.shape[:-1].numel()
+        """Rows of features in a step: every dim of the inputs but the features (all of token ids' dims)."""
+        return self.inputs.numel() if not self.inputs.is_floating_point() else self.inputs.shape[:-1].numel()
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.inputs.shape))
         params = sum(p.numel() for p in self.model.parameters())
-        return f"{self.name}: {len(self.model)} blocks, input {shape}, {params:,} parameters"
+        blocks = len(self.model.lm.model.layers) if isinstance(self.model, CausalLMLoss) else len(self.model)
+        return f"{self.name}: {blocks} blocks, input {shape}, {params:,} parameters"
 
 
 def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int, heads: int,
           kv_heads: int) -> Workload:
-    """The workload ``name`` ("mlp" or "transformer"), the same on every rank (fixed seeds).
+    """The workload ``name`` ("mlp", "transformer" or "hf"), the same on every rank (fixed seeds).
 
     The model's values come from ``torch.manual_seed(0)`` (set here, for the process), the inputs and targets
     (standard normal) from a generator seeded with 1. The MLP is ``depth`` :class:`MLPBlock` on
-    ``[tokens, dim]``; the transformer ``depth`` :class:`DecoderLayer` on ``[tokens // seq, seq, dim]``.
+    ``[tokens, dim]``; the transformer ``depth`` :class:`DecoderLayer` on ``[tokens // seq, seq, dim]``; "hf" a
+    Hugging Face Llama of the transformer's sizes (vocabulary 8 x dim, untied head, random weights) on
+    ``[tokens // seq, seq]`` token ids, trained by its own ``labels=`` loss (needs transformers).
 
     Args:
-        name: ``"mlp"`` or ``"transformer"``.
+        name: ``"mlp"``, ``"transformer"`` or ``"hf"``.
         dim: the model's width.
         hidden: the feed-forward's width.
         depth: the number of blocks.
@@ -282,6 +342,14 @@ def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int
     if name == "mlp":
         model = nn.Sequential(*(MLPBlock(dim, hidden) for _ in range(depth)))
         shape, plan = (tokens, dim), MLP_PLAN
+    elif name == "hf":
+        if tokens % seq or dim % heads or heads % kv_heads:
+            raise ValueError(f"--tokens {tokens} must be a multiple of --seq {seq}, --dim {dim} must split into "
+                             f"--heads {heads}, and they into --kv-heads {kv_heads}")
+        vocab = 8 * dim
+        model = CausalLMLoss(_hf_model(dim, hidden, depth, heads, kv_heads, vocab))
+        ids = torch.randint(0, vocab, (tokens // seq, seq), generator=torch.Generator().manual_seed(1))
+        return Workload(name, model, ids, ids, LLAMA_PLAN, heads, kv_heads, model_loss)
     elif name == "transformer":
         if tokens % seq:
             raise ValueError(f"--tokens {tokens} must be a multiple of --seq {seq} (the transformer's sequences)")
@@ -290,7 +358,7 @@ def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int
         model = nn.Sequential(*(DecoderLayer(dim, heads, kv_heads, hidden) for _ in range(depth)))
         shape, plan = (tokens // seq, seq, dim), LLAMA_PLAN
     else:
-        raise ValueError(f"unknown workload {name!r}: use 'mlp' or 'transformer'")
+        raise ValueError(f"unknown workload {name!r}: use 'mlp', 'transformer' or 'hf'")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     return Workload(name, model, x, y, plan, heads if name == "transformer" else 0,

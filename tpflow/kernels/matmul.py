@@ -61,12 +61,15 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = 
     return y if upcast else y.to(out_dtype)
 
 
-def use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor, rows: int | None = None) -> bool:
     """Whether the local product of ``t`` runs the Triton kernels: on CUDA where triton is installed; on CPU when
-    the ``kernels`` switch is ``"triton"`` (which needs triton and ``TRITON_INTERPRET=1``).
+    the ``kernels`` switch is ``"triton"`` (which needs triton and ``TRITON_INTERPRET=1``); and not for fewer
+    ``rows`` than the ``triton_min_rows`` switch's (decode-sized products, whose launch costs more than they
+    compute).
 
     Args:
         t: an operand of the product.
+        rows: the product's rows, if known.
 
     Returns:
         True for the Triton kernels, False for torch's matmul.
@@ -77,6 +80,8 @@ def use_triton(t: torch.Tensor) -> bool:
         ...     use_triton(torch.ones(2, 2))
         False
     """
+    if rows is not None and rows < config.get("triton_min_rows", t.device):
+        return False
     if t.is_cuda:
         return launcher is not None
     if config.get("kernels") != "triton":
@@ -162,7 +167,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     for name, t in (("acc", acc), ("out", out), ("pre", pre)):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must hold the rows of the range: shape {shape}, got {tuple(t.shape)}")
-    if not use_triton(a):
+    if not use_triton(a, row_end - row_start):
         rows = a[row_start:row_end]
         if pre is None:
             return _torch_matmul(rows, b, bias, activation, acc, out_dtype, out)

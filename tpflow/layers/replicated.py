@@ -6,7 +6,8 @@ device's gradient.
 model's parameters are DTensors: ``torch.nn.utils.clip_grad_norm_``, ``torch.optim``'s foreach paths and
 ``torch.distributed.checkpoint`` then take the model as they take one device's, where a mix of plain tensors
 and DTensors fails ("got mixed torch.Tensor and DTensor"). The module's own forward is unchanged: around each
-call it reads its parameters as local tensors (one autograd node), and the gradient comes back global.
+call on plain tensors it reads its parameters as local tensors (one autograd node), and the gradient comes back
+global; called on global tensors, it computes with its global parameters.
 
 A replicated parameter that sees only this rank's part of an activation (a per-head norm between a column
 and a row layer, a norm on this rank's tokens) gets a partial-sum gradient; left alone, the copies drift
@@ -49,6 +50,8 @@ class _Replica:
         module.register_load_state_dict_pre_hook(self.load)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+            return  # a global input: the module runs on global tensors, its parameters as they are
         if self.partial is None and torch.is_grad_enabled():
             if torch.compiler.is_compiling():
                 raise RuntimeError(f"{type(module).__name__}: whether its gradients are partial sums is read off the "
