@@ -151,3 +151,44 @@ def _errors_rank():
 
 def test_errors_name_the_fix():
     harness.run(3, _errors_rank)
+
+
+def _autocast_and_checkpointing_rank():
+    """bf16 autocast (the kernels take one dtype: tpflow casts as autocast casts F.linear) and the model's own
+    gradient checkpointing with dropout where the data is replicated: one device's numbers."""
+    W = dist.get_world_size()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = tiny("llama").float()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan="auto")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    assert out.logits.dtype == out_ref.logits.dtype
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=2e-2, atol=2e-2)
+    out.loss.backward()
+    out_ref.loss.backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == p_ref.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=0.1, atol=2e-2, msg=name)
+    # gradient checkpointing: the recomputed forward draws the dropout masks of the first one, the same on every
+    # rank where the data is replicated (the residual stream), as one device draws them
+    ref = tiny("llama")
+    for block in ref.model.layers:  # inside each checkpointed layer, on the replicated residual stream
+        block.input_layernorm = torch.nn.Sequential(torch.nn.Dropout(0.3), block.input_layernorm)
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan="auto")
+    for m in (model, ref):
+        m.train()
+        m.gradient_checkpointing_enable()
+    torch.manual_seed(7)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    torch.manual_seed(7)
+    loss_ref = ref(ids, labels=ids).loss
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-10)
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=1e-8, atol=1e-10, msg=name)
+    return W
+
+
+def test_autocast_and_gradient_checkpointing():
+    harness.run(2, _autocast_and_checkpointing_rank, timeout=300)

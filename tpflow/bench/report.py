@@ -194,7 +194,8 @@ def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
     lines = [f"# tpflow.bench, {meta['world']} ranks on {meta['device']}", "",
              f"{meta['timestamp']}; tpflow {meta['code']}; torch {meta['torch']}; {meta['allocator']}.",
              f"Command: `{meta['command']}`", "",
-             "Step: forward, backward and SGD of an MSE loss, fp32; time on the slowest rank, modes interleaved; "
+             "Step: forward, backward and SGD of an MSE loss (hf: the model's own labels= loss), fp32; time on the "
+             "slowest rank, modes interleaved; "
              "'vs one device' is the median of per-step ratios; bytes are every rank's sends counted by tpflow "
              "(the most on any rank) and the minimum for the mode's layout."]
     for title, part in _by_workload(rows, meta):

@@ -1,10 +1,11 @@
-"""The harness's two workloads, as a user would write them for one device (nothing here knows tpflow):
+"""The harness's workloads, as a user would write them for one device (nothing here knows tpflow):
 
     mlp          ``depth`` residual blocks x + fc2(gelu(fc1(x))), on rows of tokens [tokens, dim]
     transformer  ``depth`` Llama-style decoder layers (RMSNorm, rotary attention with grouped key/value
                  heads, SwiGLU feed-forward) on [batch, seq, dim]
+    hf           a Hugging Face Llama of the transformer's sizes on token ids, by its own labels= loss
 
-Both are an ``nn.Sequential`` of blocks, so a pipeline cuts them between blocks, and both are trained
+The first two are an ``nn.Sequential`` of blocks, so a pipeline cuts them between blocks, and both are trained
 on an MSE loss against a fixed random target. The column / row plans are Megatron's: the first
 linear(s) of each sub-block column parallel, the last row parallel.
 """

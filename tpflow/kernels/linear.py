@@ -86,7 +86,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``act(x @ weight.T + bias)`` for ``x [..., K]`` and ``weight [N, K]`` (``nn.Linear``'s layout), differentiable.
 
     Forward is one kernel launch (bias and activation fused); backward two (dx and dW, transposes read as
-    strides), with the bias gradient summed in fp32 (fp64 for fp64 inputs).
+    strides), with the bias gradient summed in fp32 (fp64 for fp64 inputs). Under ``torch.autocast`` the
+    operands are cast to its dtype first, as ``F.linear``'s are (the gradients flow back through the casts).
 
     Args:
         x: the input, of ``weight``'s dtype.
@@ -111,6 +112,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # autocast's casts for F.linear, done here: the kernels take one dtype
+        dtype = torch.get_autocast_dtype(device)
+        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return linear(x, weight, bias, activation, out_dtype=out_dtype, dgrad_hook=dgrad_hook,
+                          dgrad_dtype=dgrad_dtype)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[1]}")
     if x.dtype != weight.dtype:
