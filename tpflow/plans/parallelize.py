@@ -88,7 +88,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         plan = hf_plan(model)
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen = _match(model, modules, plan)
-    kv_heads = _heads(modules, chosen, placement.hierarchy[-1])
+    kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
     linears = {name: entry for name, entry in chosen.items() if isinstance(entry[1], (ColumnParallel, RowParallel))}
     _check_ties(model, modules, linears)
     fused = _fused_groups(modules, linears)
@@ -99,6 +99,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         if first[1] != style:
             raise ValueError(f"{name!r} is the same module as one matched by {first[0]!r}, but plan pattern "
                              f"{pattern!r} gives it another style")
+    for name, per_kv_head in groups.items():  # every check passed: the model changes from here on
+        modules[name].num_key_value_groups = per_kv_head
     for name, (_, style) in linears.items():
         module = modules[name]
         if id(module) not in built:
@@ -150,11 +152,13 @@ def _match(model: nn.Module, modules: dict[str, nn.Module], plan: Mapping[str, o
     return chosen
 
 
-def _heads(modules: dict[str, nn.Module], chosen: dict, world: int) -> dict[str, tuple[list[int], list[int]]]:
+def _heads(modules: dict[str, nn.Module], chosen: dict, world: int) -> tuple[dict, dict[str, int]]:
     """Check every attention module whose projections are column layers against ``world`` ranks; where its
-    key/value heads must be replicated, take its k / v projections out of ``chosen``, set its query heads per
-    key/value head, and return each projection's name with the columns each rank keeps (starts, ends)."""
+    key/value heads must be replicated, take its k / v projections out of ``chosen``. Returns each such
+    projection's name with the columns each rank keeps (starts, ends), and each such attention module's name
+    with its query heads per key/value head on a rank (its ``num_key_value_groups`` to be)."""
     kept: dict[str, tuple[list[int], list[int]]] = {}
+    groups: dict[str, int] = {}
     for name, module in modules.items():
         counts = attention_heads(module)
         if counts is None or not isinstance(chosen.get(f"{name}.q_proj", (None, None))[1], ColumnParallel):
@@ -172,8 +176,8 @@ def _heads(modules: dict[str, nn.Module], chosen: dict, world: int) -> dict[str,
             share = world // kv  # ranks per key/value head
             kept[f"{name}.{proj}"] = ([r // share * head_dim for r in range(world)],
                                       [(r // share + 1) * head_dim for r in range(world)])
-        module.num_key_value_groups = heads // world  # the rank's query heads share its one key/value head
-    return kept
+        groups[name] = heads // world  # the rank's query heads share its one key/value head
+    return kept, groups
 
 
 def _tp_group(placement: Placement):
