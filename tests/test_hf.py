@@ -59,15 +59,21 @@ def _same_copies(model, what):
             assert all(torch.equal(c, local) for c in copies), f"{what}: the copies of {name} differ over the ranks"
 
 
+def _whole(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _check(kind, ref, model, ids, generate=True):
     out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
-    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-10, atol=1e-10, msg=f"{kind}: logits")
-    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-10, atol=1e-10, msg=f"{kind}: loss")
+    torch.testing.assert_close(_whole(out.logits), out_ref.logits, rtol=1e-10, atol=1e-10, msg=f"{kind}: logits")
+    # HF's loss takes logits.float(): fp32 for these fp64 models, where tpflow's vocabulary-parallel kernels and
+    # torch's log_softmax round differently (~1e-8 in the gradients)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-6, atol=1e-6, msg=f"{kind}: loss")
     (losses, norms), (losses_ref, norms_ref) = _train(model, ids), _train(ref, ids)
     assert min(norms_ref) > 0.5, f"{kind}: clipping should bite"
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-10, atol=1e-10,
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-6, atol=1e-6,
                                msg=f"{kind}: losses")
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(norms_ref), rtol=1e-10, atol=1e-10,
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(norms_ref), rtol=1e-6, atol=1e-6,
                                msg=f"{kind}: gradient norms")
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-6, atol=1e-6,  # the norms compute in fp32
@@ -141,7 +147,7 @@ def _errors_rank():
                                          r"use a degree that divides them \(\[1, 2, 4\]\)"):
         tpf.parallelize(tiny("llama"), placement=P, plan="auto")
     with pytest.raises(ValueError, match="ties its head to its embedding"):
-        tpf.hf_plan(tiny("gemma2"), sequence_parallel=True)
+        tpf.hf_plan(tiny("gemma2"), sequence_parallel=True, vocab_parallel=False)
     model = tiny("llama")
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match="'sharded' is not a style tpflow knows"):
@@ -184,9 +190,9 @@ def _autocast_and_checkpointing_rank():
     torch.manual_seed(7)
     loss_ref = ref(ids, labels=ids).loss
     loss_ref.backward()
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)  # HF's loss in fp32: see _check
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=1e-8, atol=1e-10, msg=name)
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=1e-6, atol=1e-7, msg=name)
     return W
 
 

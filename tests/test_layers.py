@@ -375,8 +375,8 @@ def _errors_rank():
         tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "column", "blocks.*.fc*": "row"})
     with pytest.raises(ValueError, match="'colwize' is not a style tpflow knows: use one of 'column', 'row', 'colwise'"):
         tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc1": "colwize"})
-    with pytest.raises(ValueError, match="the vocabulary-parallel embedding is not in tpflow yet"):
-        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"*.fc2": "row", "*.fc1": "embedding_rowwise"})
+    with pytest.raises(ValueError, match="gives 'blocks.0', a MLP, a vocabulary entry, which takes an nn.Embedding"):
+        tpf.parallelize(Stack(6, 8, depth=1), placement=P, plan={"blocks.0": "embedding_rowwise"})
     with pytest.raises(ValueError, match="sequence_dim=1 says which dim sequence parallelism splits"):
         tpf.ColumnParallelLinear(6, 8, placement=P, sequence_dim=1)
     with pytest.raises(ValueError, match="plan must be 'auto' or a dict"):

@@ -7,9 +7,9 @@ those below it:
     config, placement, sbp   switches; which ranks; how a tensor is laid out over them
     comm                     collectives on local shards with byte counters; transports; metadata messages
     kernels                  Triton kernels and their torch references (nothing distributed)
-    ops                      kernels x transports: the ring matmul collectives
+    ops                      kernels x transports: the ring matmul collectives, the vocabulary-parallel loss
     global_tensor            creation, boxing, to_global / from_local, matmul with SBP inference
-    layers                   ColumnParallelLinear, RowParallelLinear, fused column groups
+    layers                   ColumnParallelLinear, RowParallelLinear, fused column groups, VocabParallelEmbedding
     plans                    parallelize: plans of module-name patterns
     pipeline                 stages, schedules as tables, the executor
     bench, launch            the benchmark harness; python -m tpflow.launch
@@ -20,6 +20,7 @@ from __future__ import annotations
 from tpflow import comm, config, kernels, ops, sbp
 from tpflow.global_tensor import (
     clip_grad_norm_,
+    cross_entropy,
     from_local,
     full,
     get_placement,
@@ -32,12 +33,22 @@ from tpflow.global_tensor import (
     tensor,
     to_global,
     to_local,
+    vocab_parallel_loss,
     zeros,
 )
-from tpflow.layers import ColumnParallelLinear, RowParallelLinear
+from tpflow.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_cross_entropy
 from tpflow.pipeline import Pipeline, PipelineError, Stage, stage
 from tpflow.placement import Placement, get_rank, get_world_size, init_distributed, placement
-from tpflow.plans import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel, hf_plan, parallelize
+from tpflow.plans import (
+    ColumnParallel,
+    GatherSequence,
+    Replicated,
+    RowParallel,
+    SequenceParallel,
+    VocabParallel,
+    hf_plan,
+    parallelize,
+)
 
 __all__ = [
     "ColumnParallel",
@@ -51,9 +62,12 @@ __all__ = [
     "RowParallelLinear",
     "SequenceParallel",
     "Stage",
+    "VocabParallel",
+    "VocabParallelEmbedding",
     "clip_grad_norm_",
     "comm",
     "config",
+    "cross_entropy",
     "from_local",
     "full",
     "get_placement",
@@ -64,6 +78,7 @@ __all__ = [
     "hf_plan",
     "init_distributed",
     "kernels",
+    "linear_cross_entropy",
     "matmul",
     "ones",
     "ops",
@@ -76,6 +91,7 @@ __all__ = [
     "tensor",
     "to_global",
     "to_local",
+    "vocab_parallel_loss",
     "zeros",
 ]
 

@@ -23,6 +23,7 @@ from tpflow.comm.collectives import (
     gather,
     post,
     reduce,
+    reduce_chunk,
     reduce_scatter,
     ring_bytes,
     scatter,
@@ -33,4 +34,4 @@ from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 
 __all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "all_gather",
            "all_reduce", "as_transport", "bounds", "collectives", "count_ring", "exchange", "gather", "post", "reduce",
-           "reduce_scatter", "ring_bytes", "row_bounds", "scatter", "stats", "wire"]
+           "reduce_chunk", "reduce_scatter", "ring_bytes", "row_bounds", "scatter", "stats", "wire"]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tpflow.sbp import chunk_range
 
 __all__ = ["CommStats", "Pending", "all_gather", "all_reduce", "bounds", "count_ring", "exchange", "gather", "post",
-           "reduce", "reduce_scatter", "ring_bytes", "scatter", "stats"]
+           "reduce", "reduce_chunk", "reduce_scatter", "ring_bytes", "scatter", "stats"]
 
 
 @dataclass
@@ -365,6 +365,17 @@ class _Scatter(torch.autograd.Function):
         return all_gather(dy, ctx.dim, bounds(ctx.size, dist.get_world_size(ctx.group)), ctx.group), None, None
 
 
+class _ReduceChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.size = dim, group, x.shape[dim]
+        return reduce_scatter(x, dim, bounds(x.shape[dim], dist.get_world_size(group)), group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather(dy, ctx.dim, bounds(ctx.size, dist.get_world_size(ctx.group)), ctx.group), None, None
+
+
 def _single(group: dist.ProcessGroup | None) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
@@ -443,3 +454,30 @@ def scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch
         tensor([3., 4., 5.])
     """
     return x if _single(group) else _Scatter.apply(x, dim, group)
+
+
+def reduce_chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward: this rank's chunk of the sum of every rank's ``x``; all-gather of the
+    gradient backward. Partial sums leaving as one sequence-parallel value (a vocabulary-parallel embedding's).
+
+    A no-op on a group of one (or None). Chunks follow ``torch.chunk``'s rule (``bounds``).
+
+    Args:
+        x: this rank's partial sum, whole along ``dim``.
+        dim: the dim to cut.
+        group: the process group to sum over; None: no parallelism.
+
+    Returns:
+        This rank's chunk of the sum (``x`` itself on a group of one).
+
+    Example::
+
+        >>> x = torch.ones(4, 2)
+        >>> tpf.comm.reduce_chunk(x, 0, None) is x
+        True
+        >>> group = torch.distributed.group.WORLD  # doctest: +SKIP
+        >>> tpf.comm.reduce_chunk(x, 0, group)  # on rank 0 of 2  # doctest: +SKIP
+        tensor([[2., 2.],
+                [2., 2.]])
+    """
+    return x if _single(group) else _ReduceChunk.apply(x, dim, group)

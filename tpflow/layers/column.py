@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tpflow import comm
+from tpflow.global_tensor import from_local
 from tpflow.kernels import linear
 from tpflow.kernels.epilogue import accumulate_dtype
 from tpflow.layers.linear import ParallelLinear
@@ -55,6 +57,10 @@ class ColumnParallelLinear(ParallelLinear):
             ``"naive"`` (the plain all-gather, then one matmul) or ``"auto"`` (the default: the ring from the
             ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
             ``sequence_parallel=True``.
+        global_output: return the output of a plain input as a global tensor split over its last dim (on a 2-D
+            placement, over this rank's tensor-parallel ranks), not as this rank's plain block: an output head's
+            logits, which ``tpf.cross_entropy`` and ``F.cross_entropy`` under ``tpf.vocab_parallel_loss()`` then
+            take without gathering them (default False). ``gather_output`` overrides it.
         keep_gathered: with ``sequence_parallel``, keep the gathered input from the forward for the weight
             gradient (default True), or, with False, save only this rank's rows and gather them again in the
             backward (less memory, more bytes sent). False needs ``sequence_parallel=True``.
@@ -89,8 +95,8 @@ class ColumnParallelLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
                  gather_output: bool = False, sequence_parallel: bool = False, algo: str = "auto",
-                 keep_gathered: bool = True, sequence_dim: int = 0, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 keep_gathered: bool = True, sequence_dim: int = 0, global_output: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if not keep_gathered and not sequence_parallel:
             raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
                              "the backward: it needs sequence_parallel=True")
@@ -98,6 +104,17 @@ class ColumnParallelLinear(ParallelLinear):
         self.gather_output, self.keep_gathered, self.sequence_dim = gather_output, keep_gathered, sequence_dim
         self.fused_group = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
+        self.global_output = global_output
+        self._output_placement = self._tp_placement() if global_output else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self._output_placement is None or self.gather_output or isinstance(y, DTensor):
+            return y
+        # contiguous: code written for whole logits views them (HF's loss: logits.view(-1, vocab)), and a
+        # batch-first sequence-parallel product comes back with its dims moved
+        return from_local(y.contiguous(), self._output_placement, split(y.ndim - 1),
+                          shape=(*y.shape[:-1], self.out_features), sync_data=False)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
         return self._axes(split(0))
@@ -155,4 +172,5 @@ class ColumnParallelLinear(ParallelLinear):
     def extra_repr(self) -> str:
         fused = "" if self.fused_group is None else f", fused with {len(self.fused_group.layers) - 1} other layers"
         return (super().extra_repr() + (", gather_output" if self.gather_output else "")
+                + (", global_output" if self.global_output else "")
                 + ("" if self.keep_gathered else ", keep_gathered=False") + fused)

@@ -29,13 +29,12 @@ from abc import ABCMeta, abstractmethod
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 
-from tpflow import comm
-from tpflow.global_tensor import from_local, get_placement, get_sbp, gradients, tensor, to_global
+from tpflow.global_tensor import from_local, get_placement, get_sbp, to_global
 from tpflow.global_tensor.blocks import off_placement
-from tpflow.layers.blocks import LocalBlocks
 from tpflow.layers.regions import SPLIT, WHOLE, reads_split, tag
+from tpflow.layers.sharded import ShardedModule
 from tpflow.ops import ALGOS
 from tpflow.placement import Placement
 from tpflow.sbp import PartialSum, Sbp, Split, broadcast, local_region, split
@@ -43,13 +42,7 @@ from tpflow.sbp import PartialSum, Sbp, Split, broadcast, local_region, split
 __all__ = ["ParallelLinear"]
 
 
-def _grad_placements(p: DTensor, data_split: tuple[bool, ...]) -> tuple:
-    """A parameter gradient's layout: partial over the data axes the input is split on, the parameter's own
-    on the tensor-parallel axis."""
-    return (*(Partial() if split_here else Replicate() for split_here in data_split), p.placements[-1])
-
-
-class ParallelLinear(nn.Module, metaclass=ABCMeta):
+class ParallelLinear(ShardedModule, metaclass=ABCMeta):
     """What column and row layers share: a weight split over the last axis of a placement, read as local
     blocks on the hot path, ``nn.Linear``'s initialisation and state-dict layout.
 
@@ -89,9 +82,7 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
     def __init__(self, in_features: int, out_features: int, bias: bool, placement: Placement,
                  sequence_parallel: bool, algo: str, device: torch.device | str | None,
                  dtype: torch.dtype | None) -> None:
-        super().__init__()
-        if not isinstance(placement, Placement):
-            raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
+        super().__init__(placement, device)
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {ALGOS} (the sequence-parallel collectives: fused into a ring "
                              f"that overlaps the matmul, the plain collective then the matmul, or by size), "
@@ -100,24 +91,14 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
             raise ValueError(f"algo={algo!r} chooses how sequence parallelism's collectives run: it needs "
                              "sequence_parallel=True")
         self.algo = algo
-        device = torch.device(device) if device is not None else placement.device
-        if device.type != placement.type:
-            raise ValueError(f"device {device} does not match the placement's type {placement.type!r}")
         self.in_features, self.out_features = in_features, out_features
-        self.placement, self.sequence_parallel = placement, sequence_parallel
+        self.sequence_parallel = sequence_parallel
         self.label = f"{type(self).__name__}({in_features}, {out_features})"  # parallelize() names it by its path
-        coord = placement.coordinate()
-        self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
-        self._group = self._find_group()
-        self._blocks = LocalBlocks()
         self._told = False  # whether the replicated modules behind a split input were told (regions.reads_split)
-        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init and RNG use
+        full = nn.Linear(in_features, out_features, bias, device=device or placement.device, dtype=dtype)  # nn.Linear's init and RNG use
         self._adopt(full.weight, full.bias)
 
     # layouts
-
-    def _axes(self, tp: Sbp) -> tuple[Sbp, ...]:
-        return (broadcast,) * (self.placement.ndim - 1) + (tp,)
 
     @abstractmethod
     def _bias_sbp(self) -> tuple[Sbp, ...]:
@@ -132,32 +113,6 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         else:
             self.bias = self._parameter(bias, self._bias_sbp())
 
-    def _parameter(self, value: torch.Tensor, sbp: tuple[Sbp, ...]) -> nn.Parameter:
-        pl = self.placement
-        block = tensor(value.detach().to(pl.device), placement=pl, sbp=sbp).to_local()
-        synced = from_local(block, pl, sbp, shape=value.shape, sync_data=True).detach()
-        return gradients.adopt(nn.Parameter(synced, requires_grad=value.requires_grad))
-
-    def _find_group(self) -> dist.ProcessGroup | None:
-        """The tensor-parallel axis' process group, looked up once: resolved lazily on the first forward, it
-        would change the module during the first traced call, and torch.compile would recompile on the next."""
-        if self._tp_size == 1 or self._tp_rank is None:
-            return None
-        return self.placement.mesh.get_group(self.placement.ndim - 1)
-
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The tensor-parallel process group (None on a single rank: nothing to communicate)."""
-        return self._group
-
-    def __getstate__(self) -> dict:
-        """The process group is this process's handle: a copy (``copy.deepcopy``, pickle) looks it up again."""
-        return {**self.__dict__, "_group": None}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._group = self._find_group()
-
     def _splits_sequence(self, x: torch.Tensor) -> bool:
         """Whether sequence parallelism applies to ``x``: it has a sequence dim besides its features."""
         return self.sequence_parallel and x.ndim > self.sequence_dim + 1
@@ -171,7 +126,7 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
                              "sequence_parallel=True")
 
     def _local_features(self, size: int) -> int:
-        start, end = comm.bounds(size, self._tp_size)[self._tp_rank]
+        start, end = self.local_range(size)
         return end - start
 
     def _check_features(self, x: torch.Tensor, want: int, what: str) -> None:
@@ -255,7 +210,7 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
             >>> w, b = layer.local_blocks(data_split=())  # doctest: +SKIP
         """
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        blocks = self._blocks(params, data_split, lambda p: _grad_placements(p, data_split))
+        blocks = self._local_blocks(params, data_split)
         return blocks[0], blocks[1] if len(blocks) > 1 else None
 
     @classmethod
@@ -284,16 +239,6 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
                         dtype=module.weight.dtype, **options)
         layer._adopt(module.weight, module.bias)
         return layer
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """A single-device checkpoint (whole plain tensors) loads as is: each rank keeps its block."""
-        for name in ("weight", "bias"):
-            value, param = state_dict.get(prefix + name), getattr(self, name)
-            if param is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-                    and value.shape == param.shape:  # a shape mismatch is left for torch to report
-                state_dict[prefix + name] = tensor(value.to(param.dtype).to(self.placement.device),
-                                                   placement=self.placement, sbp=get_sbp(param))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         tp = f"W split({1 - self._weight_split}), weight sbp {get_sbp(self.weight)}"

@@ -1,5 +1,6 @@
 """Operations that combine the kernels with communication, on local shards: matmul + reduce-scatter and
-all-gather + matmul walked around a ring, each the other's backward."""
+all-gather + matmul walked around a ring, each the other's backward; the cross-entropy over classes split
+across ranks, and the head + loss fused chunk by chunk."""
 
 from __future__ import annotations
 
@@ -10,5 +11,7 @@ from tpflow.ops.collective_matmul import (
     matmul_reduce_scatter,
     matmul_reduce_scatter_ref,
 )
+from tpflow.ops.cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy
 
-__all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref"]
+__all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "linear_cross_entropy", "matmul_reduce_scatter",
+           "matmul_reduce_scatter_ref", "vocab_parallel_cross_entropy"]

@@ -2,6 +2,7 @@
 
     styles        plan entries: "column", "row", HF's names, ColumnParallel(...), RowParallel(...), ...
     hf            plan="auto": a Hugging Face model's own plan, as entries
+    logits        a vocabulary-parallel head's model: its own loss routed vocab-parallel, generate on whole logits
     heads         attention heads checked against the ranks; key/value heads replicated when too few
     parallelize   glob patterns over module names -> layers swapped in place, fused groups joined, the rest
                   replicated as global tensors
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from tpflow.plans.hf import hf_plan
 from tpflow.plans.parallelize import parallelize
-from tpflow.plans.styles import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel
+from tpflow.plans.styles import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel, VocabParallel
 
-__all__ = ["ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "hf_plan",
-           "parallelize"]
+__all__ = ["ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "VocabParallel",
+           "hf_plan", "parallelize"]

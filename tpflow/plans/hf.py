@@ -10,8 +10,11 @@ transformers keeps the plan on the config (``base_model_tp_plan``, keys under th
   to this rank's tokens; norms run on them; the MLP's column layers gather them into their product (dim 1)
   and the row layers reduce-scatter back to them; attention modules, whose code reshapes by their input's
   shape, gather every token on entry; the head gathers them back;
-- a tied head (``tie_word_embeddings``) stays whole with its embedding, and so does the embedding itself,
-  until the vocabulary-parallel embedding exists (HF's ``embedding_rowwise``).
+- the vocabulary split over the ranks (``vocab_parallel=True``): the input embedding becomes a
+  ``VocabParallelEmbedding`` and the output head a column layer whose logits come back as a global tensor split
+  over the vocabulary, which the model's own ``labels=`` loss takes without gathering (``tpflow.plans.logits``);
+  a tied pair stays one parameter. With ``vocab_parallel=False`` the head gathers whole logits (HF's
+  ``colwise_gather_output``) and the embedding stays whole; a tied head then stays whole with it.
 
 Every other module with parameters (norms, the embedding) is replicated by ``parallelize``, with its
 gradients found from the autograd graph, so entries such as ``replicated_with_grad_allreduce`` are kept but
@@ -26,7 +29,15 @@ import fnmatch
 from torch import nn
 
 from tpflow.plans.heads import attention_heads
-from tpflow.plans.styles import ColumnParallel, Entry, GatherSequence, RowParallel, SequenceParallel, style_of
+from tpflow.plans.styles import (
+    ColumnParallel,
+    Entry,
+    GatherSequence,
+    RowParallel,
+    SequenceParallel,
+    VocabParallel,
+    style_of,
+)
 
 __all__ = ["hf_plan"]
 
@@ -58,14 +69,20 @@ def _is_attention(model: nn.Module, pattern: str) -> bool:
     return any(attention_heads(m) is not None for n, m in model.named_modules() if fnmatch.fnmatchcase(n, pattern))
 
 
+def _name_of(model: nn.Module, getter: str) -> str | None:
+    """The module name of a transformers model's ``get_input_embeddings()`` / ``get_output_embeddings()``."""
+    found = getattr(model, getter, lambda: None)()
+    return next((name for name, m in model.named_modules() if m is found and name), None)
+
+
 def _tied(model: nn.Module, name: str) -> bool:
-    module = model.get_submodule(name) if name in dict(model.named_modules()) else None
-    weight = getattr(module, "weight", None)
+    weight = getattr(model.get_submodule(name), "weight", None)
     return weight is not None and any(p is weight for n, p in model.named_parameters(remove_duplicate=False)
                                       if not n.startswith(name + "."))
 
 
-def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True) -> dict[str, Entry]:
+def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
+            vocab_parallel: bool = True) -> dict[str, Entry]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries.
 
     Args:
@@ -74,6 +91,10 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             norms run on this rank's tokens, and the first decoder layer's input sequence must be a multiple of
             the ranks (training; generation needs ``False``).
         fuse: run the column layers of one parent as one product (default True).
+        vocab_parallel: split the embedding and the head over the vocabulary (default True): ``.logits`` is then
+            a global tensor split over the vocabulary (``.full_tensor()`` gives it whole), the ``labels=`` loss is
+            computed without gathering it, and ``generate`` decodes from whole logits. False: the head gathers the
+            whole logits onto every rank, and the embedding (and a head tied to it) stays whole.
 
     Returns:
         Module-name patterns mapped to entries (``tpf.ColumnParallel``, ``tpf.RowParallel``, ...), which
@@ -91,15 +112,12 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan (no config.base_model_tp_plan or "
                          f"_tp_plan): pass plan={{pattern: style}} to parallelize")
     plan: dict[str, Entry] = {}
+    embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
     for pattern, style in own.items():
-        if pattern.rpartition(".")[2] == "lm_head" and _tied(model, "lm_head"):
-            if sequence_parallel:
-                raise ValueError(f"{type(model).__name__} ties its head to its embedding, which stay whole on every "
-                                 "rank until the vocabulary-parallel embedding: a whole head would see only this "
-                                 "rank's tokens; use sequence_parallel=False")
-            continue
-        if style == "embedding_rowwise":
-            continue  # stays whole (replicated, tied) until the vocabulary-parallel embedding
+        if pattern == head or (style == "embedding_rowwise" and not vocab_parallel):
+            continue  # the head is planned below; without vocab_parallel an embedding stays whole
+        if style == "embedding_rowwise":  # HF's name for the vocabulary-parallel embedding, without options
+            pattern = embedding or pattern
         entry = style_of(pattern, style)
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
@@ -110,6 +128,17 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             else:  # attention reshapes q / k / v by its input's shape: it gets every token, gathered on entry
                 plan[parent] = GatherSequence()
         plan[pattern] = entry
+    if vocab_parallel and embedding is not None:
+        plan[embedding] = VocabParallel()  # all-reduced: HF builds positions from the embedding's whole sequence
+    tokens = {"sequence_parallel": sequence_parallel, "sequence_dim": 1 if sequence_parallel else 0}
+    if head is not None and vocab_parallel:
+        plan[head] = VocabParallel(**tokens)
+    elif head is not None and not _tied(model, head):
+        plan[head] = ColumnParallel(gather_output=True, **tokens)
+    elif head is not None and sequence_parallel:
+        raise ValueError(f"{type(model).__name__} ties its head to its embedding, which stay whole on every rank "
+                         "with vocab_parallel=False: a whole head would see only this rank's tokens; use "
+                         "sequence_parallel=False or vocab_parallel=True")
     if sequence_parallel:
         first = _decoder_layers(model)
         if first is None:

@@ -16,13 +16,22 @@ from collections.abc import Mapping
 from torch import nn
 
 from tpflow import comm
-from tpflow.layers import ColumnGroup
+from tpflow.layers import ColumnGroup, VocabParallelEmbedding
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
 from tpflow.plans.heads import attention_heads, check, keep_columns
 from tpflow.plans.hf import hf_plan
-from tpflow.plans.styles import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel, style_of
+from tpflow.plans.logits import route_loss
+from tpflow.plans.styles import (
+    ColumnParallel,
+    GatherSequence,
+    Replicated,
+    RowParallel,
+    SequenceParallel,
+    VocabParallel,
+    style_of,
+)
 
 __all__ = ["parallelize"]
 
@@ -89,8 +98,9 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen = _match(model, modules, plan)
     kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
-    linears = {name: entry for name, entry in chosen.items() if isinstance(entry[1], (ColumnParallel, RowParallel))}
-    _check_ties(model, modules, linears)
+    linears = {name: entry for name, entry in chosen.items()
+               if isinstance(entry[1], (ColumnParallel, RowParallel, VocabParallel))}
+    ties = _ties(model, modules, linears)
     fused = _fused_groups(modules, linears)
     built: dict[int, nn.Module] = {}
     styles: dict[int, tuple[str, object]] = {}
@@ -109,6 +119,13 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         for alias in (n for n, m in modules.items() if m is module):  # every name of a shared module
             parent_name, _, child = alias.rpartition(".")
             setattr(model.get_submodule(parent_name), child, built[id(module)])
+    for owners in ties:  # a tied embedding and head: the same block of one matrix, one parameter
+        first = getattr(built[owners[0][0]], owners[0][1])
+        for key, attr in owners[1:]:
+            setattr(built[key], attr, first)
+    heads = [layer for layer in built.values() if getattr(layer, "global_output", False)]
+    if heads:
+        route_loss(model, heads)
     for parent, names in fused.items():
         ColumnGroup([built[id(modules[name])] for name in names], model.get_submodule(parent))
     grads = {}
@@ -146,6 +163,10 @@ def _match(model: nn.Module, modules: dict[str, nn.Module], plan: Mapping[str, o
             if isinstance(style, (ColumnParallel, RowParallel)) and type(module) is not nn.Linear:
                 raise ValueError(f"plan pattern {pattern!r} matches {name!r}, a {type(module).__name__}, not an "
                                  f"nn.Linear")
+            if isinstance(style, VocabParallel) and type(module) is not nn.Linear and (
+                    not isinstance(module, nn.Embedding) or isinstance(module, VocabParallelEmbedding)):
+                raise ValueError(f"plan pattern {pattern!r} gives {name!r}, a {type(module).__name__}, a vocabulary "
+                                 f"entry, which takes an nn.Embedding (an embedding) or an nn.Linear (a head)")
             if name in chosen:
                 raise ValueError(f"{name!r} matches both plan patterns {chosen[name][0]!r} and {pattern!r}")
             chosen[name] = (pattern, style)
@@ -240,16 +261,37 @@ def _fused_groups(modules: dict[str, nn.Module], chosen: dict) -> dict[str, list
     return groups
 
 
-def _check_ties(model: nn.Module, modules: dict[str, nn.Module], chosen: dict) -> None:
-    """A parameter of a replaced layer that another module also holds (a tied embedding) would come untied."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    for name, (pattern, _) in chosen.items():
-        aliases = {n for n, m in modules.items() if m is modules[name]}
-        for param in modules[name].parameters():
-            others = [n for n in owners[id(param)] if n.rpartition(".")[0] not in aliases]
-            if others:
-                raise ValueError(f"plan pattern {pattern!r}: the parameters of {name!r} are shared with {others}; "
-                                 f"parallelizing it would untie them: untie them first, or leave {name!r} out of the "
-                                 f"plan")
+def _split_dim(module: nn.Module, param: str, style: object) -> int | None:
+    """The dim of ``module``'s parameter ``param`` that its planned layer splits (None: whole)."""
+    if isinstance(style, RowParallel):
+        return 1 if param == "weight" else None
+    return 0  # a column layer's weight [out, in] and bias, an embedding's [vocab, dim] rows
+
+
+def _ties(model: nn.Module, modules: dict[str, nn.Module], chosen: dict) -> list[list[tuple[int, str]]]:
+    """The parameters planned layers share (a tied embedding and head), as lists of (module id, parameter name)
+    to be made one parameter again once built; checked first: a parameter shared with a module the plan leaves
+    alone would come untied, and one its layers split differently cannot be one block."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in modules.items():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module_name, attr))
+    ties = []
+    for shared in owners.values():
+        keys = {(id(modules[m]), attr) for m, attr in shared}
+        if len(keys) < 2 or not any(m in chosen for m, _ in shared):
+            continue  # one module under several names, or no planned layer involved
+        names = [f"{m}.{attr}" for m, attr in shared]
+        left = [name for name, (m, _) in zip(names, shared) if m not in chosen]
+        if left:
+            planned = next(m for m, _ in shared if m in chosen)
+            raise ValueError(f"plan pattern {chosen[planned][0]!r}: the parameters of {planned!r} are shared with "
+                             f"{left}; parallelizing it alone would untie them: plan both (an embedding and its tied "
+                             f"head: 'vocab' for each), untie them first, or leave {planned!r} out of the plan")
+        dims = {name: _split_dim(modules[m], attr, chosen[m][1]) for name, (m, attr) in zip(names, shared)}
+        if len(set(dims.values())) > 1:
+            raise ValueError(f"{names} are one tied parameter, but their plan entries split it differently "
+                             f"({dims}: the dim each splits): give them entries that hold the same block (an "
+                             f"embedding and its head: 'vocab' for each)")
+        ties.append(sorted(keys))
+    return ties

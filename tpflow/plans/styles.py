@@ -6,6 +6,7 @@
     Replicated(grads="partial")           whole on every rank, gradients summed over the ranks
     SequenceParallel(split_input=True)    runs on this rank's tokens
     GatherSequence()                      runs on every token, gathered from the ranks' own
+    "vocab"                               VocabParallel(): an embedding or an output head split over the vocabulary
 
 Hugging Face's style names (``config.base_model_tp_plan``) name the same entries: ``STYLES``.
 """
@@ -16,11 +17,11 @@ import dataclasses
 
 from torch import nn
 
-from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear
+from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear, ShardedModule, VocabParallelEmbedding
 from tpflow.placement import Placement
 
 __all__ = ["STYLES", "ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "Style",
-           "style_of"]
+           "VocabParallel", "style_of"]
 
 
 class Style:
@@ -202,10 +203,56 @@ class GatherSequence:
     sequence_dim: int = 1
 
 
-Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence
+@dataclasses.dataclass(frozen=True)
+class VocabParallel:
+    """Plan entry for a language model's embedding or output head, split over the vocabulary (``"vocab"``; Hugging
+    Face's ``"embedding_rowwise"``).
+
+    An ``nn.Embedding`` becomes a ``VocabParallelEmbedding`` (its rows split over the ranks, the lookups summed);
+    an ``nn.Linear`` head becomes a ``ColumnParallelLinear`` whose logits come back as a global tensor split over
+    the vocabulary (``global_output=True``), which ``tpf.cross_entropy`` takes without gathering them, and which
+    a model's own ``F.cross_entropy`` takes too (``parallelize`` enters ``tpf.vocab_parallel_loss()`` after the
+    head runs). A head tied to its embedding holds the same rows of the same matrix: the pair stays one parameter.
+
+    Args:
+        sequence_parallel: the embedding reduce-scatters its output into this rank's chunk of ``sequence_dim``;
+            the head takes such a chunk and gathers it into its product (default False).
+        sequence_dim: the sequence dim: 0 (default, ``[seq, batch, hidden]``) or 1 (``[batch, seq, hidden]``).
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> tpf.parallelize(model, placement=P, plan={"model.embed_tokens": "vocab", "lm_head": "vocab",  # doctest: +SKIP
+        ...                                          "*.q_proj": "column", "*.o_proj": "row"})
+    """
+
+    sequence_parallel: bool = False
+    sequence_dim: int = 0
+
+    def build(self, module: nn.Module, placement: Placement) -> ShardedModule:
+        """The parallel layer for ``module``: an embedding's or a head's (see the class).
+
+        Args:
+            module: an ``nn.Embedding`` (or a subclass) or an ``nn.Linear``.
+            placement: the ranks the vocabulary is split over.
+
+        Returns:
+            A ``VocabParallelEmbedding`` or a ``ColumnParallelLinear`` with ``global_output=True``.
+
+        Example::
+
+            >>> head = tpf.VocabParallel().build(nn.Linear(64, 101, bias=False), P)   # doctest: +SKIP
+        """
+        if isinstance(module, nn.Embedding):
+            return VocabParallelEmbedding.from_embedding(module, placement=placement, **dataclasses.asdict(self))
+        return ColumnParallelLinear.from_linear(module, placement=placement, global_output=True,
+                                                **dataclasses.asdict(self))
+
+
+Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence | VocabParallel
 
 # Hugging Face's style names (transformers' ALL_PARALLEL_STYLES) and tpflow's own, as entries
-STYLES: dict[str, Entry | None] = {
+STYLES: dict[str, Entry] = {
     "column": ColumnParallel(),
     "row": RowParallel(),
     "colwise": ColumnParallel(),
@@ -217,7 +264,8 @@ STYLES: dict[str, Entry | None] = {
     "replicated_with_grad_allreduce": Replicated(grads="partial"),
     "replicate": Replicated(),
     "sequence_parallel": SequenceParallel(),
-    "embedding_rowwise": None,  # the vocabulary-parallel embedding: not built yet
+    "vocab": VocabParallel(),
+    "embedding_rowwise": VocabParallel(),
 }
 
 
@@ -245,14 +293,11 @@ def style_of(pattern: str, style: object) -> Entry:
         >>> style_of("*.fc2", tpf.RowParallel(sequence_parallel=True))
         RowParallel(input_is_parallel=True, sequence_parallel=True, algo='auto', sequence_dim=0)
     """
-    if isinstance(style, (ColumnParallel, RowParallel, Replicated, SequenceParallel, GatherSequence)):
+    if isinstance(style, (ColumnParallel, RowParallel, Replicated, SequenceParallel, GatherSequence, VocabParallel)):
         return style
     if isinstance(style, str) and style in STYLES:
-        entry = STYLES[style]
-        if entry is None:
-            raise ValueError(f"plan[{pattern!r}] = {style!r}: the vocabulary-parallel embedding is not in tpflow yet; "
-                             f"leave {pattern!r} out of the plan (it then stays whole on every rank)")
-        return entry
-    names = ", ".join(repr(n) for n, e in STYLES.items() if e is not None)
+        return STYLES[style]
+    names = ", ".join(repr(n) for n in STYLES)
     raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style tpflow knows: use one of {names}, or "
-                     f"tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.Replicated(...), tpf.SequenceParallel(...)")
+                     f"tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.Replicated(...), tpf.SequenceParallel(...), "
+                     f"tpf.VocabParallel(...)")

@@ -1,0 +1,210 @@
+"""The vocabulary split over the ranks: the embedding, and the output head's loss without its logits.
+
+    VocabParallelEmbedding   weight [V, H] split(0): rank r holds the rows of ids [start_r, end_r)
+                             y = sum over ranks of (embedding of the ids in range, 0 elsewhere)
+                             -- an all-reduce, or a reduce-scatter straight into a sequence-parallel layout
+    linear_cross_entropy     the head's logits made chunk by chunk and consumed at once by the
+                             vocabulary-parallel loss (``tpflow.ops.linear_cross_entropy``)
+
+A column-parallel head (``ColumnParallelLinear``, weight ``[V, H]`` Shard(0)) holds the same block of the
+same matrix as the embedding, so a tied pair stays one parameter (``parallelize`` ties them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpflow import comm
+from tpflow.layers.column import ColumnParallelLinear
+from tpflow.layers.regions import SPLIT, WHOLE, tag
+from tpflow.layers.sharded import ShardedModule
+from tpflow.ops import cross_entropy as ops_ce
+from tpflow.placement import Placement
+from tpflow.sbp import split
+
+__all__ = ["VocabParallelEmbedding", "linear_cross_entropy"]
+
+
+class VocabParallelEmbedding(ShardedModule, nn.Embedding):
+    """``nn.Embedding`` with its rows (the vocabulary) split over the ranks: each rank looks up the ids in its
+    range, and the ranks' outputs are summed.
+
+    ``weight`` is ``[num_embeddings, embedding_dim]``, split along dim 0 (Shard(0), ``torch.chunk``'s blocks: an
+    uneven vocabulary is fine), the same block a column-parallel head of the same matrix holds. The input ids are
+    whole on every rank (a plain tensor, or a global one); ids outside this rank's range look up nothing, so
+    the outputs add up to one device's. The sum is an all-reduce (every rank gets the whole output), or with
+    ``sequence_parallel`` a reduce-scatter that leaves each rank its chunk of the sequence dim, as the next
+    sequence-parallel region takes it. The weight's gradient is this rank's rows of one device's.
+
+    It is an ``nn.Embedding`` (same attributes, ``padding_idx`` handled the same: that row gets no gradient), so
+    code that looks for one finds it; ``from_embedding`` keeps a subclass's own forward around the lookup (a
+    scaled embedding's ``* embed_scale``).
+
+    Args:
+        num_embeddings: the vocabulary's size over all ranks.
+        embedding_dim: the size of each embedding vector.
+        padding_idx: an id whose row gets no gradient (as ``nn.Embedding``'s; negative counts from the end).
+        placement: the ranks the rows are split over (``tpf.placement``); on a 2-D placement the last axis is
+            tensor parallel and the others hold copies.
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of all-reducing it (default
+            False); the sequence must split evenly over the ranks.
+        sequence_dim: the sequence dim of the output: 0 (default, ``[seq, batch, hidden]``) or 1 (``[batch,
+            seq, hidden]``).
+        device: where the parameters are made (default: the placement's device).
+        dtype: the weight's dtype (default: torch's default dtype).
+
+    Example::
+
+        >>> import torch
+        >>> import tpflow as tpf
+        >>> from tpflow.layers import VocabParallelEmbedding
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                        # the same weights on every rank
+        >>> emb = VocabParallelEmbedding(101, 16, placement=P)
+        >>> emb.weight.shape, emb.weight.to_local().shape   # rank 0 holds ids [0, 51), rank 1 [51, 101)
+        (torch.Size([101, 16]), torch.Size([51, 16]))
+        >>> emb(torch.tensor([[0, 100, 50]])).shape         # the whole output on every rank
+        torch.Size([1, 3, 16])
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 placement: Placement, sequence_parallel: bool = False, sequence_dim: int = 0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        ShardedModule.__init__(self, placement, device)
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"sequence_dim must be 0 ([seq, batch, hidden]) or 1 ([batch, seq, hidden]), got "
+                             f"{sequence_dim!r}")
+        if num_embeddings < self._tp_size:
+            raise ValueError(f"a vocabulary of {num_embeddings} rows over {self._tp_size} ranks leaves some rank no "
+                             f"rows: use at most {num_embeddings} tensor-parallel ranks")
+        full = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device or placement.device,
+                            dtype=dtype)  # nn.Embedding's init and RNG use, and its padding_idx rules
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, full.padding_idx
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.weight = self._parameter(full.weight, self._axes(split(0)))
+
+    @classmethod
+    def from_embedding(cls, module: nn.Embedding, *, placement: Placement, **options) -> VocabParallelEmbedding:
+        """This layer holding ``module``'s values (each rank keeps its rows; no RNG is drawn).
+
+        A subclass of ``nn.Embedding`` (a scaled embedding) becomes a subclass of both, whose own forward runs
+        around this layer's lookup, with its buffers and attributes kept.
+
+        Args:
+            module: the ``nn.Embedding`` to convert (left unchanged); ``max_norm``, ``scale_grad_by_freq`` and
+                ``sparse`` are refused, since each needs the whole table.
+            placement: the ranks the rows are split over.
+            options: ``sequence_parallel``, ``sequence_dim``.
+
+        Returns:
+            The vocabulary-parallel embedding.
+
+        Example::
+
+            >>> emb = VocabParallelEmbedding.from_embedding(nn.Embedding(101, 16), placement=P)  # doctest: +SKIP
+        """
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"from_embedding takes an nn.Embedding, got {type(module).__name__}")
+        for name, plain in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+            if getattr(module, name) != plain:
+                raise ValueError(f"{type(module).__name__} has {name}={getattr(module, name)!r}, which needs the whole "
+                                 f"table on one rank: a vocabulary-parallel embedding takes {name}={plain!r}")
+        kind = cls if type(module) is nn.Embedding else \
+            type(f"VocabParallel{type(module).__name__}", (type(module), cls), {})
+        layer = kind.__new__(kind)
+        with torch.random.fork_rng(devices=[placement.device] if placement.type == "cuda" else []):
+            cls.__init__(layer, module.num_embeddings, module.embedding_dim, module.padding_idx, placement=placement,
+                         dtype=module.weight.dtype, **options)
+        for name, value in vars(module).items():  # a subclass's own attributes (embed_scale's float)
+            if not name.startswith("_") and name not in vars(layer):
+                setattr(layer, name, value)
+        for name, buffer in module.named_buffers(recurse=False):
+            layer.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+        layer.weight = layer._parameter(module.weight, layer._axes(split(0)))
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(ids, DTensor):
+            ids = ids.full_tensor()
+        if self._tp_rank is None:
+            raise ValueError(f"VocabParallelEmbedding: this rank is not in its placement {self.placement.ranks}")
+        bad = (ids < 0) | (ids >= self.num_embeddings)
+        if ids.is_cuda:
+            torch._assert_async(~bad.any(), "VocabParallelEmbedding: an id is outside [0, num_embeddings)")
+        elif bad.any():
+            raise IndexError(f"id {ids[bad][0].item()} is outside the vocabulary [0, {self.num_embeddings})")
+        (weight,) = self._local_blocks((self.weight,), (True,) * (self.placement.ndim - 1))
+        if self._group is None:
+            return tag(F.embedding(ids, weight, self.padding_idx), WHOLE)
+        start, end = self.local_range(self.num_embeddings)
+        outside = (ids < start) | (ids >= end)
+        pad = self.padding_idx - start if self.padding_idx is not None and start <= self.padding_idx < end else None
+        y = F.embedding((ids - start).masked_fill(outside, 0), weight, pad).masked_fill(outside[..., None], 0)
+        if self.sequence_parallel:
+            if y.shape[self.sequence_dim] % self._tp_size:
+                raise ValueError(f"sequence parallelism splits dim {self.sequence_dim} ({y.shape[self.sequence_dim]} "
+                                 f"tokens) over {self._tp_size} ranks: pad the sequence to a multiple of "
+                                 f"{self._tp_size}")
+            return tag(comm.reduce_chunk(y, self.sequence_dim, self._group), SPLIT)
+        return tag(comm.reduce(y, self._group), WHOLE)
+
+    def extra_repr(self) -> str:
+        where = "not on this rank" if self._tp_rank is None else \
+            f"rows {list(self.local_range(self.num_embeddings))} of {self.num_embeddings} on this rank"
+        return (f"{self.num_embeddings}, {self.embedding_dim}"
+                + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}")
+                + f", placement={self.placement.type}:{self.placement.ranks}, {where}"
+                + (f", sequence_parallel (dim {self.sequence_dim})" if self.sequence_parallel else ""))
+
+
+def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.Linear, target: torch.Tensor, *,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+                         chunk: int = 1024) -> torch.Tensor:
+    """``F.cross_entropy(head(hidden), target)`` without the logits: the head's product and the loss computed
+    ``chunk`` tokens at a time, the vocabulary split over the head's ranks, so no rank ever holds more than
+    ``[chunk, V / W]`` of logits (``tpflow.ops.linear_cross_entropy``).
+
+    The gradients of ``hidden`` and of the head's parameters are computed in the forward, while each chunk's
+    logits exist, and scaled by the loss's gradient in the backward.
+
+    Args:
+        hidden: ``[..., H]``, the head's input, whole on every rank of the head's placement (plain).
+        head: a ``ColumnParallelLinear`` (its weight split over the vocabulary; not sequence parallel) or, on one
+            device, an ``nn.Linear``.
+        target: ``[...]``, class indices in ``[0, V)`` or ``ignore_index``.
+        ignore_index, label_smoothing: as ``F.cross_entropy``'s.
+        reduction: ``"mean"`` over the counted tokens, or ``"sum"``.
+        chunk: tokens whose logits are made at once.
+
+    Returns:
+        The loss (a plain scalar, the same on every rank of the head's placement), in ``hidden``'s dtype.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> hidden = model.model(ids).last_hidden_state[:, :-1]                # doctest: +SKIP
+        >>> loss = tpf.linear_cross_entropy(hidden, model.lm_head, ids[:, 1:])   # doctest: +SKIP
+        >>> loss.backward()                                                    # doctest: +SKIP
+    """
+    if isinstance(hidden, DTensor):
+        raise TypeError("linear_cross_entropy takes the hidden states as a plain tensor, whole on every rank")
+    if isinstance(head, ColumnParallelLinear):
+        if head.sequence_parallel or head.gather_output or head.fused_group is not None:
+            raise ValueError(f"{head.label}: linear_cross_entropy computes the head itself from whole hidden states: "
+                             f"build it without sequence_parallel, gather_output or fusing")
+        weight, bias = head.local_blocks((True,) * (head.placement.ndim - 1))
+        start, group, classes = head.local_range(head.out_features)[0], head.group, head.out_features
+    elif isinstance(head, nn.Linear):
+        weight, bias, start, group, classes = head.weight, head.bias, 0, None, head.out_features
+    else:
+        raise TypeError(f"head must be a ColumnParallelLinear or an nn.Linear, got {type(head).__name__}")
+    if target.shape != hidden.shape[:-1]:
+        raise ValueError(f"target {tuple(target.shape)} must have hidden's shape without its last dim "
+                         f"{tuple(hidden.shape[:-1])}")
+    return ops_ce.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1),
+                                       start=start, classes=classes, group=group, ignore_index=ignore_index,
+                                       label_smoothing=label_smoothing, reduction=reduction, chunk=chunk)

@@ -1,0 +1,82 @@
+"""What a model needs around a head whose logits are split over the vocabulary, so that its own code runs.
+
+- Its loss: after the head runs inside the model's forward, ``F.cross_entropy`` is routed to the
+  vocabulary-parallel loss (``tpf.vocab_parallel_loss()``) until the forward returns, so a Hugging Face model's
+  ``labels=`` loss never gathers the logits. Only that stretch runs under the mode: the layers before the head
+  pay nothing for it.
+- Its ``generate``: decoding picks tokens from whole logits (argmax, sampling, processors written for plain
+  tensors), so while the model's own ``generate`` runs, the heads gather their logits (``[batch, 1, V]`` a step).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tpflow.global_tensor import vocab_parallel_loss
+from tpflow.layers import ColumnParallelLinear
+
+__all__ = ["route_loss"]
+
+_STATE = "_tpflow_logits"
+
+
+class _Logits:
+    """The hooks of one model: the loss's mode entered after a head, left when the model's forward ends."""
+
+    def __init__(self, model: nn.Module, heads: Sequence[ColumnParallelLinear]) -> None:
+        self.heads, self.depth, self.mode = list(heads), 0, None
+        model.register_forward_pre_hook(self.enter)
+        model.register_forward_hook(self.leave, always_call=True)
+        for head in self.heads:
+            head.register_forward_hook(self.after_head)
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self.depth += 1
+
+    def after_head(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.depth and self.mode is None and not torch.compiler.is_compiling():
+            self.mode = vocab_parallel_loss()
+            self.mode.__enter__()
+
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.depth -= 1
+        if not self.depth and self.mode is not None:
+            mode, self.mode = self.mode, None
+            mode.__exit__(None, None, None)
+
+
+def _generate(model: nn.Module, *args, **kwargs):
+    """The model's own ``generate``, its heads gathering whole logits meanwhile."""
+    heads = getattr(model, _STATE).heads
+    before = [head.gather_output for head in heads]
+    for head in heads:
+        head.gather_output = True
+    try:
+        return type(model).generate(model, *args, **kwargs)
+    finally:
+        for head, gather in zip(heads, before):
+            head.gather_output = gather
+
+
+def route_loss(model: nn.Module, heads: Sequence[ColumnParallelLinear]) -> None:
+    """Hook ``model`` so that its own loss code runs vocabulary-parallel on ``heads``' logits, and its own
+    ``generate`` (if it has one) decodes from whole logits.
+
+    Args:
+        model: the model whose forward calls the heads and computes the loss (changed in place; once).
+        heads: its ``ColumnParallelLinear(global_output=True)`` heads.
+
+    Example::
+
+        >>> route_loss(model, [model.lm_head])  # what parallelize does for a "vocab" head  # doctest: +SKIP
+    """
+    if hasattr(model, _STATE):
+        getattr(model, _STATE).heads.extend(h for h in heads if h not in getattr(model, _STATE).heads)
+        return
+    setattr(model, _STATE, _Logits(model, heads))
+    if callable(getattr(type(model), "generate", None)):
+        model.generate = types.MethodType(_generate, model)  # the instance's: a copy rebinds it to the copy
