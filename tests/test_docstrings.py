@@ -13,7 +13,8 @@ import pytest
 
 import tpflow
 
-SKIP = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles"}  # need triton: checked if present
+# need triton: checked if present
+SKIP = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles"}
 
 
 def _modules():

@@ -102,6 +102,11 @@ def _auto_rank():
         assert all(isinstance(p, DTensor) for p in model.parameters())
         if W > 2:  # fewer key/value heads than ranks: k / v stay whole, each rank keeps its head
             assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == ref.config.tie_word_embeddings, kind
+        out = model(ids, labels=ids)  # the vocabulary split: no rank holds [tokens, V], nor does the loss gather it
+        start, end = tpf.comm.bounds(VOCAB, W)[dist.get_rank()]
+        assert isinstance(out.logits, DTensor) and out.logits.to_local().shape == (2, 8, end - start), kind
+        assert type(out.loss.grad_fn).__name__ == "_VocabParallelCEBackward", kind
         _check(kind, ref, model, ids)
 
 
@@ -126,7 +131,7 @@ def _explicit_rank():
 def _sequence_parallel_rank():
     W = dist.get_world_size()
     ids = torch.randint(0, VOCAB, (2, 4 * W), generator=torch.Generator().manual_seed(1))
-    for kind in ("llama", "qwen2", "qwen3"):
+    for kind in ("llama", "qwen2", "qwen3", "gemma2"):  # gemma2: its tied embedding and head split too
         ref = tiny(kind, kv_heads=4)
         model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=tpf.hf_plan(ref, sequence_parallel=True))
         assert model.model.layers[0].mlp.down_proj.sequence_dim == 1

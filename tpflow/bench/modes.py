@@ -140,7 +140,7 @@ def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
     _check_heads(w, ctx.world)
     minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
     hf = isinstance(w.model, CausalLMLoss)  # the model's own plan, its head included
-    minimum += _head_bytes(w, ctx.world) if hf else 0
+    minimum += _head_bytes(w, ctx.world, vocab_parallel=True) if hf else 0
     model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)),
                             plan="auto" if hf else _tpflow_plan(w))
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
@@ -157,15 +157,18 @@ def _tpflow_plan(w: Workload, sequence_parallel: bool = False, algo: str = "auto
     return {pattern: styles[kind] for pattern, kind in w.plan.items()}
 
 
-def _head_bytes(w: Workload, tp: int, embedding: bool = False) -> int:
-    """The hf workload's layers beyond the plan's: the head, column-parallel with its logits gathered (its input
-    gradient all-reduced, the gathered logits forward); with ``embedding``, a vocabulary-parallel embedding's
-    output all-reduced (transformers' own plan)."""
+def _head_bytes(w: Workload, tp: int, vocab_parallel: bool) -> int:
+    """The hf workload's layers beyond the plan's: the vocabulary-parallel embedding's output all-reduced, the
+    column-parallel head's input gradient all-reduced, and its logits gathered (transformers' own plan,
+    ``colwise_gather_output``) or, ``vocab_parallel``, only each token's four loss statistics all-gathered in fp32
+    (tpflow's, ``tpflow.ops.cross_entropy``)."""
     lm = w.model.lm
     tokens, dim, vocab = w.tokens, lm.config.hidden_size, lm.config.vocab_size
     elem = next(lm.parameters()).element_size()
-    total = ring_bytes(tokens * dim * elem, tp, 2) + ring_bytes(tokens * vocab * elem, tp, 1)
-    return total + (ring_bytes(tokens * dim * elem, tp, 2) if embedding else 0)
+    total = 2 * ring_bytes(tokens * dim * elem, tp, 2)
+    if vocab_parallel:  # HF's loss takes logits.float(): the statistics are fp32 (fp64 for an fp64 model)
+        return total + ring_bytes(tp * 4 * tokens * max(elem, 4), tp, 1)
+    return total + ring_bytes(tokens * vocab * elem, tp, 1)
 
 
 def tensor_transformers(w: Workload, ctx: Context) -> Trainer:
@@ -185,7 +188,7 @@ def tensor_transformers(w: Workload, ctx: Context) -> Trainer:
     dtype = next(w.model.parameters()).dtype
     lm = AutoModelForCausalLM.from_pretrained(holder[0], tp_plan="auto", dtype=dtype)
     model = CausalLMLoss(lm)
-    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _head_bytes(w, ctx.world, True)
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _head_bytes(w, ctx.world, False)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
     step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
     return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))

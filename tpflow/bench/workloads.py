@@ -204,7 +204,8 @@ MLP_PLAN = {"*.fc1": "column", "*.fc2": "row"}
 class CausalLMLoss(nn.Module):
     """A Hugging Face causal LM as the harness trains it: token ids in, the model's own ``labels=`` loss out.
 
-    ``tp_plan`` is the model's own plan under this module's prefix, so ``parallelize(..., plan="auto")`` takes it.
+    ``tp_plan`` is the model's own plan under this module's prefix, and its embeddings are the model's, so
+    ``parallelize(..., plan="auto")`` takes it as it takes the model.
 
     Args:
         lm: a transformers causal LM (``AutoModelForCausalLM``).
@@ -221,6 +222,12 @@ class CausalLMLoss(nn.Module):
     @property
     def tp_plan(self) -> dict[str, str]:
         return {f"lm.{k}": v for k, v in self.lm.tp_plan.items()}
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.lm.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(ids, labels=ids).loss

@@ -21,5 +21,5 @@ from tpflow.global_tensor.gradients import clip_grad_norm_
 from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
 
-__all__ = ["clip_grad_norm_", "cross_entropy", "from_local", "full", "get_placement", "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor",
-           "to_global", "to_local", "vocab_parallel_loss", "zeros"]
+__all__ = ["clip_grad_norm_", "cross_entropy", "from_local", "full", "get_placement", "get_sbp", "gradients", "matmul",
+           "ones", "rand", "randn", "tensor", "to_global", "to_local", "vocab_parallel_loss", "zeros"]

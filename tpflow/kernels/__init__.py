@@ -3,7 +3,8 @@
 Every local product of a global tensor or a layer goes through ``matmul`` or ``linear``: on CUDA
 tensors tpflow's Triton kernels (``tiles``, picked and launched by ``launcher``, tuned by
 ``tuning``), on CPU tensors torch unless the ``kernels`` switch asks for the kernels through Triton's
-interpreter. ``cross_entropy`` (kernels in ``loss_tiles``) is a rank's half of a loss over split classes. ``epilogue`` holds the fused epilogue's math in torch. The collectives that combine
+interpreter. ``epilogue`` holds the fused epilogue's math in torch. ``cross_entropy`` (its kernels in
+``loss_tiles``) is one rank's half of a loss over classes split across ranks. The collectives that combine
 these kernels with communication are in ``tpflow.ops``.
 """
 

@@ -95,7 +95,8 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
         self.sequence_parallel = sequence_parallel
         self.label = f"{type(self).__name__}({in_features}, {out_features})"  # parallelize() names it by its path
         self._told = False  # whether the replicated modules behind a split input were told (regions.reads_split)
-        full = nn.Linear(in_features, out_features, bias, device=device or placement.device, dtype=dtype)  # nn.Linear's init and RNG use
+        # nn.Linear's init and RNG use
+        full = nn.Linear(in_features, out_features, bias, device=device or placement.device, dtype=dtype)
         self._adopt(full.weight, full.bias)
 
     # layouts

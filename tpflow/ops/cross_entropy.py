@@ -69,12 +69,12 @@ def _reduce(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Te
     return loss.sum() if reduction == "sum" else loss.sum() / valid.sum()  # all ignored: 0 / 0 = nan, as torch
 
 
-def _row_scale(grad: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Each row's factor in the gradient: the loss's gradient, over the counted rows for a mean."""
-    scale = grad if reduction == "none" else grad.expand(valid.shape)
+def _row_scale(grad: torch.Tensor, valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's factor in the gradient, in ``dtype``: the loss's gradient, over the counted rows for a mean."""
+    scale = (grad if reduction == "none" else grad.expand(valid.shape)).to(dtype)
     if reduction == "mean":
         scale = scale / valid.sum()
-    return torch.where(valid, scale, 0.0).float()
+    return torch.where(valid, scale, 0.0)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -92,7 +92,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad):
         logits, target, lse = ctx.saved_tensors
         start, classes, ignore_index, smoothing, reduction = ctx.args
-        scale = _row_scale(grad, target != ignore_index, reduction)
+        scale = _row_scale(grad, target != ignore_index, reduction, lse.dtype)
         return logit_grad(logits, target, start, lse, scale, smoothing, classes), *(None,) * 7
 
 
@@ -145,8 +145,10 @@ class _LinearCE(torch.autograd.Function):
             lse, picked, total = _combine(logit_stats(logits, t, start, smoothing > 0), group)
             losses.append(_row_loss(lse, picked, total, valid[first:first + chunk], smoothing, classes))
             if any(needs):
-                scale = torch.where(valid[first:first + chunk], 1.0 / count if reduction == "mean" else 1.0, 0.0)
-                g = logit_grad(logits, t, start, lse, scale.float(), smoothing, classes, out=logits)
+                scale = valid[first:first + chunk].to(lse.dtype)
+                if reduction == "mean":
+                    scale = scale / count
+                g = logit_grad(logits, t, start, lse, scale, smoothing, classes, out=logits)
                 if dh is not None:
                     matmul(g, weight, out=dh[first:first + chunk])
                 if dw is not None:

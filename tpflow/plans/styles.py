@@ -222,8 +222,8 @@ class VocabParallel:
     Example::
 
         >>> import tpflow as tpf
-        >>> tpf.parallelize(model, placement=P, plan={"model.embed_tokens": "vocab", "lm_head": "vocab",  # doctest: +SKIP
-        ...                                          "*.q_proj": "column", "*.o_proj": "row"})
+        >>> plan = {"model.embed_tokens": "vocab", "lm_head": "vocab", "*.q_proj": "column", "*.o_proj": "row"}
+        >>> tpf.parallelize(model, placement=P, plan=plan)  # doctest: +SKIP
     """
 
     sequence_parallel: bool = False
