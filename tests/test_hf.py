@@ -5,6 +5,7 @@ with torch's clip_grad_norm_, replicated copies bit-identical over the ranks, an
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -203,3 +204,49 @@ def _autocast_and_checkpointing_rank():
 
 def test_autocast_and_gradient_checkpointing():
     harness.run(2, _autocast_and_checkpointing_rank, timeout=300)
+
+
+def _loading_rank():
+    """Built under meta_parameters, parallelized, filled by load_safetensors from a directory as save_pretrained
+    writes it (sharded files and their index, a tied head saved under the embedding's name): bit for bit the
+    regular from_pretrained + parallelize, on every rank; a plain model (nothing parallelized) loads too."""
+    import tempfile
+
+    P = _world()
+    for kind in ("llama", "gemma2"):
+        folder = [tempfile.mkdtemp(prefix="tpflow-load-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(folder)
+        ref = tiny(kind).float()
+        if dist.get_rank() == 0:
+            ref.save_pretrained(folder[0], max_shard_size="50KB")
+        dist.barrier()
+        regular = tpf.parallelize(transformers.AutoModelForCausalLM.from_pretrained(folder[0]), placement=P,
+                                  plan="auto")
+        with tpf.meta_parameters():
+            model = transformers.AutoModelForCausalLM.from_config(ref.config)
+        assert all(p.is_meta for p in model.parameters()) and not model.model.rotary_emb.inv_freq.is_meta
+        tpf.parallelize(model, placement=P, plan="auto")
+        tpf.load_safetensors(model, folder[0])
+        ours, theirs = model.state_dict(), regular.state_dict()
+        assert ours.keys() == theirs.keys()
+        for name, value in ours.items():
+            mine, want = value.to_local(), theirs[name].to_local()
+            assert mine.dtype == want.dtype and torch.equal(mine, want), f"{kind}: {name} differs from the regular load"
+        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(model(ids, labels=ids).loss, regular(ids, labels=ids).loss)
+        with tpf.meta_parameters():
+            plain = transformers.AutoModelForCausalLM.from_config(ref.config)
+        tpf.load_safetensors(plain, folder[0])
+        assert (plain.lm_head.weight is plain.model.embed_tokens.weight) == ref.config.tie_word_embeddings
+        for (name, p), p_ref in zip(plain.named_parameters(), ref.parameters()):
+            assert torch.equal(p, p_ref), f"{kind}: {name} of the plain model"
+    with pytest.raises(KeyError, match=r"has no tensor for \[.*\] \(\d+ in all\): is it this model's\?"):
+        with tpf.meta_parameters():
+            llama = transformers.AutoModelForCausalLM.from_config(tiny("llama").config)
+        tpf.load_safetensors(llama, [f"{folder[0]}/{n}" for n in sorted(os.listdir(folder[0]))
+                                      if n.endswith(".safetensors")])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_meta_load_reads_only_its_blocks(world):
+    harness.run(world, _loading_rank, timeout=300)

@@ -27,6 +27,7 @@ else:  # CPU installs without triton run the torch references
 __all__ = ["logit_grad", "logit_grad_ref", "logit_stats", "logit_stats_ref"]
 
 _BLOCK = 4096  # classes a program reads at once
+_REF_ROWS = 1 << 22  # elements of the torch reference's exp buffer
 
 
 def _block(classes: int) -> int:
@@ -61,7 +62,8 @@ def logit_stats_ref(logits: torch.Tensor, target: torch.Tensor, start: int, smoo
     if classes == 0:  # a rank holding no classes: exp sums to 0 under a max of -inf
         return torch.stack([x.new_full((rows,), float("-inf")), *x.new_zeros((3, rows))])
     m = x.amax(1)
-    s = torch.exp(x - m[:, None]).sum(1)
+    s = torch.cat([(part - top[:, None]).exp_().sum(1)  # in row blocks: a bounded buffer, as the kernel needs none
+                   for part, top in zip(x.split(_REF_ROWS // classes + 1), m.split(_REF_ROWS // classes + 1))])
     local = target - start
     here = (local >= 0) & (local < classes)
     picked = x.gather(1, local.clamp(0, classes - 1)[:, None]).squeeze(1) * here
@@ -117,7 +119,10 @@ def logit_grad_ref(logits: torch.Tensor, target: torch.Tensor, start: int, lse: 
         tensor([[-0.7500,  0.2500,  0.2500,  0.2500]])
     """
     wide = torch.promote_types(logits.dtype, torch.float32)
-    g = torch.exp(logits.to(wide) - lse[:, None].to(wide))
+    if out is logits and logits.dtype == wide:  # over the logits themselves: no buffer at all
+        g = logits.sub_(lse[:, None].to(wide)).exp_()
+    else:  # one block-sized buffer, then in place
+        g = (logits.to(wide) - lse[:, None].to(wide)).exp_()
     if smoothing:
         g -= smoothing / classes
     local = target - start
@@ -125,8 +130,10 @@ def logit_grad_ref(logits: torch.Tensor, target: torch.Tensor, start: int, lse: 
     if logits.shape[1]:
         g.scatter_add_(1, local.clamp(0, logits.shape[1] - 1)[:, None],
                        -(1.0 - smoothing) * here[:, None].to(wide))
-    g = torch.where(scale[:, None] == 0, 0.0, g * scale[:, None].to(wide))
-    return g.to(logits.dtype) if out is None else out.copy_(g)
+    g.mul_(scale[:, None].to(wide)).masked_fill_(scale[:, None] == 0, 0.0)
+    if out is None:
+        return g.to(logits.dtype)
+    return g if g is out else out.copy_(g)
 
 
 def logit_grad(logits: torch.Tensor, target: torch.Tensor, start: int, lse: torch.Tensor, scale: torch.Tensor,

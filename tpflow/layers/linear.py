@@ -218,7 +218,9 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
     def from_linear(cls, module: nn.Linear, *, placement: Placement, **options) -> ParallelLinear:
         """This layer holding ``module``'s values (each rank keeps its block; no RNG is drawn).
 
-        Every rank must pass the same values (build or load the model the same on every rank); along the
+        A module on the meta device (``tpf.meta_parameters()``) gives this rank's blocks allocated and not
+        initialised, for ``tpf.load_safetensors`` to fill. Every rank must pass the same values (build or load the
+        model the same on every rank); along the
         data-parallel axes of a 2-D placement the copies are taken from each axis' first rank.
 
         Args:
@@ -235,9 +237,8 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
         """
         if not isinstance(module, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(module).__name__}")
-        with torch.random.fork_rng(devices=[placement.device] if placement.type == "cuda" else []):
-            layer = cls(module.in_features, module.out_features, module.bias is not None, placement=placement,
-                        dtype=module.weight.dtype, **options)
+        layer = cls(module.in_features, module.out_features, module.bias is not None, placement=placement,
+                    dtype=module.weight.dtype, device="meta", **options)  # no whole init, no RNG drawn
         layer._adopt(module.weight, module.bias)
         return layer
 

@@ -94,8 +94,12 @@ def _summed(g: torch.Tensor, group) -> torch.Tensor:
 
 
 def _global(value: torch.Tensor, placement: Placement) -> DTensor:
-    """``value`` broadcast over ``placement``, each copy taken from the first rank of its axis."""
+    """``value`` broadcast over ``placement``, each copy taken from the first rank of its axis (a meta value: a copy
+    allocated and not initialised, for a checkpoint to fill)."""
     sbp = (broadcast,) * placement.ndim
+    if value.is_meta:
+        empty = torch.empty(value.shape, dtype=value.dtype, device=placement.device)
+        return from_local(empty, placement, sbp, shape=value.shape, sync_data=False)
     return from_local(value.detach().to(placement.device), placement, sbp, shape=value.shape, sync_data=True)
 
 

@@ -17,7 +17,7 @@ from tpflow import comm
 from tpflow.global_tensor import from_local, get_sbp, gradients, tensor
 from tpflow.layers.blocks import LocalBlocks
 from tpflow.placement import Placement, placement_of_mesh
-from tpflow.sbp import Sbp, broadcast
+from tpflow.sbp import Sbp, broadcast, local_region
 
 __all__ = ["ShardedModule"]
 
@@ -38,7 +38,8 @@ class ShardedModule(nn.Module):
     Args:
         placement: the ranks the parameters live on (``tpf.placement``), 1-D or 2-D.
         device: where the parameters are made (default: the placement's device); its type must be the
-            placement's.
+            placement's, or ``"meta"``: this rank's blocks are allocated on the placement's device but not
+            initialised, for a checkpoint to fill (``tpf.load_safetensors``); no whole value is ever made.
 
     Example::
 
@@ -54,8 +55,9 @@ class ShardedModule(nn.Module):
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
         device = torch.device(device) if device is not None else placement.device
-        if device.type != placement.type:
-            raise ValueError(f"device {device} does not match the placement's type {placement.type!r}")
+        if device.type not in (placement.type, "meta"):
+            raise ValueError(f"device {device} does not match the placement's type {placement.type!r} (or 'meta': "
+                             f"blocks to be loaded)")
         self.placement = placement
         coord = placement.coordinate()
         self._tp_size, self._tp_rank = placement.hierarchy[-1], None if coord is None else coord[-1]
@@ -67,10 +69,16 @@ class ShardedModule(nn.Module):
 
     def _parameter(self, value: torch.Tensor, sbp: tuple[Sbp, ...]) -> nn.Parameter:
         """A parameter holding whole ``value`` laid out as ``sbp``: each rank keeps its block, and copies along
-        broadcast axes are taken from the axis' first rank, so replicas agree even if ranks' values differ."""
+        broadcast axes are taken from the axis' first rank, so replicas agree even if ranks' values differ. A meta
+        ``value`` gives this rank's block allocated and not initialised (a checkpoint fills it)."""
         pl = self.placement
-        block = tensor(value.detach().to(pl.device), placement=pl, sbp=sbp).to_local()
-        synced = from_local(block, pl, sbp, shape=value.shape, sync_data=True).detach()
+        if value.is_meta:
+            coord = pl.coordinate()
+            shape = (0,) if coord is None else local_region(value.shape, sbp, pl.hierarchy, coord)[1]
+            block = torch.empty(shape, dtype=value.dtype, device=pl.device)
+        else:
+            block = tensor(value.detach().to(pl.device), placement=pl, sbp=sbp).to_local()
+        synced = from_local(block, pl, sbp, shape=value.shape, sync_data=not value.is_meta).detach()
         return gradients.adopt(nn.Parameter(synced, requires_grad=value.requires_grad))
 
     def _find_group(self) -> dist.ProcessGroup | None:

@@ -91,7 +91,8 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
     def from_embedding(cls, module: nn.Embedding, *, placement: Placement, **options) -> VocabParallelEmbedding:
         """This layer holding ``module``'s values (each rank keeps its rows; no RNG is drawn).
 
-        A subclass of ``nn.Embedding`` (a scaled embedding) becomes a subclass of both, whose own forward runs
+        A module on the meta device gives this rank's rows allocated and not initialised (for
+        ``tpf.load_safetensors``). A subclass of ``nn.Embedding`` (a scaled embedding) becomes a subclass of both, whose own forward runs
         around this layer's lookup, with its buffers and attributes kept.
 
         Args:
@@ -116,9 +117,8 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         kind = cls if type(module) is nn.Embedding else \
             type(f"VocabParallel{type(module).__name__}", (type(module), cls), {})
         layer = kind.__new__(kind)
-        with torch.random.fork_rng(devices=[placement.device] if placement.type == "cuda" else []):
-            cls.__init__(layer, module.num_embeddings, module.embedding_dim, module.padding_idx, placement=placement,
-                         dtype=module.weight.dtype, **options)
+        cls.__init__(layer, module.num_embeddings, module.embedding_dim, module.padding_idx, placement=placement,
+                     dtype=module.weight.dtype, device="meta", **options)  # no whole init, no RNG drawn
         for name, value in vars(module).items():  # a subclass's own attributes (embed_scale's float)
             if not name.startswith("_") and name not in vars(layer):
                 setattr(layer, name, value)
@@ -163,7 +163,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
 
 def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.Linear, target: torch.Tensor, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-                         chunk: int = 1024) -> torch.Tensor:
+                         chunk: int = 256) -> torch.Tensor:
     """``F.cross_entropy(head(hidden), target)`` without the logits: the head's product and the loss computed
     ``chunk`` tokens at a time, the vocabulary split over the head's ranks, so no rank ever holds more than
     ``[chunk, V / W]`` of logits (``tpflow.ops.linear_cross_entropy``).

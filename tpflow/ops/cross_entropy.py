@@ -170,7 +170,7 @@ class _LinearCE(torch.autograd.Function):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          target: torch.Tensor, *, start: int, classes: int, group: dist.ProcessGroup | None,
                          ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-                         chunk: int = 1024) -> torch.Tensor:
+                         chunk: int = 256) -> torch.Tensor:
     """``cross_entropy(hidden @ W.T + b, target)`` for a head whose rows (the classes) are split over ``group``,
     computed ``chunk`` rows at a time so that the logits never exist beyond ``[chunk, block]``.
 

@@ -1,0 +1,168 @@
+"""Loading a model at scale: built without its values, parallelized, then each rank reads only its blocks.
+
+    with tpf.meta_parameters():                      # parameters on the meta device: no memory, no init
+        model = AutoModelForCausalLM.from_config(config)
+    tpf.parallelize(model, placement=P, plan="auto")  # each rank allocates its blocks, uninitialised
+    tpf.load_safetensors(model, "path/to/model")     # each rank reads its slices of each tensor
+
+A rank's host memory then holds its blocks and the whole replicated parameters (norms), about 1/W of the
+model, where building the whole model on every rank first holds W whole copies on a node. The safetensors
+files are memory-mapped and each block is read as a slice (``safe_open(...).get_slice``); the values are the
+file's, bit for bit, as the regular load gives them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpflow.global_tensor.blocks import get_placement, get_sbp
+from tpflow.sbp import local_region
+
+__all__ = ["load_safetensors", "meta_parameters"]
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """A context manager under which modules are built with their parameters on the meta device (no memory, no
+    initialisation) and their buffers where they would be (a rotary embedding's frequencies, computed as usual).
+
+    Parameters made in the block are moved to meta as they are registered, before a module initialises them, so
+    their host memory is never touched. ``parallelize`` then allocates each rank's blocks (uninitialised) and
+    ``load_safetensors`` fills them.
+
+    Returns:
+        The context manager.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from torch import nn
+        >>> with tpf.meta_parameters():
+        ...     layer = nn.Linear(4096, 4096)
+        >>> layer.weight.device
+        device(type='meta')
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            kept = module._parameters[name]
+            module._parameters[name] = type(kept)(kept.to("meta"), requires_grad=kept.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """The safetensors files of ``path``: a file, a list of files, or a directory as ``from_pretrained`` reads one
+    (``model.safetensors``, or the shards its ``model.safetensors.index.json`` lists, or every ``*.safetensors``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return [os.fspath(p) for p in path]
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no .safetensors file in {path}")
+    return found
+
+
+def _tensors(model: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, list[tuple[nn.Module, str]]]]:
+    """Every parameter and persistent buffer of ``model`` once (a tied one under all its names), with the modules
+    and attribute names that hold it."""
+    found: dict[int, tuple[list[str], torch.Tensor, list[tuple[nn.Module, str]]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        owned = [(n, t) for n, t in module._parameters.items() if t is not None]
+        owned += [(n, t) for n, t in module._buffers.items() if t is not None and n not in
+                  module._non_persistent_buffers_set]
+        for attr, t in owned:
+            names, _, owners = found.setdefault(id(t), ([], t, []))
+            names.append(f"{prefix}.{attr}" if prefix else attr)
+            owners.append((module, attr))
+    return found
+
+
+def _read(handle, key: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``t`` read from the file's tensor ``key``: only its slices, for a global tensor."""
+    if not isinstance(t, DTensor):
+        return handle.get_tensor(key)
+    sliced = handle.get_slice(key)
+    if tuple(sliced.get_shape()) != tuple(t.shape):
+        raise ValueError(f"{key!r} is {tuple(sliced.get_shape())} in the checkpoint but {tuple(t.shape)} in the model")
+    pl = get_placement(t)
+    offsets, lengths = local_region(t.shape, get_sbp(t), pl.hierarchy, pl.coordinate())
+    return sliced[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | os.PathLike]) -> nn.Module:
+    """Fill ``model``'s parameters and persistent buffers from safetensors files, each rank reading only its
+    blocks of each global tensor.
+
+    Made for a model built under ``tpf.meta_parameters()`` and parallelized (its blocks allocated, not
+    initialised), so that no rank ever holds the whole model; it loads any model whose names match the files'
+    (a plain one, a parallelized one). A tied parameter is read once, under whichever of its names the files have
+    (Hugging Face saves a tied head under the embedding's name only). The values are cast to the parameters'
+    dtypes, and otherwise are the file's, bit for bit.
+
+    Args:
+        model: the model to fill, in place; its ``named_parameters`` / ``named_buffers`` names are the files' keys.
+        path: a ``.safetensors`` file, a list of them, or a directory as ``from_pretrained`` reads one
+            (``model.safetensors`` or the shards of ``model.safetensors.index.json``).
+
+    Returns:
+        ``model``.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> with tpf.meta_parameters():                                            # doctest: +SKIP
+        ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        >>> tpf.parallelize(model, placement=P, plan="auto")                      # doctest: +SKIP
+        >>> tpf.load_safetensors(model, path)                                     # doctest: +SKIP
+    """
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ImportError("load_safetensors needs the safetensors package: pip install safetensors") from e
+    handles = {}
+    with contextlib.ExitStack() as stack:
+        for file in _files(path):
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            handles.update(dict.fromkeys(handle.keys(), handle))
+        tensors = [(next((n for n in names if n in handles), None), names, t, owners)
+                   for names, t, owners in _tensors(model).values()]
+        missing = [names[0] for key, names, _, _ in tensors if key is None]
+        if missing:
+            where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else list(path)
+            raise KeyError(f"the checkpoint at {where} has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                           f"({len(missing)} in all): is it this model's?")
+        for key, _, t, owners in tensors:
+            if isinstance(t, DTensor) and get_placement(t).coordinate() is None:
+                continue  # a rank outside the tensor's placement holds nothing of it
+            value = _read(handles[key], key, t)
+            if isinstance(t, DTensor):
+                t.to_local().copy_(value)
+            elif t.is_meta:  # a plain parameter never allocated: it takes the file's tensor, under every name
+                loaded = value.to(t.dtype)
+                loaded = type(t)(loaded, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else loaded
+                for module, attr in owners:
+                    (module._parameters if attr in module._parameters else module._buffers)[attr] = loaded
+            else:
+                t.copy_(value)
+    return model
