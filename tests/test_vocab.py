@@ -193,6 +193,27 @@ def _tied_checks():
         tpf.parallelize(TiedLM(101, 16), placement=P, plan={"embed": "vocab", "head": "row"})
 
 
+def _two_d_checks():
+    """On a 2-D placement (data x tensor) the head's logits are a global tensor over this rank's tensor-parallel
+    ranks, and the loss and the gradients (partial sums over the data axis, here of the same data twice) are one
+    device's."""
+    P = tpf.placement("cpu", ranks=[[0, 1], [2, 3]])
+    torch.manual_seed(0)
+    ref = TiedLM(101, 16).double()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=PLAN)
+    ids, target = torch.randint(0, 101, (2, 6)), _targets((2, 6), 101, seed=3)  # the same batch on every rank
+    logits = model(ids)
+    assert tpf.get_placement(logits).ranks == [0, 1] if tpf.get_rank() < 2 else [2, 3]
+    torch.testing.assert_close(logits.full_tensor(), ref(ids), rtol=1e-12, atol=1e-12)
+    loss = tpf.cross_entropy(logits, target)
+    want = F.cross_entropy(ref(ids).flatten(0, 1), target.flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(model.embed.weight.grad.full_tensor(), 2 * ref.embed.weight.grad, rtol=1e-10,
+                               atol=1e-12)
+
+
 def _vocab_rank():
     for dtype, kernels in ((torch.float64, "torch"), (torch.float32, "triton")):
         with tpf.config.override(kernels=kernels):  # fp32 through the Triton kernels (the interpreter on CPU)
@@ -200,6 +221,8 @@ def _vocab_rank():
             _fused_checks(dtype)
     _embedding_checks()
     _tied_checks()
+    if dist.get_world_size() == 4:
+        _two_d_checks()
     with pytest.raises(ValueError, match=r"target 37 is outside the 37 classes \[0, 37\)"):
         tpf.cross_entropy(tpf.tensor(torch.zeros(2, 37), placement=_world(), sbp=tpf.sbp.split(1)),
                           torch.tensor([0, 37]))

@@ -155,6 +155,7 @@ class _LinearCE(torch.autograd.Function):
                     matmul(g.mT, h, acc=dw, out=dw)  # summed over the chunks in place
                 if db is not None:
                     db += g.sum(0, dtype=db.dtype)
+            del logits  # before the next chunk's are made: one chunk of logits alive at a time
         if dh is not None and group is not None and dist.get_world_size(group) > 1:
             comm.all_reduce(dh, group)  # each rank's classes add to every hidden state's gradient
         ctx.dtypes = hidden.dtype, weight.dtype, weight.dtype
