@@ -10,7 +10,8 @@ and ``--tokens`` hidden states (fp32), three losses:
     fused           tpf.linear_cross_entropy: the head and the loss chunk by chunk (``--chunk`` tokens)
 
 ``peak``: the most host memory a rank gains over one forward + backward of the loss (its peak resident set
-after ``/proc/self/clear_refs`` reset it, less the set before), with the head's weight frozen so that only the
+after ``/proc/self/clear_refs`` reset it, less the set before; blocks of 64 KiB or more are mapped on their own,
+so that freed memory leaves the resident set), with the head's weight frozen so that only the
 loss's memory counts (logits, softmax, their gradients; the hidden states' gradient); the most on any rank.
 ``time``: one forward + backward with the weight trained too, the median of ``--reps`` after a warm-up, on the
 slowest rank; ratios are to the gathered loss in the same run. Each run is appended to
@@ -67,6 +68,9 @@ def _heads(vocab: int, hidden: int, P) -> dict:
 
 def run(args) -> None:
     torch.set_num_threads(1)
+    # every block of 64 KiB or more mapped on its own and given back when freed, so the resident set follows the
+    # tensors alive (glibc's default raises this threshold as blocks are freed, and keeps later ones in its heap)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
     P = tpf.placement("cpu", ranks=list(range(dist.get_world_size())))
     world = dist.get_world_size()
     lines = [f"# Vocabulary-parallel loss: {world} CPU rank(s), {args.tokens} tokens, hidden {args.hidden}, fp32",
