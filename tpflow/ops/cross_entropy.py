@@ -148,13 +148,14 @@ class _LinearCE(torch.autograd.Function):
                 scale = valid[first:first + chunk].to(lse.dtype)
                 if reduction == "mean":
                     scale = scale / count
-                g = logit_grad(logits, t, start, lse, scale, smoothing, classes, out=logits)
+                grad = logit_grad(logits, t, start, lse, scale, smoothing, classes, out=logits)  # over the logits
                 if dh is not None:
-                    matmul(g, weight, out=dh[first:first + chunk])
+                    matmul(grad, weight, out=dh[first:first + chunk])
                 if dw is not None:
-                    matmul(g.mT, h, acc=dw, out=dw)  # summed over the chunks in place
+                    matmul(grad.mT, h, acc=dw, out=dw)  # summed over the chunks in place
                 if db is not None:
-                    db += g.sum(0, dtype=db.dtype)
+                    db += grad.sum(0, dtype=db.dtype)
+                del grad
             del logits  # before the next chunk's are made: one chunk of logits alive at a time
         if dh is not None and group is not None and dist.get_world_size(group) > 1:
             comm.all_reduce(dh, group)  # each rank's classes add to every hidden state's gradient
