@@ -187,6 +187,11 @@ def _tied_checks():
     loaded.load_state_dict(ref.state_dict())  # one device's checkpoint: both names, one tensor
     assert loaded.head.weight is loaded.embed.weight
     torch.testing.assert_close(loaded.head.weight.full_tensor(), ref.head.weight, rtol=0, atol=0)
+    aliased = TiedLM(101, 16)
+    aliased.encoder = nn.Module()
+    aliased.encoder.embed_tokens = aliased.embed  # one module under two names (T5's shared embedding)
+    tpf.parallelize(aliased, placement=P, plan=PLAN)
+    assert aliased.encoder.embed_tokens is aliased.embed and aliased.head.weight is aliased.embed.weight
     with pytest.raises(ValueError, match=r"shared with \['embed.weight'\]; parallelizing it alone would untie them"):
         tpf.parallelize(TiedLM(101, 16), placement=P, plan={"head": "vocab"})
     with pytest.raises(ValueError, match="their plan entries split it differently"):
@@ -214,11 +219,41 @@ def _two_d_checks():
                                atol=1e-12)
 
 
+def _edge_checks(dtype):
+    """Infinite logits (a masked tail of the vocabulary, a rank whose block is all -inf for a row), a rank holding
+    no classes, and a batch whose targets are all ignored: one device's loss and gradients, nan where torch's."""
+    P, W = _world(), dist.get_world_size()
+    vocab = 9  # over 4 ranks torch.chunk leaves the last one no class
+    whole = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype)
+    whole[:, -3:] = float("-inf")  # the last rank's block (and over 2 ranks, part of one) is all -inf
+    whole[0, 3] = float("-inf")  # the first or last logit of a middle block
+    target = torch.tensor([0, 1, 2, 4, -100, 5])
+    ref = whole.clone().requires_grad_()
+    want = F.cross_entropy(ref, target, label_smoothing=0.0)
+    want.backward()
+    logits = tpf.tensor(whole, placement=P, sbp=tpf.sbp.split(1)).requires_grad_()
+    got = tpf.cross_entropy(logits, target)
+    got.backward()
+    _close(got, want, dtype, f"-inf logits, {vocab} classes over {W} ranks")
+    _close(logits.grad.full_tensor(), ref.grad, dtype, "-inf logits: gradient")
+    head = tpf.ColumnParallelLinear.from_linear(nn.Linear(8, 37, dtype=dtype), placement=P)
+    hidden = torch.randn(4, 8, dtype=dtype, requires_grad=True)
+    ignored = torch.full((4,), -100)
+    loss = tpf.linear_cross_entropy(hidden, head, ignored)
+    loss.backward()
+    assert loss.isnan() and F.cross_entropy(hidden @ head.weight.full_tensor().T, ignored).isnan()
+    assert not hidden.grad.any() and not head.weight.grad.full_tensor().any(), "all ignored: zero gradients"
+    if W == 4:
+        with pytest.raises(ValueError, match=r"leaves ranks \[3\] no rows"):
+            VocabParallelEmbedding(vocab, 4, placement=P)
+
+
 def _vocab_rank():
     for dtype, kernels in ((torch.float64, "torch"), (torch.float32, "triton")):
         with tpf.config.override(kernels=kernels):  # fp32 through the Triton kernels (the interpreter on CPU)
             _loss_checks(dtype)
             _fused_checks(dtype)
+            _edge_checks(dtype)
     _embedding_checks()
     _tied_checks()
     if dist.get_world_size() == 4:

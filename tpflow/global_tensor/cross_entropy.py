@@ -8,6 +8,8 @@ for DTensor's own decomposition, without label smoothing.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -63,7 +65,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
 
     Example::
 
-        >>> import torch
+        >>> import math
+
+import torch
         >>> import tpflow as tpf
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> _ = torch.manual_seed(0)
@@ -79,7 +83,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
     if target.shape != local.shape[:-1]:
         raise ValueError(f"cross_entropy: target {tuple(target.shape)} must have the shape of the logits' rows "
                          f"on this rank {tuple(local.shape[:-1])} (the classes are the last dim)")
-    rows = local.reshape(-1, local.shape[-1])
+    rows = local.reshape(math.prod(local.shape[:-1]), local.shape[-1])  # a rank may hold no classes
     loss = vocab_parallel_cross_entropy(rows if rows.stride(-1) == 1 else rows.contiguous(), target.reshape(-1),
                                         start=start, classes=classes, group=group, ignore_index=ignore_index,
                                         label_smoothing=label_smoothing, reduction=reduction)
@@ -120,7 +124,9 @@ def vocab_parallel_loss() -> TorchFunctionMode:
 
     Example::
 
-        >>> import torch
+        >>> import math
+
+import torch
         >>> import torch.nn.functional as F
         >>> import tpflow as tpf
         >>> P = tpf.placement("cpu", ranks=[0, 1])

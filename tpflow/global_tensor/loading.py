@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -50,12 +51,17 @@ def meta_parameters() -> Iterator[None]:
         device(type='meta')
     """
     register = nn.Module.register_parameter
+    # a parameter registered twice (tied) stays one meta parameter; the real one is not kept alive
+    moved: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and not param.is_meta:
-            kept = module._parameters[name]
-            module._parameters[name] = type(kept)(kept.to("meta"), requires_grad=kept.requires_grad)
+            seen = moved.get(id(param))
+            if seen is None or seen[0]() is not param:  # an id is reused once its tensor is freed
+                seen = moved[id(param)] = (weakref.ref(param), type(param)(param.to("meta"),
+                                                                           requires_grad=param.requires_grad))
+            module._parameters[name] = seen[1]
 
     nn.Module.register_parameter = on_meta
     try:
@@ -99,11 +105,11 @@ def _tensors(model: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, list[
 
 def _read(handle, key: str, t: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``t`` read from the file's tensor ``key``: only its slices, for a global tensor."""
-    if not isinstance(t, DTensor):
-        return handle.get_tensor(key)
     sliced = handle.get_slice(key)
     if tuple(sliced.get_shape()) != tuple(t.shape):
         raise ValueError(f"{key!r} is {tuple(sliced.get_shape())} in the checkpoint but {tuple(t.shape)} in the model")
+    if not isinstance(t, DTensor):
+        return handle.get_tensor(key)
     pl = get_placement(t)
     offsets, lengths = local_region(t.shape, get_sbp(t), pl.hierarchy, pl.coordinate())
     return sliced[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
@@ -147,6 +153,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
             handles.update(dict.fromkeys(handle.keys(), handle))
         tensors = [(next((n for n in names if n in handles), None), names, t, owners)
                    for names, t, owners in _tensors(model).values()]
+        # a buffer the files lack keeps its value (one computed when the model was built); a parameter is an error
+        tensors = [entry for entry in tensors if entry[0] is not None or isinstance(entry[2], nn.Parameter)
+                   or entry[2].is_meta]
         missing = [names[0] for key, names, _, _ in tensors if key is None]
         if missing:
             where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else list(path)

@@ -62,11 +62,13 @@ def logit_stats_ref(logits: torch.Tensor, target: torch.Tensor, start: int, smoo
     if classes == 0:  # a rank holding no classes: exp sums to 0 under a max of -inf
         return torch.stack([x.new_full((rows,), float("-inf")), *x.new_zeros((3, rows))])
     m = x.amax(1)
-    s = torch.cat([(part - top[:, None]).exp_().sum(1)  # in row blocks: a bounded buffer, as the kernel needs none
-                   for part, top in zip(x.split(_REF_ROWS // classes + 1), m.split(_REF_ROWS // classes + 1))])
+    shift = m.masked_fill(m == float("-inf"), 0.0)  # a row all -inf in this block: exp(-inf - 0) = 0, not nan
+    rows_at_once = _REF_ROWS // classes + 1  # in row blocks: a bounded buffer, as the kernel needs none
+    s = torch.cat([(part - by[:, None]).exp_().sum(1)
+                   for part, by in zip(x.split(rows_at_once), shift.split(rows_at_once))])
     local = target - start
     here = (local >= 0) & (local < classes)
-    picked = x.gather(1, local.clamp(0, classes - 1)[:, None]).squeeze(1) * here
+    picked = torch.where(here, x.gather(1, local.clamp(0, classes - 1)[:, None]).squeeze(1), 0.0)
     total = x.sum(1) if smoothing else torch.zeros_like(m)
     return torch.stack([m, s, picked, total])
 

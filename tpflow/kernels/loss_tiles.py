@@ -39,7 +39,8 @@ def stats_kernel(x_ptr, stride_x, target_ptr, stats_ptr, rows, classes, start, S
         inside = cols < classes
         x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: sums stay 0, not nan
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
         m = m_new
         picked += tl.sum(tl.where(inside & (cols == target), x, 0.0), 0)
         if SMOOTHING:

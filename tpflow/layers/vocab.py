@@ -12,6 +12,8 @@ same matrix as the embedding, so a tied pair stays one parameter (``parallelize`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,7 +60,9 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
 
     Example::
 
-        >>> import torch
+        >>> import functools
+
+import torch
         >>> import tpflow as tpf
         >>> from tpflow.layers import VocabParallelEmbedding
         >>> P = tpf.placement("cpu", ranks=[0, 1])
@@ -70,6 +74,8 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         torch.Size([1, 3, 16])
     """
 
+    _embedding_class: type[nn.Embedding] | None = None  # the subclass a mixed class runs around this one
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
                  placement: Placement, sequence_parallel: bool = False, sequence_dim: int = 0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -77,9 +83,10 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         if sequence_dim not in (0, 1):
             raise ValueError(f"sequence_dim must be 0 ([seq, batch, hidden]) or 1 ([batch, seq, hidden]), got "
                              f"{sequence_dim!r}")
-        if num_embeddings < self._tp_size:
-            raise ValueError(f"a vocabulary of {num_embeddings} rows over {self._tp_size} ranks leaves some rank no "
-                             f"rows: use at most {num_embeddings} tensor-parallel ranks")
+        empty = [r for r, (s, e) in enumerate(comm.bounds(num_embeddings, self._tp_size)) if s == e]
+        if empty:
+            raise ValueError(f"a vocabulary of {num_embeddings} rows over {self._tp_size} ranks leaves ranks {empty} "
+                             f"no rows (torch.chunk's blocks): use fewer tensor-parallel ranks")
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device or placement.device,
                             dtype=dtype)  # nn.Embedding's init and RNG use, and its padding_idx rules
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, full.padding_idx
@@ -114,8 +121,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
             if getattr(module, name) != plain:
                 raise ValueError(f"{type(module).__name__} has {name}={getattr(module, name)!r}, which needs the whole "
                                  f"table on one rank: a vocabulary-parallel embedding takes {name}={plain!r}")
-        kind = cls if type(module) is nn.Embedding else \
-            type(f"VocabParallel{type(module).__name__}", (type(module), cls), {})
+        kind = cls if type(module) is nn.Embedding else _mixed(type(module))
         layer = kind.__new__(kind)
         cls.__init__(layer, module.num_embeddings, module.embedding_dim, module.padding_idx, placement=placement,
                      dtype=module.weight.dtype, device="meta", **options)  # no whole init, no RNG drawn
@@ -126,6 +132,12 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
             layer.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
         layer.weight = layer._parameter(module.weight, layer._axes(split(0)))
         return layer
+
+    def __reduce_ex__(self, protocol: int):
+        """A mixed class (``from_embedding`` of a subclass) is made at run time: a copy or a pickle rebuilds it."""
+        if self._embedding_class is None:
+            return super().__reduce_ex__(protocol)
+        return _rebuild, (self._embedding_class,), self.__getstate__()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(ids, DTensor):
@@ -159,6 +171,19 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
                 + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}")
                 + f", placement={self.placement.type}:{self.placement.ranks}, {where}"
                 + (f", sequence_parallel (dim {self.sequence_dim})" if self.sequence_parallel else ""))
+
+
+@functools.cache
+def _mixed(embedding_class: type[nn.Embedding]) -> type[VocabParallelEmbedding]:
+    """``embedding_class``'s forward around ``VocabParallelEmbedding``'s lookup (its ``super().forward``), made once
+    per subclass."""
+    return type(f"VocabParallel{embedding_class.__name__}", (embedding_class, VocabParallelEmbedding),
+                {"_embedding_class": embedding_class})
+
+
+def _rebuild(embedding_class: type[nn.Embedding]) -> VocabParallelEmbedding:
+    kind = _mixed(embedding_class)
+    return kind.__new__(kind)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.Linear, target: torch.Tensor, *,

@@ -34,7 +34,8 @@ def _check(target: torch.Tensor, rows: int, classes: int, ignore_index: int, smo
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {smoothing}")
     if target.dtype not in (torch.int64, torch.int32) or target.shape != (rows,):
-        raise ValueError(f"target must hold {rows} class indices (int64), got {target.dtype} {tuple(target.shape)}")
+        raise ValueError(f"target must hold {rows} class indices (int64 or int32), got {target.dtype} "
+                         f"{tuple(target.shape)}")
     bad = (target != ignore_index) & ((target < 0) | (target >= classes))
     if target.is_cuda:
         torch._assert_async(~bad.any(), f"cross_entropy: a target is outside [0, {classes}) and not ignore_index")
@@ -145,9 +146,8 @@ class _LinearCE(torch.autograd.Function):
             lse, picked, total = _combine(logit_stats(logits, t, start, smoothing > 0), group)
             losses.append(_row_loss(lse, picked, total, valid[first:first + chunk], smoothing, classes))
             if any(needs):
+                # unscaled (1 / count is applied to the fp32 sums below): fp16 logits keep the gradient's digits
                 scale = valid[first:first + chunk].to(lse.dtype)
-                if reduction == "mean":
-                    scale = scale / count
                 grad = logit_grad(logits, t, start, lse, scale, smoothing, classes, out=logits)  # over the logits
                 if dh is not None:
                     matmul(grad, weight, out=dh[first:first + chunk])
@@ -159,9 +159,14 @@ class _LinearCE(torch.autograd.Function):
             del logits  # before the next chunk's are made: one chunk of logits alive at a time
         if dh is not None and group is not None and dist.get_world_size(group) > 1:
             comm.all_reduce(dh, group)  # each rank's classes add to every hidden state's gradient
+        if reduction == "mean":  # every target ignored: zero gradients (the loss is nan, as torch's)
+            for g in (dh, dw, db):
+                if g is not None:
+                    g /= count.clamp_min(1)
         ctx.dtypes = hidden.dtype, weight.dtype, weight.dtype
         ctx.save_for_backward(dh, dw, db)
-        return _reduce(torch.cat(losses), valid, reduction).to(hidden.dtype)
+        rows = torch.cat(losses) if losses else hidden.new_zeros(0, dtype=wide)
+        return _reduce(rows, valid, reduction).to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad):

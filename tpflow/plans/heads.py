@@ -18,6 +18,7 @@ from torch import nn
 
 from tpflow import comm
 from tpflow.layers.regions import SPLIT, tag
+from tpflow.placement import Placement
 
 __all__ = ["attention_heads", "check", "keep_columns"]
 
@@ -63,22 +64,44 @@ class _SumGrad(torch.autograd.Function):
         return dx, None
 
 
-def keep_columns(linear: nn.Linear, start: int, end: int, group: dist.ProcessGroup | None) -> None:
+def keep_columns(linear: nn.Linear, start: int, end: int, placement: Placement) -> None:
     """Make ``linear`` return only its output features ``[start, end)`` (a view), tagged as split over the ranks;
-    the gradient of its input is summed over ``group`` in the backward.
+    the gradient of its input is summed over the tensor-parallel ranks in the backward.
 
     Args:
         linear: the projection, whole on every rank.
         start, end: the features this rank keeps.
-        group: the tensor-parallel ranks (None: one rank, nothing to sum).
+        placement: the ranks; the last axis is the tensor-parallel one (of one rank: nothing to sum).
 
     Example::
 
-        >>> keep_columns(attn.k_proj, 16, 32, group)  # doctest: +SKIP
+        >>> keep_columns(attn.k_proj, 16, 32, P)  # doctest: +SKIP
     """
-    if group is not None:
-        linear.register_forward_pre_hook(lambda module, args: (_SumGrad.apply(args[0], group), *args[1:]))
-    linear.register_forward_hook(lambda module, args, y: tag(y[..., start:end], SPLIT))
+    if placement.hierarchy[-1] > 1:
+        linear.register_forward_pre_hook(_SummedInput(placement))
+    linear.register_forward_hook(_KeptColumns(start, end))
+
+
+class _SummedInput:
+    """The pre-hook: the input's gradient summed over the tensor-parallel ranks (an object holding the placement,
+    not the process group, so that the model can be copied and pickled)."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        group = self.placement.mesh.get_group(self.placement.ndim - 1)
+        return (_SumGrad.apply(args[0], group), *args[1:])
+
+
+class _KeptColumns:
+    """The forward hook: this rank's output features, tagged split."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __call__(self, module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+        return tag(y[..., self.start:self.end], SPLIT)
 
 
 def check(name: str, counts: tuple[int, int, int], world: int) -> bool:

@@ -16,7 +16,7 @@ transformers keeps the plan on the config (``base_model_tp_plan``, keys under th
   a tied pair stays one parameter. With ``vocab_parallel=False`` the head gathers whole logits (HF's
   ``colwise_gather_output``) and the embedding stays whole; a tied head then stays whole with it.
 
-Every other module with parameters (norms, the embedding) is replicated by ``parallelize``, with its
+Every other module with parameters (the norms) is replicated by ``parallelize``, with its
 gradients found from the autograd graph, so entries such as ``replicated_with_grad_allreduce`` are kept but
 not needed for the numbers to be right.
 """

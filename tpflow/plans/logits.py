@@ -3,14 +3,14 @@
 - Its loss: after the head runs inside the model's forward, ``F.cross_entropy`` is routed to the
   vocabulary-parallel loss (``tpf.vocab_parallel_loss()``) until the forward returns, so a Hugging Face model's
   ``labels=`` loss never gathers the logits. Only that stretch runs under the mode: the layers before the head
-  pay nothing for it.
+  pay nothing for it. Under ``torch.compile`` the mode is not entered (a traced forward has no such hooks): call
+  ``tpf.cross_entropy`` on the logits there.
 - Its ``generate``: decoding picks tokens from whole logits (argmax, sampling, processors written for plain
   tensors), so while the model's own ``generate`` runs, the heads gather their logits (``[batch, 1, V]`` a step).
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 
 import torch
@@ -43,23 +43,29 @@ class _Logits:
             self.mode.__enter__()
 
     def leave(self, module: nn.Module, args: tuple, output: object) -> None:
-        self.depth -= 1
+        self.depth = max(self.depth - 1, 0)  # a forward that failed before its pre-hooks ran still ends here
         if not self.depth and self.mode is not None:
             mode, self.mode = self.mode, None
             mode.__exit__(None, None, None)
 
 
-def _generate(model: nn.Module, *args, **kwargs):
-    """The model's own ``generate``, its heads gathering whole logits meanwhile."""
-    heads = getattr(model, _STATE).heads
-    before = [head.gather_output for head in heads]
-    for head in heads:
-        head.gather_output = True
-    try:
-        return type(model).generate(model, *args, **kwargs)
-    finally:
-        for head, gather in zip(heads, before):
-            head.gather_output = gather
+class _Generate:
+    """The model's own ``generate``, its heads gathering whole logits meanwhile (an object, not a bound method:
+    a copy or a pickle of the model takes it along, bound to the copy)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        heads = getattr(self.model, _STATE).heads
+        before = [head.gather_output for head in heads]
+        for head in heads:
+            head.gather_output = True
+        try:
+            return type(self.model).generate(self.model, *args, **kwargs)
+        finally:
+            for head, gather in zip(heads, before):
+                head.gather_output = gather
 
 
 def route_loss(model: nn.Module, heads: Sequence[ColumnParallelLinear]) -> None:
@@ -79,4 +85,4 @@ def route_loss(model: nn.Module, heads: Sequence[ColumnParallelLinear]) -> None:
         return
     setattr(model, _STATE, _Logits(model, heads))
     if callable(getattr(type(model), "generate", None)):
-        model.generate = types.MethodType(_generate, model)  # the instance's: a copy rebinds it to the copy
+        model.generate = _Generate(model)  # the instance's: the class's generate runs inside

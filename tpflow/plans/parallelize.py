@@ -37,19 +37,23 @@ __all__ = ["parallelize"]
 
 
 def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object] | str) -> nn.Module:
-    """Replace the ``nn.Linear`` modules whose names match ``plan``'s patterns, and make every other parameter a
-    global tensor too; returns ``model``.
+    """Replace the ``nn.Linear`` (and, for ``"vocab"`` entries, ``nn.Embedding``) modules whose names match
+    ``plan``'s patterns, and make every other parameter a global tensor too; returns ``model``.
 
     Patterns are ``fnmatch`` patterns over ``named_modules()`` names (``*`` crosses dots, so
     ``"*.fc1"`` matches ``"blocks.0.mlp.fc1"``). Every pattern must match at least one module,
-    each match of a column or row entry must be an ``nn.Linear``, and no module may match two patterns:
+    each match of a column or row entry must be an ``nn.Linear`` (of a ``"vocab"`` entry, an ``nn.Embedding`` or an
+    ``nn.Linear`` head), and no module may match two patterns:
     anything else is an error naming the pattern, raised before the model is changed. So is an attention
     module whose heads do not split over the tensor-parallel ranks.
 
     Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block), so a
     model built and loaded on one device, the same on every rank, becomes a tensor-parallel one. A module
-    shared under two names becomes one layer under both, if their entries agree. A parameter a planned
-    layer shares with another module (a tied embedding) would come untied, which is an error too. The
+    shared under two names becomes one layer under both, if their entries agree. A tied embedding and head
+    planned ``"vocab"`` hold the same block of one matrix and stay one parameter; a parameter a planned layer
+    shares with a module outside the plan would come untied, which is an error too. A ``"vocab"`` head's logits
+    come back as a global tensor split over the vocabulary, and the model's own ``F.cross_entropy`` after it runs
+    vocabulary-parallel (``tpflow.plans.logits``). The
     ``ColumnParallel(fuse=True)`` layers of one parent module become one fused group (``ColumnGroup``).
 
     Every parameter no entry replaces (norms, embeddings, biases of other modules) stays whole on every rank as
@@ -65,9 +69,10 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
             axis is tensor parallel and the others data parallel.
         plan: ``"auto"``: a Hugging Face model's own plan (``tpf.hf_plan(model)``); or ``fnmatch`` patterns over
             module names, each mapped to its entry: ``"column"`` (W split(1)), ``"row"`` (W split(0)),
-            Hugging Face's names (``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
-            ``"replicated_with_grad_allreduce"``, ``"sequence_parallel"``, ...; ``tpflow.plans.styles.STYLES``), or
-            ``tpf.ColumnParallel(...)`` / ``tpf.RowParallel(...)`` / ``tpf.Replicated(...)`` /
+            ``"vocab"`` (an embedding or a head split over the vocabulary), Hugging Face's names (``"colwise"``,
+            ``"rowwise"``, ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"replicated_with_grad_allreduce"``,
+            ``"sequence_parallel"``, ...; ``tpflow.plans.styles.STYLES``), or ``tpf.ColumnParallel(...)`` /
+            ``tpf.RowParallel(...)`` / ``tpf.VocabParallel(...)`` / ``tpf.Replicated(...)`` /
             ``tpf.SequenceParallel(...)`` with options.
 
     Returns:
@@ -142,7 +147,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     for name, (start, end) in kv_heads.items():
         grads[name] = "partial"
         if coord is not None:
-            keep_columns(modules[name], start[coord[-1]], end[coord[-1]], _tp_group(placement))
+            keep_columns(modules[name], start[coord[-1]], end[coord[-1]], placement)
     replicate(model, placement, grads)
     return model
 
@@ -261,8 +266,8 @@ def _fused_groups(modules: dict[str, nn.Module], chosen: dict) -> dict[str, list
     return groups
 
 
-def _split_dim(module: nn.Module, param: str, style: object) -> int | None:
-    """The dim of ``module``'s parameter ``param`` that its planned layer splits (None: whole)."""
+def _split_dim(param: str, style: object) -> int | None:
+    """The dim of a planned module's parameter ``param`` that its layer splits (None: whole)."""
     if isinstance(style, RowParallel):
         return 1 if param == "weight" else None
     return 0  # a column layer's weight [out, in] and bias, an embedding's [vocab, dim] rows
@@ -276,19 +281,21 @@ def _ties(model: nn.Module, modules: dict[str, nn.Module], chosen: dict) -> list
     for module_name, module in modules.items():
         for attr, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append((module_name, attr))
+    planned = {id(modules[name]): (name, entry) for name, entry in chosen.items()}  # a module under any of its names
     ties = []
     for shared in owners.values():
         keys = {(id(modules[m]), attr) for m, attr in shared}
-        if len(keys) < 2 or not any(m in chosen for m, _ in shared):
+        if len(keys) < 2 or not any(id(modules[m]) in planned for m, _ in shared):
             continue  # one module under several names, or no planned layer involved
         names = [f"{m}.{attr}" for m, attr in shared]
-        left = [name for name, (m, _) in zip(names, shared) if m not in chosen]
+        left = [name for name, (m, _) in zip(names, shared) if id(modules[m]) not in planned]
         if left:
-            planned = next(m for m, _ in shared if m in chosen)
-            raise ValueError(f"plan pattern {chosen[planned][0]!r}: the parameters of {planned!r} are shared with "
-                             f"{left}; parallelizing it alone would untie them: plan both (an embedding and its tied "
-                             f"head: 'vocab' for each), untie them first, or leave {planned!r} out of the plan")
-        dims = {name: _split_dim(modules[m], attr, chosen[m][1]) for name, (m, attr) in zip(names, shared)}
+            first, (pattern, _) = next(planned[id(modules[m])] for m, _ in shared if id(modules[m]) in planned)
+            raise ValueError(f"plan pattern {pattern!r}: the parameters of {first!r} are shared with {left}; "
+                             f"parallelizing it alone would untie them: plan both (an embedding and its tied head: "
+                             f"'vocab' for each), untie them first, or leave {first!r} out of the plan")
+        dims = {name: _split_dim(attr, planned[id(modules[m])][1][1])
+                for name, (m, attr) in zip(names, shared)}
         if len(set(dims.values())) > 1:
             raise ValueError(f"{names} are one tied parameter, but their plan entries split it differently "
                              f"({dims}: the dim each splits): give them entries that hold the same block (an "
