@@ -1,12 +1,13 @@
 """Host memory per rank when loading a checkpoint: built without values and read slice by slice, against the
 regular load of the whole model on every rank.
 
-    python benchmarks/loading_cpu.py --prepare /tmp/tpflow-llama      # once: a Llama saved by save_pretrained
+    PYTHONPATH=. python benchmarks/loading_cpu.py --prepare /tmp/tpflow-llama   # once: a Llama, save_pretrained
     python -m tpflow.launch --nproc_per_node W benchmarks/loading_cpu.py --dir /tmp/tpflow-llama
 
 ``sharded``: ``with tpf.meta_parameters(): from_config(...)``, ``tpf.parallelize(plan="auto")``,
-``tpf.load_safetensors(model, dir)``. ``regular``: ``from_pretrained(dir)`` (the whole model on every rank),
-then ``tpf.parallelize(plan="auto")``. Each in the same process, one after the other (memory given back to the
+``tpf.load_safetensors(model, dir)``. ``regular``: ``from_pretrained(dir)`` (the whole model on every rank,
+its tensors memory-mapped from the files), then ``tpf.parallelize(plan="auto")``. ``whole``: the generic way,
+``from_config`` then ``load_state_dict`` of each file's tensors, then ``parallelize``. Each in the same process, one after the other (memory given back to the
 system between them); per rank, the peak anonymous memory (sampled every millisecond: what the rank holds
 itself) and the peak resident set (``VmHWM``, which also counts the pages of the memory-mapped files read), each
 less what the process held before; the most on any rank. The two models' state dicts are compared bit for bit.
@@ -18,11 +19,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import pathlib
 import threading
 import time
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import tpflow as tpf
@@ -94,22 +97,32 @@ def run(args) -> None:
     with Peak() as regular:
         model = tpf.parallelize(transformers.AutoModelForCausalLM.from_pretrained(args.dir), placement=P, plan="auto")
     same = all(torch.equal(mine[k], _local(v)) for k, v in model.state_dict().items())
-    stats = every_rank([sharded.anon, sharded.resident, regular.anon, regular.resident, float(same)])
+    del model
+    with Peak() as whole:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        for file in sorted(pathlib.Path(args.dir).glob("*.safetensors")):
+            model.load_state_dict(load_file(file), strict=False)
+        tpf.parallelize(model, placement=P, plan="auto")
+    same &= all(torch.equal(mine[k], _local(v)) for k, v in model.state_dict().items())
+    stats = every_rank([sharded.anon, sharded.resident, regular.anon, regular.resident, whole.anon, whole.resident,
+                        float(same)])
     if dist.get_rank() == 0:
         mib = 2**20
         top = stats.max(0).values.tolist()
         lines = [f"# Loading a checkpoint: {world} CPU rank(s), a Llama of {size / mib:,.0f} MiB (fp32)", "",
                  f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/loading_cpu.py --dir DIR` "
-                 f"after `python benchmarks/loading_cpu.py --prepare DIR --vocab {config.vocab_size} --hidden "
+                 f"after `PYTHONPATH=. python benchmarks/loading_cpu.py --prepare DIR --vocab {config.vocab_size} --hidden "
                  f"{config.hidden_size} --ffn {config.intermediate_size} --layers {config.num_hidden_layers}`", "",
                  "| load | peak anonymous MiB per rank | / model | peak resident MiB per rank | / model |",
                  "|---|---|---|---|---|",
                  f"| sharded (meta_parameters, load_safetensors) | {top[0] / mib:,.0f} | {top[0] / size:.3f} | "
                  f"{top[1] / mib:,.0f} | {top[1] / size:.3f} |",
                  f"| regular (from_pretrained, parallelize) | {top[2] / mib:,.0f} | {top[2] / size:.3f} | "
-                 f"{top[3] / mib:,.0f} | {top[3] / size:.3f} |", "",
+                 f"{top[3] / mib:,.0f} | {top[3] / size:.3f} |",
+                 f"| whole (from_config, load_state_dict of the files, parallelize) | {top[4] / mib:,.0f} | "
+                 f"{top[4] / size:.3f} | {top[5] / mib:,.0f} | {top[5] / size:.3f} |", "",
                  f"Target 1.25 / W = {1.25 / world:.3f} of the model. State dicts bit-identical on every rank: "
-                 f"{bool(stats[:, 4].min())}."]
+                 f"{bool(stats[:, 6].min())}."]
         print("\n".join(lines))
         print(f"appended to {write('loading', lines, args.out)}")
 
