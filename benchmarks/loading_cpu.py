@@ -7,10 +7,11 @@ regular load of the whole model on every rank.
 ``sharded``: ``with tpf.meta_parameters(): from_config(...)``, ``tpf.parallelize(plan="auto")``,
 ``tpf.load_safetensors(model, dir)``. ``regular``: ``from_pretrained(dir)`` (the whole model on every rank,
 its tensors memory-mapped from the files), then ``tpf.parallelize(plan="auto")``. ``whole``: the generic way,
-``from_config`` then ``load_state_dict`` of each file's tensors, then ``parallelize``. Each in the same process, one after the other (memory given back to the
-system between them); per rank, the peak anonymous memory (sampled every millisecond: what the rank holds
-itself) and the peak resident set (``VmHWM``, which also counts the pages of the memory-mapped files read), each
-less what the process held before; the most on any rank. The two models' state dicts are compared bit for bit.
+``from_config`` then ``load_state_dict`` of each file's tensors, then ``parallelize``. Each in the same process,
+one after the other (memory given back to the system between them); per rank, the peak anonymous memory (sampled
+every millisecond: what the rank holds itself) and the peak resident set (``VmHWM``, which also counts the pages
+of the memory-mapped files read), each less what the process held before; the most on any rank. The models'
+state dicts are compared bit for bit.
 Each run is appended to ``benchmarks/results/loading_<cpu>_<date>.md``.
 """
 
@@ -111,8 +112,9 @@ def run(args) -> None:
         top = stats.max(0).values.tolist()
         lines = [f"# Loading a checkpoint: {world} CPU rank(s), a Llama of {size / mib:,.0f} MiB (fp32)", "",
                  f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/loading_cpu.py --dir DIR` "
-                 f"after `PYTHONPATH=. python benchmarks/loading_cpu.py --prepare DIR --vocab {config.vocab_size} --hidden "
-                 f"{config.hidden_size} --ffn {config.intermediate_size} --layers {config.num_hidden_layers}`", "",
+                 f"after `PYTHONPATH=. python benchmarks/loading_cpu.py --prepare DIR --vocab {config.vocab_size} "
+                 f"--hidden {config.hidden_size} --ffn {config.intermediate_size} "
+                 f"--layers {config.num_hidden_layers}`", "",
                  "| load | peak anonymous MiB per rank | / model | peak resident MiB per rank | / model |",
                  "|---|---|---|---|---|",
                  f"| sharded (meta_parameters, load_safetensors) | {top[0] / mib:,.0f} | {top[0] / size:.3f} | "

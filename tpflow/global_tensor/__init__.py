@@ -24,4 +24,5 @@ from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
 
 __all__ = ["clip_grad_norm_", "cross_entropy", "from_local", "full", "get_placement", "get_sbp", "gradients",
-           "load_safetensors", "matmul", "meta_parameters", "ones", "rand", "randn", "tensor", "to_global", "to_local", "vocab_parallel_loss", "zeros"]
+           "load_safetensors", "matmul", "meta_parameters", "ones", "rand", "randn", "tensor", "to_global", "to_local",
+           "vocab_parallel_loss", "zeros"]

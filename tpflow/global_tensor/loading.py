@@ -159,8 +159,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         missing = [names[0] for key, names, _, _ in tensors if key is None]
         if missing:
             where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else list(path)
-            raise KeyError(f"the checkpoint at {where} has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-                           f"({len(missing)} in all): is it this model's?")
+            more = " ..." if len(missing) > 8 else ""
+            raise KeyError(f"the checkpoint at {where} has no tensor for {missing[:8]}{more} ({len(missing)} in all): "
+                           f"is it this model's?")
         for key, _, t, owners in tensors:
             if isinstance(t, DTensor) and get_placement(t).coordinate() is None:
                 continue  # a rank outside the tensor's placement holds nothing of it

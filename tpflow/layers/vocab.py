@@ -99,8 +99,8 @@ import torch
         """This layer holding ``module``'s values (each rank keeps its rows; no RNG is drawn).
 
         A module on the meta device gives this rank's rows allocated and not initialised (for
-        ``tpf.load_safetensors``). A subclass of ``nn.Embedding`` (a scaled embedding) becomes a subclass of both, whose own forward runs
-        around this layer's lookup, with its buffers and attributes kept.
+        ``tpf.load_safetensors``). A subclass of ``nn.Embedding`` (a scaled embedding) becomes a subclass of both,
+        whose own forward runs around this layer's lookup, with its buffers and attributes kept.
 
         Args:
             module: the ``nn.Embedding`` to convert (left unchanged); ``max_norm``, ``scale_grad_by_freq`` and
