@@ -7,10 +7,12 @@ through Triton's interpreter against their torch references."""
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
@@ -183,6 +185,15 @@ def _tied_checks():
             o.zero_grad()
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-10, atol=1e-10, msg=f"tied: {name} after AdamW")
+    folder = [tempfile.mkdtemp(prefix="tpflow-tied-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    dcp.save(tpf.unique_state_dict(model), checkpoint_id=folder[0])
+    assert "head.weight" not in dcp.FileSystemReader(folder[0]).read_metadata().state_dict_metadata  # once on disk
+    restored = tpf.parallelize(TiedLM(101, 16).double(), placement=P, plan=PLAN)
+    dcp.load(tpf.unique_state_dict(restored), checkpoint_id=folder[0])  # in place: both names get the values
+    assert restored.head.weight is restored.embed.weight
+    for (name, p), q in zip(restored.named_parameters(), model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), f"tied: {name} after dcp save and load"
     loaded = tpf.parallelize(TiedLM(101, 16).double(), placement=P, plan=PLAN)
     loaded.load_state_dict(ref.state_dict())  # one device's checkpoint: both names, one tensor
     assert loaded.head.weight is loaded.embed.weight

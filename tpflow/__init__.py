@@ -35,6 +35,7 @@ from tpflow.global_tensor import (
     tensor,
     to_global,
     to_local,
+    unique_state_dict,
     vocab_parallel_loss,
     zeros,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "tensor",
     "to_global",
     "to_local",
+    "unique_state_dict",
     "vocab_parallel_loss",
     "zeros",
 ]

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from tpflow.global_tensor.blocks import get_placement, get_sbp
 from tpflow.sbp import local_region
 
-__all__ = ["load_safetensors", "meta_parameters"]
+__all__ = ["load_safetensors", "meta_parameters", "unique_state_dict"]
 
 
 @contextlib.contextmanager
@@ -176,3 +176,35 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
             else:
                 t.copy_(value)
     return model
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with each tensor once: a tied parameter (an embedding and its head) under its first
+    name only, so that a checkpoint holds it once.
+
+    For ``torch.distributed.checkpoint``: ``dcp.save(unique_state_dict(model), ...)`` writes one entry per tensor,
+    and ``dcp.load(unique_state_dict(model), ...)`` fills the model in place, so every name of a tied parameter
+    gets the values (``model.state_dict()`` lists a tied tensor under each name, and dcp would write it twice).
+
+    Args:
+        model: any model (parallelized or not).
+
+    Returns:
+        Names to tensors (detached, sharing the parameters' and buffers' storage), in ``state_dict`` order.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from torch import nn
+        >>> lm = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": nn.Linear(4, 10, bias=False)})
+        >>> lm.head.weight = lm.embed.weight
+        >>> list(lm.state_dict()), list(tpf.unique_state_dict(lm))
+        (['embed.weight', 'head.weight'], ['embed.weight'])
+    """
+    seen: set[int] = set()
+    unique = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique[name] = t.detach()
+    return unique
