@@ -257,6 +257,12 @@ def _edge_checks(dtype):
     if W == 4:
         with pytest.raises(ValueError, match=r"leaves ranks \[3\] no rows"):
             VocabParallelEmbedding(vocab, 4, placement=P)
+        small = TiedLM(vocab, 8)
+        before = copy.deepcopy(small.state_dict())
+        with pytest.raises(ValueError, match=r"'embed' has 9 rows, which leave ranks \[3\] of 4 none"):
+            tpf.parallelize(small, placement=P, plan=PLAN)
+        assert all(type(m) in (TiedLM, nn.Embedding, nn.Linear, nn.LayerNorm) for m in small.modules())
+        assert all(torch.equal(v, before[k]) for k, v in small.state_dict().items()), "a refused plan changed it"
 
 
 def _vocab_rank():

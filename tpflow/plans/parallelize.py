@@ -106,6 +106,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     linears = {name: entry for name, entry in chosen.items()
                if isinstance(entry[1], (ColumnParallel, RowParallel, VocabParallel))}
     ties = _ties(model, modules, linears)
+    _check_vocabularies(modules, linears, placement.hierarchy[-1])
     fused = _fused_groups(modules, linears)
     built: dict[int, nn.Module] = {}
     styles: dict[int, tuple[str, object]] = {}
@@ -264,6 +265,18 @@ def _fused_groups(modules: dict[str, nn.Module], chosen: dict) -> dict[str, list
                                  f"read the same input alike (same in_features, bias or none, dtype and options, no "
                                  f"gather_output): {name!r} differs from {first!r}; give one of them fuse=False")
     return groups
+
+
+def _check_vocabularies(modules: dict[str, nn.Module], chosen: dict, world: int) -> None:
+    """Every rank must hold some rows of a vocabulary-parallel embedding (checked before the model changes)."""
+    for name, (pattern, style) in chosen.items():
+        module = modules[name]
+        if isinstance(style, VocabParallel) and isinstance(module, nn.Embedding):
+            empty = [r for r, (s, e) in enumerate(comm.bounds(module.num_embeddings, world)) if s == e]
+            if empty:
+                raise ValueError(f"plan pattern {pattern!r}: {name!r} has {module.num_embeddings} rows, which leave "
+                                 f"ranks {empty} of {world} none (torch.chunk's blocks): use fewer tensor-parallel "
+                                 f"ranks, or leave it out of the plan")
 
 
 def _split_dim(param: str, style: object) -> int | None:
