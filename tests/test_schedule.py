@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpflow.pipeline.schedule import Action, build, render, simulate
+from tpflow.pipeline.schedule import Action, build, build_interleaved, peak_activations, render, simulate
 
 
 def _peak_in_flight(timeline_row):
@@ -36,7 +36,46 @@ def test_schedules(schedule, stages, micro_batches):
     assert bubble == pytest.approx((stages - 1) / (micro_batches + stages - 1))
     for s, row in enumerate(timeline):
         bound = micro_batches if schedule == "gpipe" else min(stages - s, micro_batches)
-        assert _peak_in_flight(row) == bound
+        assert _peak_in_flight(row) == bound == peak_activations(table)[s]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_interleaved_1f1b(ranks, chunks, groups):
+    """Every chunk's forward and backward once (simulate checks it), the transfers paired, and the replay's bubble
+    and peak activations as the formulas give them, a backward costing two forwards: the bubble is (p - 1) / (v m)
+    of the compute, v times 1F1B's on the same model cut into p stages."""
+    micro_batches = groups * ranks
+    costs = {"F": 1, "B": 2}
+    table = build_interleaved(ranks, chunks, micro_batches)
+    timeline = simulate(table, costs)
+    for row in timeline:
+        assert len(row) == 2 * chunks * micro_batches
+    steps = max(t + costs[a.kind] for row in timeline for t, a in row)
+    compute = 3 * chunks * micro_batches  # per rank: a forward and a backward of each chunk and micro-batch
+    assert (steps - compute) / compute == pytest.approx((ranks - 1) / (chunks * micro_batches))
+    whole = {"F": chunks, "B": 2 * chunks}  # a stage of plain 1F1B: a rank's v chunks
+    plain_steps = max(t + whole[a.kind] for row in simulate(build("1f1b", ranks, micro_batches), whole) for t, a in row)
+    assert plain_steps - compute == chunks * (steps - compute)
+    held = [chunks * micro_batches if micro_batches == ranks else
+            min(2 * (ranks - r - 1) + (chunks - 1) * ranks + 1, chunks * micro_batches) for r in range(ranks)]
+    assert peak_activations(table) == held
+    for r in range(ranks):  # each link between consecutive virtual stages carries the micro-batches in one order
+        for c in range(chunks):
+            nxt, c_next = (r + 1) % ranks, c + (r + 1) // ranks
+            if c_next < chunks:
+                sent = [a.micro_batch for a in table[r] if a.kind == "send_act" and a.chunk == c]
+                assert sent == [a.micro_batch for a in table[nxt] if a.kind == "recv_act" and a.chunk == c_next]
+
+
+def test_interleaved_render_and_errors():
+    assert render(build_interleaved(2, 2, 2), costs={"F": 1, "B": 2}).splitlines()[1].split() == [
+        "stage", "0", "F0", "F1", "F0.1", "F1.1", ".", ".", ".", "B0.1", "-", "B1.1", "-", "B0", "-", "B1", "-"]
+    with pytest.raises(ValueError, match="at least 2 ranks and 2 chunks per rank"):
+        build_interleaved(2, 1, 4)
+    with pytest.raises(ValueError, match="use a multiple of 3, got 4"):
+        build_interleaved(3, 2, 4)
 
 
 def test_render_draws_the_replay():

@@ -16,6 +16,13 @@ there rather than on the ranks. ``render`` draws the replay as a step-by-stage g
             then the remaining backwards: at most p - s micro-batches held (PipeDream-flush)
 
 Both have the bubble (p - 1) / (m + p - 1) of the step when a backward costs as much as a forward.
+
+``interleaved`` (``build_interleaved``, Megatron's interleaved 1F1B) gives each of p ranks v chunks of the model:
+rank r holds virtual stages r, r + p, ..., r + (v - 1) p, and its table's actions name the chunk
+(``Action.chunk``). Micro-batches go through the chunks in groups of p; rank r warms up with
+2 (p - r - 1) + (v - 1) p chunk forwards, then alternates. The bubble shrinks v times, to (p - 1) / (v m) of
+the compute, for min(2 (p - r - 1) + (v - 1) p + 1, v m) chunks' activations held on rank r. It is a table
+that ``simulate`` and ``render`` replay; the executor runs one chunk per rank (``gpipe``, ``1f1b``) so far.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Action", "SCHEDULES", "build", "simulate", "render"]
+__all__ = ["Action", "SCHEDULES", "build", "build_interleaved", "peak_activations", "render", "simulate"]
 
 COMPUTE = ("F", "B")
+UNIT_COSTS = {"F": 1, "B": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,33 +44,36 @@ class Action:
         kind: ``"F"``, ``"B"``, ``"recv_act"``, ``"send_act"``, ``"recv_grad"`` or ``"send_grad"`` (see the
             module docstring).
         micro_batch: the micro-batch's index, from 0.
+        chunk: which of the rank's chunks of the model (its virtual stages, ``build_interleaved``); 0 with one.
 
     Example::
 
         >>> from tpflow.pipeline.schedule import Action
         >>> a = Action("F", 3)
-        >>> str(a), a.kind, a.micro_batch
-        ('F3', 'F', 3)
+        >>> str(a), a.kind, a.micro_batch, str(Action("B", 3, chunk=1))
+        ('F3', 'F', 3, 'B3.1')
     """
 
     kind: str  # "F", "B", "recv_act", "send_act", "recv_grad", "send_grad"
     micro_batch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
+        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 Table = list[list[Action]]  # per stage, in order
 
 
-def _forward(stage: int, stages: int, i: int) -> list[Action]:
-    return ([Action("recv_act", i)] if stage > 0 else []) + [Action("F", i)] + \
-        ([Action("send_act", i)] if stage < stages - 1 else [])
+def _forward(stage: int, stages: int, i: int, chunk: int = 0) -> list[Action]:
+    """Virtual stage ``stage`` of ``stages``: its forward of micro-batch ``i`` with its transfers."""
+    return ([Action("recv_act", i, chunk)] if stage > 0 else []) + [Action("F", i, chunk)] + \
+        ([Action("send_act", i, chunk)] if stage < stages - 1 else [])
 
 
-def _backward(stage: int, stages: int, i: int) -> list[Action]:
-    return ([Action("recv_grad", i)] if stage < stages - 1 else []) + [Action("B", i)] + \
-        ([Action("send_grad", i)] if stage > 0 else [])
+def _backward(stage: int, stages: int, i: int, chunk: int = 0) -> list[Action]:
+    return ([Action("recv_grad", i, chunk)] if stage < stages - 1 else []) + [Action("B", i, chunk)] + \
+        ([Action("send_grad", i, chunk)] if stage > 0 else [])
 
 
 def _gpipe(stage: int, stages: int, micro_batches: int) -> list[Action]:
@@ -110,15 +121,75 @@ def build(schedule: str, stages: int, micro_batches: int) -> Table:
     return table
 
 
-def simulate(table: Sequence[Sequence[Action]]) -> list[list[tuple[int, Action]]]:
+def _interleaved(rank: int, ranks: int, chunks: int, micro_batches: int) -> list[Action]:
+    total = micro_batches * chunks
+
+    def chunk_and_batch(k: int, backward: bool) -> tuple[int, int]:
+        """The rank's k-th forward (backward): micro-batches in groups of ``ranks``, each through every chunk."""
+        group, at = divmod(k, ranks * chunks)
+        chunk = at // ranks
+        return (chunks - 1 - chunk if backward else chunk), group * ranks + at % ranks
+
+    def forward(k: int) -> list[Action]:
+        chunk, i = chunk_and_batch(k, False)
+        return _forward(chunk * ranks + rank, ranks * chunks, i, chunk)
+
+    def backward(k: int) -> list[Action]:
+        chunk, i = chunk_and_batch(k, True)
+        return _backward(chunk * ranks + rank, ranks * chunks, i, chunk)
+
+    warmup = total if micro_batches == ranks else min(2 * (ranks - rank - 1) + (chunks - 1) * ranks, total)
+    actions = [a for k in range(warmup) for a in forward(k)]
+    for k in range(total - warmup):  # steady state: the next forward, then the oldest backward
+        actions += forward(warmup + k) + backward(k)
+    return actions + [a for k in range(total - warmup, total) for a in backward(k)]
+
+
+def build_interleaved(ranks: int, chunks: int, micro_batches: int) -> Table:
+    """Megatron's interleaved 1F1B: every rank's actions over its ``chunks`` chunks of the model for one step.
+
+    Rank r holds virtual stages ``r, r + ranks, ...``; the table is checked by ``simulate`` before it is returned.
+
+    Args:
+        ranks: the pipeline's ranks (physical stages), at least 2.
+        chunks: the model chunks each rank holds (virtual stages per rank), at least 2 (one is ``"1f1b"``).
+        micro_batches: a multiple of ``ranks`` (the micro-batches go through the chunks in groups of ``ranks``).
+
+    Returns:
+        Per rank, its ``Action``s in order, each naming its chunk.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build_interleaved, render
+        >>> print(render(build_interleaved(ranks=2, chunks=2, micro_batches=2), costs={"F": 1, "B": 2}))
+        step        0    1    2    3    4    5    6    7    8    9   10   11   12   13   14
+        stage 0    F0   F1 F0.1 F1.1    .    .    . B0.1    - B1.1    -   B0    -   B1    -
+        stage 1     .   F0   F1 F0.1 F1.1 B0.1    - B1.1    -   B0    -   B1    -    .    .
+    """
+    if ranks < 2 or chunks < 2:
+        raise ValueError(f"interleaving needs at least 2 ranks and 2 chunks per rank (one chunk is '1f1b'), got "
+                         f"{ranks} and {chunks}")
+    if micro_batches < ranks or micro_batches % ranks:
+        raise ValueError(f"the interleaved schedule takes the micro-batches in groups of the {ranks} ranks: use a "
+                         f"multiple of {ranks}, got {micro_batches}")
+    table = [_interleaved(r, ranks, chunks, micro_batches) for r in range(ranks)]
+    simulate(table)
+    return table
+
+
+def simulate(table: Sequence[Sequence[Action]],
+             costs: dict[str, int] | None = None) -> list[list[tuple[int, Action]]]:
     """Replay ``table``: each stage's compute actions with their start times (unit time each). Raises if an
     action repeats or is missing, a send has no receive (or the other way round), or the stages deadlock.
 
     The replay follows the executor's rules: sends are asynchronous, receives wait, transfers are free,
-    and a forward or a backward takes one time step.
+    and a forward or a backward takes ``costs`` time steps (one each by default). With chunks
+    (``build_interleaved``), rank r's chunk c is virtual stage ``c * ranks + r``, and transfers go between
+    consecutive virtual stages.
 
     Args:
-        table: per stage, its actions in order, as ``build`` makes them.
+        table: per stage (rank), its actions in order, as ``build`` makes them.
+        costs: the time steps of ``"F"`` and ``"B"`` (default one each).
 
     Returns:
         Per stage, its ``"F"`` and ``"B"`` actions in order, each as ``(start time, action)``.
@@ -129,14 +200,18 @@ def simulate(table: Sequence[Sequence[Action]]) -> list[list[tuple[int, Action]]
         >>> [(t, str(a)) for t, a in simulate(build("gpipe", stages=2, micro_batches=2))[1]]
         [(1, 'F0'), (2, 'F1'), (3, 'B0'), (4, 'B1')]
     """
+    costs = UNIT_COSTS if costs is None else costs
     stages = len(table)
     micro_batches = 1 + max((a.micro_batch for actions in table for a in actions), default=-1)
+    chunks = 1 + max((a.chunk for actions in table for a in actions), default=0)
+    virtual = stages * chunks
     for s, actions in enumerate(table):
-        want = sorted(str(a) for i in range(micro_batches) for a in _forward(s, stages, i) + _backward(s, stages, i))
+        want = sorted(str(a) for c in range(chunks) for i in range(micro_batches)
+                      for a in _forward(c * stages + s, virtual, i, c) + _backward(c * stages + s, virtual, i, c))
         if sorted(str(a) for a in actions) != want:
             raise ValueError(f"stage {s} must do each forward, backward and transfer of micro-batches "
                              f"0..{micro_batches - 1} exactly once, got {[str(a) for a in actions]}")
-    sent: dict[tuple[str, int, int], int] = {}  # (kind, receiving stage, micro-batch) -> time it is there
+    sent: dict[tuple[str, int, int], int] = {}  # (kind, receiving virtual stage, micro-batch) -> time it is there
     position, clock = [0] * stages, [0] * stages
     timeline: list[list[tuple[int, Action]]] = [[] for _ in range(stages)]
     computed: list[set[Action]] = [set() for _ in range(stages)]
@@ -146,18 +221,19 @@ def simulate(table: Sequence[Sequence[Action]]) -> list[list[tuple[int, Action]]
         for s, actions in enumerate(table):
             while position[s] < len(actions):
                 a = actions[position[s]]
+                at = a.chunk * stages + s  # the virtual stage
                 if a.kind in COMPUTE:
-                    if a.kind == "B" and Action("F", a.micro_batch) not in computed[s]:
+                    if a.kind == "B" and Action("F", a.micro_batch, a.chunk) not in computed[s]:
                         raise ValueError(f"stage {s} runs the backward of micro-batch {a.micro_batch} before its "
                                          "forward")
                     timeline[s].append((clock[s], a))
                     computed[s].add(a)
-                    clock[s] += 1
+                    clock[s] += costs[a.kind]
                 elif a.kind in peer:
                     kind, step = peer[a.kind]
-                    sent[(kind, s + step, a.micro_batch)] = clock[s]
-                elif (a.kind, s, a.micro_batch) in sent:
-                    clock[s] = max(clock[s], sent.pop((a.kind, s, a.micro_batch)))
+                    sent[(kind, at + step, a.micro_batch)] = clock[s]
+                elif (a.kind, at, a.micro_batch) in sent:
+                    clock[s] = max(clock[s], sent.pop((a.kind, at, a.micro_batch)))
                 else:
                     break  # waits for a send that has not happened yet
                 position[s] += 1
@@ -168,16 +244,46 @@ def simulate(table: Sequence[Sequence[Action]]) -> list[list[tuple[int, Action]]
     return timeline
 
 
-def render(table: Sequence[Sequence[Action]]) -> str:
-    """The replay as a grid: a row per stage, a column per time step, ``F3`` / ``B3`` where it computes.
+def peak_activations(table: Sequence[Sequence[Action]]) -> list[int]:
+    """Per stage (rank), the most forwards whose backward has not run yet at any point of the replay: the
+    activations it holds at its peak, in chunks' (or stages') worth of one micro-batch.
+
+    Args:
+        table: per stage, its actions in order.
+
+    Returns:
+        The peak count for each stage.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build, peak_activations
+        >>> peak_activations(build("1f1b", stages=4, micro_batches=8))
+        [4, 3, 2, 1]
+    """
+    peaks = []
+    for actions in table:
+        live = peak = 0
+        for a in actions:
+            if a.kind in COMPUTE:
+                live += 1 if a.kind == "F" else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def render(table: Sequence[Sequence[Action]], costs: dict[str, int] | None = None) -> str:
+    """The replay as a grid: a row per stage, a column per time step, ``F3`` / ``B3`` where it computes (``F3.1``
+    for chunk 1 of an interleaved table), from the step it starts.
 
     ``Pipeline.schedule_table`` prints this under a line with the bubble's share of the step.
 
     Args:
         table: per stage, its actions in order, as ``build`` makes them (replayed by ``simulate``).
+        costs: the time steps of ``"F"`` and ``"B"`` (default one each), as ``simulate`` takes them.
 
     Returns:
-        The grid as text, one line per stage under a header of time steps; ``.`` where a stage idles.
+        The grid as text, one line per stage under a header of time steps; ``-`` where an action that takes more
+        than one step goes on, ``.`` where a stage idles.
 
     Example::
 
@@ -187,12 +293,13 @@ def render(table: Sequence[Sequence[Action]]) -> str:
         stage 0  F0 F1  . B0 F2 B1  . B2
         stage 1   . F0 B0 F1 B1 F2 B2  .
     """
-    timeline = simulate(table)
-    steps = max((t + 1 for row in timeline for t, _ in row), default=0)
+    costs = UNIT_COSTS if costs is None else costs
+    timeline = simulate(table, costs)
+    steps = max((t + costs[a.kind] for row in timeline for t, a in row), default=0)
     cells = [["."] * steps for _ in timeline]
     for s, row in enumerate(timeline):
         for t, a in row:
-            cells[s][t] = str(a)
+            cells[s][t:t + costs[a.kind]] = [str(a)] + ["-"] * (costs[a.kind] - 1)  # "-": still computing
     width = max((len(c) for row in cells for c in row), default=1)
     lines = ["step     " + " ".join(f"{t:>{width}}" for t in range(steps))]
     lines += [f"stage {s:<2} " + " ".join(f"{c:>{width}}" for c in row) for s, row in enumerate(cells)]
