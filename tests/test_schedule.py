@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tpflow.pipeline.schedule import Action, build, build_interleaved, peak_activations, render, simulate
+from tpflow.pipeline.schedule import (
+    Action,
+    build,
+    build_interleaved,
+    build_zero_bubble,
+    peak_activations,
+    render,
+    simulate,
+)
 
 
 def _peak_in_flight(timeline_row):
@@ -69,6 +77,25 @@ def test_interleaved_1f1b(ranks, chunks, groups):
                 assert sent == [a.micro_batch for a in table[nxt] if a.kind == "recv_act" and a.chunk == c_next]
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 1, 3, 8])
+def test_zero_bubble_h1(stages, extra):
+    """ZB-H1 against the formulas, F, B and W of one cost: the bubble (p - 1)(F + B - W), a third of 1F1B's with the
+    same work in its backward (B + W), and every stage holding at most p micro-batches, as 1F1B's stage 0."""
+    micro_batches = stages + extra
+    table = build_zero_bubble(stages, micro_batches)
+    timeline = simulate(table)
+    steps = max(t + 1 for row in timeline for t, _ in row)
+    assert steps - 3 * micro_batches == stages - 1
+    one_f_one_b = simulate(build("1f1b", stages, micro_batches), {"B": 2})
+    assert max(t + (2 if a.kind == "B" else 1) for row in one_f_one_b for t, a in row) - 3 * micro_batches == \
+        3 * (stages - 1)
+    assert peak_activations(table) == [stages] * stages
+    for s, actions in enumerate(table):  # W after its B, and stage s's W lagging by s micro-batches in steady state
+        kinds = [str(a) for a in actions if a.kind in "BW"]
+        assert all(kinds.index(f"W{i}") > kinds.index(f"B{i}") for i in range(micro_batches))
+
+
 def test_interleaved_render_and_errors():
     assert render(build_interleaved(2, 2, 2), costs={"F": 1, "B": 2}).splitlines()[1].split() == [
         "stage", "0", "F0", "F1", "F0.1", "F1.1", ".", ".", ".", "B0.1", "-", "B1.1", "-", "B0", "-", "B1", "-"]
@@ -76,6 +103,11 @@ def test_interleaved_render_and_errors():
         build_interleaved(2, 1, 4)
     with pytest.raises(ValueError, match="use a multiple of 3, got 4"):
         build_interleaved(3, 2, 4)
+    with pytest.raises(ValueError, match="as many micro-batches as stages"):
+        build_zero_bubble(4, 3)
+    good = build_zero_bubble(2, 2)
+    with pytest.raises(ValueError, match=r"the weight gradient \(W\) of micro-batch 0 before its input gradient"):
+        simulate([[Action("W", 0), *[a for a in good[0] if a != Action("W", 0)]], good[1]])
 
 
 def test_render_draws_the_replay():

@@ -21,8 +21,15 @@ Both have the bubble (p - 1) / (m + p - 1) of the step when a backward costs as 
 rank r holds virtual stages r, r + p, ..., r + (v - 1) p, and its table's actions name the chunk
 (``Action.chunk``). Micro-batches go through the chunks in groups of p; rank r warms up with
 2 (p - r - 1) + (v - 1) p chunk forwards, then alternates. The bubble shrinks v times, to (p - 1) / (v m) of
-the compute, for min(2 (p - r - 1) + (v - 1) p + 1, v m) chunks' activations held on rank r. It is a table
-that ``simulate`` and ``render`` replay; the executor runs one chunk per rank (``gpipe``, ``1f1b``) so far.
+the compute, for min(2 (p - r - 1) + (v - 1) p + 1, v m) chunks' activations held on rank r.
+
+``zb-h1`` (``build_zero_bubble``, Qi et al.'s ZB-H1) splits each backward in two: ``B`` the input's gradient
+(what the stage before waits for) and ``W`` the weights' (which nobody waits for). It is 1F1B's order with stage
+s's ``W`` of micro-batch i right after its ``B`` of micro-batch i + s, the rest at the end: every stage holds at
+most p micro-batches (1F1B's stage 0), and with F, B and W of one cost the bubble falls from 1F1B's
+(p - 1)(F + B + W) to (p - 1)(F + B - W).
+
+Both are tables that ``simulate`` and ``render`` replay; the executor runs ``gpipe`` and ``1f1b`` so far.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Action", "SCHEDULES", "build", "build_interleaved", "peak_activations", "render", "simulate"]
+__all__ = ["Action", "SCHEDULES", "build", "build_interleaved", "build_zero_bubble", "peak_activations", "render",
+           "simulate"]
 
-COMPUTE = ("F", "B")
-UNIT_COSTS = {"F": 1, "B": 1}
+COMPUTE = ("F", "B", "W")
+UNIT_COSTS = {"F": 1, "B": 1, "W": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +49,8 @@ class Action:
     """One entry of a schedule table: what a stage's ranks do next, for which micro-batch.
 
     Args:
-        kind: ``"F"``, ``"B"``, ``"recv_act"``, ``"send_act"``, ``"recv_grad"`` or ``"send_grad"`` (see the
-            module docstring).
+        kind: ``"F"``, ``"B"``, ``"W"`` (a weight gradient computed apart from ``B``), ``"recv_act"``,
+            ``"send_act"``, ``"recv_grad"`` or ``"send_grad"`` (see the module docstring).
         micro_batch: the micro-batch's index, from 0.
         chunk: which of the rank's chunks of the model (its virtual stages, ``build_interleaved``); 0 with one.
 
@@ -177,6 +185,44 @@ def build_interleaved(ranks: int, chunks: int, micro_batches: int) -> Table:
     return table
 
 
+def _zero_bubble(stage: int, stages: int, micro_batches: int) -> list[Action]:
+    actions, weights = [], 0
+    last = "send_grad" if stage > 0 else "B"  # a backward's last action: W goes after its gradient is sent
+    for a in _one_f_one_b(stage, stages, micro_batches):
+        actions.append(a)
+        if a.kind == last and a.micro_batch >= stage:  # stage s's W lags its B by s micro-batches
+            actions.append(Action("W", a.micro_batch - stage))
+            weights += 1
+    return actions + [Action("W", i) for i in range(weights, micro_batches)]
+
+
+def build_zero_bubble(stages: int, micro_batches: int) -> Table:
+    """ZB-H1: 1F1B with each backward split into the input's gradient (``B``) and the weights' (``W``), the ``W``
+    of stage s lagging its ``B`` by s micro-batches; checked by ``simulate`` before it is returned.
+
+    Args:
+        stages: the number of stages, at least 1.
+        micro_batches: the micro-batches in one step, at least ``stages``.
+
+    Returns:
+        Per stage, its ``Action``s in order.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build_zero_bubble, render
+        >>> print(render(build_zero_bubble(stages=2, micro_batches=3)))
+        step      0  1  2  3  4  5  6  7  8  9
+        stage 0  F0 F1  . B0 W0 F2 B1 W1 B2 W2
+        stage 1   . F0 B0 F1 B1 W0 F2 B2 W1 W2
+    """
+    if stages < 1 or micro_batches < stages:
+        raise ValueError(f"ZB-H1 needs at least 1 stage and as many micro-batches as stages, got {stages} and "
+                         f"{micro_batches}")
+    table = [_zero_bubble(s, stages, micro_batches) for s in range(stages)]
+    simulate(table)
+    return table
+
+
 def simulate(table: Sequence[Sequence[Action]],
              costs: dict[str, int] | None = None) -> list[list[tuple[int, Action]]]:
     """Replay ``table``: each stage's compute actions with their start times (unit time each). Raises if an
@@ -189,7 +235,7 @@ def simulate(table: Sequence[Sequence[Action]],
 
     Args:
         table: per stage (rank), its actions in order, as ``build`` makes them.
-        costs: the time steps of ``"F"`` and ``"B"`` (default one each).
+        costs: the time steps of ``"F"``, ``"B"`` and ``"W"`` (default one each; those not given take one).
 
     Returns:
         Per stage, its ``"F"`` and ``"B"`` actions in order, each as ``(start time, action)``.
@@ -200,14 +246,16 @@ def simulate(table: Sequence[Sequence[Action]],
         >>> [(t, str(a)) for t, a in simulate(build("gpipe", stages=2, micro_batches=2))[1]]
         [(1, 'F0'), (2, 'F1'), (3, 'B0'), (4, 'B1')]
     """
-    costs = UNIT_COSTS if costs is None else costs
+    costs = {**UNIT_COSTS, **(costs or {})}
     stages = len(table)
     micro_batches = 1 + max((a.micro_batch for actions in table for a in actions), default=-1)
     chunks = 1 + max((a.chunk for actions in table for a in actions), default=0)
     virtual = stages * chunks
+    split = any(a.kind == "W" for actions in table for a in actions)  # backwards split in B and W
     for s, actions in enumerate(table):
         want = sorted(str(a) for c in range(chunks) for i in range(micro_batches)
-                      for a in _forward(c * stages + s, virtual, i, c) + _backward(c * stages + s, virtual, i, c))
+                      for a in _forward(c * stages + s, virtual, i, c) + _backward(c * stages + s, virtual, i, c)
+                      + ([Action("W", i, c)] if split else []))
         if sorted(str(a) for a in actions) != want:
             raise ValueError(f"stage {s} must do each forward, backward and transfer of micro-batches "
                              f"0..{micro_batches - 1} exactly once, got {[str(a) for a in actions]}")
@@ -223,9 +271,11 @@ def simulate(table: Sequence[Sequence[Action]],
                 a = actions[position[s]]
                 at = a.chunk * stages + s  # the virtual stage
                 if a.kind in COMPUTE:
-                    if a.kind == "B" and Action("F", a.micro_batch, a.chunk) not in computed[s]:
-                        raise ValueError(f"stage {s} runs the backward of micro-batch {a.micro_batch} before its "
-                                         "forward")
+                    before = {"B": ("F", "the backward", "forward"),
+                              "W": ("B", "the weight gradient (W)", "input gradient (B)")}.get(a.kind)
+                    if before and Action(before[0], a.micro_batch, a.chunk) not in computed[s]:
+                        raise ValueError(f"stage {s} runs {before[1]} of micro-batch {a.micro_batch} before its "
+                                         f"{before[2]}")
                     timeline[s].append((clock[s], a))
                     computed[s].add(a)
                     clock[s] += costs[a.kind]
@@ -245,8 +295,9 @@ def simulate(table: Sequence[Sequence[Action]],
 
 
 def peak_activations(table: Sequence[Sequence[Action]]) -> list[int]:
-    """Per stage (rank), the most forwards whose backward has not run yet at any point of the replay: the
-    activations it holds at its peak, in chunks' (or stages') worth of one micro-batch.
+    """Per stage (rank), the most forwards whose backward has not run yet at any point of the replay (whose ``W``
+    has not, where backwards are split): the activations it holds at its peak, in chunks' (or stages') worth of
+    one micro-batch.
 
     Args:
         table: per stage, its actions in order.
@@ -260,13 +311,13 @@ def peak_activations(table: Sequence[Sequence[Action]]) -> list[int]:
         >>> peak_activations(build("1f1b", stages=4, micro_batches=8))
         [4, 3, 2, 1]
     """
+    last = "W" if any(a.kind == "W" for actions in table for a in actions) else "B"  # what frees them
     peaks = []
     for actions in table:
         live = peak = 0
         for a in actions:
-            if a.kind in COMPUTE:
-                live += 1 if a.kind == "F" else -1
-                peak = max(peak, live)
+            live += 1 if a.kind == "F" else -1 if a.kind == last else 0
+            peak = max(peak, live)
         peaks.append(peak)
     return peaks
 
@@ -279,7 +330,7 @@ def render(table: Sequence[Sequence[Action]], costs: dict[str, int] | None = Non
 
     Args:
         table: per stage, its actions in order, as ``build`` makes them (replayed by ``simulate``).
-        costs: the time steps of ``"F"`` and ``"B"`` (default one each), as ``simulate`` takes them.
+        costs: the time steps of ``"F"``, ``"B"`` and ``"W"`` (default one each), as ``simulate`` takes them.
 
     Returns:
         The grid as text, one line per stage under a header of time steps; ``-`` where an action that takes more
@@ -293,7 +344,7 @@ def render(table: Sequence[Sequence[Action]], costs: dict[str, int] | None = Non
         stage 0  F0 F1  . B0 F2 B1  . B2
         stage 1   . F0 B0 F1 B1 F2 B2  .
     """
-    costs = UNIT_COSTS if costs is None else costs
+    costs = {**UNIT_COSTS, **(costs or {})}
     timeline = simulate(table, costs)
     steps = max((t + costs[a.kind] for row in timeline for t, a in row), default=0)
     cells = [["."] * steps for _ in timeline]
