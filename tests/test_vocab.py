@@ -265,6 +265,29 @@ def _edge_checks(dtype):
         assert all(torch.equal(v, before[k]) for k, v in small.state_dict().items()), "a refused plan changed it"
 
 
+def _autocast_checks():
+    """Under bf16 autocast (fp32 parameters): the split loss and the fused one against torch's under the same
+    autocast, each loss in fp32 as autocast gives F.cross_entropy's, gradients in the parameters' dtype."""
+    P = _world()
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 37)
+    head = tpf.ColumnParallelLinear.from_linear(lin, placement=P, global_output=True)
+    hidden = torch.randn(2, 5, 16)
+    target = _targets((2, 5), 37, seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.cross_entropy(lin(hidden).flatten(0, 1), target.flatten())
+        split = tpf.cross_entropy(head(hidden), target)
+        fused = tpf.linear_cross_entropy(hidden, head, target)
+    assert want.dtype == split.dtype == fused.dtype == torch.float32
+    torch.testing.assert_close(split, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused, want, rtol=2e-2, atol=2e-2)
+    want.backward()
+    fused.backward()
+    assert head.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(head.weight.grad.full_tensor(), lin.weight.grad, rtol=5e-2, atol=5e-3)
+    torch.testing.assert_close(head.bias.grad.full_tensor(), lin.bias.grad, rtol=5e-2, atol=5e-3)
+
+
 def _vocab_rank():
     for dtype, kernels in ((torch.float64, "torch"), (torch.float32, "triton")):
         with tpf.config.override(kernels=kernels):  # fp32 through the Triton kernels (the interpreter on CPU)
@@ -273,6 +296,7 @@ def _vocab_rank():
             _edge_checks(dtype)
     _embedding_checks()
     _tied_checks()
+    _autocast_checks()
     if dist.get_world_size() == 4:
         _two_d_checks()
     with pytest.raises(ValueError, match=r"target 37 is outside the 37 classes \[0, 37\)"):

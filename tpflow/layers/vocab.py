@@ -206,7 +206,7 @@ def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.L
         chunk: tokens whose logits are made at once.
 
     Returns:
-        The loss (a plain scalar, the same on every rank of the head's placement), in ``hidden``'s dtype.
+        The loss (a plain scalar, the same on every rank of the head's placement), in fp32 (fp64 for fp64 inputs).
 
     Example::
 

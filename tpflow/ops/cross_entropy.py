@@ -80,21 +80,21 @@ def _row_scale(grad: torch.Tensor, valid: torch.Tensor, reduction: str, dtype: t
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, start, classes, group, ignore_index, smoothing, reduction):
+    def forward(ctx, logits, target, start, classes, group, ignore_index, smoothing, reduction, out_dtype):
         stats = logit_stats(logits, target, start, smoothing > 0)
         lse, picked, total = _combine(stats, group)
         valid = target != ignore_index
         loss = _reduce(_row_loss(lse, picked, total, valid, smoothing, classes), valid, reduction)
         ctx.save_for_backward(logits, target, lse)
         ctx.args = start, classes, ignore_index, smoothing, reduction
-        return loss.to(logits.dtype)
+        return loss.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
         logits, target, lse = ctx.saved_tensors
         start, classes, ignore_index, smoothing, reduction = ctx.args
         scale = _row_scale(grad, target != ignore_index, reduction, lse.dtype)
-        return logit_grad(logits, target, start, lse, scale, smoothing, classes), *(None,) * 7
+        return logit_grad(logits, target, start, lse, scale, smoothing, classes), *(None,) * 8
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, start: int, classes: int,
@@ -116,7 +116,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
         reduction: ``"mean"`` over the counted rows, ``"sum"``, or ``"none"`` (``[rows]``).
 
     Returns:
-        The loss, in the logits' dtype (computed in fp32, fp64 for fp64 logits).
+        The loss, in the logits' dtype (computed in fp32, fp64 for fp64 logits); in fp32 under ``torch.autocast``,
+        as autocast runs ``F.cross_entropy``.
 
     Example::
 
@@ -125,7 +126,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
         >>> torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(x, t))
     """
     _check(target, logits.shape[0], classes, ignore_index, label_smoothing, reduction)
-    return _VocabParallelCE.apply(logits, target, start, classes, group, ignore_index, label_smoothing, reduction)
+    autocast = torch.is_autocast_enabled(logits.device.type)
+    out_dtype = torch.promote_types(logits.dtype, torch.float32) if autocast else logits.dtype
+    return _VocabParallelCE.apply(logits, target, start, classes, group, ignore_index, label_smoothing, reduction,
+                                  out_dtype)
 
 
 class _LinearCE(torch.autograd.Function):
@@ -166,7 +170,7 @@ class _LinearCE(torch.autograd.Function):
         ctx.dtypes = hidden.dtype, weight.dtype, weight.dtype
         ctx.save_for_backward(dh, dw, db)
         rows = torch.cat(losses) if losses else hidden.new_zeros(0, dtype=wide)
-        return _reduce(rows, valid, reduction).to(hidden.dtype)
+        return _reduce(rows, valid, reduction)
 
     @staticmethod
     def backward(ctx, grad):
@@ -195,7 +199,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
         chunk: rows of logits made at once.
 
     Returns:
-        The loss, in ``hidden``'s dtype.
+        The loss, in fp32 (fp64 for fp64 inputs), as it was summed. Under ``torch.autocast`` the product runs in
+        autocast's dtype (the operands cast as ``F.linear``'s are, their gradients cast back).
 
     Example::
 
@@ -213,6 +218,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
     _check(target, hidden.shape[0], classes, ignore_index, label_smoothing, reduction)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # autocast's casts for F.linear, done here: the kernels take one dtype
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return linear_cross_entropy(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+                                        target, start=start, classes=classes, group=group, ignore_index=ignore_index,
+                                        label_smoothing=label_smoothing, reduction=reduction, chunk=chunk)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _LinearCE.apply(hidden, weight, bias, target, start, classes, group, ignore_index, label_smoothing,
                            reduction, chunk, backward)
