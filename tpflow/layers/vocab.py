@@ -27,7 +27,26 @@ from tpflow.ops import cross_entropy as ops_ce
 from tpflow.placement import Placement
 from tpflow.sbp import split
 
-__all__ = ["VocabParallelEmbedding", "linear_cross_entropy"]
+__all__ = ["VocabParallelEmbedding", "linear_cross_entropy", "ranks_without_rows"]
+
+
+def ranks_without_rows(rows: int, ranks: int) -> list[int]:
+    """The ranks ``torch.chunk``'s blocks leave no row of ``rows`` (9 over 4 ranks: 3 each, the last none), which a
+    vocabulary-parallel embedding refuses: such a rank could look up nothing.
+
+    Args:
+        rows: the vocabulary's size.
+        ranks: the tensor-parallel ranks.
+
+    Returns:
+        Those ranks, in order (empty when every rank holds rows).
+
+    Example::
+
+        >>> ranks_without_rows(9, 4), ranks_without_rows(101, 4)
+        ([3], [])
+    """
+    return [r for r, (start, end) in enumerate(comm.bounds(rows, ranks)) if start == end]
 
 
 class VocabParallelEmbedding(ShardedModule, nn.Embedding):
@@ -83,7 +102,7 @@ import torch
         if sequence_dim not in (0, 1):
             raise ValueError(f"sequence_dim must be 0 ([seq, batch, hidden]) or 1 ([batch, seq, hidden]), got "
                              f"{sequence_dim!r}")
-        empty = [r for r, (s, e) in enumerate(comm.bounds(num_embeddings, self._tp_size)) if s == e]
+        empty = ranks_without_rows(num_embeddings, self._tp_size)
         if empty:
             raise ValueError(f"a vocabulary of {num_embeddings} rows over {self._tp_size} ranks leaves ranks {empty} "
                              f"no rows (torch.chunk's blocks): use fewer tensor-parallel ranks")

@@ -13,7 +13,6 @@ becomes the rank's query heads per key/value head.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tpflow import comm

@@ -17,6 +17,7 @@ from torch import nn
 
 from tpflow import comm
 from tpflow.layers import ColumnGroup, VocabParallelEmbedding
+from tpflow.layers.vocab import ranks_without_rows
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
@@ -272,7 +273,7 @@ def _check_vocabularies(modules: dict[str, nn.Module], chosen: dict, world: int)
     for name, (pattern, style) in chosen.items():
         module = modules[name]
         if isinstance(style, VocabParallel) and isinstance(module, nn.Embedding):
-            empty = [r for r, (s, e) in enumerate(comm.bounds(module.num_embeddings, world)) if s == e]
+            empty = ranks_without_rows(module.num_embeddings, world)
             if empty:
                 raise ValueError(f"plan pattern {pattern!r}: {name!r} has {module.num_embeddings} rows, which leave "
                                  f"ranks {empty} of {world} none (torch.chunk's blocks): use fewer tensor-parallel "
