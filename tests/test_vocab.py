@@ -95,6 +95,7 @@ def _fused_checks(dtype):
                 o.step()
                 o.zero_grad()
         _close(head.weight.full_tensor(), lin.weight, dtype, "fused: weight after SGD")
+        _close(head.bias.full_tensor(), lin.bias, dtype, "fused: bias after SGD")
         _close(h, h_ref, dtype, "fused: hidden states after SGD")
 
 
