@@ -1,6 +1,6 @@
-"""tpf.stage and tpf.Pipeline against one device on the whole batch: GPipe and 1F1B, 1-4 stages, stages of
-one and of several ranks (data parallel, tensor parallel, the seed's global-tensor modules), uneven
-micro-batches; two optimizer steps, so the loss and every gradient are checked before and after an update.
+"""tpf.stage and tpf.Pipeline against one device on the whole batch: GPipe, 1F1B, ZB-H1 and interleaved 1F1B, 1-4
+rank sets, stages of one and of several ranks (data parallel, tensor parallel, the seed's global-tensor modules),
+uneven micro-batches; two optimizer steps, so the loss and every gradient are checked before and after an update.
 Mistakes fail on every rank at once (never a hang)."""
 
 from __future__ import annotations
@@ -74,11 +74,32 @@ def _one_rank_stages(schedule, micro_batches, rows):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("extra, rows", [(0, 8), (2, 11)], ids=["even", "uneven"])
 def test_one_rank_stages_match_one_device(world, schedule, extra, rows):
     results = harness.run(world, _one_rank_stages, schedule, world + extra, rows)
     assert all(checked == 4 for checked, _ in results)  # every rank holds one stage: a weight and a bias, 2 steps
+    assert [saw for _, saw in results] == [False] * (world - 1) + [True]
+
+
+def _interleaved_stages(chunks, micro_batches, rows):
+    """p rank sets of one rank, each holding ``chunks`` stages: rank r runs stages r, r + p, ..."""
+    p = dist.get_world_size()
+    dims = [5, 7, 6, 4, 3, 5, 6, 2, 4][:p * chunks + 1]
+    blocks = _chain(dims, seed=0)
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    stages = [tpf.stage(b, stage_id=k, placement=_on(k % p)) for k, b in enumerate(blocks)]
+    pipe = tpf.Pipeline(stages, micro_batches=micro_batches, schedule="interleaved", loss_fn=F.mse_loss)
+    assert pipe.table == tpf.pipeline.schedule.build_interleaved(p, chunks, micro_batches)
+    x, y = _batch(rows, dims[0], dims[-1])
+    return _train_and_compare(pipe, ref, x, y, F.mse_loss)
+
+
+@pytest.mark.parametrize("world, chunks, micro_batches, rows", [(2, 2, 4, 8), (2, 3, 2, 7), (4, 2, 8, 13),
+                                                                 (3, 2, 6, 6)])
+def test_interleaved_stages_match_one_device(world, chunks, micro_batches, rows):
+    results = harness.run(world, _interleaved_stages, chunks, micro_batches, rows)
+    assert all(checked == 4 * chunks for checked, _ in results)  # a weight and a bias per stage, 2 steps
     assert [saw for _, saw in results] == [False] * (world - 1) + [True]
 
 
@@ -214,7 +235,7 @@ def _two_by_two_stages(schedule):
     return _train_and_compare(pipe, ref, x, y, F.mse_loss)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("case, grads", [(_data_then_tensor_parallel, [4, 4, 8, 8]),
                                          (_one_rank_then_data_parallel, [4, 4, 4, 4]),
                                          (_seed_module_model, [2, 2, 2, 2]),
@@ -224,6 +245,28 @@ def test_multi_rank_stages_match_one_device(schedule, case, grads):
     results = harness.run(4, case, schedule)
     assert [checked for checked, _ in results] == grads
     assert results[-1][1]
+
+
+def _interleaved_tensor_and_data_parallel():
+    """Four stages on two rank sets taking turns: ranks 0-1 tensor parallel (column then row layers), ranks 2-3 data
+    parallel (split(0) rows) with uneven blocks."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5)), nn.Sequential(nn.Linear(5, 7), nn.Tanh()),
+              nn.Sequential(nn.Linear(7, 9), nn.GELU(), nn.Linear(9, 6)), nn.Linear(6, 4)]
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    tp, dp = _on(0, 1), _on(2, 3)
+    for k in (0, 2):
+        blocks[k] = tpf.parallelize(blocks[k], placement=tp, plan={"0": "column", "2": "row"})
+    stages = [tpf.stage(b, stage_id=k, placement=tp if k % 2 == 0 else dp, sbp=B if k % 2 == 0 else S0)
+              for k, b in enumerate(blocks)]
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule="interleaved", loss_fn=F.cross_entropy)
+    x, y = _batch(11, 6, 4, classes=4)
+    return _train_and_compare(pipe, ref, x, y, F.cross_entropy)
+
+
+def test_interleaved_tensor_and_data_parallel_rank_sets():
+    results = harness.run(4, _interleaved_tensor_and_data_parallel)
+    assert [checked for checked, _ in results] == [16, 16, 8, 8] and results[-1][1]
 
 
 def _frozen_first_stage(schedule):
@@ -245,7 +288,7 @@ def _frozen_first_stage(schedule):
     return True
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_frozen_first_stage(schedule):
     assert all(harness.run(3, _frozen_first_stage, schedule))
 
@@ -323,21 +366,31 @@ def test_schedule_table_is_printable():
 
 def _construction_error(kind):
     linear = nn.Linear(2, 2)
-    if kind == "rank in two stages":
+    schedule = "interleaved" if kind in ("interleaved, one stage a rank set", "interleaved, out of turn",
+                                         "interleaved micro-batches") else "1f1b"
+    if kind in ("two stages on one rank set", "interleaved micro-batches"):
+        stages = [tpf.stage(nn.Linear(2, 2), stage_id=k, placement=_on(k % 2)) for k in range(4)]
+    elif kind == "interleaved, out of turn":
+        stages = [tpf.stage(nn.Linear(2, 2), stage_id=k, placement=_on(k // 2)) for k in range(4)]
+    elif kind == "rank in two stages":
         stages = [tpf.stage(linear, stage_id=0, placement=_on(0, 1)), tpf.stage(nn.Linear(2, 2), stage_id=1,
                                                                               placement=_on(1))]
     else:
         stages = [tpf.stage(linear, stage_id=0, placement=_on(0)),
                   tpf.stage(nn.Linear(2, 2), stage_id=2 if kind == "stage ids" else 1, placement=_on(1))]
-    m = 1 if kind == "micro-batches" else 2
+    m = 1 if kind == "micro-batches" else 3 if kind == "interleaved micro-batches" else 2
     with pytest.raises(ValueError) as err:
-        tpf.Pipeline(stages, micro_batches=m, loss_fn=F.mse_loss)
+        tpf.Pipeline(stages, micro_batches=m, loss_fn=F.mse_loss, schedule=schedule)
     return str(err.value)
 
 
 @pytest.mark.parametrize("kind, words", [("rank in two stages", "rank 1 is in stage 0 and stage 1"),
                                          ("stage ids", "stage ids must be 0, 1"),
-                                         ("micro-batches", "at least as many micro-batches as stages")])
+                                         ("micro-batches", "at least as many micro-batches as stages"),
+                                         ("two stages on one rank set", "only under schedule='interleaved'"),
+                                         ("interleaved, one stage a rank set", "2 rank sets holding at least 2"),
+                                         ("interleaved, out of turn", "stage 1 belongs on"),
+                                         ("interleaved micro-batches", "use a multiple of 2, got micro_batches=3")])
 def test_construction_errors(kind, words):
     assert all(words in text for text in harness.run(2, _construction_error, kind))
 
@@ -379,7 +432,7 @@ def _failing_step(kind, schedule):
     return None, time.monotonic() - start
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("kind, words", [
     ("activation shapes", "stage 1 (ranks [1]) failed on F0: RuntimeError"),
     ("batch", "failed: ValueError: a batch of 3 rows cannot make 4 micro-batches"),
@@ -392,5 +445,36 @@ def test_a_failing_stage_stops_every_rank(kind, words, schedule):
     finally:
         harness.discard(3)  # the failed step leaves sends that no rank will take
     for rank, (text, seconds) in enumerate(results):  # under GPipe, "backward" fails once stage 2 has all it needs
+        assert words in (text or ""), text
+        assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"
+
+
+def _failing_interleaved_step(kind):
+    """Two rank sets of two stages: stage 2 (rank 0's second) fails in its forward, or stage 1 (rank 1's first) in
+    its backward."""
+    blocks = _chain([4, 6, 5, 3, 3], seed=0)
+    if kind == "forward":
+        blocks[2] = nn.Linear(7, 3)  # stage 1 hands it 5 features
+    else:
+        blocks[1] = nn.Sequential(blocks[1], _FailsInBackward())
+    stages = [tpf.stage(b, stage_id=k, placement=_on(k % 2)) for k, b in enumerate(blocks)]
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule="interleaved", loss_fn=F.mse_loss)
+    x, y = _batch(8, 4, 3)
+    start = time.monotonic()
+    try:
+        pipe.step(x, y)
+    except tpf.PipelineError as err:
+        return str(err), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("kind, words", [("forward", "stage 2 (ranks [0]) failed on F0.1: RuntimeError"),
+                                         ("backward", "stage 1 (ranks [1]) failed on B0: FloatingPointError")])
+def test_a_failing_interleaved_stage_stops_every_rank(kind, words):
+    try:
+        results = harness.run(2, _failing_interleaved_step, kind, timeout=60)
+    finally:
+        harness.discard(2)
+    for rank, (text, seconds) in enumerate(results):
         assert words in (text or ""), text
         assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"

@@ -120,7 +120,11 @@ def test_render_draws_the_replay():
 
 def test_bad_requests_are_clear_errors():
     with pytest.raises(ValueError, match="schedule must be one of"):
+        build("looped-bfs", 2, 4)
+    with pytest.raises(ValueError, match="at least 2 ranks and 2 chunks per rank"):
         build("interleaved", 2, 4)
+    with pytest.raises(ValueError, match="runs one stage per rank, got 2 chunks per rank: use 'interleaved'"):
+        build("zb-h1", 2, 4, chunks=2)
     with pytest.raises(ValueError, match="at least 1 stage and 1 micro-batch"):
         build("gpipe", 2, 0)
 

@@ -48,11 +48,11 @@ class _Matmul(torch.autograd.Function):
         g = box(grad, pl, from_dtensor(grad.placements), pl, g_sbps).to_local()
         a_nd, b_nd, g_nd = len(a_shape), len(b_shape), len(a_shape)
         grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:  # dA = dY @ B^T
+        if kernels.wanted(ctx, 0):  # dA = dY @ B^T
             sbps = matmul_out_sbp(g_sbps, _transposed(b_sbps, b_nd), g_nd, b_nd)
             local = kernels.matmul(g, b_local.mT) if member else None
             grad_a = box(wrap(local, pl, sbps, a_shape, grad.dtype), pl, sbps, pl, dual(a_sbps))
-        if ctx.needs_input_grad[1]:  # dB = A^T @ dY, batch dims folded into rows when B is 2-D
+        if kernels.wanted(ctx, 1):  # dB = A^T @ dY, batch dims folded into rows when B is 2-D
             if b_nd == 2 and a_nd > 2:
                 a_sbps, g_sbps = _as_rows(a_sbps, a_nd), _as_rows(g_sbps, g_nd)
                 if member:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from tpflow.kernels.cross_entropy import logit_grad, logit_grad_ref, logit_stats, logit_stats_ref
 from tpflow.kernels.epilogue import ACTIVATIONS
-from tpflow.kernels.linear import linear, linear_ref
+from tpflow.kernels.linear import linear, linear_ref, wanted
 from tpflow.kernels.matmul import matmul, matmul_ref, use_triton
 
 __all__ = ["ACTIVATIONS", "linear", "linear_ref", "logit_grad", "logit_grad_ref", "logit_stats", "logit_stats_ref",
-           "matmul", "matmul_ref", "use_triton"]
+           "matmul", "matmul_ref", "use_triton", "wanted"]

@@ -8,6 +8,10 @@
 Saved for backward: x and W always; for relu the output (its sign is the mask); for gelu and
 silu the pre-activation z, written by the same kernel launch.
 
+A backward run towards some inputs only (``torch.autograd.backward(inputs=...)``, a zero-bubble pipeline's
+input-gradient and weight-gradient steps) computes only the gradients the engine will use, as torch's own
+nodes do (``wanted``).
+
 Where the products run in torch (CPU tensors, unless the ``kernels`` switch is ``"triton"``) and the backward
 has nothing to add (no ``dgrad_hook``, no dtype change), ``linear`` is ``F.linear`` and the
 activation, with autograd's own backward: the same products, without Python in the backward.
@@ -23,7 +27,33 @@ import torch.nn.functional as F
 from tpflow.kernels.epilogue import ACTIVATIONS, activate, activation_grad, bias_grad, needs_pre, saved_for_grad
 from tpflow.kernels.matmul import matmul, use_triton
 
-__all__ = ["linear", "linear_ref"]
+__all__ = ["linear", "linear_ref", "wanted"]
+
+
+def wanted(ctx, index: int) -> bool:
+    """Whether a custom autograd function's backward must compute the gradient of its input ``index``: the input
+    needs one and the engine will pass it on in this backward (not when ``backward(inputs=...)`` runs only towards
+    the input, or only towards the weights).
+
+    Args:
+        ctx: the function's context in ``backward``.
+        index: the input's position in ``forward``'s arguments (after ``ctx``).
+
+    Returns:
+        True to compute it.
+
+    Example::
+
+        >>> # in a torch.autograd.Function's backward:
+        >>> dw = dy.mT @ x if wanted(ctx, 1) else None  # doctest: +SKIP
+    """
+    if not ctx.needs_input_grad[index] or torch.compiler.is_compiling():  # traced code has no engine to ask
+        return ctx.needs_input_grad[index]
+    node = ctx.next_functions[index][0]
+    try:
+        return node is None or torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # torch cannot say for a leaf that autograd.grad() captures: it is one the caller asked for
+        return True
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -64,13 +94,13 @@ class _Linear(torch.autograd.Function):
         x2, weight, saved = ctx.saved_tensors
         dz = activation_grad(dy.reshape(x2.shape[0], weight.shape[0]), saved, ctx.activation).to(weight.dtype)
         dx = dw = db = pending = None
-        if ctx.needs_input_grad[0]:
+        if wanted(ctx, 0):
             dx = matmul(dz, weight, out_dtype=ctx.dgrad_dtype).reshape(ctx.x_shape)
             if ctx.dgrad_hook is not None:  # e.g. an async all-reduce of dx, running during the wgrad below
                 pending = ctx.dgrad_hook(dx)
-        if ctx.needs_input_grad[1]:
+        if wanted(ctx, 1):
             dw = matmul(dz.mT, x2, out_dtype=weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and wanted(ctx, 2):
             db = bias_grad(dz)
         if pending is not None:
             pending.wait()

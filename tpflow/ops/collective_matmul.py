@@ -34,6 +34,7 @@ import torch.distributed as dist
 from tpflow import config
 from tpflow.comm.transport import Transport, as_transport, row_bounds
 from tpflow.kernels.epilogue import accumulate_dtype, activation_grad, bias_grad, needs_pre, saved_for_grad
+from tpflow.kernels.linear import wanted
 from tpflow.kernels.matmul import matmul, matmul_ref
 
 __all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref"]
@@ -152,7 +153,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = (wanted(ctx, i) for i in range(3))
         dw = _GradSum(w) if need_w else None
 
         def wgrad(gathered: torch.Tensor, start: int, end: int) -> None:
@@ -180,7 +181,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _):
         x, w, saved = ctx.saved_tensors  # x: gathered, or this rank's rows to gather again
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = (wanted(ctx, i) for i in range(3))
         dz = activation_grad(dy, saved, ctx.activation).to(w.dtype)
         dw = dx = None
         if need_w:

@@ -29,7 +29,7 @@ s's ``W`` of micro-batch i right after its ``B`` of micro-batch i + s, the rest 
 most p micro-batches (1F1B's stage 0), and with F, B and W of one cost the bubble falls from 1F1B's
 (p - 1)(F + B + W) to (p - 1)(F + B - W).
 
-Both are tables that ``simulate`` and ``render`` replay; the executor runs ``gpipe`` and ``1f1b`` so far.
+``build`` makes any of the four by name; ``tpf.Pipeline`` runs them all.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Action", "SCHEDULES", "build", "build_interleaved", "build_zero_bubble", "peak_activations", "render",
-           "simulate"]
+__all__ = ["Action", "SCHEDULES", "bubble", "build", "build_interleaved", "build_zero_bubble", "peak_activations",
+           "render", "simulate"]
 
 COMPUTE = ("F", "B", "W")
 UNIT_COSTS = {"F": 1, "B": 1, "W": 1}
@@ -62,7 +62,7 @@ class Action:
         ('F3', 'F', 3, 'B3.1')
     """
 
-    kind: str  # "F", "B", "recv_act", "send_act", "recv_grad", "send_grad"
+    kind: str  # "F", "B", "W", "recv_act", "send_act", "recv_grad", "send_grad"
     micro_batch: int
     chunk: int = 0
 
@@ -97,21 +97,23 @@ def _one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Action]:
     return actions + [a for i in range(micro_batches - warmup, micro_batches) for a in _backward(stage, stages, i)]
 
 
-SCHEDULES = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-def build(schedule: str, stages: int, micro_batches: int) -> Table:
-    """Every stage's actions for one step of ``micro_batches`` through ``stages`` stages.
+def build(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> Table:
+    """Every stage's (rank's) actions for one step of ``micro_batches`` through ``stages`` stages.
 
     The table is checked by ``simulate`` before it is returned, so a schedule that would deadlock fails here.
 
     Args:
-        schedule: ``"gpipe"`` or ``"1f1b"`` (the keys of ``SCHEDULES``).
-        stages: the number of stages, at least 1.
+        schedule: one of ``SCHEDULES``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``build_interleaved``) or
+            ``"zb-h1"`` (``build_zero_bubble``).
+        stages: the number of stages (with chunks: of ranks, each holding ``chunks`` stages), at least 1.
         micro_batches: the number of micro-batches in one step, at least 1.
+        chunks: the stages (model chunks) each rank holds: 1, or at least 2 for ``"interleaved"``.
 
     Returns:
-        Per stage, in stage order, the list of its ``Action``s in the order its ranks perform them.
+        Per stage (rank), in order, the list of its ``Action``s in the order its ranks perform them.
 
     Example::
 
@@ -119,14 +121,52 @@ def build(schedule: str, stages: int, micro_batches: int) -> Table:
         >>> table = build("1f1b", stages=2, micro_batches=2)
         >>> [str(a) for a in table[1]]
         ['recv_act0', 'F0', 'B0', 'send_grad0', 'recv_act1', 'F1', 'B1', 'send_grad1']
+        >>> [str(a) for a in build("interleaved", stages=2, micro_batches=2, chunks=2)[1]][:4]
+        ['recv_act0', 'F0', 'recv_act1', 'F1']
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"a pipeline needs at least 1 stage and 1 micro-batch, got {stages} and {micro_batches}")
-    table = [SCHEDULES[schedule](s, stages, micro_batches) for s in range(stages)]
+    if schedule == "interleaved":
+        return build_interleaved(stages, chunks, micro_batches)
+    if chunks != 1:
+        raise ValueError(f"{schedule!r} runs one stage per rank, got {chunks} chunks per rank: use 'interleaved'")
+    if schedule == "zb-h1":
+        return build_zero_bubble(stages, micro_batches)
+    step = _gpipe if schedule == "gpipe" else _one_f_one_b
+    table = [step(s, stages, micro_batches) for s in range(stages)]
     simulate(table)
     return table
+
+
+def bubble(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> tuple[str, float]:
+    """The share of a step each rank idles, by the schedule's formula, when a forward, a backward (and, split off
+    it, a weight gradient) cost the same: ``simulate``'s replay with unit costs gives exactly this.
+
+    Args:
+        schedule: one of ``SCHEDULES``.
+        stages: the stages (with chunks: the ranks).
+        micro_batches: the micro-batches of a step.
+        chunks: the stages each rank holds (``"interleaved"``).
+
+    Returns:
+        ``(formula, share)``: the formula as text, and its value.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import bubble
+        >>> bubble("1f1b", stages=4, micro_batches=8)
+        ('(p - 1) / (m + p - 1)', 0.2727272727272727)
+        >>> bubble("interleaved", stages=4, micro_batches=8, chunks=2)[0]
+        '(p - 1) / (v m + p - 1)'
+    """
+    p, m, v = stages, micro_batches, chunks
+    if schedule == "interleaved":
+        return "(p - 1) / (v m + p - 1)", (p - 1) / (v * m + p - 1)
+    if schedule == "zb-h1":  # idle (p - 1)(F + B - W), compute m (F + B + W)
+        return "(p - 1) / (3 m + p - 1)", (p - 1) / (3 * m + p - 1)
+    return "(p - 1) / (m + p - 1)", (p - 1) / (m + p - 1)
 
 
 def _interleaved(rank: int, ranks: int, chunks: int, micro_batches: int) -> list[Action]:

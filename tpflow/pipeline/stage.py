@@ -107,6 +107,9 @@ class Stage(nn.Module):
             normalize(sbp, placement.ndim, 1)  # a malformed SBP fails here, not at the first call
         self.plain = not any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
         self._blocks = LocalBlocks()
+        # read each module's parameters through a node of their own, so that a schedule computing the weights'
+        # gradients apart (zb-h1, tpflow.pipeline.backward) runs each layer's alone; set by tpf.Pipeline
+        self.weights_apart = False
         self.module = to_global(module, placement=placement)
 
     def input_sbp(self, src: Placement, src_sbps: tuple[Sbp, ...], ndim: int) -> tuple[Sbp, ...]:
@@ -151,11 +154,19 @@ class Stage(nn.Module):
 
     def _local_state(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
         """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
-        named = list(self.module.named_parameters())
         grad_placements = tuple(Partial() if on else Replicate() for on in split)
-        blocks = self._blocks(tuple(p for _, p in named), split, lambda p: grad_placements)
-        buffers = {name: b.to_local() for name, b in self.module.named_buffers()}
-        return dict(zip((n for n, _ in named), blocks)) | buffers
+        state = {name: b.to_local() for name, b in self.module.named_buffers()}
+        groups = [("", list(self.module.named_parameters()))]
+        if self.weights_apart:  # a node per module; a parameter two modules share once, as named_parameters() has it
+            groups, seen = [], set()
+            for prefix, m in self.module.named_modules():
+                own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) not in seen]
+                seen.update(id(p) for _, p in own)
+                groups.append((prefix + "." if prefix else "", own))
+        for prefix, named in groups:
+            blocks = self._blocks(tuple(p for _, p in named), (split, prefix), lambda p: grad_placements)
+            state |= {prefix + n: b for (n, _), b in zip(named, blocks)}
+        return state
 
     def _compute_local(self, x: DTensor, sbps: tuple[Sbp, ...]) -> DTensor:
         split = tuple(s == Split(0) for s in sbps)
