@@ -308,9 +308,6 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
 def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:
     ranks = _halves(ctx)
     _check_heads(w, len(ranks[0]))
-    if w.heads:
-        raise Skip("a stage with global parameters runs on global tensors, and the attention's plain-tensor "
-                   "math (rotary positions) cannot mix with them")
     half = len(w.model) // 2
     parts = (w.model[:half], w.model[half:])
     mine = next(i for i, rs in enumerate(ranks) if ctx.rank in rs)

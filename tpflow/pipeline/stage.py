@@ -12,8 +12,15 @@ A plain PyTorch module (no global parameters of its own) fed rows split(0) or br
 ranks' local blocks, as data parallelism, with one autograd node for its parameters' blocks: DTensor
 dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. Its parameter gradients are
 partial sums over the axes its rows are split on, reduced when read. Split rows must be independent
-samples; a module with buffers (BatchNorm's statistics mix rows) runs through DTensor on them. A
-module built from global parameters and tpflow's ops or layers runs on global tensors.
+samples; a module with buffers (BatchNorm's statistics mix rows) runs through DTensor on them.
+
+A module ``parallelize`` made on the stage's placement (every parameter in a tpflow parallel layer or a
+replicated module there) runs its own forward on the local blocks too, as tensor parallelism does without
+a pipeline: fed an input whole over the tensor-parallel axis (and split(0) over the others), each layer
+does its own collectives, and the output must come back whole over the tensor-parallel ranks (end the
+stage with a row layer, or a column layer with ``gather_output``). Plain-tensor code inside it (an
+attention's rotary positions, a Hugging Face model's masks) then works as on one device. A module built
+from global parameters and tpflow's ops runs on global tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
 from tpflow.global_tensor.blocks import off_placement
+from tpflow.layers import ShardedModule
 from tpflow.layers.blocks import LocalBlocks
+from tpflow.layers.regions import is_split
+from tpflow.layers.replicated import replicated_grads
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, Sbp, Split, broadcast, normalize
 
@@ -106,11 +116,13 @@ class Stage(nn.Module):
         if sbp is not None:
             normalize(sbp, placement.ndim, 1)  # a malformed SBP fails here, not at the first call
         self.plain = not any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
+        # parallelize's work on this placement runs its own forward on local tensors; its buffers stay plain
+        self.parallel = placement.coordinate() is not None and _parallelized(module, placement)
         self._blocks = LocalBlocks()
         # read each module's parameters through a node of their own, so that a schedule computing the weights'
         # gradients apart (zb-h1, tpflow.pipeline.backward) runs each layer's alone; set by tpf.Pipeline
         self.weights_apart = False
-        self.module = to_global(module, placement=placement)
+        self.module = module if self.parallel else to_global(module, placement=placement)
 
     def input_sbp(self, src: Placement, src_sbps: tuple[Sbp, ...], ndim: int) -> tuple[Sbp, ...]:
         """The layout this stage computes on, for an input of ``ndim`` dims laid out as ``src_sbps`` on ``src``."""
@@ -150,7 +162,28 @@ class Stage(nn.Module):
         if self.plain and x.ndim > 0 and all(s == Split(0) or isinstance(s, Broadcast) for s in sbps) \
                 and not (split and next(self.module.buffers(), None) is not None):
             return self._compute_local(x, sbps)
+        if self.parallel and isinstance(sbps[-1], Broadcast) and \
+                all(s == Split(0) or n == 1 for s, n in zip(sbps[:-1], self.placement.hierarchy)):
+            return self._compute_parallel(x, sbps)
         return self.check_output(self.module(x))
+
+    def _compute_parallel(self, x: DTensor, sbps: tuple[Sbp, ...]) -> DTensor:
+        """The parallelized module's own forward on this rank's block: whole over the tensor-parallel axis, its rows
+        over the others."""
+        local = x.to_local()
+        y = self.module(local)
+        if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
+            raise TypeError(f"stage {self.stage_id} must return one tensor, got {type(y).__name__}")
+        if self.placement.hierarchy[-1] > 1 and is_split([y]):
+            raise ValueError(f"stage {self.stage_id} returns this rank's block of a column layer's features: end the "
+                             "stage with a row layer, or give its last column layer gather_output=True")
+        split = any(s == Split(0) for s, n in zip(sbps[:-1], self.placement.hierarchy) if n > 1)
+        if split and (y.ndim == 0 or y.shape[0] != local.shape[0]):
+            raise ValueError(f"stage {self.stage_id} runs data parallel on split(0) rows, so its module must keep "
+                             f"one output row per input row: {tuple(local.shape)} -> {tuple(y.shape)}")
+        shape = (x.shape[0], *y.shape[1:]) if split else y.shape
+        out = tuple(s if s == Split(0) else broadcast for s in sbps[:-1]) + (broadcast,)
+        return from_local(y, self.placement, out, shape=shape, sync_data=False)
 
     def _local_state(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
         """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
@@ -211,6 +244,21 @@ class Stage(nn.Module):
     def extra_repr(self) -> str:
         sbp = "" if self.sbp is None else f", sbp={self.sbp}"
         return f"stage_id={self.stage_id}, placement={self.placement.type}:{self.placement.ranks}{sbp}"
+
+
+def _parallelized(module: nn.Module, placement: Placement) -> bool:
+    """Whether every parameter of ``module`` is in a tpflow parallel layer or a replicated module on ``placement``
+    (``parallelize``'s work there), and there is at least one."""
+    found = False
+    for m in module.modules():
+        own = list(m.parameters(recurse=False))
+        if not own:
+            continue
+        if not (isinstance(m, ShardedModule) or replicated_grads(m) is not None) or \
+                any(not isinstance(p, DTensor) or get_placement(p) != placement for p in own):
+            return False
+        found = True
+    return found
 
 
 def stage(module: nn.Module, *, stage_id: int, placement: Placement, sbp: object = None) -> Stage:
