@@ -478,3 +478,46 @@ def test_a_failing_interleaved_stage_stops_every_rank(kind, words):
     for rank, (text, seconds) in enumerate(results):
         assert words in (text or ""), text
         assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"
+
+
+def _cut_sequential(plan):
+    """tpf.pipeline.cut on an nn.Sequential: at named children, or evenly; with a plan, each stage tensor parallel
+    on its own two ranks (pipeline x tensor), its entries taken from one plan over the whole model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 6)) for _ in range(3)],
+                          nn.Linear(6, 4))
+    ref = copy.deepcopy(model)
+    world = dist.get_world_size()
+    if plan:
+        placements = [_on(0, 1), _on(2, 3)]
+        stages = tpf.pipeline.cut(model, placements, at=["2"], plan={"*.0": "column", "*.2": "row"})
+        assert [list(st.module._modules) for st in stages] == [["0", "1"], ["2", "3"]]
+    else:
+        stages = tpf.pipeline.cut(model, [_on(r) for r in range(world)])
+        assert [len(st.module) for st in stages] == [2, 2] if world == 2 else [1, 1, 1, 1]
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule="zb-h1", loss_fn=F.cross_entropy)
+    x, y = _batch(9, 6, 4, classes=4)
+    return _train_and_compare(pipe, ref, x, y, F.cross_entropy)
+
+
+@pytest.mark.parametrize("world, plan", [(2, False), (4, False), (4, True)], ids=["2 stages", "4 stages", "2x2"])
+def test_cut_sequential_matches_one_device(world, plan):
+    results = harness.run(world, _cut_sequential, plan)
+    assert results[-1][1] and all(checked > 0 for checked, _ in results)
+
+
+def test_cut_errors():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    pls = [tpf.Placement.__new__(tpf.Placement) for _ in range(2)]  # never used: the errors come first
+    with pytest.raises(ValueError, match=r"at=\['9'\]: not among the children, which are \['0', '1', '2'\]"):
+        tpf.pipeline.cut(model, pls, at=["9"])
+    with pytest.raises(ValueError, match="1 names for 2 placements, got 2"):
+        tpf.pipeline.cut(model, pls, at=["1", "2"])
+    with pytest.raises(ValueError, match="in their order, after the first"):
+        tpf.pipeline.cut(model, pls, at=["0"])
+    with pytest.raises(ValueError, match="3 children cannot make 4 stages"):
+        tpf.pipeline.cut(model, pls * 2)
+    with pytest.raises(TypeError, match="cut takes an nn.Sequential or a Hugging Face causal LM"):
+        tpf.pipeline.cut(nn.Linear(2, 2), pls)
+    with pytest.raises(TypeError, match="one per stage"):
+        tpf.pipeline.cut(model, ["cpu", "cpu"])
