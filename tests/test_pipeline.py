@@ -521,3 +521,36 @@ def test_cut_errors():
         tpf.pipeline.cut(nn.Linear(2, 2), pls)
     with pytest.raises(TypeError, match="one per stage"):
         tpf.pipeline.cut(model, ["cpu", "cpu"])
+
+
+def _changing_batches(schedule, pairs):
+    """Steps of different batch sizes (and so micro-batch shapes): a receive posted ahead with the step before's
+    layout is filled and the blocks sent again; with pipeline_pairs, each send goes out in one group with the
+    receive after it. Every step equals one device's."""
+    with tpf.config.override(pipeline_pairs=pairs):
+        p = dist.get_world_size()
+        dims = [5, 7, 6, 4, 3][:p + 1]
+        blocks = _chain(dims, seed=0)
+        ref = nn.Sequential(*copy.deepcopy(blocks))
+        stages = [tpf.stage(b, stage_id=i, placement=_on(i)) for i, b in enumerate(blocks)]
+        pipe = tpf.Pipeline(stages, micro_batches=p, schedule=schedule, loss_fn=F.mse_loss)
+        checked = 0
+        for rows in (8, 11, 8, 6):
+            x, y = _batch(rows, dims[0], dims[-1], seed=rows)
+            checked += _train_and_compare(pipe, ref, x, y, F.mse_loss, steps=1)[0]
+        return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule, pairs", [("1f1b", False), ("1f1b", True), ("zb-h1", True), ("gpipe", True)])
+def test_batches_of_changing_shape_and_paired_sends(world, schedule, pairs):
+    assert all(checked == 8 for checked in harness.run(world, _changing_batches, schedule, pairs))
+
+
+def _interleaved_pairs():
+    with tpf.config.override(pipeline_pairs=True):
+        return _interleaved_stages(2, 4, 9)
+
+
+def test_interleaved_with_paired_sends():
+    assert all(checked == 8 for checked, _ in harness.run(2, _interleaved_pairs))

@@ -130,6 +130,12 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("grad_bucket_bytes", "TPFLOW_GRAD_BUCKET_BYTES", 4 << 20, _size,
            "bytes of partial-sum gradients summed by one all-reduce before an optimizer step (the flat copy is the "
            "memory this costs; DDP's first bucket is 1 MiB, the rest 25 MiB)"),
+    Switch("pipeline_pairs", "TPFLOW_PIPELINE_PAIRS", {"cpu": False, "cuda": True}, _flag,
+           "how a pipeline's hand-offs are posted: on, a send followed in the schedule by a receive from the same "
+           "rank set goes out as one group with it (batch_isend_irecv), so that NCCL, where a rank's sends and "
+           "receives to one peer share a stream, cannot deadlock on 1F1B's crossed pair; off, receives are posted "
+           "ahead (the next micro-batch's, with the layout the step before had), which gloo allows. CUDA: untried "
+           "on two GPUs yet (the GPU machines here have one)"),
 )}
 
 _SET: dict[str, object] = {}  # values set from code

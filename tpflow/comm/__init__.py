@@ -17,6 +17,7 @@ from tpflow.comm.collectives import (
     Pending,
     all_gather,
     all_reduce,
+    batch,
     bounds,
     count_ring,
     exchange,
@@ -33,5 +34,5 @@ from tpflow.comm.fake import FakeTransport, FakeWorld
 from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport, row_bounds
 
 __all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "all_gather",
-           "all_reduce", "as_transport", "bounds", "collectives", "count_ring", "exchange", "gather", "post", "reduce",
-           "reduce_chunk", "reduce_scatter", "ring_bytes", "row_bounds", "scatter", "stats", "wire"]
+           "all_reduce", "as_transport", "batch", "bounds", "collectives", "count_ring", "exchange", "gather", "post",
+           "reduce", "reduce_chunk", "reduce_scatter", "ring_bytes", "row_bounds", "scatter", "stats", "wire"]

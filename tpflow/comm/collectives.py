@@ -17,7 +17,8 @@ all-reduce underneath, two passes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,13 +128,59 @@ def post(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, t
     pending = Pending() if pending is None else pending
     for peer, buf in recvs:
         if buf.numel():
-            pending.works.append(dist.irecv(buf, src=peer, tag=tag))
+            _issue(dist.irecv, buf, peer, tag, pending)
     for peer, tensor in sends:
         if tensor.numel():
             pending.buffers.append(tensor.contiguous())
-            pending.works.append(dist.isend(pending.buffers[-1], dst=peer, tag=tag))
+            _issue(dist.isend, pending.buffers[-1], peer, tag, pending)
             stats.add(tensor.numel() * tensor.element_size())
     return pending
+
+
+_BATCH: list[tuple[str, list, list[Pending]]] = []  # the open batch(): its device type, its ops, their Pendings
+
+
+def _issue(op, tensor: torch.Tensor, peer: int, tag: int, pending: Pending) -> None:
+    if _BATCH and _BATCH[-1][0] == tensor.device.type:
+        _BATCH[-1][1].append(dist.P2POp(op, tensor, peer, tag=tag))
+        _BATCH[-1][2].append(pending)
+    else:
+        pending.works.append(op(tensor, peer, tag=tag))
+
+
+@contextlib.contextmanager
+def batch(device: str) -> Iterator[None]:
+    """Post the point-to-point transfers of the block's ``post`` calls on ``device`` tensors as one group
+    (``dist.batch_isend_irecv``), when the block ends without an error; others are posted at once.
+
+    On NCCL a rank's sends and receives to one peer share a stream, where a send that is not yet matched holds
+    up everything behind it: two ranks that each send, then receive from the other, wait for ever. In one group
+    the send and the receive progress together (how a pipeline's stage sends an activation and receives a
+    gradient at once).
+
+    Args:
+        device: the device type whose transfers are grouped (``"cuda"``; gloo's CPU tensors travel apart).
+
+    Example::
+
+        >>> with tpf.comm.batch("cuda"):  # doctest: +SKIP
+        ...     tpf.comm.post([(peer, activation)], [(peer, grad_buf)], pending=pending)
+        >>> pending.wait()  # doctest: +SKIP
+    """
+    _BATCH.append((device, [], []))
+    try:
+        yield
+        _, ops, pendings = _BATCH[-1]
+    finally:
+        _BATCH.pop()
+    if ops:
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):  # one per op (gloo), whose wait() must run once
+            for pending, work in zip(pendings, works):
+                pending.works.append(work)
+        else:  # one for the group (NCCL), which any number of waits may wait on
+            for pending in {id(p): p for p in pendings}.values():
+                pending.works.extend(works)
 
 
 def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:

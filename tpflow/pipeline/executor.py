@@ -1,14 +1,11 @@
 """``tpf.Pipeline``: stages on their own ranks, run over micro-batches by one executor of a schedule table.
 
-Every rank builds the same ``Pipeline`` (one SPMD script) and runs only its own stage's column of the
-table (``schedule.build``): forwards and backwards of micro-batches, and the hand-offs between stages.
-A hand-off is the cross-placement boxing of ``to_global`` split in two: the sending stage posts its
-blocks and goes on (asynchronous sends), the receiving stage waits for them when its table says so.
-Every hand-off is preceded by a small header from each sending rank to each receiving rank, carrying
-the tensor's shape, dtype and SBP, so a stage needs to know nothing of its neighbours' outputs in
-advance. A stage that fails sends an error header instead, on every link it still owes messages to:
-its neighbours raise the same error and pass it on, so a mistake in one stage stops the whole
-pipeline at once instead of leaving the other ranks waiting.
+Every rank builds the same ``Pipeline`` (one SPMD script) and runs only its own rank set's column of the
+table (``schedule.build``): forwards and backwards of micro-batches, and the hand-offs between stages
+(``tpflow.pipeline.handoff``). Every hand-off carries a small header with the tensor's shape, dtype and SBP,
+so a stage needs to know nothing of its neighbours' outputs in advance. A stage that fails sends an error
+header instead, on every link it still owes messages to: its neighbours raise the same error and pass it
+on, so a mistake in one stage stops the whole pipeline at once instead of leaving the other ranks waiting.
 
 Gradients end up as one full-batch step leaves them: each micro-batch's loss is weighted by its share
 of the batch (``loss_reduction="mean"``) or not at all (``"sum"``), and parameters accumulate.
@@ -24,137 +21,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpflow import comm
-from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
-from tpflow.global_tensor import from_local, get_sbp, tensor, to_global
-from tpflow.global_tensor.boxing import post_across
+from tpflow import comm, config
+from tpflow.global_tensor import tensor, to_global
 from tpflow.pipeline import schedule as schedules
 from tpflow.pipeline.backward import WeightGrad, input_grad
+from tpflow.pipeline.handoff import Link, Paired
 from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
-from tpflow.sbp import Sbp, broadcast, dual
+from tpflow.sbp import broadcast
 
 __all__ = ["Pipeline"]
 
 # A failed step's sends, for the process's lifetime: a peer may take them after the pipeline is gone, and gloo
 # drops a send whose work and buffer are freed before it is taken.
 _UNFINISHED = comm.Pending()
-
-
-class _Link:
-    """The hand-offs between stage ``s`` (``src``) and stage ``s + 1`` (``dst``): activations forward, their
-    gradients back. Micro-batch ``i`` travels with tags ``base + 2 i`` (header) and ``base + 2 i + 1`` (blocks),
-    the end of the step with ``base + 2 m``; each link has its own ``base``, so the links between the same two
-    rank sets (the chunks of an interleaved pipeline) keep apart."""
-
-    def __init__(self, src: Stage, dst: Stage, base: int) -> None:
-        self.src, self.dst, self.base = src, dst, base
-        self.reset()
-
-    def reset(self) -> None:
-        self.sent = {"act": 0, "grad": 0}  # hand-offs this rank has posted, per direction
-        self.grads_received = 0  # on src: gradients taken from dst
-        self.peer_failed = False  # an error header came over this link
-        self.out_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: each received activation's SBP on src
-        self.ended = False  # on src: the end of the step was posted
-
-    def _data(self, micro_batch: int) -> int:
-        """The tag of micro-batch ``micro_batch``'s blocks (its header's is one less)."""
-        return self.base + 2 * micro_batch + 1
-
-    def _post_headers(self, to: Placement, buf: torch.Tensor, micro_batch: int, pending: comm.Pending) -> None:
-        comm.post([(r, buf) for r in to.flat_ranks], [], tag=self.base + 2 * micro_batch, pending=pending)
-
-    def _wait_headers(self, frm: Placement, micro_batch: int, stage: int) -> tuple[tuple[int, ...], torch.dtype,
-                                                                                    tuple[Sbp, ...], bool]:
-        bufs = [(r, torch.empty(HEADER_BYTES, dtype=torch.uint8)) for r in frm.flat_ranks]
-        comm.post([], bufs, tag=self.base + 2 * micro_batch).wait()
-        headers = [read_header(b) for _, b in bufs]
-        for status, *_, message, _ in headers:
-            if status == FAILED:
-                self.peer_failed = True
-                raise PipelineError(message)
-        metas = {(*h[1:4], h[5]) for h in headers}  # shape, dtype, SBP, requires_grad
-        if len(metas) > 1:
-            raise PipelineError(f"the ranks of stage {stage} hand off different tensors for micro-batch "
-                                f"{micro_batch}: {sorted(map(str, metas))}")
-        return metas.pop()
-
-    def send_act(self, y: DTensor, micro_batch: int, pending: comm.Pending) -> None:
-        src_pl, src_sbps = self.src.placement, get_sbp(y)
-        dst_sbps = self.dst.input_sbp(src_pl, src_sbps, y.ndim)
-        self._post_headers(self.dst.placement, header(OK, y.shape, y.dtype, src_sbps, requires_grad=y.requires_grad),
-                           micro_batch, pending)
-        post_across(y.detach(), src_pl, src_sbps, self.dst.placement, dst_sbps, tuple(y.shape), y.dtype,
-                    self._data(micro_batch), pending)
-        self.sent["act"] += 1
-
-    def recv_act(self, micro_batch: int) -> DTensor:
-        src_pl, dst_pl = self.src.placement, self.dst.placement
-        shape, dtype, src_sbps, requires_grad = self._wait_headers(src_pl, micro_batch, self.src.stage_id)
-        dst_sbps = self.dst.input_sbp(src_pl, src_sbps, len(shape))
-        self.out_sbps[micro_batch] = src_sbps
-        pending, local = post_across(None, src_pl, src_sbps, dst_pl, dst_sbps, shape, dtype, self._data(micro_batch))
-        pending.wait()
-        x = from_local(local, dst_pl, dst_sbps, shape=shape, sync_data=False)
-        return x.requires_grad_(requires_grad)  # a frozen stage before this one wants no gradient back
-
-    def send_grad(self, x: DTensor, micro_batch: int, pending: comm.Pending) -> None:
-        """The gradient of the input ``x`` this stage received, laid out as the sender's output needs it."""
-        pl, sbps = self.dst.placement, dual(get_sbp(x))
-        grad = x.grad if x.grad is not None else torch.zeros_like(x)
-        grad = to_global(grad, sbp=sbps)  # partial sums (several ranks' contributions) are reduced here
-        self._post_headers(self.src.placement, header(OK, grad.shape, grad.dtype, sbps), micro_batch, pending)
-        want = dual(self.out_sbps.pop(micro_batch))
-        post_across(grad, pl, sbps, self.src.placement, want, tuple(grad.shape), grad.dtype, self._data(micro_batch),
-                    pending)
-        self.sent["grad"] += 1
-
-    def recv_grad(self, y: DTensor, micro_batch: int) -> DTensor:
-        """The gradient of this stage's output ``y``, from the stage after."""
-        shape, dtype, dst_sbps, _ = self._wait_headers(self.dst.placement, micro_batch, self.dst.stage_id)
-        if shape != tuple(y.shape):
-            raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {shape} for an output of "
-                                f"shape {tuple(y.shape)} (micro-batch {micro_batch})")
-        want = dual(get_sbp(y))
-        pending, local = post_across(None, self.dst.placement, dst_sbps, self.src.placement, want, shape, dtype,
-                                     self._data(micro_batch))
-        pending.wait()
-        self.grads_received += 1
-        return from_local(local, self.src.placement, want, shape=shape, sync_data=False)
-
-    def fail(self, message: str, towards: str, micro_batches: int, pending: comm.Pending) -> bool:
-        """Post an error header where the peer stage waits next, if this rank still owes it messages. Returns
-        whether this rank must then ``drain`` the link: a peer stage after this one that already has every
-        activation runs on and sends its gradients, whose sends it waits on."""
-        if self.peer_failed or self.ended:
-            return False
-        kind, to = ("act", self.dst.placement) if towards == "dst" else ("grad", self.src.placement)
-        if self.sent[kind] < micro_batches:
-            self._post_headers(to, header(FAILED, message=message), self.sent[kind], pending)
-            return False
-        return towards == "dst"
-
-    def drain(self, message: str, outputs: dict, micro_batches: int, pending: comm.Pending) -> None:
-        """Take (and drop) the gradients the stage after this one still sends, then tell it the step failed, so that
-        it does not end its step as if nothing broke."""
-        for i in range(self.grads_received, micro_batches):
-            try:
-                self.recv_grad(outputs[i], i)
-            except PipelineError:
-                return
-        self.end(message, micro_batches, pending)
-
-    def end(self, message: str | None, micro_batches: int, pending: comm.Pending) -> None:
-        """On src, at the end of its step: whether it failed, to dst (tag ``2 m``, after the micro-batches'), so a
-        stage that already had all it needed from src does not end its step as if nothing broke."""
-        status = header(OK) if message is None else header(FAILED, message=message)
-        self._post_headers(self.dst.placement, status, micro_batches, pending)
-        self.ended = True
-
-    def wait_end(self, micro_batches: int) -> None:
-        """On dst: src's end of step; raises its error if it failed."""
-        self._wait_headers(self.src.placement, micro_batches, self.src.stage_id)
 
 
 _SENDS = ("send_act", "send_grad")
@@ -185,6 +65,22 @@ def _released(table: schedules.Table, r: int) -> dict[schedules.Action, list[sch
                 if to == r:
                     out.setdefault(proof, []).append(a)
                     break
+    return out
+
+
+def _pairs(table: schedules.Table, r: int) -> set[int]:
+    """The sends of rank set ``r``'s table to post in one group with the receive after them: where the receive is
+    from the same rank set, and that rank set's table has the same pair the other way round (its send of what
+    ``r`` receives right before its receive of what ``r`` sends), as 1F1B's steady state has. The two sides then
+    meet there: each posts its header, waits for the other's, and sends its blocks with the receive's."""
+    out = set()
+    actions = table[r]
+    for t, (send, recv) in enumerate(zip(actions, actions[1:])):
+        if send.kind not in _SENDS or recv.kind not in ("recv_act", "recv_grad"):
+            continue
+        (peer, theirs_recv), (peer_too, theirs_send) = _route(len(table), r, send), _route(len(table), r, recv)
+        if peer == peer_too and table[peer].index(theirs_send) + 1 == table[peer].index(theirs_recv):
+            out.add(t)
     return out
 
 
@@ -339,10 +235,14 @@ class Pipeline(nn.Module):
         rank = dist.get_rank()
         # this rank's rank set: its first stage's id, None off the pipeline
         self.stage_index = next((r for r, pl in enumerate(sets) if rank in pl), None)
-        self.links = [_Link(a, b, base=k * (2 * micro_batches + 2)) for k, (a, b) in enumerate(zip(found, found[1:]))]
+        # a send and the next receive from the same ranks as one group (NCCL), or receives posted ahead (gloo)
+        self.pairs = bool(config.get("pipeline_pairs", sets[0].type))
+        self.links = [Link(a, b, base=k * (3 * micro_batches + 1), micro_batches=micro_batches, ahead=not self.pairs)
+                      for k, (a, b) in enumerate(zip(found, found[1:]))]
         self.trace: list[tuple[schedules.Action, float, float]] = []
         self._failed: str | None = None
         self._released = {} if self.stage_index is None else _released(self.table, self.stage_index)
+        self._pairs = set() if self.stage_index is None or not self.pairs else _pairs(self.table, self.stage_index)
 
     def schedule_table(self) -> str:
         """The step as a grid of rank sets by time steps (unit time per forward, per backward and per weight
@@ -366,7 +266,7 @@ class Pipeline(nn.Module):
             raise ValueError(f"a batch of {batch.shape[0]} rows cannot make {self.micro_batches} micro-batches")
         return torch.tensor_split(batch, self.micro_batches)
 
-    def _links(self, k: int) -> tuple[_Link | None, _Link | None]:
+    def _links(self, k: int) -> tuple[Link | None, Link | None]:
         """Stage ``k``'s links to the stage before and the stage after."""
         return self.links[k - 1] if k > 0 else None, self.links[k] if k < len(self.stages) - 1 else None
 
@@ -382,9 +282,11 @@ class Pipeline(nn.Module):
         p, m = len(self.rank_sets), self.micro_batches
         mine = range(r, len(self.stages), p)  # this rank set's stages, chunk by chunk
         for k in mine:
-            for link in self._links(k):
+            prev, nxt = self._links(k)
+            for link, src in ((prev, False), (nxt, True)):
                 if link is not None:
                     link.reset()
+                    link.start(rank_in_src=src)
         sends: dict[schedules.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
         outputs: dict[int, dict[int, torch.Tensor]] = {k: {} for k in mine}  # per stage, outputs until their backward
         self.trace, self._action = [], None
@@ -395,9 +297,9 @@ class Pipeline(nn.Module):
             for k in mine:  # in stage order: each stage's end follows the one before it
                 prev, nxt = self._links(k)
                 if prev is not None:
-                    prev.wait_end(m)
+                    prev.wait_end()
                 if nxt is not None:
-                    nxt.end(None, m, ended)
+                    nxt.end(None, ended)
             for pending in sends.values():
                 pending.wait()
             ended.wait()  # taken at once: the next stages have finished their work and wait for these
@@ -414,11 +316,11 @@ class Pipeline(nn.Module):
             for k in mine:  # every error header first, then the links that still send to this rank
                 prev, nxt = self._links(k)
                 if prev is not None:
-                    prev.fail(message, "src", m, _UNFINISHED)
-                if nxt is not None and nxt.fail(message, "dst", m, _UNFINISHED):
+                    prev.fail(message, "src", _UNFINISHED)
+                if nxt is not None and nxt.fail(message, "dst", _UNFINISHED):
                     drains.append((nxt, outputs[k]))
             for link, outs in drains:
-                link.drain(message, outs, m, _UNFINISHED)
+                link.drain(message, outs, _UNFINISHED)
             if isinstance(e, PipelineError):
                 raise
             raise PipelineError(message) from e
@@ -427,6 +329,15 @@ class Pipeline(nn.Module):
         """The stage rank set ``r`` was at when it failed."""
         action = self._action if isinstance(self._action, schedules.Action) else None
         return r + len(self.rank_sets) * (action.chunk if action is not None else 0)
+
+    def _paired(self, r: int, index: int, outputs: dict[int, dict[int, torch.Tensor]]) -> Paired | None:
+        """With ``pipeline_pairs``: the receive to post in one group with send ``index`` of rank set ``r``'s table."""
+        if index not in self._pairs:
+            return None
+        recv, p = self.table[r][index + 1], len(self.rank_sets)
+        k, i = recv.chunk * p + r, recv.micro_batch
+        prev, nxt = self._links(k)
+        return prev.paired_act(i) if recv.kind == "recv_act" else nxt.paired_grad(outputs[k][i], i)
 
     def _run(self, r: int, inputs: object, targets: object, sends: dict[schedules.Action, comm.Pending],
              outputs: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor | None:
@@ -439,7 +350,7 @@ class Pipeline(nn.Module):
         later: dict[tuple[int, int], WeightGrad] = {}  # what each micro-batch's W needs, after its B
         total = None
         start = time.perf_counter()
-        for action in self.table[r]:
+        for index, action in enumerate(self.table[r]):
             i, began, self._action = action.micro_batch, time.perf_counter(), action
             k = action.chunk * p + r
             stage, (prev, nxt), key = self.stages[k], self._links(k), (k, i)
@@ -459,7 +370,7 @@ class Pipeline(nn.Module):
                 outputs[k][i] = y
             elif action.kind == "send_act":
                 sends[action] = comm.Pending()
-                nxt.send_act(outputs[k][i], i, sends[action])
+                nxt.send_act(outputs[k][i], i, sends[action], self._paired(r, index, outputs))
             elif action.kind == "recv_grad":
                 grads[key] = nxt.recv_grad(outputs[k][i], i)
             elif action.kind == "B":
@@ -474,7 +385,7 @@ class Pipeline(nn.Module):
                     later.pop(key).run()
             elif action.kind == "send_grad":
                 sends[action] = comm.Pending()
-                prev.send_grad(received.pop(key), i, sends[action])
+                prev.send_grad(received.pop(key), i, sends[action], self._paired(r, index, outputs))
             for taken in self._released.get(action, ()):  # sends this receive proves taken: free their buffers
                 sends.pop(taken).wait()
             self.trace.append((action, began - start, time.perf_counter() - start))

@@ -1,0 +1,304 @@
+"""Hand-offs between neighbouring stages: activations forward, their gradients back, each the cross-placement
+boxing of ``to_global`` split in two (the sender posts its blocks and goes on; the receiver waits when its table
+says so).
+
+A hand-off of micro-batch ``i`` is a header from each sending rank to each receiving rank (shape, dtype, SBP, or
+an error's text), tag ``base + 3 i``, and the blocks, tag ``base + 3 i + 1``; the end of the step is a header
+with tag ``base + 3 m``. Each link has its own ``base``, so the links between the same two rank sets (the chunks
+of an interleaved pipeline) keep apart.
+
+Both ends remember each micro-batch's header from the step before. A receiver that remembers one posts the
+blocks' receive beside the header's, before either arrives, so taking a hand-off is one wait, not a header's
+round trip and then the blocks'. When the header says otherwise (a batch of another shape), the sender, who
+remembers the same, fills the receive that was posted with zeros of the remembered layout and sends the blocks
+again under tag ``base + 3 i + 2``. On CPU (gloo) a receiver also posts micro-batch ``i + 1``'s receives as soon
+as it takes micro-batch ``i``, so the blocks travel while the stage computes.
+
+On CUDA (NCCL) a rank's sends and receives to one peer share a stream, where a send not yet matched holds up
+what follows: 1F1B's stage s sends an activation and then receives a gradient while stage s + 1 sends that
+gradient and then receives the activation. There (``pipeline_pairs``), a send followed in the table by a
+receive from the same rank set goes out as one group with it (``comm.batch``): both headers first (over gloo),
+then the two transfers of blocks together; nothing is posted ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tpflow import comm
+from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
+from tpflow.global_tensor import from_local, get_sbp, to_global, zeros
+from tpflow.global_tensor.boxing import post_across
+from tpflow.pipeline.stage import PipelineError, Stage
+from tpflow.placement import Placement
+from tpflow.sbp import Sbp, dual
+
+__all__ = ["Link", "Paired"]
+
+# what a header says of a hand-off: shape, dtype, SBP on the sender, SBP on the receiver, requires_grad
+Meta = tuple[tuple[int, ...], torch.dtype, tuple[Sbp, ...], tuple[Sbp, ...], bool]
+
+
+# a receive paired with a send: called after the send's header is out, it waits for the receive's header and
+# returns what posts the receive's blocks (in the send's group)
+Paired = Callable[[], Callable[[], None]]
+
+
+def _grouped(device: str, send_blocks: Callable[[], None], paired: Paired | None) -> None:
+    """Post a send's blocks; with ``paired``, in one group with that receive's blocks, once its header is in."""
+    if paired is None:
+        send_blocks()
+        return
+    post_receive = paired()
+    with comm.batch(device):
+        send_blocks()
+        post_receive()
+
+
+class _Incoming:
+    """A hand-off's receives, posted: the header's, and the blocks' where the layout was remembered."""
+
+    def __init__(self, headers: list[tuple[int, torch.Tensor]], pending: comm.Pending, guess: Meta | None,
+                 blocks: tuple[comm.Pending, torch.Tensor | None] | None) -> None:
+        self.headers, self.pending, self.guess, self.blocks = headers, pending, guess, blocks
+        self.meta: Meta | None = None
+
+
+class _Channel:
+    """One direction of a link: hand-offs from rank set ``frm`` to rank set ``to``, tags from ``base``."""
+
+    def __init__(self, frm: Placement, to: Placement, base: int, ahead: bool) -> None:
+        self.frm, self.to, self.base, self.ahead = frm, to, base, ahead
+        self.remembered: dict[int, Meta] = {}  # per micro-batch, the last header (both ends keep the same)
+        self.incoming: dict[int, _Incoming] = {}  # on the receiving end: receives posted ahead
+
+    def _tags(self, i: int) -> tuple[int, int, int]:
+        return self.base + 3 * i, self.base + 3 * i + 1, self.base + 3 * i + 2
+
+    def send_header(self, meta: Meta, i: int, pending: comm.Pending) -> None:
+        shape, dtype, src, _, requires_grad = meta
+        buf = header(OK, shape, dtype, src, requires_grad=requires_grad)
+        comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
+
+    def send_status(self, buf: torch.Tensor, i: int, pending: comm.Pending) -> None:
+        """An error header in micro-batch ``i``'s place, or the end of the step (``i = m``)."""
+        comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
+
+    def send_blocks(self, x: DTensor, meta: Meta, i: int, pending: comm.Pending) -> None:
+        shape, dtype, src, dst, _ = meta
+        _, tag, again = self._tags(i)
+        guess = self.remembered.get(i) if self.ahead else None
+        if guess is not None and guess != meta:  # the receiver posted blocks of the remembered layout: fill them
+            g_shape, g_dtype, g_src, g_dst, _ = guess
+            filler = zeros(*g_shape, dtype=g_dtype, placement=self.frm, sbp=g_src)
+            post_across(filler, self.frm, g_src, self.to, g_dst, g_shape, g_dtype, tag, pending)
+            tag = again
+        post_across(x, self.frm, src, self.to, dst, shape, dtype, tag, pending)
+        self.remembered[i] = meta
+
+    def post(self, i: int, blocks: bool) -> _Incoming:
+        """Post micro-batch ``i``'s header receives, and with ``blocks`` (and ``ahead``) its blocks' where the
+        layout is remembered."""
+        if i in self.incoming:
+            return self.incoming[i]
+        headers = [(r, torch.empty(HEADER_BYTES, dtype=torch.uint8)) for r in self.frm.flat_ranks]
+        pending = comm.post([], headers, tag=self._tags(i)[0])
+        guess = self.remembered.get(i) if blocks and self.ahead else None
+        posted = None
+        if guess is not None:
+            shape, dtype, src, dst, _ = guess
+            posted = post_across(None, self.frm, src, self.to, dst, shape, dtype, self._tags(i)[1])
+        self.incoming[i] = _Incoming(headers, pending, guess, posted)
+        return self.incoming[i]
+
+    def header(self, i: int, dst_of: Callable[[tuple[Sbp, ...], int], tuple[Sbp, ...]], sender: int) -> Meta:
+        """Micro-batch ``i``'s header (its receive posted now if it was not); raises a failed sender's error."""
+        incoming = self.post(i, blocks=False)
+        if incoming.meta is None:
+            incoming.pending.wait()
+            read = [read_header(b) for _, b in incoming.headers]
+            for status, *_, message, _ in read:
+                if status == FAILED:
+                    raise PipelineError(message)
+            metas = {(*h[1:4], h[5]) for h in read}  # shape, dtype, SBP, requires_grad
+            if len(metas) > 1:
+                raise PipelineError(f"the ranks of stage {sender} hand off different tensors for micro-batch {i}: "
+                                    f"{sorted(map(str, metas))}")
+            shape, dtype, src, requires_grad = metas.pop()
+            incoming.meta = (shape, dtype, src, dst_of(src, len(shape)), requires_grad)
+        return incoming.meta
+
+    def post_blocks(self, i: int, meta: Meta) -> None:
+        """Post micro-batch ``i``'s blocks' receive for the layout its header gave (where none was posted ahead)."""
+        incoming = self.incoming[i]
+        if incoming.guess == meta:
+            return
+        _, tag, again = self._tags(i)
+        if incoming.guess is not None:
+            incoming.blocks[0].wait()  # the sender's filler
+            tag = again
+        shape, dtype, src, dst, _ = meta
+        incoming.blocks = post_across(None, self.frm, src, self.to, dst, shape, dtype, tag)
+        incoming.guess = meta
+
+    def take(self, i: int, dst_of: Callable[[tuple[Sbp, ...], int], tuple[Sbp, ...]],
+             sender: int) -> tuple[torch.Tensor, Meta]:
+        """Micro-batch ``i``'s blocks on this rank, once arrived, and the header's layout."""
+        meta = self.header(i, dst_of, sender)
+        self.post_blocks(i, meta)
+        pending, local = self.incoming.pop(i).blocks
+        pending.wait()
+        self.remembered[i] = meta
+        return local, meta
+
+
+class Link:
+    """The hand-offs between stage ``s`` (``src``) and stage ``s + 1`` (``dst``): activations forward, their
+    gradients back, and the end of each step.
+
+    Args:
+        src, dst: the two stages.
+        base: the link's first tag.
+        micro_batches: the micro-batches of a step.
+        ahead: post receives ahead (the blocks of a remembered layout, and the next micro-batch's): on gloo.
+
+    Example::
+
+        >>> link = Link(stages[0], stages[1], base=0, micro_batches=4, ahead=True)  # doctest: +SKIP
+    """
+
+    def __init__(self, src: Stage, dst: Stage, base: int, micro_batches: int, ahead: bool) -> None:
+        self.src, self.dst, self.m, self.ahead = src, dst, micro_batches, ahead
+        self.acts = _Channel(src.placement, dst.placement, base, ahead)
+        self.grads = _Channel(dst.placement, src.placement, base, ahead)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: nothing sent or taken yet on this rank."""
+        self.sent = {"act": 0, "grad": 0}  # hand-offs this rank has posted, per direction
+        self.grads_received = 0  # on src: gradients taken from dst
+        self.peer_failed = False  # an error header came over this link
+        self.out_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: each received activation's SBP on src
+        self.ended = False  # on src: the end of the step was posted
+
+    def start(self, rank_in_src: bool) -> None:
+        """Post the step's first receives ahead: micro-batch 0's gradient on src, its activation on dst."""
+        if self.ahead:
+            (self.grads if rank_in_src else self.acts).post(0, blocks=True)
+
+    # activations, src -> dst
+
+    def act_meta(self, y: DTensor) -> Meta:
+        src = get_sbp(y)
+        return tuple(y.shape), y.dtype, src, self.dst.input_sbp(self.src.placement, src, y.ndim), y.requires_grad
+
+    def send_act(self, y: DTensor, i: int, pending: comm.Pending, paired: Paired | None = None) -> None:
+        """Micro-batch ``i``'s activation ``y`` to dst; ``paired``: a receive to post in one group with it."""
+        meta = self.act_meta(y)
+        self.acts.send_header(meta, i, pending)
+        _grouped(self.src.placement.type, lambda: self.acts.send_blocks(y.detach(), meta, i, pending), paired)
+        self.sent["act"] += 1
+
+    def recv_act(self, i: int) -> DTensor:
+        try:
+            local, meta = self.acts.take(i, lambda src, ndim: self.dst.input_sbp(self.src.placement, src, ndim),
+                                         self.src.stage_id)
+        except PipelineError:
+            self.peer_failed = True
+            raise
+        if self.ahead and i + 1 < self.m:
+            self.acts.post(i + 1, blocks=True)
+        shape, _, src, dst, requires_grad = meta
+        self.out_sbps[i] = src
+        x = from_local(local, self.dst.placement, dst, shape=shape, sync_data=False)
+        return x.requires_grad_(requires_grad)  # a frozen stage before this one wants no gradient back
+
+    # gradients, dst -> src
+
+    def send_grad(self, x: DTensor, i: int, pending: comm.Pending, paired: Paired | None = None) -> None:
+        """The gradient of the input ``x`` this stage received for micro-batch ``i``, to src, laid out as the
+        sender's output needs it; ``paired``: a receive to post in one group with it."""
+        sbps = dual(get_sbp(x))
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        grad = to_global(grad, sbp=sbps)  # partial sums (several ranks' contributions) are reduced here
+        meta = (tuple(grad.shape), grad.dtype, sbps, dual(self.out_sbps.pop(i)), False)
+        self.grads.send_header(meta, i, pending)
+        _grouped(self.src.placement.type, lambda: self.grads.send_blocks(grad, meta, i, pending), paired)
+        self.sent["grad"] += 1
+
+    def _want(self, y: DTensor) -> Callable[[tuple[Sbp, ...], int], tuple[Sbp, ...]]:
+        return lambda src, ndim: dual(get_sbp(y))
+
+    def recv_grad(self, y: DTensor, i: int) -> DTensor:
+        """The gradient of this stage's output ``y``, from the stage after."""
+        try:
+            local, (shape, *_) = self.grads.take(i, self._want(y), self.dst.stage_id)
+        except PipelineError:
+            self.peer_failed = True
+            raise
+        if shape != tuple(y.shape):
+            raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {shape} for an output of "
+                                f"shape {tuple(y.shape)} (micro-batch {i})")
+        if self.ahead and i + 1 < self.m:
+            self.grads.post(i + 1, blocks=True)
+        self.grads_received += 1
+        return from_local(local, self.src.placement, dual(get_sbp(y)), shape=shape, sync_data=False)
+
+    # pairs: a send and the next receive from the same rank set as one group (NCCL)
+
+    def paired_act(self, i: int) -> Paired:
+        """Micro-batch ``i``'s activation receive, for a send to post in one group with it."""
+        def header() -> Callable[[], None]:
+            meta = self.acts.header(i, lambda src, ndim: self.dst.input_sbp(self.src.placement, src, ndim),
+                                    self.src.stage_id)
+            return lambda: self.acts.post_blocks(i, meta)
+        return header
+
+    def paired_grad(self, y: DTensor, i: int) -> Paired:
+        """Micro-batch ``i``'s gradient receive (of the output ``y``), for a send to post in one group with it."""
+        def header() -> Callable[[], None]:
+            meta = self.grads.header(i, self._want(y), self.dst.stage_id)
+            return lambda: self.grads.post_blocks(i, meta)
+        return header
+
+    # failures and the end of the step
+
+    def fail(self, message: str, towards: str, pending: comm.Pending) -> bool:
+        """Post an error header where the peer stage waits next, if this rank still owes it messages. Returns
+        whether this rank must then ``drain`` the link: a peer stage after this one that already has every
+        activation runs on and sends its gradients, whose sends it waits on."""
+        if self.peer_failed or self.ended:
+            return False
+        kind, channel = ("act", self.acts) if towards == "dst" else ("grad", self.grads)
+        if self.sent[kind] < self.m:
+            channel.send_status(header(FAILED, message=message), self.sent[kind], pending)
+            return False
+        return towards == "dst"
+
+    def drain(self, message: str, outputs: dict, pending: comm.Pending) -> None:
+        """Take (and drop) the gradients the stage after this one still sends, then tell it the step failed, so that
+        it does not end its step as if nothing broke."""
+        for i in range(self.grads_received, self.m):
+            try:
+                self.recv_grad(outputs[i], i)
+            except PipelineError:
+                return
+        self.end(message, pending)
+
+    def end(self, message: str | None, pending: comm.Pending) -> None:
+        """On src, at the end of its step: whether it failed, to dst (after the micro-batches' tags), so a stage
+        that already had all it needed from src does not end its step as if nothing broke."""
+        self.acts.send_status(header(OK) if message is None else header(FAILED, message=message), self.m, pending)
+        self.ended = True
+
+    def wait_end(self) -> None:
+        """On dst: src's end of step; raises its error if it failed."""
+        try:
+            self.acts.header(self.m, lambda src, ndim: src, self.src.stage_id)
+        except PipelineError:
+            self.peer_failed = True
+            raise
+        self.acts.incoming.pop(self.m)
