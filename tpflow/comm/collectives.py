@@ -161,6 +161,9 @@ def batch(device: str) -> Iterator[None]:
     Args:
         device: the device type whose transfers are grouped (``"cuda"``; gloo's CPU tensors travel apart).
 
+    Returns:
+        A context manager; the transfers are posted when it exits, and waited on through their ``Pending``.
+
     Example::
 
         >>> with tpf.comm.batch("cuda"):  # doctest: +SKIP

@@ -142,8 +142,8 @@ def _across_plan(src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst
     return direct, tuple(transfers)
 
 
-def post_across(x: DTensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst: tuple[Sbp, ...],
-                shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0,
+def post_across(x: DTensor | torch.Tensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement,
+                dst: tuple[Sbp, ...], shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0,
                 pending: comm.Pending | None = None) -> tuple[comm.Pending, torch.Tensor | None]:
     """Post this rank's part of boxing ``x`` from ``src_pl`` to ``dst_pl`` without waiting: its sends (``x`` is
     needed on the source ranks only) and receives. Returns the transfers and this rank's destination block
@@ -154,7 +154,8 @@ def post_across(x: DTensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_
     sender. Pipelines use it to hand activations on while computing.
 
     Args:
-        x: the global tensor on the ranks of ``src_pl``; None is fine on the others.
+        x: the global tensor on the ranks of ``src_pl`` (or this rank's block of it, a plain tensor in the layout
+            ``src``); None is fine on the others.
         src_pl, src: the source placement and SBPs (a tuple, one per axis, split dims >= 0).
         dst_pl, dst: the destination placement and SBPs.
         shape, dtype: the global shape and dtype of ``x``, which ranks without ``x`` need too.
@@ -179,7 +180,10 @@ def post_across(x: DTensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_
     direct, transfers = _across_plan(src_pl, src, dst_pl, dst, shape)
     source = None
     if rank in src_pl:
-        source = x.to_local() if direct else box_within(x, src_pl, src, (broadcast,) * src_pl.ndim).to_local()
+        if not isinstance(x, DTensor):  # this rank's block: a global tensor only where the route gathers it
+            x = x if direct else wrap(x, src_pl, src, shape, dtype)
+        source = box_within(x, src_pl, src, (broadcast,) * src_pl.ndim).to_local() if not direct else \
+            x.to_local() if isinstance(x, DTensor) else x
     sends, recvs, local = [], [], None
     for sender, receiver, offsets, lengths in transfers:
         piece = None

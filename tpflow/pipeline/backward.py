@@ -58,7 +58,11 @@ def _above(start: Node, parents: dict[Node, list[Node]], stop: set[Node]) -> tup
 
 class WeightGrad:
     """What ``W`` needs after ``B``: per group of boundary nodes, their kept gradients and the parameters they
-    reach. ``run()`` accumulates those parameters' gradients, once.
+    reach. ``run()`` accumulates those parameters' gradients, once. ``input_grad`` makes these.
+
+    Args:
+        groups: per group, its boundary nodes (on the input's path, feeding a branch that reaches only weights)
+            and the parameters those branches reach.
 
     Example::
 

@@ -25,11 +25,26 @@ from tpflow.pipeline.stage import Stage
 from tpflow.placement import Placement
 from tpflow.plans import ColumnParallel, RowParallel, VocabParallel, hf_plan, parallelize
 
-__all__ = ["CausalLMStage", "causal_lm_loss", "cut"]
+__all__ = ["CausalLMStage", "balanced_runs", "causal_lm_loss", "cut"]
 
 
-def _balanced(n: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of ``parts`` runs of ``n`` blocks, the first ``n % parts`` one longer (stages of equal work)."""
+def balanced_runs(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of ``parts`` runs of ``n`` blocks, the first ``n % parts`` one longer: ``cut``'s stages when
+    ``at`` is not given (stages of equal work, as OneFlow balances them; ``torch.chunk`` would give 3, 3, 3, 1).
+
+    Args:
+        n: the blocks (children, decoder layers).
+        parts: the stages.
+
+    Returns:
+        The runs, in order.
+
+    Example::
+
+        >>> from tpflow.pipeline.cut import balanced_runs
+        >>> balanced_runs(10, 4)
+        [(0, 3), (3, 6), (6, 8), (8, 10)]
+    """
     size, extra = divmod(n, parts)
     out, start = [], 0
     for i in range(parts):
@@ -44,7 +59,7 @@ def _runs(names: list[str], parts: int, at: Sequence[str] | None, what: str) -> 
     if at is None:
         if len(names) < parts:
             raise ValueError(f"{len(names)} {what} cannot make {parts} stages: give fewer placements")
-        return _balanced(len(names), parts)
+        return balanced_runs(len(names), parts)
     at = list(at)
     if len(at) != parts - 1:
         raise ValueError(f"at names where stages 1..{parts - 1} begin: {parts - 1} names for {parts} placements, "

@@ -144,6 +144,17 @@ class _Channel:
         incoming.blocks = post_across(None, self.frm, src, self.to, dst, shape, dtype, tag)
         incoming.guess = meta
 
+    def abandon(self, keep: comm.Pending) -> None:
+        """A failed step: hand the receives still posted (never to be taken) to ``keep``, which holds them for the
+        process's lifetime: gloo must not see a posted receive's work and buffer freed."""
+        for incoming in self.incoming.values():
+            keep.works += incoming.pending.works
+            keep.buffers += [b for _, b in incoming.headers]
+            if incoming.blocks is not None:
+                keep.works += incoming.blocks[0].works
+                keep.buffers += [t for t in (incoming.blocks[1],) if t is not None]
+        self.incoming = {}
+
     def take(self, i: int, dst_of: Callable[[tuple[Sbp, ...], int], tuple[Sbp, ...]],
              sender: int) -> tuple[torch.Tensor, Meta]:
         """Micro-batch ``i``'s blocks on this rank, once arrived, and the header's layout."""
@@ -270,13 +281,14 @@ class Link:
         """Post an error header where the peer stage waits next, if this rank still owes it messages. Returns
         whether this rank must then ``drain`` the link: a peer stage after this one that already has every
         activation runs on and sends its gradients, whose sends it waits on."""
-        if self.peer_failed or self.ended:
-            return False
-        kind, channel = ("act", self.acts) if towards == "dst" else ("grad", self.grads)
-        if self.sent[kind] < self.m:
+        kind, channel, incoming = ("act", self.acts, self.grads) if towards == "dst" else \
+            ("grad", self.grads, self.acts)
+        drain = not (self.peer_failed or self.ended) and self.sent[kind] == self.m and towards == "dst"
+        if not drain:  # receives this rank posted ahead from the peer, which it will never take
+            incoming.abandon(pending)
+        if not (self.peer_failed or self.ended) and self.sent[kind] < self.m:
             channel.send_status(header(FAILED, message=message), self.sent[kind], pending)
-            return False
-        return towards == "dst"
+        return drain
 
     def drain(self, message: str, outputs: dict, pending: comm.Pending) -> None:
         """Take (and drop) the gradients the stage after this one still sends, then tell it the step failed, so that
@@ -285,6 +297,7 @@ class Link:
             try:
                 self.recv_grad(outputs[i], i)
             except PipelineError:
+                self.grads.abandon(pending)
                 return
         self.end(message, pending)
 

@@ -156,34 +156,52 @@ class Stage(nn.Module):
     def compute(self, x: torch.Tensor) -> DTensor:
         """The module on ``x`` moved onto the placement, on the stage's own ranks (as a pipeline runs it)."""
         x = self.enter(x)
-        sbps = get_sbp(x)
-        split = any(s == Split(0) for s, n in zip(sbps, self.placement.hierarchy) if n > 1)
-        # a module with buffers (BatchNorm's statistics) may mix rows: on split rows it runs through DTensor
-        if self.plain and x.ndim > 0 and all(s == Split(0) or isinstance(s, Broadcast) for s in sbps) \
-                and not (split and next(self.module.buffers(), None) is not None):
-            return self._compute_local(x, sbps)
-        if self.parallel and isinstance(sbps[-1], Broadcast) and \
-                all(s == Split(0) or n == 1 for s, n in zip(sbps[:-1], self.placement.hierarchy)):
-            return self._compute_parallel(x, sbps)
-        return self.check_output(self.module(x))
+        got = self.compute_block(x.to_local(), get_sbp(x), tuple(x.shape))
+        if got is None:
+            return self.check_output(self.module(x))
+        y, sbps, shape = got
+        return from_local(y, self.placement, sbps, shape=shape, sync_data=False)
 
-    def _compute_parallel(self, x: DTensor, sbps: tuple[Sbp, ...]) -> DTensor:
-        """The parallelized module's own forward on this rank's block: whole over the tensor-parallel axis, its rows
-        over the others."""
-        local = x.to_local()
-        y = self.module(local)
+    def compute_block(self, local: torch.Tensor, sbps: tuple[Sbp, ...],
+                      shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]] | None:
+        """The module on this rank's block ``local`` of an input laid out as ``sbps`` (global ``shape``) on the
+        placement, without global tensors: the output's block, its SBPs and global shape; None where the module must
+        run on global tensors (global parameters of its own, or a layout the local paths do not take).
+
+        Args:
+            local: this rank's block of the input.
+            sbps: the input's SBPs on the stage's placement.
+            shape: the input's global shape.
+
+        Returns:
+            ``(output block, output SBPs, output global shape)``, or None.
+
+        Example::
+
+            >>> y, sbps, shape = stage.compute_block(x_block, (tpf.sbp.split(0),), (16, 8))  # doctest: +SKIP
+        """
+        hierarchy = self.placement.hierarchy
+        split = tuple(s == Split(0) and n > 1 for s, n in zip(sbps, hierarchy))
+        # a module with buffers (BatchNorm's statistics) may mix rows: on split rows it runs through DTensor
+        if self.plain and local.ndim > 0 and all(s == Split(0) or isinstance(s, Broadcast) for s in sbps) \
+                and not (any(split) and next(self.module.buffers(), None) is not None):
+            y = torch.func.functional_call(self.module, self._local_state(split), (local,))
+            out = sbps
+        elif self.parallel and isinstance(sbps[-1], Broadcast) and \
+                all(s == Split(0) or n == 1 for s, n in zip(sbps[:-1], hierarchy)):
+            y = self.module(local)
+            if hierarchy[-1] > 1 and isinstance(y, torch.Tensor) and is_split([y]):
+                raise ValueError(f"stage {self.stage_id} returns this rank's block of a column layer's features: end "
+                                 "the stage with a row layer, or give its last column layer gather_output=True")
+            out = tuple(s if s == Split(0) else broadcast for s in sbps[:-1]) + (broadcast,)
+        else:
+            return None
         if not isinstance(y, torch.Tensor) or isinstance(y, DTensor):
             raise TypeError(f"stage {self.stage_id} must return one tensor, got {type(y).__name__}")
-        if self.placement.hierarchy[-1] > 1 and is_split([y]):
-            raise ValueError(f"stage {self.stage_id} returns this rank's block of a column layer's features: end the "
-                             "stage with a row layer, or give its last column layer gather_output=True")
-        split = any(s == Split(0) for s, n in zip(sbps[:-1], self.placement.hierarchy) if n > 1)
-        if split and (y.ndim == 0 or y.shape[0] != local.shape[0]):
+        if any(split) and (y.ndim == 0 or y.shape[0] != local.shape[0]):
             raise ValueError(f"stage {self.stage_id} runs data parallel on split(0) rows, so its module must keep "
                              f"one output row per input row: {tuple(local.shape)} -> {tuple(y.shape)}")
-        shape = (x.shape[0], *y.shape[1:]) if split else y.shape
-        out = tuple(s if s == Split(0) else broadcast for s in sbps[:-1]) + (broadcast,)
-        return from_local(y, self.placement, out, shape=shape, sync_data=False)
+        return y, out, (shape[0], *y.shape[1:]) if any(split) else tuple(y.shape)
 
     def _local_state(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
         """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
@@ -200,18 +218,6 @@ class Stage(nn.Module):
             blocks = self._blocks(tuple(p for _, p in named), (split, prefix), lambda p: grad_placements)
             state |= {prefix + n: b for (n, _), b in zip(named, blocks)}
         return state
-
-    def _compute_local(self, x: DTensor, sbps: tuple[Sbp, ...]) -> DTensor:
-        split = tuple(s == Split(0) for s in sbps)
-        local = x.to_local()
-        y = torch.func.functional_call(self.module, self._local_state(split), (local,))
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"stage {self.stage_id} must return one tensor, got {type(y).__name__}")
-        if any(split) and (y.ndim == 0 or y.shape[0] != local.shape[0]):
-            raise ValueError(f"stage {self.stage_id} runs data parallel on split(0) rows, so its module must keep "
-                             f"one output row per input row: {tuple(local.shape)} -> {tuple(y.shape)}")
-        shape = (x.shape[0], *y.shape[1:]) if any(split) else y.shape
-        return from_local(y, self.placement, sbps, shape=shape, sync_data=False)
 
     def forward(self, x: torch.Tensor) -> DTensor:
         """Ranks outside the placement skip the module: its first rank sends them the output's shape and SBP,
