@@ -14,8 +14,9 @@
     sequence, unfused   the same layout, the plain collective then the matmul
     sequence, regather  the ring layout, with each column layer's input gathered again in the backward
                         rather than kept from the forward (Megatron's way: less memory, more bytes)
-    pipeline, GPipe     one stage per rank, 2 micro-batches a stage
-    pipeline, 1F1B      the same, one-forward-one-backward
+    pipeline, GPipe     one stage per rank, 2 micro-batches a rank (tpflow.bench.pipelines); also 1F1B,
+                        interleaved (two stages a rank) and ZB-H1, each beside torch.distributed.pipelining's
+                        schedule of the same name (", torch")
     data x tensor       2-D placement: data parallel over axis 0, tensor parallel over axis 1
     pipeline x tensor   2 stages, each tensor parallel over half the ranks, 1F1B
 
@@ -46,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 import tpflow as tpf
 from tpflow import comm
 from tpflow.comm.collectives import ring_bytes
+from tpflow.bench import pipelines
 from tpflow.bench.measure import count_ddp
 from tpflow.bench.trainer import Context, Skip, Trainer, block_bytes, forward_backward, make_trainer, rows_share
 from tpflow.bench.workloads import CausalLMLoss, Workload
@@ -239,49 +241,6 @@ def sequence_regather(w: Workload, ctx: Context) -> Trainer:
     return _sequence(w, ctx, "ring", keep_gathered=False)
 
 
-def _pipeline(w: Workload, ctx: Context, stages: list[tpf.Stage], schedule: str, handoff: int,
-              layers: int = 0) -> Trainer:
-    """``stages`` as a pipeline; ``handoff``: the bytes a stage's rank sends of a step's activations (and of
-    their gradients), ``layers``: its tensor-parallel layers' bytes."""
-    m = ctx.micro_batches or 2 * len(stages)
-    if w.samples < m:
-        raise Skip(f"{w.samples} samples cannot make {m} micro-batches")
-    pipe = tpf.Pipeline(stages, micro_batches=m, schedule=schedule, loss_fn=F.mse_loss)
-    s = pipe.stage_index
-    pl = stages[s].placement
-    x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
-    first_of_last = s == len(stages) - 1 and ctx.rank == pl.flat_ranks[0]
-
-    def step():
-        loss = pipe.step(x, y)
-        return loss if first_of_last else None
-    # each micro-batch's activation forward (but from the last stage) and its gradient back (but to the first)
-    directions = (s < len(stages) - 1) + (s > 0)
-    minimum = directions * handoff + layers
-    return make_trainer(list(pipe.parameters()), step, minimum, range(ctx.world))
-
-
-def _one_rank_stages(w: Workload, ctx: Context) -> list[tpf.Stage]:
-    blocks = len(w.model)
-    if blocks < ctx.world:
-        raise Skip(f"{blocks} blocks cannot make {ctx.world} stages")
-    model = w.model.to(ctx.device)
-    cuts = comm.bounds(blocks, ctx.world)
-    return [tpf.stage(model[a:b], stage_id=i, placement=ctx.placement([i])) for i, (a, b) in enumerate(cuts)]
-
-
-def _activation_bytes(w: Workload) -> int:
-    return w.inputs.numel() * w.inputs.element_size()
-
-
-def pipeline_gpipe(w: Workload, ctx: Context) -> Trainer:
-    return _pipeline(w, ctx, _one_rank_stages(w, ctx), "gpipe", _activation_bytes(w))
-
-
-def pipeline_1f1b(w: Workload, ctx: Context) -> Trainer:
-    return _pipeline(w, ctx, _one_rank_stages(w, ctx), "1f1b", _activation_bytes(w))
-
-
 def _halves(ctx: Context) -> list[list[int]]:
     if ctx.world < 4 or ctx.world % 2:
         raise Skip("needs an even world of at least 4 ranks")
@@ -306,22 +265,11 @@ def data_x_tensor(w: Workload, ctx: Context) -> Trainer:
 
 
 def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:
-    ranks = _halves(ctx)
-    _check_heads(w, len(ranks[0]))
-    half = len(w.model) // 2
-    parts = (w.model[:half], w.model[half:])
-    mine = next(i for i, rs in enumerate(ranks) if ctx.rank in rs)
-    stage_input = w.inputs.detach().requires_grad_(mine > 0)  # a later stage's input is an activation
-    layers = _tensor_bytes(parts[mine], w.plan, stage_input, w.tokens, len(ranks[0]))
-    parts = tuple(part.to(ctx.device) for part in parts)
-    stages = []
-    for i, (part, rs) in enumerate(zip(parts, ranks)):
-        pl = ctx.placement(rs)
-        stages.append(tpf.stage(tpf.parallelize(part, placement=pl, plan=_tpflow_plan(w)), stage_id=i, placement=pl,
-                                sbp=tpf.sbp.broadcast))
-    # each of the next stage's ranks needs the whole activation: with as many senders as receivers, one
-    # activation per sender (and one gradient per sender back)
-    return _pipeline(w, ctx, stages, "1f1b", _activation_bytes(w), layers)
+    _check_heads(w, max(1, ctx.world // 2))
+
+    def layers(part: nn.Module, stage_input: torch.Tensor) -> int:
+        return _tensor_bytes(part, w.plan, stage_input, w.tokens, ctx.world // 2)
+    return pipelines.pipeline_x_tensor(w, ctx, _tpflow_plan(w), layers)
 
 
 MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
@@ -334,8 +282,8 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
     "sequence, ring": sequence_ring,
     "sequence, unfused": sequence_unfused,
     "sequence, regather": sequence_regather,
-    "pipeline, GPipe": pipeline_gpipe,
-    "pipeline, 1F1B": pipeline_1f1b,
+    **{f"pipeline, {name}{peer}": build(name) for name in pipelines.SCHEDULES
+       for peer, build in (("", pipelines.pipeline_mode), (", torch", pipelines.torch_pipeline_mode))},
     "data x tensor": data_x_tensor,
     "pipeline x tensor": pipeline_x_tensor,
 }

@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm, config
-from tpflow.global_tensor import tensor, to_global
+from tpflow.global_tensor import from_local, get_sbp, to_global
 from tpflow.pipeline import schedule as schedules
 from tpflow.pipeline.backward import WeightGrad, input_grad
-from tpflow.pipeline.handoff import Link, Paired
+from tpflow.pipeline.handoff import Block, Link, Paired
 from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast
@@ -288,7 +288,7 @@ class Pipeline(nn.Module):
                     link.reset()
                     link.start(rank_in_src=src)
         sends: dict[schedules.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
-        outputs: dict[int, dict[int, torch.Tensor]] = {k: {} for k in mine}  # per stage, outputs until their backward
+        outputs: dict[int, dict[int, Block]] = {k: {} for k in mine}  # per stage, outputs until their backward
         self.trace, self._action = [], None
         try:
             loss = self._run(r, inputs, targets, sends, outputs)
@@ -330,7 +330,7 @@ class Pipeline(nn.Module):
         action = self._action if isinstance(self._action, schedules.Action) else None
         return r + len(self.rank_sets) * (action.chunk if action is not None else 0)
 
-    def _paired(self, r: int, index: int, outputs: dict[int, dict[int, torch.Tensor]]) -> Paired | None:
+    def _paired(self, r: int, index: int, outputs: dict[int, dict[int, Block]]) -> Paired | None:
         """With ``pipeline_pairs``: the receive to post in one group with send ``index`` of rank set ``r``'s table."""
         if index not in self._pairs:
             return None
@@ -339,14 +339,35 @@ class Pipeline(nn.Module):
         prev, nxt = self._links(k)
         return prev.paired_act(i) if recv.kind == "recv_act" else nxt.paired_grad(outputs[k][i], i)
 
+    def _forward(self, stage: Stage, x: Block) -> Block:
+        """``stage`` on the block ``x``: on local tensors where it can, else on global ones (its own global
+        parameters), with the autograd graph reaching ``x``'s block either way."""
+        got = stage.compute_block(*x)
+        if got is not None:
+            return got
+        local, sbps, shape = x
+        y = stage.check_output(stage.module(from_local(local, stage.placement, sbps, shape=shape, sync_data=False)))
+        return y.to_local(), get_sbp(y), tuple(y.shape)
+
+    def _loss(self, stage: Stage, y: Block, target: torch.Tensor, rows: int) -> torch.Tensor:
+        """The micro-batch's loss on the last stage's ranks, on its whole output (gathered where the stage left it
+        split), weighted by its share of the batch's rows for a mean."""
+        local, sbps, shape = y
+        whole = (broadcast,) * stage.placement.ndim
+        if sbps != whole:  # DTensor's mean over uneven split(0) blocks averages the blocks' means (biased)
+            local = to_global(from_local(local, stage.placement, sbps, shape=shape, sync_data=False),
+                              sbp=whole).to_local()
+        weight = target.shape[0] / rows if self.loss_reduction == "mean" else 1.0
+        return self.loss_fn(local, target.to(local.device)) * weight
+
     def _run(self, r: int, inputs: object, targets: object, sends: dict[schedules.Action, comm.Pending],
-             outputs: dict[int, dict[int, torch.Tensor]]) -> torch.Tensor | None:
+             outputs: dict[int, dict[int, Block]]) -> torch.Tensor | None:
         p, n = len(self.rank_sets), len(self.stages)
         micro_inputs = self._micro(inputs, "inputs") if r == 0 else None
         micro_targets = self._micro(targets, "targets") if r == (n - 1) % p else None
         rows = sum(t.shape[0] for t in micro_targets) if micro_targets is not None else 0
-        received: dict[tuple[int, int], DTensor] = {}  # input activations, kept for their gradients
-        grads: dict[tuple[int, int], DTensor] = {}
+        received: dict[tuple[int, int], Block] = {}  # input activations' blocks, kept for their gradients
+        grads: dict[tuple[int, int], torch.Tensor] = {}
         later: dict[tuple[int, int], WeightGrad] = {}  # what each micro-batch's W needs, after its B
         total = None
         start = time.perf_counter()
@@ -357,16 +378,14 @@ class Pipeline(nn.Module):
             if action.kind == "recv_act":
                 received[key] = prev.recv_act(i)
             elif action.kind == "F":
-                y = stage.compute(received[key] if k > 0 else micro_inputs[i])
-                if k == n - 1:  # the loss sees the whole micro-batch on every rank: DTensor's mean over uneven
-                    # split(0) blocks averages the blocks' means (biased), and its nll_loss refuses them
-                    whole = (broadcast,) * stage.placement.ndim
-                    y = to_global(y, sbp=whole)
-                    target = tensor(micro_targets[i].to(stage.placement.device), placement=stage.placement, sbp=whole)
-                    weight = target.shape[0] / rows if self.loss_reduction == "mean" else 1.0
-                    y = self.loss_fn(y, target) * weight
-                    value = (y.detach().full_tensor() if isinstance(y, DTensor) else y.detach()).float()
-                    total = value if total is None else total + value
+                if k == 0:  # the batch's rows: data, the same on every rank, laid out as the stage takes them
+                    x = stage.enter(micro_inputs[i])
+                    received[key] = (x.to_local(), get_sbp(x), tuple(x.shape))
+                y = self._forward(stage, received[key])
+                if k == n - 1:
+                    loss = self._loss(stage, y, micro_targets[i], rows)
+                    total = loss.detach().float() if total is None else total + loss.detach().float()
+                    y = (loss, (), ())
                 outputs[k][i] = y
             elif action.kind == "send_act":
                 sends[action] = comm.Pending()
@@ -374,10 +393,11 @@ class Pipeline(nn.Module):
             elif action.kind == "recv_grad":
                 grads[key] = nxt.recv_grad(outputs[k][i], i)
             elif action.kind == "B":
-                y = outputs[k].pop(i)
+                y = outputs[k].pop(i)[0]
                 if y.requires_grad:  # a frozen stage (or one before it) has nothing to differentiate
                     if self.split_backward:  # the input's gradient now, the weights' at this micro-batch's W
-                        later[key] = input_grad(y, grads.pop(key, None), received.get(key), list(stage.parameters()))
+                        x = received[key][0] if k > 0 else None
+                        later[key] = input_grad(y, grads.pop(key, None), x, list(stage.parameters()))
                     else:
                         torch.autograd.backward(y, grads.pop(key, None))
             elif action.kind == "W":
@@ -385,7 +405,11 @@ class Pipeline(nn.Module):
                     later.pop(key).run()
             elif action.kind == "send_grad":
                 sends[action] = comm.Pending()
-                prev.send_grad(received.pop(key), i, sends[action], self._paired(r, index, outputs))
+                x = received.pop(key)[0]
+                grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                prev.send_grad(grad, i, sends[action], self._paired(r, index, outputs))
+            if action.kind == "B" and k == 0:
+                received.pop(key, None)
             for taken in self._released.get(action, ()):  # sends this receive proves taken: free their buffers
                 sends.pop(taken).wait()
             self.trace.append((action, began - start, time.perf_counter() - start))

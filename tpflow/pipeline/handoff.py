@@ -26,20 +26,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
-from tpflow.global_tensor import from_local, get_sbp, to_global, zeros
+from tpflow.global_tensor import zeros
 from tpflow.global_tensor.boxing import post_across
 from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import Sbp, dual
 
-__all__ = ["Link", "Paired"]
+__all__ = ["Block", "Link", "Paired"]
 
 # what a header says of a hand-off: shape, dtype, SBP on the sender, SBP on the receiver, requires_grad
 Meta = tuple[tuple[int, ...], torch.dtype, tuple[Sbp, ...], tuple[Sbp, ...], bool]
+# a global tensor as the executor holds it: this rank's block, its SBPs, its global shape
+Block = tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]]
 
 
 # a receive paired with a send: called after the send's header is out, it waits for the receive's header and
@@ -87,7 +88,8 @@ class _Channel:
         """An error header in micro-batch ``i``'s place, or the end of the step (``i = m``)."""
         comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
 
-    def send_blocks(self, x: DTensor, meta: Meta, i: int, pending: comm.Pending) -> None:
+    def send_blocks(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
+        """Micro-batch ``i``'s blocks (this rank's block ``x`` in the layout ``meta`` names)."""
         shape, dtype, src, dst, _ = meta
         _, tag, again = self._tags(i)
         guess = self.remembered.get(i) if self.ahead else None
@@ -193,6 +195,7 @@ class Link:
         self.grads_received = 0  # on src: gradients taken from dst
         self.peer_failed = False  # an error header came over this link
         self.out_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: each received activation's SBP on src
+        self.in_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: and on dst
         self.ended = False  # on src: the end of the step was posted
 
     def start(self, rank_in_src: bool) -> None:
@@ -202,76 +205,77 @@ class Link:
 
     # activations, src -> dst
 
-    def act_meta(self, y: DTensor) -> Meta:
-        src = get_sbp(y)
-        return tuple(y.shape), y.dtype, src, self.dst.input_sbp(self.src.placement, src, y.ndim), y.requires_grad
+    def _dst_of(self, src: tuple[Sbp, ...], ndim: int) -> tuple[Sbp, ...]:
+        return self.dst.input_sbp(self.src.placement, src, ndim)
 
-    def send_act(self, y: DTensor, i: int, pending: comm.Pending, paired: Paired | None = None) -> None:
-        """Micro-batch ``i``'s activation ``y`` to dst; ``paired``: a receive to post in one group with it."""
-        meta = self.act_meta(y)
+    def send_act(self, y: Block, i: int, pending: comm.Pending, paired: Paired | None = None) -> None:
+        """Micro-batch ``i``'s activation (this rank's block ``y``) to dst; ``paired``: a receive to post in one group
+        with it."""
+        local, sbps, shape = y
+        meta = (shape, local.dtype, sbps, self._dst_of(sbps, len(shape)), local.requires_grad)
         self.acts.send_header(meta, i, pending)
-        _grouped(self.src.placement.type, lambda: self.acts.send_blocks(y.detach(), meta, i, pending), paired)
+        _grouped(self.src.placement.type, lambda: self.acts.send_blocks(local.detach(), meta, i, pending), paired)
         self.sent["act"] += 1
 
-    def recv_act(self, i: int) -> DTensor:
+    def recv_act(self, i: int) -> Block:
+        """Micro-batch ``i``'s activation: this rank's block of it (a leaf, needing a gradient unless the stage
+        before is frozen), laid out as dst computes on it."""
         try:
-            local, meta = self.acts.take(i, lambda src, ndim: self.dst.input_sbp(self.src.placement, src, ndim),
-                                         self.src.stage_id)
+            local, meta = self.acts.take(i, self._dst_of, self.src.stage_id)
         except PipelineError:
             self.peer_failed = True
             raise
         if self.ahead and i + 1 < self.m:
             self.acts.post(i + 1, blocks=True)
         shape, _, src, dst, requires_grad = meta
-        self.out_sbps[i] = src
-        x = from_local(local, self.dst.placement, dst, shape=shape, sync_data=False)
-        return x.requires_grad_(requires_grad)  # a frozen stage before this one wants no gradient back
+        self.out_sbps[i], self.in_sbps[i] = src, dst
+        return local.requires_grad_(requires_grad), dst, shape
 
     # gradients, dst -> src
 
-    def send_grad(self, x: DTensor, i: int, pending: comm.Pending, paired: Paired | None = None) -> None:
-        """The gradient of the input ``x`` this stage received for micro-batch ``i``, to src, laid out as the
-        sender's output needs it; ``paired``: a receive to post in one group with it."""
-        sbps = dual(get_sbp(x))
-        grad = x.grad if x.grad is not None else torch.zeros_like(x)
-        grad = to_global(grad, sbp=sbps)  # partial sums (several ranks' contributions) are reduced here
-        meta = (tuple(grad.shape), grad.dtype, sbps, dual(self.out_sbps.pop(i)), False)
+    def send_grad(self, grad: torch.Tensor, i: int, pending: comm.Pending, paired: Paired | None = None) -> None:
+        """The gradient of micro-batch ``i``'s activation (this rank's block, laid out as the input's gradient:
+        ``dual`` of its SBP), to src; ``paired``: a receive to post in one group with it."""
+        sbps = dual(self.in_sbps.pop(i))
+        meta = (self.acts_shape(i), grad.dtype, sbps, dual(self.out_sbps.pop(i)), False)
         self.grads.send_header(meta, i, pending)
         _grouped(self.src.placement.type, lambda: self.grads.send_blocks(grad, meta, i, pending), paired)
         self.sent["grad"] += 1
 
-    def _want(self, y: DTensor) -> Callable[[tuple[Sbp, ...], int], tuple[Sbp, ...]]:
-        return lambda src, ndim: dual(get_sbp(y))
+    def acts_shape(self, i: int) -> tuple[int, ...]:
+        """The global shape of micro-batch ``i``'s activation, as its header said."""
+        return self.acts.remembered[i][0]
 
-    def recv_grad(self, y: DTensor, i: int) -> DTensor:
-        """The gradient of this stage's output ``y``, from the stage after."""
+    def recv_grad(self, y: Block, i: int) -> torch.Tensor:
+        """The gradient of this stage's output ``y`` (a block), from the stage after: this rank's block of it."""
+        _, sbps, shape = y
         try:
-            local, (shape, *_) = self.grads.take(i, self._want(y), self.dst.stage_id)
+            local, meta = self.grads.take(i, lambda src, ndim: dual(sbps), self.dst.stage_id)
         except PipelineError:
             self.peer_failed = True
             raise
-        if shape != tuple(y.shape):
-            raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {shape} for an output of "
-                                f"shape {tuple(y.shape)} (micro-batch {i})")
+        if meta[0] != tuple(shape):
+            raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {meta[0]} for an output of "
+                                f"shape {tuple(shape)} (micro-batch {i})")
         if self.ahead and i + 1 < self.m:
             self.grads.post(i + 1, blocks=True)
         self.grads_received += 1
-        return from_local(local, self.src.placement, dual(get_sbp(y)), shape=shape, sync_data=False)
+        return local
 
     # pairs: a send and the next receive from the same rank set as one group (NCCL)
 
     def paired_act(self, i: int) -> Paired:
         """Micro-batch ``i``'s activation receive, for a send to post in one group with it."""
         def header() -> Callable[[], None]:
-            meta = self.acts.header(i, lambda src, ndim: self.dst.input_sbp(self.src.placement, src, ndim),
-                                    self.src.stage_id)
+            meta = self.acts.header(i, self._dst_of, self.src.stage_id)
             return lambda: self.acts.post_blocks(i, meta)
         return header
 
-    def paired_grad(self, y: DTensor, i: int) -> Paired:
-        """Micro-batch ``i``'s gradient receive (of the output ``y``), for a send to post in one group with it."""
+    def paired_grad(self, y: Block, i: int) -> Paired:
+        """Micro-batch ``i``'s gradient receive (of the output block ``y``), for a send to post in one group with
+        it."""
         def header() -> Callable[[], None]:
-            meta = self.grads.header(i, self._want(y), self.dst.stage_id)
+            meta = self.grads.header(i, lambda src, ndim: dual(y[1]), self.dst.stage_id)
             return lambda: self.grads.post_blocks(i, meta)
         return header
 
