@@ -70,7 +70,7 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
       block in the MLP, 2 in the transformer): the trade of bytes for memory, not part of the layout's
       minimum."""
     mode, extra = row["mode"], 0
-    if mode.startswith("pipeline") and mode.endswith(", torch"):  # torch.distributed.pipelining sends the blocks alone (shapes inferred once)
+    if mode.startswith("pipeline") and mode.endswith(", torch"):  # torch's pipelining: the blocks alone
         return 0
     if mode.startswith("pipeline"):  # a header per hand-off to each receiving rank, and one per link at the end
         if mode == "pipeline x tensor":
