@@ -169,8 +169,8 @@ class Pipeline(nn.Module):
             (a multiple of it for ``"interleaved"``), and at most the batch's rows. More of them shrink the
             bubble (``tpflow.pipeline.schedule.bubble`` gives each schedule's share).
         loss_fn: called on the last stage's ranks as ``loss_fn(output, target)`` for each micro-batch, with the
-            stage's output and the micro-batch's targets, both whole on every rank of that stage (global
-            tensors, broadcast); returns a scalar, such as ``F.cross_entropy``.
+            stage's output and the micro-batch's targets, both whole on every rank of that stage (plain
+            tensors; a split output is gathered first); returns a scalar, such as ``F.cross_entropy``.
         schedule: ``"1f1b"`` (the default: PipeDream-flush, at most p - s micro-batches of activations held
             on stage s), ``"gpipe"`` (all forwards, then all backwards: m micro-batches held),
             ``"interleaved"`` (Megatron's interleaved 1F1B over v stages per rank set: the bubble v times
