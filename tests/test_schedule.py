@@ -8,6 +8,7 @@ import pytest
 from tpflow.pipeline.schedule import (
     Action,
     build,
+    check_streams,
     build_interleaved,
     build_zero_bubble,
     peak_activations,
@@ -143,3 +144,25 @@ def test_tables_that_would_hang_or_lose_work_are_refused():
     early_backward = [[Action("B", 0), *[a for a in good[0] if a != Action("B", 0)]], good[1]]
     with pytest.raises(ValueError, match="before its forward"):
         simulate(early_backward)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 1, 4])
+def test_paired_sends_cannot_deadlock_on_one_stream_a_peer(schedule, stages, extra):
+    """NCCL runs a rank's transfers to one peer in order on one stream, a send waiting for its receive: 1F1B's crossed
+    send and receive would wait for ever, paired into one group they cannot (the executor's pipeline_pairs)."""
+    table = build(schedule, stages, stages + extra)
+    check_streams(table)
+    if schedule == "1f1b" and stages > 1:
+        with pytest.raises(ValueError, match="deadlock on their stream"):
+            check_streams(table, paired=False)
+
+
+def test_interleaved_on_one_stream_a_peer():
+    """Interleaving with as many micro-batches as ranks is safe paired; with more, its crossed transfers are not
+    (the executor refuses it with pipeline_pairs on, rather than hang)."""
+    for ranks in (2, 3, 4):
+        check_streams(build("interleaved", ranks, ranks, chunks=2))
+        with pytest.raises(ValueError, match="deadlock on their stream"):
+            check_streams(build("interleaved", ranks, 2 * ranks, chunks=2))

@@ -3,7 +3,8 @@
     stage      tpf.stage: a module on a placement (OneFlow's set_stage), its input boxed there
     schedule   schedules as data: per-stage tables of actions (GPipe, 1F1B), replayed and drawn
     backward   a stage's backward split into the input's gradient and the weights' (zero-bubble schedules)
-    executor   tpf.Pipeline: one runner of a schedule table, hand-offs as cross-placement boxing
+    handoff    activations and gradients between neighbouring stages: headers, receives posted ahead, pairs
+    executor   tpf.Pipeline: one runner of a schedule table
     cut        a model cut into stages: an nn.Sequential, or a Hugging Face causal LM by its pipeline plan
 """
 

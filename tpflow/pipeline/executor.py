@@ -37,50 +37,22 @@ __all__ = ["Pipeline"]
 _UNFINISHED = comm.Pending()
 
 
-_SENDS = ("send_act", "send_grad")
-
-
-def _route(ranks: int, rank: int, a: schedules.Action) -> tuple[int, schedules.Action]:
-    """For a transfer in rank set ``rank``'s table: the peer rank set, and the matching action in its table
-    (chunk c of rank set r is stage ``c * ranks + r``)."""
-    k = a.chunk * ranks + rank
-    j, kind = {"send_act": (k + 1, "recv_act"), "recv_act": (k - 1, "send_act"),
-               "send_grad": (k - 1, "recv_grad"), "recv_grad": (k + 1, "send_grad")}[a.kind]
-    return j % ranks, schedules.Action(kind, a.micro_batch, j // ranks)
-
-
 def _released(table: schedules.Table, r: int) -> dict[schedules.Action, list[schedules.Action]]:
     """For rank set ``r``, the receives after which some of its sends are known to be taken: the peer posted that
     message after waiting for the send's. Waiting on those sends then is free, and their buffers (often the
     very activation) are freed when the schedule says, not at the end of the step."""
     out: dict[schedules.Action, list[schedules.Action]] = {}
     for a in table[r]:
-        if a.kind not in _SENDS:
+        if a.kind not in schedules.SENDS:
             continue
-        peer, theirs = _route(len(table), r, a)
+        peer, theirs = schedules.route(len(table), r, a)
         actions = table[peer]
         for b in actions[actions.index(theirs) + 1:]:
-            if b.kind in _SENDS:
-                to, proof = _route(len(table), peer, b)
+            if b.kind in schedules.SENDS:
+                to, proof = schedules.route(len(table), peer, b)
                 if to == r:
                     out.setdefault(proof, []).append(a)
                     break
-    return out
-
-
-def _pairs(table: schedules.Table, r: int) -> set[int]:
-    """The sends of rank set ``r``'s table to post in one group with the receive after them: where the receive is
-    from the same rank set, and that rank set's table has the same pair the other way round (its send of what
-    ``r`` receives right before its receive of what ``r`` sends), as 1F1B's steady state has. The two sides then
-    meet there: each posts its header, waits for the other's, and sends its blocks with the receive's."""
-    out = set()
-    actions = table[r]
-    for t, (send, recv) in enumerate(zip(actions, actions[1:])):
-        if send.kind not in _SENDS or recv.kind not in ("recv_act", "recv_grad"):
-            continue
-        (peer, theirs_recv), (peer_too, theirs_send) = _route(len(table), r, send), _route(len(table), r, recv)
-        if peer == peer_too and table[peer].index(theirs_send) + 1 == table[peer].index(theirs_recv):
-            out.add(t)
     return out
 
 
@@ -237,12 +209,21 @@ class Pipeline(nn.Module):
         self.stage_index = next((r for r, pl in enumerate(sets) if rank in pl), None)
         # a send and the next receive from the same ranks as one group (NCCL), or receives posted ahead (gloo)
         self.pairs = bool(config.get("pipeline_pairs", sets[0].type))
+        if self.pairs:
+            try:
+                schedules.check_streams(self.table)
+            except ValueError as e:
+                raise ValueError(f"schedule={schedule!r} with {micro_batches} micro-batches on {p} rank sets can "
+                                 "deadlock where a rank's transfers to one peer run in order on one stream, as on "
+                                 f"NCCL (pipeline_pairs is on): {e}. Use 'gpipe', '1f1b' or 'zb-h1', or as many "
+                                 "micro-batches as rank sets, or turn pipeline_pairs off (gloo)") from e
         self.links = [Link(a, b, base=k * (3 * micro_batches + 1), micro_batches=micro_batches, ahead=not self.pairs)
                       for k, (a, b) in enumerate(zip(found, found[1:]))]
         self.trace: list[tuple[schedules.Action, float, float]] = []
         self._failed: str | None = None
         self._released = {} if self.stage_index is None else _released(self.table, self.stage_index)
-        self._pairs = set() if self.stage_index is None or not self.pairs else _pairs(self.table, self.stage_index)
+        self._pairs = {} if self.stage_index is None or not self.pairs else \
+            schedules.pairs(self.table, self.stage_index)
 
     def schedule_table(self) -> str:
         """The step as a grid of rank sets by time steps (unit time per forward, per backward and per weight
@@ -334,7 +315,7 @@ class Pipeline(nn.Module):
         """With ``pipeline_pairs``: the receive to post in one group with send ``index`` of rank set ``r``'s table."""
         if index not in self._pairs:
             return None
-        recv, p = self.table[r][index + 1], len(self.rank_sets)
+        recv, p = self.table[r][self._pairs[index]], len(self.rank_sets)
         k, i = recv.chunk * p + r, recv.micro_batch
         prev, nxt = self._links(k)
         return prev.paired_act(i) if recv.kind == "recv_act" else nxt.paired_grad(outputs[k][i], i)

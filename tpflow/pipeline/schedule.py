@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Action", "SCHEDULES", "bubble", "build", "build_interleaved", "build_zero_bubble", "peak_activations",
-           "render", "simulate"]
+__all__ = ["Action", "RECVS", "SCHEDULES", "SENDS", "bubble", "build", "build_interleaved", "build_zero_bubble",
+           "check_streams", "pairs", "peak_activations", "render", "route", "simulate"]
 
 COMPUTE = ("F", "B", "W")
 UNIT_COSTS = {"F": 1, "B": 1, "W": 1}
@@ -261,6 +261,122 @@ def build_zero_bubble(stages: int, micro_batches: int) -> Table:
     table = [_zero_bubble(s, stages, micro_batches) for s in range(stages)]
     simulate(table)
     return table
+
+
+SENDS, RECVS = ("send_act", "send_grad"), ("recv_act", "recv_grad")
+
+
+def route(ranks: int, rank: int, a: Action) -> tuple[int, Action]:
+    """For a transfer in rank ``rank``'s table: the peer rank, and the matching action in its table (chunk c of
+    rank r is virtual stage ``c * ranks + r``).
+
+    Args:
+        ranks: the table's ranks (rank sets).
+        rank: whose action ``a`` is.
+        a: a ``send_*`` or ``recv_*`` action.
+
+    Returns:
+        ``(peer rank, the peer's matching action)``.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import Action, route
+        >>> route(2, 1, Action("send_act", 3)), route(2, 1, Action("send_act", 3, chunk=0))[0]
+        ((0, Action(kind='recv_act', micro_batch=3, chunk=1)), 0)
+    """
+    k = a.chunk * ranks + rank
+    j, kind = {"send_act": (k + 1, "recv_act"), "recv_act": (k - 1, "send_act"),
+               "send_grad": (k - 1, "recv_grad"), "recv_grad": (k + 1, "send_grad")}[a.kind]
+    return j % ranks, Action(kind, a.micro_batch, j // ranks)
+
+
+def _next_transfer(actions: Sequence[Action], t: int) -> int | None:
+    """The position of the first transfer after position ``t``, past compute (None: there is none)."""
+    return next((u for u in range(t + 1, len(actions)) if actions[u].kind in SENDS + RECVS), None)
+
+
+def pairs(table: Sequence[Sequence[Action]], r: int) -> dict[int, int]:
+    """The sends of rank ``r``'s table that go out in one group with the next transfer after them, a receive
+    (``tpf.Pipeline`` with ``pipeline_pairs``): where that receive comes from the same rank, and that rank's table
+    has the mirror pair (its send of what ``r`` receives, then, past compute, its receive of what ``r`` sends), as
+    1F1B's steady state has. The receive is posted with the send, before any compute between them.
+
+    Args:
+        table: per rank, its actions in order.
+        r: the rank.
+
+    Returns:
+        Position of each such send in ``table[r]`` -> position of its receive.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build, pairs
+        >>> table = build("1f1b", stages=2, micro_batches=2)
+        >>> [(str(table[0][s]), str(table[0][t])) for s, t in pairs(table, 0).items()]
+        [('send_act1', 'recv_grad0')]
+    """
+    out, actions = {}, table[r]
+    for t, send in enumerate(actions):
+        u = _next_transfer(actions, t) if send.kind in SENDS else None
+        if u is None or actions[u].kind not in RECVS:
+            continue
+        (peer, theirs_recv), (peer_too, theirs_send) = route(len(table), r, send), route(len(table), r, actions[u])
+        if peer == peer_too and _next_transfer(table[peer], table[peer].index(theirs_send)) == \
+                table[peer].index(theirs_recv):
+            out[t] = u
+    return out
+
+
+def check_streams(table: Sequence[Sequence[Action]], paired: bool = True) -> None:
+    """Check that the table cannot deadlock where a rank's transfers to one peer run in order on one stream and a
+    send completes only once the peer's matching receive runs (NCCL's point-to-point): with ``paired``, the
+    ``pairs`` of each table go out as one group, whose transfers run together.
+
+    Per pair of ranks, each side's transfers to the other are queued in table order (a pair as one unit); the
+    heads run, a transfer completes when both its ends are running, a unit when all its transfers have, and the
+    queues must empty. ``simulate`` checks the order of compute; this checks the order on the wire.
+
+    Args:
+        table: per rank, its actions in order.
+        paired: group each table's ``pairs``.
+
+    Example::
+
+        >>> from tpflow.pipeline.schedule import build, check_streams
+        >>> check_streams(build("1f1b", stages=3, micro_batches=6))        # the sends paired: fine
+        >>> check_streams(build("1f1b", stages=3, micro_batches=6), paired=False)  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ValueError: ranks 0 and 1 deadlock on their stream: ...
+    """
+    ranks = len(table)
+    units: dict[tuple[int, int], list[list[tuple]]] = {}  # (rank, peer) -> queue of units, each a list of transfers
+    for r, actions in enumerate(table):
+        grouped = pairs(table, r) if paired else {}
+        later = set(grouped.values())  # receives posted with their send
+        for t, a in enumerate(actions):
+            if (a.kind in SENDS or a.kind in RECVS) and t not in later:
+                unit = [a] + ([actions[grouped[t]]] if t in grouped else [])
+                units.setdefault((r, route(ranks, r, a)[0]), []).append([_transfer(ranks, r, b) for b in unit])
+    for (r, peer), mine in units.items():
+        if r > peer:
+            continue
+        theirs = units.get((peer, r), [])
+        while mine or theirs:
+            running = set(mine[0] if mine else ()) & set(theirs[0] if theirs else ())
+            if not running:
+                raise ValueError(f"ranks {r} and {peer} deadlock on their stream: rank {r} runs "
+                                 f"{mine[0] if mine else []} while rank {peer} runs {theirs[0] if theirs else []}")
+            for queue in (mine, theirs):
+                queue[0] = [x for x in queue[0] if x not in running]
+                if not queue[0]:
+                    queue.pop(0)
+
+
+def _transfer(ranks: int, r: int, a: Action) -> tuple:
+    """A transfer's name, the same at both its ends: (sending rank, its send action)."""
+    if a.kind in SENDS:
+        return r, a
+    return route(ranks, r, a)
 
 
 def simulate(table: Sequence[Sequence[Action]],
