@@ -558,3 +558,60 @@ def _interleaved_pairs():
 
 def test_interleaved_with_paired_sends():
     assert all(checked == 8 for checked, _ in harness.run(2, _interleaved_pairs))
+
+
+class _CountedWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, owner):
+        ctx.save_for_backward(x, w)
+        ctx.owner = owner
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        dw = None
+        if tpf.kernels.wanted(ctx, 1):
+            ctx.owner.calls += 1
+            if ctx.owner.calls == ctx.owner.fail_at:
+                raise FloatingPointError("a late weight gradient that fails")
+            dw = (grad * x).sum()
+        return (grad * w if tpf.kernels.wanted(ctx, 0) else None), dw, None
+
+
+class _LastWeightGradFails(nn.Module):
+    """Its weight gradient fails on the ``fail_at``-th call: under ZB-H1, after the stage sent its last gradient."""
+
+    def __init__(self, fail_at):
+        super().__init__()
+        self.w, self.calls, self.fail_at = nn.Parameter(torch.ones(())), 0, fail_at
+
+    def forward(self, x):
+        return _CountedWeightGrad.apply(x, self.w, self)
+
+
+def _late_weight_gradient_fails():
+    blocks = _chain([4, 6, 5, 3], seed=0)
+    blocks[1] = nn.Sequential(blocks[1], _LastWeightGradFails(fail_at=4))
+    pipe = tpf.Pipeline([tpf.stage(b, stage_id=i, placement=_on(i)) for i, b in enumerate(blocks)], micro_batches=4,
+                        schedule="zb-h1", loss_fn=F.mse_loss)
+    assert str(pipe.table[1][-1]) == "W3" and pipe.table[1][-2].kind == "W"  # after its last send_grad
+    x, y = _batch(8, 4, 3)
+    start = time.monotonic()
+    try:
+        pipe.step(x, y)
+    except tpf.PipelineError as err:
+        return str(err), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_late_weight_gradient_failure_reaches_the_stages_before():
+    """Stage 1's last W fails after it sent every gradient: stage 0, which has all it needs, learns it from the end of
+    the step sent back, and stage 2 from the one sent forward; nobody waits for ever."""
+    try:
+        results = harness.run(3, _late_weight_gradient_fails, timeout=60)
+    finally:
+        harness.discard(3)
+    for rank, (text, seconds) in enumerate(results):
+        assert "stage 1 (ranks [1]) failed on W3: FloatingPointError" in (text or ""), (rank, text)
+        assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"

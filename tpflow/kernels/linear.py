@@ -35,9 +35,12 @@ def wanted(ctx, index: int) -> bool:
     needs one and the engine will pass it on in this backward (not when ``backward(inputs=...)`` runs only towards
     the input, or only towards the weights).
 
+    The function's tensor arguments must come first in ``forward``'s arguments: ``ctx.next_functions`` lists the
+    tensor arguments only, by their position among the arguments before any non-tensor one.
+
     Args:
         ctx: the function's context in ``backward``.
-        index: the input's position in ``forward``'s arguments (after ``ctx``).
+        index: the input's position in ``forward``'s arguments (after ``ctx``), one of its leading tensors.
 
     Returns:
         True to compute it.

@@ -141,6 +141,10 @@ class CausalLMStage(nn.Module):
         self._made = output[0] if isinstance(output, tuple) else output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.model, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
+            raise ValueError("a cut causal LM hands its first layer the incoming hidden states by a hook, which a "
+                             "checkpointed layer's recompute in the backward would not see: call "
+                             "model.gradient_checkpointing_disable() before tpf.pipeline.cut")
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         self._given = None if self.first else x
         try:

@@ -217,6 +217,8 @@ class Pipeline(nn.Module):
                                  "deadlock where a rank's transfers to one peer run in order on one stream, as on "
                                  f"NCCL (pipeline_pairs is on): {e}. Use 'gpipe', '1f1b' or 'zb-h1', or as many "
                                  "micro-batches as rank sets, or turn pipeline_pairs off (gloo)") from e
+        if self.pairs and sets[0].type == "cuda":  # batched transfers use the world's communicator: made here, by all
+            dist.all_reduce(torch.zeros(1, device=sets[0].device))
         self.links = [Link(a, b, base=k * (3 * micro_batches + 1), micro_batches=micro_batches, ahead=not self.pairs)
                       for k, (a, b) in enumerate(zip(found, found[1:]))]
         self.trace: list[tuple[schedules.Action, float, float]] = []
@@ -281,9 +283,15 @@ class Pipeline(nn.Module):
                     prev.wait_end()
                 if nxt is not None:
                     nxt.end(None, ended)
+            for k in reversed(mine):  # and back: each stage's follows the one after it (a late weight gradient)
+                prev, nxt = self._links(k)
+                if nxt is not None:
+                    nxt.wait_end_up()
+                if prev is not None:
+                    prev.end_up(None, ended)
             for pending in sends.values():
                 pending.wait()
-            ended.wait()  # taken at once: the next stages have finished their work and wait for these
+            ended.wait()  # taken at once: the neighbours have finished their work and wait for these
             return loss
         except Exception as e:
             where = "" if self._action is None else f" on {self._action}"

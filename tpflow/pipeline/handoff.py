@@ -4,8 +4,8 @@ says so).
 
 A hand-off of micro-batch ``i`` is a header from each sending rank to each receiving rank (shape, dtype, SBP, or
 an error's text), tag ``base + 3 i``, and the blocks, tag ``base + 3 i + 1``; the end of the step is a header
-with tag ``base + 3 m``. Each link has its own ``base``, so the links between the same two rank sets (the chunks
-of an interleaved pipeline) keep apart.
+with tag ``base + 3 m`` each way (whether the stages before, and after, ended it well). Each link has its own
+``base``, so the links between the same two rank sets (the chunks of an interleaved pipeline) keep apart.
 
 Both ends remember each micro-batch's header from the step before. A receiver that remembers one posts the
 blocks' receive beside the header's, before either arrives, so taking a hand-off is one wait, not a header's
@@ -48,15 +48,25 @@ Block = tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]]
 Paired = Callable[[], Callable[[], None]]
 
 
-def _grouped(device: str, send_blocks: Callable[[], None], paired: Paired | None) -> None:
-    """Post a send's blocks; with ``paired``, in one group with that receive's blocks, once its header is in."""
+def _send(channel: _Channel, meta: Meta, i: int, pending: comm.Pending, send_blocks: Callable[[], None],
+          paired: Paired | None) -> None:
+    """Post a hand-off: its blocks, then its header, so that an error while posting the blocks (a gather on the
+    source, a filler) leaves the header's tag free for the error header. With ``paired``, the header goes first (the
+    peer waits for it before its own group), then the blocks in one group with that receive's, once its header is
+    in."""
     if paired is None:
         send_blocks()
+        channel.send_header(meta, i, pending)
         return
+    channel.send_header(meta, i, pending)
     post_receive = paired()
-    with comm.batch(device):
+    with comm.batch(channel.frm.type):
         send_blocks()
         post_receive()
+
+
+class _PeerFailed(PipelineError):
+    """The peer stage sent its error: it needs nothing more from this rank on that link."""
 
 
 class _Incoming:
@@ -124,7 +134,7 @@ class _Channel:
             read = [read_header(b) for _, b in incoming.headers]
             for status, *_, message, _ in read:
                 if status == FAILED:
-                    raise PipelineError(message)
+                    raise _PeerFailed(message)
             metas = {(*h[1:4], h[5]) for h in read}  # shape, dtype, SBP, requires_grad
             if len(metas) > 1:
                 raise PipelineError(f"the ranks of stage {sender} hand off different tensors for micro-batch {i}: "
@@ -197,6 +207,7 @@ class Link:
         self.out_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: each received activation's SBP on src
         self.in_sbps: dict[int, tuple[Sbp, ...]] = {}  # on dst: and on dst
         self.ended = False  # on src: the end of the step was posted
+        self.ended_up = False  # on dst: the end of the step was posted back to src
 
     def start(self, rank_in_src: bool) -> None:
         """Post the step's first receives ahead: micro-batch 0's gradient on src, its activation on dst."""
@@ -213,8 +224,7 @@ class Link:
         with it."""
         local, sbps, shape = y
         meta = (shape, local.dtype, sbps, self._dst_of(sbps, len(shape)), local.requires_grad)
-        self.acts.send_header(meta, i, pending)
-        _grouped(self.src.placement.type, lambda: self.acts.send_blocks(local.detach(), meta, i, pending), paired)
+        _send(self.acts, meta, i, pending, lambda: self.acts.send_blocks(local.detach(), meta, i, pending), paired)
         self.sent["act"] += 1
 
     def recv_act(self, i: int) -> Block:
@@ -222,7 +232,7 @@ class Link:
         before is frozen), laid out as dst computes on it."""
         try:
             local, meta = self.acts.take(i, self._dst_of, self.src.stage_id)
-        except PipelineError:
+        except _PeerFailed:
             self.peer_failed = True
             raise
         if self.ahead and i + 1 < self.m:
@@ -238,8 +248,7 @@ class Link:
         ``dual`` of its SBP), to src; ``paired``: a receive to post in one group with it."""
         sbps = dual(self.in_sbps.pop(i))
         meta = (self.acts_shape(i), grad.dtype, sbps, dual(self.out_sbps.pop(i)), False)
-        self.grads.send_header(meta, i, pending)
-        _grouped(self.src.placement.type, lambda: self.grads.send_blocks(grad, meta, i, pending), paired)
+        _send(self.grads, meta, i, pending, lambda: self.grads.send_blocks(grad, meta, i, pending), paired)
         self.sent["grad"] += 1
 
     def acts_shape(self, i: int) -> tuple[int, ...]:
@@ -251,7 +260,7 @@ class Link:
         _, sbps, shape = y
         try:
             local, meta = self.grads.take(i, lambda src, ndim: dual(sbps), self.dst.stage_id)
-        except PipelineError:
+        except _PeerFailed:
             self.peer_failed = True
             raise
         if meta[0] != tuple(shape):
@@ -267,7 +276,11 @@ class Link:
     def paired_act(self, i: int) -> Paired:
         """Micro-batch ``i``'s activation receive, for a send to post in one group with it."""
         def header() -> Callable[[], None]:
-            meta = self.acts.header(i, self._dst_of, self.src.stage_id)
+            try:
+                meta = self.acts.header(i, self._dst_of, self.src.stage_id)
+            except _PeerFailed:
+                self.peer_failed = True
+                raise
             return lambda: self.acts.post_blocks(i, meta)
         return header
 
@@ -275,7 +288,11 @@ class Link:
         """Micro-batch ``i``'s gradient receive (of the output block ``y``), for a send to post in one group with
         it."""
         def header() -> Callable[[], None]:
-            meta = self.grads.header(i, lambda src, ndim: dual(y[1]), self.dst.stage_id)
+            try:
+                meta = self.grads.header(i, lambda src, ndim: dual(y[1]), self.dst.stage_id)
+            except _PeerFailed:
+                self.peer_failed = True
+                raise
             return lambda: self.grads.post_blocks(i, meta)
         return header
 
@@ -292,6 +309,8 @@ class Link:
             incoming.abandon(pending)
         if not (self.peer_failed or self.ended) and self.sent[kind] < self.m:
             channel.send_status(header(FAILED, message=message), self.sent[kind], pending)
+        elif towards == "src" and not (self.peer_failed or self.ended_up):  # every gradient sent (a W failed after)
+            self.end_up(message, pending)
         return drain
 
     def drain(self, message: str, outputs: dict, pending: comm.Pending) -> None:
@@ -311,11 +330,27 @@ class Link:
         self.acts.send_status(header(OK) if message is None else header(FAILED, message=message), self.m, pending)
         self.ended = True
 
+    def end_up(self, message: str | None, pending: comm.Pending) -> None:
+        """On dst, at the end of its step, once the stages after it ended theirs: whether it (or one of them) failed,
+        to src, so that a stage before it does not end its step as if nothing broke (a zero-bubble stage computes
+        weight gradients after its last gradient is sent)."""
+        self.grads.send_status(header(OK) if message is None else header(FAILED, message=message), self.m, pending)
+        self.ended_up = True
+
+    def wait_end_up(self) -> None:
+        """On src: dst's end of step (and of the stages after it); raises its error if it failed."""
+        try:
+            self.grads.header(self.m, lambda src, ndim: src, self.dst.stage_id)
+        except _PeerFailed:
+            self.peer_failed = True
+            raise
+        self.grads.incoming.pop(self.m)
+
     def wait_end(self) -> None:
         """On dst: src's end of step; raises its error if it failed."""
         try:
             self.acts.header(self.m, lambda src, ndim: src, self.src.stage_id)
-        except PipelineError:
+        except _PeerFailed:
             self.peer_failed = True
             raise
         self.acts.incoming.pop(self.m)
