@@ -449,6 +449,59 @@ def test_a_failing_stage_stops_every_rank(kind, words, schedule):
         assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"
 
 
+class _FailsLater(nn.Module):
+    """Fails on its ``fail_at``-th call: in its forward, or in the backward of that call's output."""
+
+    def __init__(self, fail_at, backward):
+        super().__init__()
+        self.calls, self.fail_at, self.backward = 0, fail_at, backward
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if not self.backward:
+                raise RuntimeError("a forward that fails in the second step")
+            return _BackwardFails.apply(x)
+        return x
+
+
+def _failing_third_step(kind, schedule):
+    """Stage 1 fails on micro-batch 2 of the third step, where every hand-off is steady (its header inside its one
+    message): the error takes the message's place, both ways. The messages each rank sends in the first step (a
+    header and blocks a hand-off) and in the second (one a hand-off), the end of the step each way included."""
+    blocks = _chain([4, 6, 5, 3], seed=0)
+    blocks[1] = nn.Sequential(blocks[1], _FailsLater(fail_at=2 * 4 + 3, backward=kind == "backward"))
+    pipe = tpf.Pipeline([tpf.stage(b, stage_id=i, placement=_on(i)) for i, b in enumerate(blocks)], micro_batches=4,
+                        schedule=schedule, loss_fn=F.mse_loss)
+    x, y = _batch(8, 4, 3)
+    messages = []
+    for _ in range(2):
+        tpf.comm.stats.reset()
+        pipe.step(x, y)
+        messages.append(tpf.comm.stats.messages_sent)
+    start = time.monotonic()
+    try:
+        pipe.step(x, y)
+    except tpf.PipelineError as err:
+        return str(err), time.monotonic() - start, messages
+    return None, time.monotonic() - start, messages
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("kind, words", [("forward", "stage 1 (ranks [1]) failed on F2: RuntimeError"),
+                                         ("backward", "stage 1 (ranks [1]) failed on B2: FloatingPointError")])
+def test_a_failure_in_a_steady_step_stops_every_rank(kind, words, schedule):
+    try:
+        results = harness.run(3, _failing_third_step, kind, schedule, timeout=60)
+    finally:
+        harness.discard(3)
+    # 4 micro-batches: rank 0 sends 4 activations and 1 end, rank 1 also 4 gradients and 1 end back, rank 2 4 + 1
+    assert [messages for *_, messages in results] == [[9, 5], [18, 10], [9, 5]]
+    for rank, (text, seconds, _) in enumerate(results):
+        assert words in (text or ""), (rank, text)
+        assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"
+
+
 def _failing_interleaved_step(kind):
     """Two rank sets of two stages: stage 2 (rank 0's second) fails in its forward, or stage 1 (rank 1's first) in
     its backward."""

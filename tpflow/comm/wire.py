@@ -128,5 +128,5 @@ def read_header(buf: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype, t
     axes_at = MAX_NDIM + 3
     axes = ints[axes_at]
     sbps = tuple(_sbp_of(c) for c in ints[axes_at + 1:axes_at + 1 + axes])
-    message = bytes(buf[_HEADER_INTS * 8:].tolist()).rstrip(b"\0").decode(errors="replace")
+    message = "" if status == OK else bytes(buf[_HEADER_INTS * 8:].numpy()).rstrip(b"\0").decode(errors="replace")
     return status, shape, dtype, sbps, message, bool(ints[axes_at + 1 + MAX_AXES])

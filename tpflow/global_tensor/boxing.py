@@ -22,7 +22,7 @@ from tpflow.global_tensor.blocks import block, is_zero_partial, wrap
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_region, to_dtensor
 
-__all__ = ["box", "box_within", "post_across"]
+__all__ = ["box", "box_within", "direct_route", "post_across"]
 
 
 def box(x: DTensor, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst: tuple[Sbp, ...]) -> DTensor:
@@ -140,6 +140,33 @@ def _across_plan(src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst
                 sender, remote = src_ranks[remote % len(src_ranks)], remote + 1
             transfers.append((sender, receiver, offsets, lengths))
     return direct, tuple(transfers)
+
+
+def direct_route(src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst: tuple[Sbp, ...],
+                 shape: tuple[int, ...]) -> tuple[tuple[int, int, tuple[int, ...]], ...] | None:
+    """Where boxing across placements is one message from each source rank to the destination rank at its
+    coordinate (both sides of one mesh shape and SBP, no rank on both): each ``(sender, receiver, block shape)``;
+    else None. A pipeline's hand-off carries its header inside such a message.
+
+    Args:
+        src_pl, src: the source placement and SBPs.
+        dst_pl, dst: the destination placement and SBPs.
+        shape: the global shape.
+
+    Returns:
+        The ``(sender, receiver, block shape)`` triples, or None where the route gathers, or keeps a block on a rank.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P, Q = tpf.placement("cpu", ranks=[0, 1]), tpf.placement("cpu", ranks=[2, 3])
+        >>> direct_route(P, (tpf.sbp.split(0),), Q, (tpf.sbp.split(0),), (5, 2))
+        ((0, 2, (3, 2)), (1, 3, (2, 2)))
+    """
+    direct, transfers = _across_plan(src_pl, src, dst_pl, dst, shape)
+    if not direct or any(sender == receiver for sender, receiver, _, _ in transfers):
+        return None
+    return tuple((sender, receiver, tuple(lengths)) for sender, receiver, _, lengths in transfers)
 
 
 def post_across(x: DTensor | torch.Tensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement,

@@ -9,10 +9,15 @@ with tag ``base + 3 m`` each way (whether the stages before, and after, ended it
 
 Both ends remember each micro-batch's header from the step before. A receiver that remembers one posts the
 blocks' receive beside the header's, before either arrives, so taking a hand-off is one wait, not a header's
-round trip and then the blocks'. When the header says otherwise (a batch of another shape), the sender, who
-remembers the same, fills the receive that was posted with zeros of the remembered layout and sends the blocks
-again under tag ``base + 3 i + 2``. On CPU (gloo) a receiver also posts micro-batch ``i + 1``'s receives as soon
-as it takes micro-batch ``i``, so the blocks travel while the stage computes.
+round trip and then the blocks'. Where that layout travels as one message a rank pair (``direct_route``: one rank
+of each side at each coordinate, as between stages of one rank, or of one mesh shape and SBP) on the CPU, the
+header rides in front of the blocks in that one message (a steady hand-off: one message to post on each side, not
+two). When the header says otherwise (a batch of another shape), the sender, who remembers the same, fills the
+receive that was posted with zeros of the remembered layout and sends the blocks again under tag
+``base + 3 i + 2``; an error goes in the remembered layout's place too. On CPU (gloo) a receiver also posts
+micro-batch ``i + 1``'s receives as soon as it takes micro-batch ``i``, so the blocks travel while the stage
+computes. Only the first step's headers come from every rank of the stage before, so only they show ranks of
+one stage that hand off different tensors.
 
 On CUDA (NCCL) a rank's sends and receives to one peer share a stream, where a send not yet matched holds up
 what follows: 1F1B's stage s sends an activation and then receives a gradient while stage s + 1 sends that
@@ -23,14 +28,17 @@ then the two transfers of blocks together; nothing is posted ahead.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import zeros
-from tpflow.global_tensor.boxing import post_across
+from tpflow.global_tensor.boxing import direct_route, post_across
 from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import Sbp, dual
@@ -48,21 +56,25 @@ Block = tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]]
 Paired = Callable[[], Callable[[], None]]
 
 
-def _send(channel: _Channel, meta: Meta, i: int, pending: comm.Pending, send_blocks: Callable[[], None],
+def _send(channel: _Channel, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending,
           paired: Paired | None) -> None:
-    """Post a hand-off: its blocks, then its header, so that an error while posting the blocks (a gather on the
-    source, a filler) leaves the header's tag free for the error header. With ``paired``, the header goes first (the
-    peer waits for it before its own group), then the blocks in one group with that receive's, once its header is
-    in."""
+    """Post a hand-off of this rank's block ``x``. With ``paired``, the header goes first (the peer waits for it
+    before its own group), then the blocks in one group with that receive's, once its header is in."""
     if paired is None:
-        send_blocks()
-        channel.send_header(meta, i, pending)
+        channel.send(x, meta, i, pending)
         return
     channel.send_header(meta, i, pending)
     post_receive = paired()
     with comm.batch(channel.frm.type):
-        send_blocks()
+        channel.send_blocks(x, meta, i, pending)
         post_receive()
+
+
+@functools.lru_cache(maxsize=256)
+def _ok_header(meta: Meta) -> torch.Tensor:
+    """A header saying all is well with the layout ``meta`` (never written to: messages copy it)."""
+    shape, dtype, src, _, requires_grad = meta
+    return header(OK, shape, dtype, src, requires_grad=requires_grad)
 
 
 class _PeerFailed(PipelineError):
@@ -89,14 +101,54 @@ class _Channel:
     def _tags(self, i: int) -> tuple[int, int, int]:
         return self.base + 3 * i, self.base + 3 * i + 1, self.base + 3 * i + 2
 
+    def _steady(self, i: int, sending: bool) -> tuple[int, tuple[int, ...], int] | None:
+        """Where micro-batch ``i``'s remembered layout makes its hand-off one message a rank pair, header in front:
+        this rank's peer (the receiver when ``sending``, else the sender), its blocks' shape and the message's
+        bytes; None where the header travels apart."""
+        meta = self.remembered.get(i) if self.ahead and self.frm.type == "cpu" else None
+        if meta is None:
+            return None
+        shape, dtype, src, dst, _ = meta
+        route = direct_route(self.frm, src, self.to, dst, shape)
+        rank = dist.get_rank()
+        for sender, receiver, lengths in route or ():
+            if rank == (sender if sending else receiver):
+                return receiver if sending else sender, lengths, HEADER_BYTES + math.prod(lengths) * dtype.itemsize
+        return None
+
+    def send(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
+        """Post micro-batch ``i``'s hand-off (this rank's block ``x`` in the layout ``meta`` names), unpaired. A
+        steady one is one message, header in front (the blocks after the layout changed: under tag
+        ``base + 3 i + 2``, first, so an error while posting them leaves the message's tag for the error). Else
+        the blocks go first and then the header, for the same reason."""
+        steady = self._steady(i, sending=True)
+        if steady is None:
+            self.send_blocks(x, meta, i, pending)
+            self.send_header(meta, i, pending)
+            return
+        peer, _, nbytes = steady
+        if meta == self.remembered[i]:
+            body = x.contiguous().view(-1).view(torch.uint8)
+        else:
+            shape, dtype, src, dst, _ = meta
+            post_across(x, self.frm, src, self.to, dst, shape, dtype, self._tags(i)[2], pending)
+            body = torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)
+        comm.post([(peer, torch.cat([_ok_header(meta), body]))], [], tag=self._tags(i)[1], pending=pending)
+        self.remembered[i] = meta
+
     def send_header(self, meta: Meta, i: int, pending: comm.Pending) -> None:
-        shape, dtype, src, _, requires_grad = meta
-        buf = header(OK, shape, dtype, src, requires_grad=requires_grad)
-        comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
+        comm.post([(r, _ok_header(meta)) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
 
     def send_status(self, buf: torch.Tensor, i: int, pending: comm.Pending) -> None:
-        """An error header in micro-batch ``i``'s place, or the end of the step (``i = m``)."""
-        comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
+        """An error header in micro-batch ``i``'s place (a steady hand-off's: in front of zeros of its size), or the
+        end of the step (``i = m``)."""
+        steady = self._steady(i, sending=True)
+        if steady is None:
+            comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
+            return
+        peer, _, nbytes = steady
+        message = torch.cat([buf, torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)])
+        comm.post([(peer, message)], [], tag=self._tags(i)[1], pending=pending)
 
     def send_blocks(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
         """Micro-batch ``i``'s blocks (this rank's block ``x`` in the layout ``meta`` names)."""
@@ -111,14 +163,22 @@ class _Channel:
         post_across(x, self.frm, src, self.to, dst, shape, dtype, tag, pending)
         self.remembered[i] = meta
 
-    def post(self, i: int, blocks: bool) -> _Incoming:
-        """Post micro-batch ``i``'s header receives, and with ``blocks`` (and ``ahead``) its blocks' where the
-        layout is remembered."""
+    def post(self, i: int) -> _Incoming:
+        """Post micro-batch ``i``'s receives: its header's, and (``ahead``) its blocks' where the layout is
+        remembered, in one message where it is steady."""
         if i in self.incoming:
+            return self.incoming[i]
+        guess = self.remembered.get(i) if self.ahead else None
+        steady = self._steady(i, sending=False)
+        if steady is not None:
+            peer, lengths, nbytes = steady
+            message = torch.empty(nbytes, dtype=torch.uint8)
+            pending = comm.post([], [(peer, message)], tag=self._tags(i)[1])
+            body = message[HEADER_BYTES:].view(guess[1]).view(lengths)
+            self.incoming[i] = _Incoming([(peer, message[:HEADER_BYTES])], pending, guess, (comm.Pending(), body))
             return self.incoming[i]
         headers = [(r, torch.empty(HEADER_BYTES, dtype=torch.uint8)) for r in self.frm.flat_ranks]
         pending = comm.post([], headers, tag=self._tags(i)[0])
-        guess = self.remembered.get(i) if blocks and self.ahead else None
         posted = None
         if guess is not None:
             shape, dtype, src, dst, _ = guess
@@ -128,7 +188,7 @@ class _Channel:
 
     def header(self, i: int, dst_of: Callable[[tuple[Sbp, ...], int], tuple[Sbp, ...]], sender: int) -> Meta:
         """Micro-batch ``i``'s header (its receive posted now if it was not); raises a failed sender's error."""
-        incoming = self.post(i, blocks=False)
+        incoming = self.post(i)
         if incoming.meta is None:
             incoming.pending.wait()
             read = [read_header(b) for _, b in incoming.headers]
@@ -150,7 +210,7 @@ class _Channel:
             return
         _, tag, again = self._tags(i)
         if incoming.guess is not None:
-            incoming.blocks[0].wait()  # the sender's filler
+            incoming.blocks[0].wait()  # the sender's filler (in a steady hand-off's message, already in)
             tag = again
         shape, dtype, src, dst, _ = meta
         incoming.blocks = post_across(None, self.frm, src, self.to, dst, shape, dtype, tag)
@@ -212,7 +272,7 @@ class Link:
     def start(self, rank_in_src: bool) -> None:
         """Post the step's first receives ahead: micro-batch 0's gradient on src, its activation on dst."""
         if self.ahead:
-            (self.grads if rank_in_src else self.acts).post(0, blocks=True)
+            (self.grads if rank_in_src else self.acts).post(0)
 
     # activations, src -> dst
 
@@ -224,7 +284,7 @@ class Link:
         with it."""
         local, sbps, shape = y
         meta = (shape, local.dtype, sbps, self._dst_of(sbps, len(shape)), local.requires_grad)
-        _send(self.acts, meta, i, pending, lambda: self.acts.send_blocks(local.detach(), meta, i, pending), paired)
+        _send(self.acts, local.detach(), meta, i, pending, paired)
         self.sent["act"] += 1
 
     def recv_act(self, i: int) -> Block:
@@ -236,7 +296,7 @@ class Link:
             self.peer_failed = True
             raise
         if self.ahead and i + 1 < self.m:
-            self.acts.post(i + 1, blocks=True)
+            self.acts.post(i + 1)
         shape, _, src, dst, requires_grad = meta
         self.out_sbps[i], self.in_sbps[i] = src, dst
         return local.requires_grad_(requires_grad), dst, shape
@@ -248,7 +308,7 @@ class Link:
         ``dual`` of its SBP), to src; ``paired``: a receive to post in one group with it."""
         sbps = dual(self.in_sbps.pop(i))
         meta = (self.acts_shape(i), grad.dtype, sbps, dual(self.out_sbps.pop(i)), False)
-        _send(self.grads, meta, i, pending, lambda: self.grads.send_blocks(grad, meta, i, pending), paired)
+        _send(self.grads, grad, meta, i, pending, paired)
         self.sent["grad"] += 1
 
     def acts_shape(self, i: int) -> tuple[int, ...]:
@@ -267,7 +327,7 @@ class Link:
             raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {meta[0]} for an output of "
                                 f"shape {tuple(shape)} (micro-batch {i})")
         if self.ahead and i + 1 < self.m:
-            self.grads.post(i + 1, blocks=True)
+            self.grads.post(i + 1)
         self.grads_received += 1
         return local
 
