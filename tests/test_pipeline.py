@@ -343,6 +343,30 @@ def _eager_stages():
     return True
 
 
+def _entered_blocks():
+    """A first stage cuts each plain micro-batch itself (``enter_block``): the block ``enter``'s global tensor has
+    on this rank, for even and uneven rows, split or broadcast, on 1-D and 2-D placements."""
+    cases = 0
+    mesh = tpf.placement("cpu", torch.arange(4).reshape(2, 2))
+    for pl, sbp in [(_on(0, 1, 2, 3), tpf.sbp.split(0)), (_on(0, 1, 2, 3), None), (_on(0, 1, 2, 3), tpf.sbp.split(-1)),
+                    (mesh, [tpf.sbp.split(0), tpf.sbp.broadcast]), (mesh, [tpf.sbp.split(0), tpf.sbp.split(-1)])]:
+        st = tpf.stage(nn.Identity(), stage_id=0, placement=pl, sbp=sbp)
+        for rows in (8, 7, 5):
+            x = torch.randn(rows, 6, generator=torch.Generator().manual_seed(rows))
+            local, sbps, shape = st.enter_block(x)
+            y = st.enter(x)
+            assert (sbps, shape) == (tpf.get_sbp(y), tuple(y.shape))
+            torch.testing.assert_close(local, y.to_local(), rtol=0, atol=0)
+            local.add_(1)  # a copy: a module changing its input in place leaves the batch as it was
+            assert torch.equal(x, torch.randn(rows, 6, generator=torch.Generator().manual_seed(rows)))
+            cases += 1
+    return cases
+
+
+def test_a_first_stage_cuts_its_micro_batches_as_enter_does():
+    assert harness.run(4, _entered_blocks) == [15] * 4
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_stages_called_in_order_without_a_pipeline(world):
     assert all(harness.run(world, _eager_stages))

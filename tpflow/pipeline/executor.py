@@ -368,8 +368,7 @@ class Pipeline(nn.Module):
                 received[key] = prev.recv_act(i)
             elif action.kind == "F":
                 if k == 0:  # the batch's rows: data, the same on every rank, laid out as the stage takes them
-                    x = stage.enter(micro_inputs[i])
-                    received[key] = (x.to_local(), get_sbp(x), tuple(x.shape))
+                    received[key] = stage.enter_block(micro_inputs[i])
                 y = self._forward(stage, received[key])
                 if k == n - 1:
                     loss = self._loss(stage, y, micro_targets[i], rows)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
-from tpflow.global_tensor.blocks import off_placement
+from tpflow.global_tensor.blocks import local_of_full, off_placement
 from tpflow.layers import ShardedModule
 from tpflow.layers.blocks import LocalBlocks
 from tpflow.layers.regions import is_split
@@ -142,6 +142,15 @@ class Stage(nn.Module):
             return tensor(x.detach().to(self.placement.device), placement=self.placement, sbp=sbps)
         sbps = self.input_sbp(get_placement(x), get_sbp(x), x.ndim)
         return to_global(x, placement=self.placement, sbp=sbps)
+
+    def enter_block(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]]:
+        """``enter`` as a pipeline holds its result: this rank's block (a copy), its SBPs and the global shape. A
+        plain ``x`` is cut here, with no global tensor made (a pipeline's first stage takes every micro-batch so)."""
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and self.placement.coordinate() is not None:
+            sbps = self.input_sbp(self.placement, (broadcast,) * self.placement.ndim, x.ndim)
+            return local_of_full(x.detach().to(self.placement.device), self.placement, sbps), sbps, tuple(x.shape)
+        y = self.enter(x)
+        return y.to_local(), get_sbp(y), tuple(y.shape)
 
     def check_output(self, y: object) -> DTensor:
         if not isinstance(y, DTensor):
