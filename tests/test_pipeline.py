@@ -343,6 +343,37 @@ def _eager_stages():
     return True
 
 
+def _accumulated_over_steps(schedule):
+    """Gradients add up over steps as over backwards on one device: a stage reads its parameters as plain leaves
+    for a step and hands their gradients over once at its end, into the gradient a parameter already holds (in
+    place where the layouts agree; a data-parallel stage's is partial over its rows). Two steps without zeroing,
+    then the gradients zeroed in place, a third."""
+    blocks = _chain([5, 7, 3], seed=2)
+    ref = nn.Sequential(*copy.deepcopy(blocks))
+    stages = [tpf.stage(blocks[0], stage_id=0, placement=_on(0)),
+              tpf.stage(blocks[1], stage_id=1, placement=_on(1, 2), sbp=tpf.sbp.split(0))]
+    pipe = tpf.Pipeline(stages, micro_batches=2, schedule=schedule, loss_fn=F.mse_loss)
+    checked = 0
+    for seed in (1, 2, 3):
+        if seed == 3:
+            for q in [*pipe.parameters(), *ref.parameters()]:
+                if q.grad is not None:  # (none off the stage's ranks)
+                    q.grad.zero_()
+        x, y = _batch(6, 5, 3, seed=seed)
+        pipe.step(x, y)
+        F.mse_loss(ref(x), y).backward()
+        for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):
+            if dist.get_rank() in tpf.get_placement(p):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_gradients_accumulate_over_steps(schedule):
+    assert harness.run(3, _accumulated_over_steps, schedule) == [6, 6, 6]
+
+
 def _entered_blocks():
     """A first stage cuts each plain micro-batch itself (``enter_block``): the block ``enter``'s global tensor has
     on this rank, for even and uneven rows, split or broadcast, on 1-D and 2-D placements."""

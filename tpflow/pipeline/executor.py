@@ -203,7 +203,6 @@ class Pipeline(nn.Module):
         self.split_backward = any(a.kind == "W" for actions in self.table for a in actions)
         for st in found:  # process groups are made by every rank, in one order: here, not lazily inside a stage
             st.placement.mesh
-            st.weights_apart = self.split_backward
         rank = dist.get_rank()
         # this rank's rank set: its first stage's id, None off the pipeline
         self.stage_index = next((r for r, pl in enumerate(sets) if rank in pl), None)
@@ -273,8 +272,12 @@ class Pipeline(nn.Module):
         sends: dict[schedules.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
         outputs: dict[int, dict[int, Block]] = {k: {} for k in mine}  # per stage, outputs until their backward
         self.trace, self._action = [], None
+        for k in mine:
+            self.stages[k].open_step()
         try:
             loss = self._run(r, inputs, targets, sends, outputs)
+            for k in mine:  # every micro-batch's gradients are in: to the parameters
+                self.stages[k].close_step()
             self._action = "the end of the step"
             ended = comm.Pending()
             for k in mine:  # in stage order: each stage's end follows the one before it
@@ -298,6 +301,8 @@ class Pipeline(nn.Module):
             message = str(e) if isinstance(e, PipelineError) else (
                 f"stage {self._stage_of(r)} (ranks {self.rank_sets[r].ranks}) failed{where}: {type(e).__name__}: {e}")
             self._failed = message
+            for k in mine:
+                self.stages[k].close_step(keep=False)
             for pending in sends.values():  # a peer that failed may never take them: kept alive, never waited on
                 _UNFINISHED.works += pending.works
                 _UNFINISHED.buffers += pending.buffers
@@ -385,7 +390,7 @@ class Pipeline(nn.Module):
                 if y.requires_grad:  # a frozen stage (or one before it) has nothing to differentiate
                     if self.split_backward:  # the input's gradient now, the weights' at this micro-batch's W
                         x = received[key][0] if k > 0 else None
-                        later[key] = input_grad(y, grads.pop(key, None), x, list(stage.parameters()))
+                        later[key] = input_grad(y, grads.pop(key, None), x, stage.weights())
                     else:
                         torch.autograd.backward(y, grads.pop(key, None))
             elif action.kind == "W":

@@ -119,9 +119,9 @@ class Stage(nn.Module):
         # parallelize's work on this placement runs its own forward on local tensors; its buffers stay plain
         self.parallel = placement.coordinate() is not None and _parallelized(module, placement)
         self._blocks = LocalBlocks()
-        # read each module's parameters through a node of their own, so that a schedule computing the weights'
-        # gradients apart (zb-h1, tpflow.pipeline.backward) runs each layer's alone; set by tpf.Pipeline
-        self.weights_apart = False
+        # during a pipeline's step (open_step): per parameter and layout, the plain leaf the plain path reads (each
+        # its own autograd node, so a zero-bubble schedule's weight pass runs each layer's gradient alone)
+        self._leaves: dict[tuple[int, tuple[bool, ...]], tuple[DTensor, tuple, torch.Tensor]] | None = None
         self.module = module if self.parallel else to_global(module, placement=placement)
 
     def input_sbp(self, src: Placement, src_sbps: tuple[Sbp, ...], ndim: int) -> tuple[Sbp, ...]:
@@ -212,21 +212,48 @@ class Stage(nn.Module):
                              f"one output row per input row: {tuple(local.shape)} -> {tuple(y.shape)}")
         return y, out, (shape[0], *y.shape[1:]) if any(split) else tuple(y.shape)
 
+    def open_step(self) -> None:
+        """A pipeline's step begins. Until ``close_step``, the plain path reads each parameter's block as a plain
+        leaf made once for the step, so the micro-batches' gradients add up as plain tensors and reach the global
+        parameter once (not a global tensor's sum every micro-batch: a tenth of a small stage's step on CPU)."""
+        self._leaves = {}
+
+    def close_step(self, keep: bool = True) -> None:
+        """A pipeline's step ends: the leaves' gradients go to the parameters (added to any they hold), laid out
+        as global gradients (partial over the axes the rows were split on); ``keep=False`` drops them (a failed
+        step)."""
+        leaves, self._leaves = self._leaves or {}, None
+        for p, grad_placements, leaf in leaves.values() if keep else ():
+            if leaf.grad is None:
+                continue
+            if p.grad is not None and tuple(p.grad.placements) == grad_placements:  # into its block, in place
+                with torch.no_grad():
+                    p.grad.to_local().add_(leaf.grad)
+                continue
+            g = DTensor.from_local(leaf.grad, p.device_mesh, grad_placements, run_check=False, shape=p.shape,
+                                   stride=p.stride())
+            p.grad = g if p.grad is None else p.grad + g
+
+    def weights(self) -> list[torch.Tensor]:
+        """What autograd reaches for the stage's parameters: the step's leaves where the plain path read them,
+        else the parameters."""
+        return [leaf for *_, leaf in self._leaves.values()] if self._leaves else list(self.parameters())
+
     def _local_state(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
         """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
         grad_placements = tuple(Partial() if on else Replicate() for on in split)
         state = {name: b.to_local() for name, b in self.module.named_buffers()}
-        groups = [("", list(self.module.named_parameters()))]
-        if self.weights_apart:  # a node per module; a parameter two modules share once, as named_parameters() has it
-            groups, seen = [], set()
-            for prefix, m in self.module.named_modules():
-                own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) not in seen]
-                seen.update(id(p) for _, p in own)
-                groups.append((prefix + "." if prefix else "", own))
-        for prefix, named in groups:
-            blocks = self._blocks(tuple(p for _, p in named), (split, prefix), lambda p: grad_placements)
-            state |= {prefix + n: b for (n, _), b in zip(named, blocks)}
-        return state
+        if self._leaves is not None:  # in a step: a plain leaf per parameter, made at its first micro-batch
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                key = (id(p), split)
+                if key not in self._leaves:
+                    leaf = p.to_local().detach().requires_grad_(p.requires_grad)
+                    self._leaves[key] = (p, grad_placements, leaf)
+                state[name] = self._leaves[key][2]
+            return state
+        named = list(self.module.named_parameters())
+        blocks = self._blocks(tuple(p for _, p in named), split, lambda p: grad_placements)
+        return state | {n: b for (n, _), b in zip(named, blocks)}
 
     def forward(self, x: torch.Tensor) -> DTensor:
         """Ranks outside the placement skip the module: its first rank sends them the output's shape and SBP,
