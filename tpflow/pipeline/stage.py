@@ -10,8 +10,9 @@ only its own stage.
 
 A plain PyTorch module (no global parameters of its own) fed rows split(0) or broadcast runs on its
 ranks' local blocks, as data parallelism, with one autograd node for its parameters' blocks: DTensor
-dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. Its parameter gradients are
-partial sums over the axes its rows are split on, reduced when read. Split rows must be independent
+dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. In a pipeline's step it reads
+them as plain leaves made once for the step, whose gradients reach the parameters once, at its end.
+Its parameter gradients are partial sums over the axes its rows are split on, reduced when read. Split rows must be independent
 samples; a module with buffers (BatchNorm's statistics mix rows) runs through DTensor on them.
 
 A module ``parallelize`` made on the stage's placement (every parameter in a tpflow parallel layer or a
