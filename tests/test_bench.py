@@ -59,9 +59,9 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
 
 def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
     """What tpflow sends beyond the layout's minimum:
-    - a pipeline's 1 KiB header per hand-off, in front of its blocks in the one message a rank sends to the
-      receiving rank at its coordinate (once the first step gave the layout), and one at the end of the step each
-      way to each receiving rank (torch's pipelining sends none after its first step's shape inference);
+    - a pipeline's 1 KiB header per hand-off to each receiving rank (between stages of one rank, in front of the
+      blocks in their one message once the first step gave the layout), and one at the end of the step each way
+      (torch's pipelining sends none after its first step's shape inference);
     - the all-gather of an 8-byte row count by which a sequence-parallel column layer (or fused group) fed a
       plain input checks that the ranks split dim 0 evenly;
     - with PyTorch's tensor parallelism on the transformer, one collective per column layer where q, k and v
@@ -73,13 +73,13 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
     mode, extra = row["mode"], 0
     if mode.startswith("pipeline") and mode.endswith(", torch"):  # torch's pipelining: the blocks alone
         return 0
-    if mode.startswith("pipeline"):  # a header per hand-off, and one to each receiving rank per link at the end
+    if mode.startswith("pipeline"):  # a header per hand-off to each receiving rank, and one per link at the end
         if mode == "pipeline x tensor":
             stages, receivers, mine, m = 2, world // 2, [rank // (world // 2)], 4
         else:
             stages, receivers, m = world * (2 if "interleaved" in mode else 1), 1, 2 * world
             mine = range(rank, stages, world)
-        return HEADER_BYTES * sum((m + receivers) * ((k < stages - 1) + (k > 0)) for k in mine)
+        return HEADER_BYTES * receivers * sum((m + 1) * ((k < stages - 1) + (k > 0)) for k in mine)
     columns = {"mlp": 1, "transformer": 2}[row["workload"]] * settings["depth"]  # fused column groups
     if mode.startswith("sequence"):
         extra += 8 * (world - 1) * columns

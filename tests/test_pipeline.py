@@ -345,13 +345,15 @@ def _eager_stages():
 
 def _accumulated_over_steps(schedule):
     """Gradients add up over steps as over backwards on one device: a stage reads its parameters as plain leaves
-    for a step and hands their gradients over once at its end, into the gradient a parameter already holds (in
-    place where the layouts agree; a data-parallel stage's is partial over its rows). Two steps without zeroing,
-    then the gradients zeroed in place, a third."""
+    for a step and hands their gradients over once at its end, through autograd, into the gradient a parameter
+    already holds (a data-parallel stage's is partial over its rows), its hooks run. Two steps without zeroing,
+    then the gradients zeroed in place, a third; a hook on a weight of each stage doubles its gradient."""
     blocks = _chain([5, 7, 3], seed=2)
     ref = nn.Sequential(*copy.deepcopy(blocks))
     stages = [tpf.stage(blocks[0], stage_id=0, placement=_on(0)),
               tpf.stage(blocks[1], stage_id=1, placement=_on(1, 2), sbp=tpf.sbp.split(0))]
+    for block in [*blocks, *ref]:
+        block[0].weight.register_hook(lambda g: 2 * g)
     pipe = tpf.Pipeline(stages, micro_batches=2, schedule=schedule, loss_fn=F.mse_loss)
     checked = 0
     for seed in (1, 2, 3):

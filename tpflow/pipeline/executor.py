@@ -301,8 +301,6 @@ class Pipeline(nn.Module):
             message = str(e) if isinstance(e, PipelineError) else (
                 f"stage {self._stage_of(r)} (ranks {self.rank_sets[r].ranks}) failed{where}: {type(e).__name__}: {e}")
             self._failed = message
-            for k in mine:
-                self.stages[k].close_step(keep=False)
             for pending in sends.values():  # a peer that failed may never take them: kept alive, never waited on
                 _UNFINISHED.works += pending.works
                 _UNFINISHED.buffers += pending.buffers
@@ -318,6 +316,9 @@ class Pipeline(nn.Module):
             if isinstance(e, PipelineError):
                 raise
             raise PipelineError(message) from e
+        finally:
+            for k in mine:  # a step that failed (or was interrupted) leaves no leaves behind
+                self.stages[k].close_step(keep=False)
 
     def _stage_of(self, r: int) -> int:
         """The stage rank set ``r`` was at when it failed."""

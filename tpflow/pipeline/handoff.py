@@ -9,15 +9,14 @@ with tag ``base + 3 m`` each way (whether the stages before, and after, ended it
 
 Both ends remember each micro-batch's header from the step before. A receiver that remembers one posts the
 blocks' receive beside the header's, before either arrives, so taking a hand-off is one wait, not a header's
-round trip and then the blocks'. Where that layout travels as one message a rank pair (``direct_route``: one rank
-of each side at each coordinate, as between stages of one rank, or of one mesh shape and SBP) on the CPU, the
+round trip and then the blocks'. Between stages of one rank each on the CPU (``direct_route``: one message), the
 header rides in front of the blocks in that one message (a steady hand-off: one message to post on each side, not
-two). When the header says otherwise (a batch of another shape), the sender, who remembers the same, fills the
-receive that was posted with zeros of the remembered layout and sends the blocks again under tag
-``base + 3 i + 2``; an error goes in the remembered layout's place too. On CPU (gloo) a receiver also posts
-micro-batch ``i + 1``'s receives as soon as it takes micro-batch ``i``, so the blocks travel while the stage
-computes. Only the first step's headers come from every rank of the stage before, so only they show ranks of
-one stage that hand off different tensors.
+two); between multi-rank stages every rank's header still goes to every rank, so that one rank's error, or ranks
+of one stage that hand off different tensors, stop every rank of the next stage. When the header says otherwise
+(a batch of another shape), the sender, who remembers the same, fills the receive that was posted with zeros of
+the remembered layout and sends the blocks again under tag ``base + 3 i + 2``; an error goes in the remembered
+layout's place too. On CPU (gloo) a receiver also posts micro-batch ``i + 1``'s receives as soon as it takes
+micro-batch ``i``, so the blocks travel while the stage computes.
 
 On CUDA (NCCL) a rank's sends and receives to one peer share a stream, where a send not yet matched holds up
 what follows: 1F1B's stage s sends an activation and then receives a gradient while stage s + 1 sends that
@@ -102,19 +101,20 @@ class _Channel:
         return self.base + 3 * i, self.base + 3 * i + 1, self.base + 3 * i + 2
 
     def _steady(self, i: int, sending: bool) -> tuple[int, tuple[int, ...], int] | None:
-        """Where micro-batch ``i``'s remembered layout makes its hand-off one message a rank pair, header in front:
-        this rank's peer (the receiver when ``sending``, else the sender), its blocks' shape and the message's
-        bytes; None where the header travels apart."""
+        """Where micro-batch ``i``'s remembered layout makes its hand-off one message, header in front (stages of
+        one rank): this rank's peer (the receiver when ``sending``, else the sender), its blocks' shape and the
+        message's bytes; None where the header travels apart."""
         meta = self.remembered.get(i) if self.ahead and self.frm.type == "cpu" else None
         if meta is None:
             return None
         shape, dtype, src, dst, _ = meta
         route = direct_route(self.frm, src, self.to, dst, shape)
-        rank = dist.get_rank()
-        for sender, receiver, lengths in route or ():
-            if rank == (sender if sending else receiver):
-                return receiver if sending else sender, lengths, HEADER_BYTES + math.prod(lengths) * dtype.itemsize
-        return None
+        if route is None or len(route) > 1:  # between multi-rank stages every rank's header goes to every rank
+            return None
+        (sender, receiver, lengths), = route
+        if dist.get_rank() != (sender if sending else receiver):
+            return None
+        return receiver if sending else sender, lengths, HEADER_BYTES + math.prod(lengths) * dtype.itemsize
 
     def send(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
         """Post micro-batch ``i``'s hand-off (this rank's block ``x`` in the layout ``meta`` names), unpaired. A

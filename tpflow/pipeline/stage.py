@@ -220,20 +220,17 @@ class Stage(nn.Module):
         self._leaves = {}
 
     def close_step(self, keep: bool = True) -> None:
-        """A pipeline's step ends: the leaves' gradients go to the parameters (added to any they hold), laid out
-        as global gradients (partial over the axes the rows were split on); ``keep=False`` drops them (a failed
-        step)."""
+        """A pipeline's step ends: the leaves' gradients go to the parameters through autograd, as a whole-batch
+        backward leaves them (laid out partial over the axes the rows were split on, added to any gradient a
+        parameter holds, its hooks run once); ``keep=False`` drops them (a failed step). Once closed, a no-op."""
         leaves, self._leaves = self._leaves or {}, None
-        for p, grad_placements, leaf in leaves.values() if keep else ():
-            if leaf.grad is None:
-                continue
-            if p.grad is not None and tuple(p.grad.placements) == grad_placements:  # into its block, in place
-                with torch.no_grad():
-                    p.grad.to_local().add_(leaf.grad)
-                continue
-            g = DTensor.from_local(leaf.grad, p.device_mesh, grad_placements, run_check=False, shape=p.shape,
-                                   stride=p.stride())
-            p.grad = g if p.grad is None else p.grad + g
+        spent: dict[tuple[bool, ...], list[tuple[DTensor, tuple, torch.Tensor]]] = {}
+        for (_, split), (p, grad_placements, leaf) in leaves.items() if keep else ():
+            if leaf.grad is not None:
+                spent.setdefault(split, []).append((p, grad_placements, leaf.grad))
+        for split, items in spent.items():
+            blocks = self._blocks(tuple(p for p, _, _ in items), ("step", split), lambda p: items[0][1])
+            torch.autograd.backward(blocks, [g for *_, g in items])
 
     def weights(self) -> list[torch.Tensor]:
         """What autograd reaches for the stage's parameters: the step's leaves where the plain path read them,
