@@ -38,8 +38,9 @@ def _batch(rows, fin, fout, seed=1, classes=None):
 
 
 def _train_and_compare(pipe, ref, x, y, loss_fn, steps=2):
-    """``steps`` SGD steps of the pipeline and of the one-device model; loss and gradients compared each step.
-    Returns how many parameter gradients this rank checked and whether it saw the loss."""
+    """``steps`` SGD steps of the pipeline and of the one-device model; loss and gradients compared each step, and
+    every parameter after the last. Returns how many parameter gradients this rank checked and whether it saw the
+    loss."""
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     checked, saw_loss = 0, False
@@ -59,6 +60,9 @@ def _train_and_compare(pipe, ref, x, y, loss_fn, steps=2):
                 checked += 1
         opt.step()
         opt_ref.step()
+    for (name, p), q in zip(pipe.named_parameters(), ref.parameters()):  # and after the last optimizer step
+        if dist.get_rank() in tpf.get_placement(p):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), msg=name)
     return checked, saw_loss
 
 
@@ -467,6 +471,16 @@ class _FailsInBackward(nn.Module):
         return _BackwardFails.apply(x)
 
 
+def _timed_step(pipe, x, y):
+    """One step: the pipeline's error on this rank (None if it ran) and the seconds it took to come."""
+    start = time.monotonic()
+    try:
+        pipe.step(x, y)
+    except tpf.PipelineError as err:
+        return str(err), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
 def _failing_step(kind, schedule):
     dims = [4, 6, 5, 3]
     blocks = _chain(dims, seed=0)
@@ -478,15 +492,11 @@ def _failing_step(kind, schedule):
     loss_fn = F.mse_loss if kind != "loss" else (lambda y, t: F.mse_loss(y, t[:, :1]) + t.unknown)
     pipe = tpf.Pipeline(stages, micro_batches=4, schedule=schedule, loss_fn=loss_fn)
     x, y = _batch(3 if kind == "batch" else 8, 4, 3)
-    start = time.monotonic()
-    try:
-        pipe.step(x, y)
-    except tpf.PipelineError as err:
-        seconds = time.monotonic() - start
+    text, seconds = _timed_step(pipe, x, y)
+    if text is not None:
         with pytest.raises(tpf.PipelineError, match="an earlier step failed"):
             pipe.step(x, y)
-        return str(err), seconds
-    return None, time.monotonic() - start
+    return text, seconds
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
@@ -536,12 +546,7 @@ def _failing_third_step(kind, schedule):
         tpf.comm.stats.reset()
         pipe.step(x, y)
         messages.append(tpf.comm.stats.messages_sent)
-    start = time.monotonic()
-    try:
-        pipe.step(x, y)
-    except tpf.PipelineError as err:
-        return str(err), time.monotonic() - start, messages
-    return None, time.monotonic() - start, messages
+    return *_timed_step(pipe, x, y), messages
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
@@ -570,12 +575,7 @@ def _failing_interleaved_step(kind):
     stages = [tpf.stage(b, stage_id=k, placement=_on(k % 2)) for k, b in enumerate(blocks)]
     pipe = tpf.Pipeline(stages, micro_batches=4, schedule="interleaved", loss_fn=F.mse_loss)
     x, y = _batch(8, 4, 3)
-    start = time.monotonic()
-    try:
-        pipe.step(x, y)
-    except tpf.PipelineError as err:
-        return str(err), time.monotonic() - start
-    return None, time.monotonic() - start
+    return _timed_step(pipe, x, y)
 
 
 @pytest.mark.parametrize("kind, words", [("forward", "stage 2 (ranks [0]) failed on F0.1: RuntimeError"),
@@ -707,12 +707,7 @@ def _late_weight_gradient_fails():
                         schedule="zb-h1", loss_fn=F.mse_loss)
     assert str(pipe.table[1][-1]) == "W3" and pipe.table[1][-2].kind == "W"  # after its last send_grad
     x, y = _batch(8, 4, 3)
-    start = time.monotonic()
-    try:
-        pipe.step(x, y)
-    except tpf.PipelineError as err:
-        return str(err), time.monotonic() - start
-    return None, time.monotonic() - start
+    return _timed_step(pipe, x, y)
 
 
 def test_a_late_weight_gradient_failure_reaches_the_stages_before():

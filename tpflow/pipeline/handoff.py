@@ -27,9 +27,10 @@ then the two transfers of blocks together; nothing is posted ahead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,11 @@ def _ok_header(meta: Meta) -> torch.Tensor:
     """A header saying all is well with the layout ``meta`` (never written to: messages copy it)."""
     shape, dtype, src, _, requires_grad = meta
     return header(OK, shape, dtype, src, requires_grad=requires_grad)
+
+
+def _padded(head: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A steady hand-off's message of ``nbytes`` that carries only its header ``head``: the rest zeros."""
+    return torch.cat([head, torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)])
 
 
 class _PeerFailed(PipelineError):
@@ -128,12 +134,12 @@ class _Channel:
             return
         peer, _, nbytes = steady
         if meta == self.remembered[i]:
-            body = x.contiguous().view(-1).view(torch.uint8)
+            message = torch.cat([_ok_header(meta), x.contiguous().view(-1).view(torch.uint8)])
         else:
             shape, dtype, src, dst, _ = meta
             post_across(x, self.frm, src, self.to, dst, shape, dtype, self._tags(i)[2], pending)
-            body = torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)
-        comm.post([(peer, torch.cat([_ok_header(meta), body]))], [], tag=self._tags(i)[1], pending=pending)
+            message = _padded(_ok_header(meta), nbytes)
+        comm.post([(peer, message)], [], tag=self._tags(i)[1], pending=pending)
         self.remembered[i] = meta
 
     def send_header(self, meta: Meta, i: int, pending: comm.Pending) -> None:
@@ -147,8 +153,7 @@ class _Channel:
             comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
             return
         peer, _, nbytes = steady
-        message = torch.cat([buf, torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)])
-        comm.post([(peer, message)], [], tag=self._tags(i)[1], pending=pending)
+        comm.post([(peer, _padded(buf, nbytes))], [], tag=self._tags(i)[1], pending=pending)
 
     def send_blocks(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
         """Micro-batch ``i``'s blocks (this rank's block ``x`` in the layout ``meta`` names)."""
@@ -171,10 +176,10 @@ class _Channel:
         guess = self.remembered.get(i) if self.ahead else None
         steady = self._steady(i, sending=False)
         if steady is not None:
-            peer, lengths, nbytes = steady
+            (peer, lengths, nbytes), dtype = steady, guess[1]
             message = torch.empty(nbytes, dtype=torch.uint8)
             pending = comm.post([], [(peer, message)], tag=self._tags(i)[1])
-            body = message[HEADER_BYTES:].view(guess[1]).view(lengths)
+            body = message[HEADER_BYTES:].view(dtype).view(lengths)
             self.incoming[i] = _Incoming([(peer, message[:HEADER_BYTES])], pending, guess, (comm.Pending(), body))
             return self.incoming[i]
         headers = [(r, torch.empty(HEADER_BYTES, dtype=torch.uint8)) for r in self.frm.flat_ranks]
@@ -269,6 +274,15 @@ class Link:
         self.ended = False  # on src: the end of the step was posted
         self.ended_up = False  # on dst: the end of the step was posted back to src
 
+    @contextlib.contextmanager
+    def _watching(self) -> Iterator[None]:
+        """Waits on the peer stage: its error header marks the link failed (the peer needs nothing more on it)."""
+        try:
+            yield
+        except _PeerFailed:
+            self.peer_failed = True
+            raise
+
     def start(self, rank_in_src: bool) -> None:
         """Post the step's first receives ahead: micro-batch 0's gradient on src, its activation on dst."""
         if self.ahead:
@@ -290,11 +304,8 @@ class Link:
     def recv_act(self, i: int) -> Block:
         """Micro-batch ``i``'s activation: this rank's block of it (a leaf, needing a gradient unless the stage
         before is frozen), laid out as dst computes on it."""
-        try:
+        with self._watching():
             local, meta = self.acts.take(i, self._dst_of, self.src.stage_id)
-        except _PeerFailed:
-            self.peer_failed = True
-            raise
         if self.ahead and i + 1 < self.m:
             self.acts.post(i + 1)
         shape, _, src, dst, requires_grad = meta
@@ -318,11 +329,8 @@ class Link:
     def recv_grad(self, y: Block, i: int) -> torch.Tensor:
         """The gradient of this stage's output ``y`` (a block), from the stage after: this rank's block of it."""
         _, sbps, shape = y
-        try:
+        with self._watching():
             local, meta = self.grads.take(i, lambda src, ndim: dual(sbps), self.dst.stage_id)
-        except _PeerFailed:
-            self.peer_failed = True
-            raise
         if meta[0] != tuple(shape):
             raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {meta[0]} for an output of "
                                 f"shape {tuple(shape)} (micro-batch {i})")
@@ -336,11 +344,8 @@ class Link:
     def paired_act(self, i: int) -> Paired:
         """Micro-batch ``i``'s activation receive, for a send to post in one group with it."""
         def header() -> Callable[[], None]:
-            try:
+            with self._watching():
                 meta = self.acts.header(i, self._dst_of, self.src.stage_id)
-            except _PeerFailed:
-                self.peer_failed = True
-                raise
             return lambda: self.acts.post_blocks(i, meta)
         return header
 
@@ -348,11 +353,8 @@ class Link:
         """Micro-batch ``i``'s gradient receive (of the output block ``y``), for a send to post in one group with
         it."""
         def header() -> Callable[[], None]:
-            try:
+            with self._watching():
                 meta = self.grads.header(i, lambda src, ndim: dual(y[1]), self.dst.stage_id)
-            except _PeerFailed:
-                self.peer_failed = True
-                raise
             return lambda: self.grads.post_blocks(i, meta)
         return header
 
@@ -399,18 +401,13 @@ class Link:
 
     def wait_end_up(self) -> None:
         """On src: dst's end of step (and of the stages after it); raises its error if it failed."""
-        try:
-            self.grads.header(self.m, lambda src, ndim: src, self.dst.stage_id)
-        except _PeerFailed:
-            self.peer_failed = True
-            raise
-        self.grads.incoming.pop(self.m)
+        self._wait_end(self.grads, self.dst)
 
     def wait_end(self) -> None:
         """On dst: src's end of step; raises its error if it failed."""
-        try:
-            self.acts.header(self.m, lambda src, ndim: src, self.src.stage_id)
-        except _PeerFailed:
-            self.peer_failed = True
-            raise
-        self.acts.incoming.pop(self.m)
+        self._wait_end(self.acts, self.src)
+
+    def _wait_end(self, channel: _Channel, peer: Stage) -> None:
+        with self._watching():
+            channel.header(self.m, lambda src, ndim: src, peer.stage_id)
+        channel.incoming.pop(self.m)

@@ -12,8 +12,9 @@ A plain PyTorch module (no global parameters of its own) fed rows split(0) or br
 ranks' local blocks, as data parallelism, with one autograd node for its parameters' blocks: DTensor
 dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. In a pipeline's step it reads
 them as plain leaves made once for the step, whose gradients reach the parameters once, at its end.
-Its parameter gradients are partial sums over the axes its rows are split on, reduced when read. Split rows must be independent
-samples; a module with buffers (BatchNorm's statistics mix rows) runs through DTensor on them.
+Its parameter gradients are partial sums over the axes its rows are split on, reduced when read. Split
+rows must be independent samples; a module with buffers (BatchNorm's statistics mix rows) runs through
+DTensor on them.
 
 A module ``parallelize`` made on the stage's placement (every parameter in a tpflow parallel layer or a
 replicated module there) runs its own forward on the local blocks too, as tensor parallelism does without
@@ -122,7 +123,7 @@ class Stage(nn.Module):
         self._blocks = LocalBlocks()
         # during a pipeline's step (open_step): per parameter and layout, the plain leaf the plain path reads (each
         # its own autograd node, so a zero-bubble schedule's weight pass runs each layer's gradient alone)
-        self._leaves: dict[tuple[int, tuple[bool, ...]], tuple[DTensor, tuple, torch.Tensor]] | None = None
+        self._leaves: dict[tuple[int, tuple[bool, ...]], tuple[DTensor, torch.Tensor]] | None = None
         self.module = module if self.parallel else to_global(module, placement=placement)
 
     def input_sbp(self, src: Placement, src_sbps: tuple[Sbp, ...], ndim: int) -> tuple[Sbp, ...]:
@@ -216,7 +217,7 @@ class Stage(nn.Module):
     def open_step(self) -> None:
         """A pipeline's step begins. Until ``close_step``, the plain path reads each parameter's block as a plain
         leaf made once for the step, so the micro-batches' gradients add up as plain tensors and reach the global
-        parameter once (not a global tensor's sum every micro-batch: a tenth of a small stage's step on CPU)."""
+        parameter once (not a global tensor's sum every micro-batch; benchmarks/README.md, pipeline schedules)."""
         self._leaves = {}
 
     def close_step(self, keep: bool = True) -> None:
@@ -224,33 +225,33 @@ class Stage(nn.Module):
         backward leaves them (laid out partial over the axes the rows were split on, added to any gradient a
         parameter holds, its hooks run once); ``keep=False`` drops them (a failed step). Once closed, a no-op."""
         leaves, self._leaves = self._leaves or {}, None
-        spent: dict[tuple[bool, ...], list[tuple[DTensor, tuple, torch.Tensor]]] = {}
-        for (_, split), (p, grad_placements, leaf) in leaves.items() if keep else ():
+        spent: dict[tuple[bool, ...], list[tuple[DTensor, torch.Tensor]]] = {}
+        for (_, split), (p, leaf) in leaves.items() if keep else ():
             if leaf.grad is not None:
-                spent.setdefault(split, []).append((p, grad_placements, leaf.grad))
+                spent.setdefault(split, []).append((p, leaf.grad))
         for split, items in spent.items():
-            blocks = self._blocks(tuple(p for p, _, _ in items), ("step", split), lambda p: items[0][1])
-            torch.autograd.backward(blocks, [g for *_, g in items])
+            placements = _grad_placements(split)
+            blocks = self._blocks(tuple(p for p, _ in items), ("step", split), lambda p: placements)
+            torch.autograd.backward(blocks, [g for _, g in items])
 
     def weights(self) -> list[torch.Tensor]:
         """What autograd reaches for the stage's parameters: the step's leaves where the plain path read them,
         else the parameters."""
-        return [leaf for *_, leaf in self._leaves.values()] if self._leaves else list(self.parameters())
+        return [leaf for _, leaf in self._leaves.values()] if self._leaves else list(self.parameters())
 
     def _local_state(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
         """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
-        grad_placements = tuple(Partial() if on else Replicate() for on in split)
         state = {name: b.to_local() for name, b in self.module.named_buffers()}
         if self._leaves is not None:  # in a step: a plain leaf per parameter, made at its first micro-batch
             for name, p in self.module.named_parameters(remove_duplicate=False):
                 key = (id(p), split)
                 if key not in self._leaves:
-                    leaf = p.to_local().detach().requires_grad_(p.requires_grad)
-                    self._leaves[key] = (p, grad_placements, leaf)
-                state[name] = self._leaves[key][2]
+                    self._leaves[key] = (p, p.to_local().detach().requires_grad_(p.requires_grad))
+                state[name] = self._leaves[key][1]
             return state
         named = list(self.module.named_parameters())
-        blocks = self._blocks(tuple(p for _, p in named), split, lambda p: grad_placements)
+        placements = _grad_placements(split)
+        blocks = self._blocks(tuple(p for _, p in named), split, lambda p: placements)
         return state | {n: b for (n, _), b in zip(named, blocks)}
 
     def forward(self, x: torch.Tensor) -> DTensor:
@@ -284,6 +285,11 @@ class Stage(nn.Module):
     def extra_repr(self) -> str:
         sbp = "" if self.sbp is None else f", sbp={self.sbp}"
         return f"stage_id={self.stage_id}, placement={self.placement.type}:{self.placement.ranks}{sbp}"
+
+
+def _grad_placements(split: tuple[bool, ...]) -> tuple:
+    """A plain stage's parameter gradient layout: partial over the axes its rows are split on."""
+    return tuple(Partial() if on else Replicate() for on in split)
 
 
 def _parallelized(module: nn.Module, placement: Placement) -> bool:
