@@ -1,8 +1,11 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 LAUNCH := $(PY) -m tpflow.launch
+# A GPU machine's own python (torch, triton, pytest; no venv), run from the repository on compiled kernels
+GPU_PY ?= python
+GPU_RUN := env -u TRITON_INTERPRET PYTHONPATH=. $(GPU_PY)
 
-.PHONY: test demo examples clean
+.PHONY: test demo examples gpu-check gpu-tests gpu-kernels gpu-loss gpu-decode clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,6 +32,28 @@ examples: $(VENV)/.installed
 	$(LAUNCH) --nproc_per_node 2 examples/pipeline_lenet.py
 	$(LAUNCH) --nproc_per_node 4 examples/pipeline_module_model.py
 	$(LAUNCH) --nproc_per_node 2 examples/finetune_hf.py
+
+# Every check that needs a GPU, in one go: each step runs even where one before it failed (make -k), and the target
+# fails if any did. The benchmarks write their results into benchmarks/results/, named by device.
+gpu-check:
+	$(MAKE) -k gpu-tests gpu-kernels gpu-loss gpu-decode
+
+# The kernels compiled, the bf16 paths, the layers on the kernels, the vocabulary's loss kernels.
+gpu-tests:
+	$(GPU_RUN) -m pytest -q tests/test_kernels.py tests/test_cuda.py tests/test_layers_triton.py \
+		tests/test_vocab.py::test_loss_kernels_match_their_references
+
+# kernels_<device>_<time>.{md,csv}: both kernels against cuBLAS, the fused epilogue, row ranges, a launch's host cost
+gpu-kernels:
+	$(GPU_RUN) benchmarks/kernels_gpu.py
+
+# loss_<device>_<time>.md: the cross-entropy kernels against torch's, and Liger-Kernel's where it is installed
+gpu-loss:
+	$(GPU_RUN) benchmarks/loss_gpu.py
+
+# decode_<device>_<time>.md: the triton_min_rows crossover and the host cost of a decode-sized launch
+gpu-decode:
+	$(GPU_RUN) benchmarks/decode_gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,22 +1,24 @@
 """GPU sweep of the persistent kernel's configs, one config at a time, against torch.matmul (cuBLAS).
 
-    PYTHONPATH=. python benchmarks/kernels_configs.py [--dtype bf16]
+    PYTHONPATH=. python benchmarks/kernels_configs.py [--dtype bf16]    # from the repository root
 
 Autotuning keeps only each shape's winner; this shows every candidate on every shape of
 ``benchmarks/kernels_gpu.py``, which is how the persistent configs of ``tpflow.kernels.tuning`` were
 chosen (a config that wins nowhere costs compile and tuning time for nothing). Prints one line per config: its
-cuBLAS time / its time on each shape, or the compile error (shared memory) where it does not fit.
+cuBLAS time / its time on each shape, or the compile error (shared memory) where it does not fit. Without a GPU it
+stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from kernels_gpu import DTYPES, SHAPES
+from benchmarks.kernels_gpu import DTYPES, SHAPES, need_gpu
 from tpflow import config
 from tpflow.kernels import matmul, tuning
 
@@ -34,12 +36,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     dtype = DTYPES[parser.parse_args().dtype]
+    need_gpu(parser)
     config.set(matmul="persistent")
     operands = []
     for m, n, k in SHAPES:
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(n, k, device="cuda", dtype=dtype).mT  # nn.Linear's layout, read in place
-        operands.append((a, b, do_bench(lambda: torch.matmul(a, b), warmup=50, rep=200)))
+        operands.append((a, b, do_bench(functools.partial(torch.matmul, a, b), warmup=50, rep=200)))
     print("shapes (M, N, K):", *SHAPES)
     for bm, bn, bk, stages, warps, subtile, group in CANDIDATES:
         candidate = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "SUBTILE": subtile},
@@ -49,7 +52,7 @@ def main() -> None:
             for a, b, t_torch in operands:
                 try:
                     torch.testing.assert_close(matmul(a, b), torch.matmul(a, b), rtol=2e-2, atol=2e-1)
-                    line.append(round(t_torch / do_bench(lambda: matmul(a, b), warmup=50, rep=200), 3))
+                    line.append(round(t_torch / do_bench(functools.partial(matmul, a, b), warmup=50, rep=200), 3))
                 except triton.runtime.errors.OutOfResources as e:
                     line.append(f"does not fit: {e}"[:60])
         print(*line, flush=True)

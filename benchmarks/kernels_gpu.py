@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/kernels_gpu.py [--dtypes bf16 fp16] [--kernels tiled persistent] [--quick]
 
-Writes ``kernels_<device>_<time>.md`` (and ``.csv``) in ``--out``. For each kernel
+Writes ``kernels_<device>_<time>.md`` (and ``.csv``) in ``--out``; without a GPU it stops at once. For each kernel
 (the ``matmul`` switch) on square and LLM shapes: TFLOP/s against cuBLAS, the fused bias + GELU
 epilogue against torch's matmul + bias + gelu, and the cost of computing one product as 8
 row-range launches (the ring collectives' decomposition) against one launch: as launched from
@@ -20,19 +20,26 @@ import csv
 import datetime
 import pathlib
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from tpflow import config
 from tpflow.bench.report import markdown_table
 from tpflow.kernels import matmul
-from tpflow import config
 from tpflow.kernels.launcher import KERNELS, kernel_choice
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def need_gpu(parser: argparse.ArgumentParser) -> None:
+    """End the run with a clear message (exit status 2) where no CUDA GPU is visible, before any work."""
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
 def tflops(m: int, n: int, k: int, ms: float) -> float:
@@ -73,8 +80,9 @@ def measure(kernel: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor, t
             f"{kernel}_8_ranges_vs_1_graph": round(t_ranges_graph / t_one_graph, 3)}
 
 
-def host_us(launch, n: int = 2000) -> float:
-    """Microseconds a launch costs the host: ``n`` launches of a tiny product, synchronised once."""
+def host_us(launch: Callable[[], object], n: int = 2000) -> float:
+    """Microseconds a call takes, launched back to back: ``n`` calls synchronised once (the larger of the host's
+    cost and the GPU's), so the host's cost of a launch where the product is tiny."""
     for _ in range(20):
         launch()
     torch.cuda.synchronize()
@@ -116,6 +124,20 @@ def write(rows: list[dict], host: str, out_dir: pathlib.Path, command: str) -> p
     return pathlib.Path(f"{stem}.md")
 
 
+def shape_row(name: str, m: int, n: int, k: int, kernels: list[str]) -> dict:
+    """One shape's row: cuBLAS's TFLOP/s, then each kernel's columns (``measure``)."""
+    dtype = DTYPES[name]
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype).mT  # nn.Linear's layout, read in place
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    t_torch = do_bench(lambda: torch.matmul(a, b))
+    t_torch_fused = do_bench(lambda: F.gelu(torch.matmul(a, b) + bias, approximate="tanh"))
+    row = {"dtype": name, "M": m, "N": n, "K": k, "cublas_tflops": round(tflops(m, n, k, t_torch), 1)}
+    for kernel in kernels:
+        row.update(measure(kernel, a, b, bias, t_torch, t_torch_fused))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
@@ -123,22 +145,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the 8192^3 product")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    need_gpu(parser)
     rows = []
     host = host_costs(args.kernels)
     print("host cost of a launch:", host, flush=True)
     for name in args.dtypes:
-        dtype = DTYPES[name]
         for m, n, k in SHAPES[1:2] if args.quick else SHAPES:  # (M, N, K): a [M, K] @ b [K, N]
-            a = torch.randn(m, k, device="cuda", dtype=dtype)
-            b = torch.randn(n, k, device="cuda", dtype=dtype).mT  # nn.Linear's layout, read in place
-            bias = torch.randn(n, device="cuda", dtype=dtype)
-            t_torch = do_bench(lambda: torch.matmul(a, b))
-            t_torch_fused = do_bench(lambda: F.gelu(torch.matmul(a, b) + bias, approximate="tanh"))
-            row = dict(dtype=name, M=m, N=n, K=k, cublas_tflops=round(tflops(m, n, k, t_torch), 1))
-            for kernel in args.kernels:
-                row.update(measure(kernel, a, b, bias, t_torch, t_torch_fused))
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(shape_row(name, m, n, k, args.kernels))
+            print(rows[-1], flush=True)
     command = "PYTHONPATH=. python benchmarks/kernels_gpu.py " + " ".join(
         ["--dtypes", *args.dtypes, "--kernels", *args.kernels] + (["--quick"] if args.quick else []))
     print("wrote", write(rows, host, pathlib.Path(args.out), command))

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
@@ -29,11 +27,9 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import tpflow as tpf
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repo root for these
-from benchmarks.collective_cpu import write  # noqa: E402
-from tpflow.bench.measure import cpu_name, hold_freed_memory, step_times  # noqa: E402
-from tests.models import LLAMA_PLAN, DecoderLayer  # noqa: E402
+from benchmarks.collective_cpu import write
+from tpflow.bench.measure import cpu_name, hold_freed_memory, step_times
+from tpflow.bench.workloads import LLAMA_PLAN, DecoderLayer
 
 
 class MLPStack(nn.Module):
@@ -87,12 +83,13 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     P = tpf.placement("cpu", list(range(world)))
     lines = [f"# Parallelized models on gloo, {world} rank(s) x 1 thread, fp32",
-             "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. dim {args.dim}, "
-             f"hidden {args.hidden}, {args.tokens} tokens; {args.reps} interleaved repetitions of forward + backward;"
-             " ratios are medians of paired per-repetition ratios.",
+             "", (f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}. "
+                  f"dim {args.dim}, hidden {args.hidden}, {args.tokens} tokens; {args.reps} interleaved repetitions "
+                  "of forward + backward; ratios are medians of paired per-repetition ratios."),
              f"Allocator: {allocator}, for every case.",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/layers_cpu.py{flags}`",
-             "", "| workload | case | median ms | vs baseline | tpflow bytes / rank / step |", "|---|---|---:|---:|---:|"]
+             "", "| workload | case | median ms | vs baseline | tpflow bytes / rank / step |",
+             "|---|---|---:|---:|---:|"]
     for name, model, plan, torch_plan, x in workloads(args.dim, args.hidden, args.tokens):
         ours = tpf.parallelize(copy.deepcopy(model), placement=P, plan=plan)
         cases = {"tpflow parallelize": ours}

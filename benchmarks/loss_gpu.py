@@ -11,7 +11,7 @@ Two comparisons per vocabulary, each forward + backward, every result checked ag
             ``--chunk`` tokens); Liger's fused linear cross-entropy
 
 Time: the median of ``triton.testing.do_bench``; memory: the peak allocated during one forward + backward, less
-what was allocated before. Writes ``loss_<device>_<time>.md`` in ``--out``.
+what was allocated before. Writes ``loss_<device>_<time>.md`` in ``--out``; without a GPU it stops at once.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton
 from triton.testing import do_bench
 
 import tpflow as tpf
+from benchmarks.kernels_gpu import need_gpu
 from tpflow.bench.report import markdown_table
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -60,6 +61,35 @@ def _run(step, inputs) -> tuple[float, float, float]:
     return loss, do_bench(once), peak
 
 
+def vocab_rows(vocab: int, args: argparse.Namespace, liger: tuple | None) -> list[dict]:
+    """One vocabulary's rows: each implementation of the loss and of the fused head + loss, checked against torch's
+    loss value, then timed."""
+    dtype, device = DTYPES[args.dtype], torch.device("cuda")
+    torch.manual_seed(0)
+    target = torch.randint(0, vocab, (args.tokens,), device=device)
+    logits = torch.randn(args.tokens, vocab, device=device, dtype=dtype, requires_grad=True)
+    losses = {"torch": lambda x: F.cross_entropy(x.float(), target),
+              "tpflow": lambda x: tpf.ops.vocab_parallel_cross_entropy(x, target, start=0, classes=vocab, group=None)}
+    if liger is not None:
+        losses["liger"] = lambda x: liger[0](x, target)
+    hidden = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(vocab, args.hidden, device=device, dtype=dtype) / args.hidden**0.5).requires_grad_()
+    fused = {"torch": lambda h, w: F.cross_entropy(F.linear(h, w).float(), target),
+             "tpflow": lambda h, w: tpf.ops.linear_cross_entropy(h, w, None, target, start=0, classes=vocab,
+                                                                 group=None, chunk=args.chunk)}
+    if liger is not None:
+        fused["liger"] = lambda h, w: liger[1](h, w, target)
+    rows = []
+    for what, table, inputs in (("loss", losses, (logits,)), ("fused", fused, (hidden, weight))):
+        reference = None
+        for name, step in table.items():
+            loss, ms, peak = _run(step, inputs)
+            reference = loss if reference is None else reference
+            torch.testing.assert_close(loss, reference, rtol=2e-2, atol=2e-2)
+            rows.append({"V": vocab, "what": what, "impl": name, "ms": round(ms, 3), "peak_MiB": round(peak, 1)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -69,31 +99,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    dtype, device, liger = DTYPES[args.dtype], torch.device("cuda"), _liger()
-    rows = []
-    for vocab in args.vocab:
-        torch.manual_seed(0)
-        target = torch.randint(0, vocab, (args.tokens,), device=device)
-        logits = torch.randn(args.tokens, vocab, device=device, dtype=dtype, requires_grad=True)
-        losses = {"torch": lambda x, t: F.cross_entropy(x.float(), t),
-                  "tpflow": lambda x, t: tpf.ops.vocab_parallel_cross_entropy(x, t, start=0, classes=vocab,
-                                                                              group=None)}
-        if liger is not None:
-            losses["liger"] = liger[0]
-        hidden = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
-        weight = (torch.randn(vocab, args.hidden, device=device, dtype=dtype) / args.hidden**0.5).requires_grad_()
-        fused = {"torch": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t),
-                 "tpflow": lambda h, w, t: tpf.ops.linear_cross_entropy(h, w, None, t, start=0, classes=vocab,
-                                                                        group=None, chunk=args.chunk)}
-        if liger is not None:
-            fused["liger"] = liger[1]
-        for what, table, inputs in (("loss", losses, (logits,)), ("fused", fused, (hidden, weight))):
-            reference = None
-            for name, fn in table.items():
-                loss, ms, peak = _run(lambda *xs, fn=fn: fn(*xs, target), inputs)
-                reference = loss if reference is None else reference
-                torch.testing.assert_close(loss, reference, rtol=2e-2, atol=2e-2)
-                rows.append({"V": vocab, "what": what, "impl": name, "ms": round(ms, 3), "peak_MiB": round(peak, 1)})
+    need_gpu(parser)
+    liger = _liger()
+    rows = [row for vocab in args.vocab for row in vocab_rows(vocab, args, liger)]
     for row in rows:
         base = next(r for r in rows if (r["V"], r["what"], r["impl"]) == (row["V"], row["what"], "torch"))
         row["vs_torch"] = round(base["ms"] / row["ms"], 2)

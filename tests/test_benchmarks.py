@@ -1,10 +1,24 @@
-"""The benchmark scripts and suites keep running (tiny sizes, no timing asserted: timings are not tests)."""
+"""The benchmark scripts and suites keep running (tiny sizes, no timing asserted: timings are not tests); the GPU
+ones, which cannot run here, at least exist, compile and stop clearly without a GPU; every results file is cited by a
+page and every file a page cites exists."""
 
 from __future__ import annotations
 
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 from tests.test_examples import _run
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_pytest_benchmark_suites_run():
@@ -34,3 +48,42 @@ def test_loading_benchmark_runs(tmp_path):
                  str(tmp_path / "model"), "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "bit-identical on every rank: True" in next(tmp_path.glob("loading_*.md")).read_text()
+
+
+def _gpu_check_scripts() -> list[str]:
+    """The Python files ``make gpu-check`` runs, read from make's dry run (which also parses the Makefile)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "-n", "gpu-check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert dry.returncode == 0, dry.stderr
+    return sorted(set(re.findall(r"\b(?:benchmarks|tests)/\w+\.py", dry.stdout)))
+
+
+def test_gpu_check_names_files_that_exist_and_compile():
+    scripts = _gpu_check_scripts()
+    assert {"benchmarks/kernels_gpu.py", "benchmarks/loss_gpu.py", "benchmarks/decode_gpu.py",
+            "tests/test_kernels.py", "tests/test_cuda.py"} <= set(scripts), scripts
+    for path in scripts:
+        compile((ROOT / path).read_text(), path, "exec")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run without a GPU")
+def test_gpu_benchmarks_stop_clearly_without_a_gpu(monkeypatch, capsys):
+    for path in (s for s in _gpu_check_scripts() if s.startswith("benchmarks/")):
+        monkeypatch.setattr(sys, "argv", [path])
+        with pytest.raises(SystemExit) as stop:  # as `python path` would, imports included
+            runpy.run_path(str(ROOT / path), run_name="__main__")
+        assert stop.value.code == 2, path
+        assert "needs a CUDA GPU" in capsys.readouterr().err, path
+
+
+def test_every_results_file_is_cited_and_every_cited_file_exists():
+    """A result set (the files sharing a stem) counts as cited where a page names its stem."""
+    text = "\n".join(page.read_text() for page in PAGES)
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    uncited = [str(p.relative_to(RESULTS)) for p in files if not re.search(re.escape(p.stem) + r"(?![\w-])", text)]
+    assert not uncited, f"results no page cites (cite them or git rm them): {uncited}"
+    cited = set(re.findall(r"results/([\w./+-]+?\.(?:md|csv|json|png))", text))
+    assert cited, "no page cites a results file"
+    missing = sorted(c for c in cited if not (RESULTS / c).is_file())
+    assert not missing, f"pages cite results files that do not exist: {missing}"
