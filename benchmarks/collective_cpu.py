@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from tpflow import comm, config, init_distributed
 from tpflow.bench.measure import cpu_name, source_version, step_times
-from tpflow.comm import FakeWorld, row_bounds, stats
+from tpflow.comm import FakeWorld, stats
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
+from tpflow.sbp import chunk_bounds
 
 
 def add_late(flag: bool, fn):
@@ -61,7 +62,7 @@ def bench_gloo(size: int, reps: int, out: str) -> None:
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(size, size // world, generator=gen)  # K shard: a row layer's input
     w = torch.randn(size // world, size, generator=gen)
-    rows = row_bounds(size, world)
+    rows = chunk_bounds(size, world)
     own = slice(*rows[rank])
     x_rows = torch.randn(size, size, generator=gen)[own].contiguous()  # M shard: a sequence-parallel input
     w_cols = torch.randn(size, size // world, generator=gen)

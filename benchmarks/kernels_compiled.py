@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import pathlib
 import re
 import subprocess
 import tempfile
-import dataclasses
 from dataclasses import dataclass
 
 import torch

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tpflow as tpf
-from tpflow.bench.measure import hold_freed_memory
 from benchmarks.layers_cpu import step, workloads
+from tpflow.bench.measure import hold_freed_memory
 
 
 @pytest.mark.parametrize("case", ["tpflow parallelize", "plain nn.Linear"])

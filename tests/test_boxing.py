@@ -8,7 +8,7 @@ import torch
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import B, P, S0, S1, backward_logical, ints, logical, sbp_tuples, source
+from tests.checks import S0, S1, B, P, backward_logical, ints, logical, sbp_tuples, source
 
 SHAPES = [(5, 7), (4, 8), (1, 3)]
 

@@ -10,12 +10,15 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tpflow as tpf
 from tests import harness
-from tpflow.comm import FakeWorld, as_transport, row_bounds
+from tests.checks import ints
+from tpflow.comm import FakeWorld, as_transport
 from tpflow.kernels import matmul_ref, use_triton
 from tpflow.ops import all_gather_matmul, all_gather_matmul_ref, matmul_reduce_scatter, matmul_reduce_scatter_ref
+from tpflow.sbp import chunk_bounds
 
 F64 = torch.float64
 
@@ -48,12 +51,12 @@ def _reset(group):
 def _rs_rank(group, X, Wt, bias, dY, splits, algo):
     """A row layer: K split over ranks, the output's rows reduce-scattered."""
     t = as_transport(group)
-    k = slice(*row_bounds(X.shape[-1], t.world_size)[t.rank])
+    k = slice(*chunk_bounds(X.shape[-1], t.world_size)[t.rank])
     x, w, b = _leaf(X[..., k]), _leaf(Wt[k]), _leaf(bias)
     _reset(group)
     y = matmul_reduce_scatter(x, w, group, bias=b, splits=splits, algo=algo)
     traffic = _traffic(group)
-    y.backward(dY[slice(*row_bounds(X.shape[0], t.world_size)[t.rank])])
+    y.backward(dY[slice(*chunk_bounds(X.shape[0], t.world_size)[t.rank])])
     return y.detach(), x.grad, w.grad, None if b is None else b.grad, traffic
 
 
@@ -62,7 +65,7 @@ def _ag_rank(group, X, Wt, bias, dY, activation, algo, keep_gathered=True):
     output, the gradients, the forward's traffic, the gathered input, and the shapes of the tensors autograd
     saved and the backward's traffic."""
     t = as_transport(group)
-    rows, n = row_bounds(X.shape[0], t.world_size)[t.rank], slice(*row_bounds(Wt.shape[1], t.world_size)[t.rank])
+    rows, n = chunk_bounds(X.shape[0], t.world_size)[t.rank], slice(*chunk_bounds(Wt.shape[1], t.world_size)[t.rank])
     x, w, b = _leaf(X[slice(*rows)]), _leaf(Wt[:, n]), None if bias is None else _leaf(bias[n])
     _reset(group)
     saved = []
@@ -126,7 +129,7 @@ def test_matmul_reduce_scatter(world, m, k, n, splits, algo, bias, add_late):
     _check_rs(results, X, Wt, b, dY)
     if algo != "ring":
         return
-    bounds = row_bounds(m, world)
+    bounds = chunk_bounds(m, world)
     for rank, r in enumerate(results):  # every chunk but its own, once, in pieces; fp64 partials
         own = bounds[rank][1] - bounds[rank][0]
         messages = sum(_pieces(e - s, splits) for c, (s, e) in enumerate(bounds) if c != rank)
@@ -143,7 +146,7 @@ def test_all_gather_matmul(world, m, k, n, activation, algo, bias):
     _check_ag(results, X, Wt, b, dY, activation)
     if algo != "ring":
         return
-    bounds = row_bounds(m, world)
+    bounds = chunk_bounds(m, world)
     for rank, r in enumerate(results):  # every chunk but the right neighbour's, forwarded once each
         right = (rank + 1) % world
         sent = [e - s for c, (s, e) in enumerate(bounds) if c != right and e > s]
@@ -160,7 +163,7 @@ def test_gathering_again_in_backward_saves_the_shard_and_sends_it_once_more(worl
     kept = FakeWorld(world).run(_ag_rank, X, Wt, b, dY, "gelu", algo, True)
     again = FakeWorld(world).run(_ag_rank, X, Wt, b, dY, "gelu", algo, False)
     _check_ag(again, X, Wt, b, dY, "gelu")
-    bounds = row_bounds(m, world)
+    bounds = chunk_bounds(m, world)
     for rank, (keep, regather) in enumerate(zip(kept, again)):
         own = bounds[rank][1] - bounds[rank][0]
         assert (m, k) in keep[6] and (own, k) in regather[6], (keep[6], regather[6])
@@ -195,7 +198,7 @@ def test_uneven_rows_without_rows_are_an_error_on_every_rank():
     X, w = _rand(7, 5, seed=0), _rand(5, 3, seed=1)
 
     def uneven(t):
-        return all_gather_matmul(X[slice(*row_bounds(7, 4)[t.rank])], w, t)
+        return all_gather_matmul(X[slice(*chunk_bounds(7, 4)[t.rank])], w, t)
 
     with pytest.raises(ValueError, match=r"the ranks hold \[2, 2, 2, 1\] rows: pass rows="):
         FakeWorld(4).run(uneven)
@@ -206,7 +209,7 @@ def test_late_add_computes_each_piece_before_its_accumulator_is_waited_for(add_l
     """With ``add_late`` every piece's product is computed before its accumulator is waited for, then the
     accumulator is added; without, the wait comes first and the accumulator goes into the compute. The sums
     are the same either way."""
-    world, bounds = 3, row_bounds(10, 3)
+    world, bounds = 3, chunk_bounds(10, 3)
     partials = [torch.arange(30.0).reshape(10, 3) * (r + 1) for r in range(world)]
 
     def rank(t):
@@ -335,9 +338,9 @@ def _gloo_rank(world_size, m, inner, k, n, algo):
     rs = _rs_rank(None, X, Wt, b, dY, 2, algo)
     ag = _ag_rank(None, X, Wt, b, dY, "gelu", algo)
     t = as_transport(None)
-    k_own = slice(*row_bounds(k, t.world_size)[t.rank])
+    k_own = slice(*chunk_bounds(k, t.world_size)[t.rank])
     rs_ref = matmul_reduce_scatter_ref(X[..., k_own], Wt[k_own], bias=b)
-    rows = slice(*row_bounds(m, t.world_size)[t.rank])
+    rows = slice(*chunk_bounds(m, t.world_size)[t.rank])
     ag_ref = all_gather_matmul_ref(X[rows], Wt, rows=m, bias=b, activation="gelu")
     return rs, ag, rs_ref, ag_ref
 
@@ -357,7 +360,7 @@ def test_gloo(world, algo, m, inner):
     for r in results:
         _close(r[3], y_act, "all-gather reference")
     if algo == "ring":
-        bounds = row_bounds(m, world)
+        bounds = chunk_bounds(m, world)
         for rank, r in enumerate(results):  # counted in tpflow.comm.stats, with the rest of the rank's traffic
             assert r[0][4][0] == (m - (bounds[rank][1] - bounds[rank][0])) * math.prod(inner) * n * 8
 
@@ -430,3 +433,76 @@ def test_auto_picks_the_plain_collective_for_small_products(world, m):
     for r, a in zip(ring, auto):
         _close(a[0], r[0], "auto vs ring")
         assert a[4][1] == world - 1  # the plain ring collective: one message per step
+
+
+# The library collectives' all-to-all and the autograd pairs, against what one process computes from every rank's
+# data.
+
+def _counts(world: int, seed: int) -> torch.Tensor:
+    """[W, W]: row s is what rank s sends each rank; uneven, with zeros (a rank that sends nothing at all too)."""
+    counts = torch.randint(0, 4, (world, world), generator=torch.Generator().manual_seed(seed))
+    counts[world - 1] = 0 if world > 1 else counts[world - 1]
+    return counts
+
+
+def _pairs_rank(world, seed):
+    W, r, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    counts = _counts(W, seed)
+    rows = [ints((int(counts[s].sum()), 3), seed + s) for s in range(W)]  # every rank's rows, known to all
+    got_counts = tpf.comm.exchange_counts(counts[r], group)
+    assert got_counts.tolist() == counts[:, r].tolist()
+    # all-to-all: rank r receives, in rank order, the rows each rank s sent it
+    starts = [torch.cat([torch.zeros(1, dtype=torch.long), counts[s].cumsum(0)]) for s in range(W)]
+    want = torch.cat([rows[s][starts[s][r]:starts[s][r + 1]] for s in range(W)])
+    tpf.comm.stats.reset()
+    x = rows[r].clone().requires_grad_()
+    y = tpf.comm.all_to_all_mirror(x, counts[r].tolist(), counts[:, r].tolist(), group)
+    assert torch.equal(y, want)
+    sent = sum(int(c) for q, c in enumerate(counts[r]) if q != r) * 3 * 4
+    assert tpf.comm.stats.bytes_sent == sent
+    # backward: row i's gradient comes back to the rank it came from; the loss weighs rank r's received rows by r+1
+    (y * (r + 1)).sum().backward()
+    back = torch.cat([torch.full((int(counts[r][q]), 3), float(q + 1)) for q in range(W)])
+    assert torch.equal(x.grad, back)
+    # the pairs: forward and backward against the whole tensor
+    full = ints((7, 5), seed)
+    own = slice(*chunk_bounds(7, W)[r])
+    g = ints((7, 5), seed + 100)
+    part = full[own].clone().requires_grad_()
+    gathered = tpf.comm.all_gather_chunk(part, 0, 7, group)
+    assert torch.equal(gathered, full)
+    (gathered * g).sum().backward()
+    assert torch.equal(part.grad, g[own])
+    whole = full.clone().requires_grad_()
+    chunk = tpf.comm.chunk_all_gather(whole, 0, group)
+    assert torch.equal(chunk, full[own])
+    (chunk * g[own]).sum().backward()
+    assert torch.equal(whole.grad, g)  # every rank's chunk of the gradient, gathered
+    partial = (full * (r + 1)).requires_grad_()
+    summed = tpf.comm.reduce_scatter_all_gather(partial, 1, group)
+    assert torch.equal(summed, (full * sum(range(1, W + 1)))[:, slice(*chunk_bounds(5, W)[r])])
+    (summed * g[:, slice(*chunk_bounds(5, W)[r])]).sum().backward()
+    assert torch.equal(partial.grad, g)
+    p = (full * (r + 1)).requires_grad_()
+    total = tpf.comm.all_reduce_identity(p * 1, group)
+    assert torch.equal(total, full * sum(range(1, W + 1)))
+    (total * g).sum().backward()
+    assert torch.equal(p.grad, g)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_to_all_and_the_autograd_pairs(world):
+    harness.run(world, _pairs_rank, world, 5 + world)
+
+
+def _all_to_all_misuse_rank():
+    with pytest.raises(ValueError, match="x has 3 rows but send_counts"):
+        tpf.comm.all_to_all(torch.zeros(3, 2), [1, 1], [1, 1], dist.group.WORLD)
+    with pytest.raises(ValueError, match="one count per rank"):
+        tpf.comm.all_to_all(torch.zeros(2, 2), [2], [1, 1], dist.group.WORLD)
+    with pytest.raises(ValueError, match="one per rank"):
+        tpf.comm.exchange_counts(torch.zeros(3, dtype=torch.long), dist.group.WORLD)
+
+
+def test_all_to_all_misuse_names_the_fix():
+    harness.run(2, _all_to_all_misuse_rank)

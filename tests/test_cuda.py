@@ -8,9 +8,10 @@ import torch
 import tpflow as tpf
 from tests import harness
 from tests.test_collective import Counting
-from tpflow.comm import FakeWorld, as_transport, row_bounds
+from tpflow.comm import FakeWorld, as_transport
 from tpflow.kernels import matmul, matmul_ref
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
+from tpflow.sbp import chunk_bounds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -74,7 +75,7 @@ def test_rings_compiled_on_one_gpu(dtype, kernel):
     world, (m, k, n) = 3, (1000, 768, 512)
     gen = torch.Generator(device="cuda").manual_seed(0)
     X, Wt, b = (torch.randn(*s, device="cuda", generator=gen).to(dtype) for s in ((m, k), (k, n), (n,)))
-    rows, k_cols = row_bounds(m, world), row_bounds(k, world)
+    rows, k_cols = chunk_bounds(m, world), chunk_bounds(k, world)
     with tpf.config.override(matmul=kernel), tuning.use("persistent", persistent):
         _check_rings(FakeWorld(world).run(_ring_case, X, Wt, b, rows, k_cols), X, Wt, b, dtype)
     assert bool(persistent.launches) == (kernel == "persistent" and dtype != torch.float32), persistent.launches
@@ -84,7 +85,7 @@ def _nccl_rings(dtype):
     torch.manual_seed(0)  # every rank draws the same full operands
     X, Wt, b = (torch.randn(*s, device="cuda").to(dtype) for s in ((1000, 768), (768, 512), (512,)))
     world = torch.distributed.get_world_size()
-    rs, ag = _ring_case(None, X, Wt, b, row_bounds(1000, world), row_bounds(768, world))
+    rs, ag = _ring_case(None, X, Wt, b, chunk_bounds(1000, world), chunk_bounds(768, world))
     return rs.cpu(), ag.cpu(), X.cpu(), Wt.cpu(), b.cpu()
 
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tpflow as tpf
 from tests import harness
-from tpflow.comm.collectives import bounds
+from tpflow.sbp import chunk_bounds
 
 B, S0 = tpf.sbp.broadcast, tpf.sbp.split(0)
 
@@ -60,7 +60,7 @@ def _sbp_data_parallel(rows, optimizer):
     opt, opt_ref = make(model.parameters()), make(ref.parameters())
     for step in range(3):
         x, y = _data(rows, seed=step)
-        mine = slice(*bounds(rows, world)[rank])  # each rank reads only its own rows
+        mine = slice(*chunk_bounds(rows, world)[rank])  # each rank reads only its own rows
         gx = tpf.to_global(x[mine], placement=P, sbp=S0)
         gy = tpf.to_global(y[mine], placement=P, sbp=S0)
         loss = F.cross_entropy(tpf.to_global(model(gx), sbp=B), tpf.to_global(gy, sbp=B))
@@ -83,7 +83,7 @@ def _partial_gradients_in_one_all_reduce(rows, bucket_bytes):
     ref = _mlp(0)
     model = tpf.to_global(copy.deepcopy(ref), placement=P, sbp=B)
     x, y = _data(rows)
-    mine = slice(*bounds(rows, world)[rank])
+    mine = slice(*chunk_bounds(rows, world)[rank])
     loss = F.cross_entropy(tpf.to_global(model(tpf.to_global(x[mine], placement=P, sbp=S0)), sbp=B),
                            tpf.to_global(y, placement=P, sbp=B))
     loss.backward()

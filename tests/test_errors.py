@@ -11,7 +11,7 @@ import torch
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import B, S0
+from tests.checks import S0, B
 
 
 def _bad_input():

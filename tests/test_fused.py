@@ -17,7 +17,7 @@ import tpflow as tpf
 from tests import harness
 from tests.checks import ints
 from tests.test_layers import _own, _world
-from tpflow.comm.collectives import ring_bytes, stats
+from tpflow.comm import ring_bytes, stats
 
 WIDTHS = (5, 7, 3)  # uneven over 2-4 ranks; 3 leaves rank 3 of 4 without a block
 

@@ -106,7 +106,7 @@ def _auto_rank():
             assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == ref.config.tie_word_embeddings, kind
         out = model(ids, labels=ids)  # the vocabulary split: no rank holds [tokens, V], nor does the loss gather it
-        start, end = tpf.comm.bounds(VOCAB, W)[dist.get_rank()]
+        start, end = tpf.sbp.chunk_bounds(VOCAB, W)[dist.get_rank()]
         assert isinstance(out.logits, DTensor) and out.logits.to_local().shape == (2, 8, end - start), kind
         assert type(out.loss.grad_fn).__name__ == "_VocabParallelCEBackward", kind
         if kind == "gemma2":  # a pickled model (its scaled embedding's class made at run time) comes back whole

@@ -14,8 +14,8 @@ from torch import nn
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import B, S0, backward_logical, ints, logical
-from tpflow.comm.collectives import bounds
+from tests.checks import S0, B, backward_logical, ints, logical
+from tpflow.sbp import chunk_bounds
 
 FEATURES = [(6, 8), (5, 7), (3, 2)]  # even for W = 2; uneven; fewer output features than ranks
 
@@ -34,7 +34,7 @@ def _linear(fin, fout, bias, seed):
 
 
 def _own(size):
-    return slice(*bounds(size, dist.get_world_size())[dist.get_rank()])
+    return slice(*chunk_bounds(size, dist.get_world_size())[dist.get_rank()])
 
 
 def _assert_grads(layer, ref, weight_block):
@@ -454,10 +454,10 @@ def _hybrid_rank(global_input, sequence_parallel):
         assert tpf.get_sbp(y) == tpf.get_sbp(x) and torch.equal(logical(y), y_ref.detach()), "output"
         backward_logical(y, g)
     else:  # each data-parallel group feeds its own rows (and, with sequence parallelism, each rank its chunk)
-        rows = slice(*bounds(8, 2)[dp])
+        rows = slice(*chunk_bounds(8, 2)[dp])
         x, want, grad = x_ref[rows], y_ref.detach()[rows], g[rows]
         if sequence_parallel:
-            rows = slice(*bounds(4, 2)[tp])
+            rows = slice(*chunk_bounds(4, 2)[tp])
             x, want, grad = x[rows], want[rows], grad[rows]
         y = model(x)
         assert torch.equal(y, want), "output"
@@ -534,7 +534,7 @@ def _bytes_rank():
     """Each rank holds 1/W of a layer's parameters (chunks by torch.chunk's rule)."""
     P, W, r = _world(), dist.get_world_size(), dist.get_rank()
     col, row = tpf.ColumnParallelLinear(7, 10, placement=P), tpf.RowParallelLinear(10, 7, placement=P)
-    chunk = bounds(10, W)[r][1] - bounds(10, W)[r][0]
+    chunk = chunk_bounds(10, W)[r][1] - chunk_bounds(10, W)[r][0]
     held = lambda layer: sum(p.to_local().numel() for p in layer.parameters())  # noqa: E731
     assert held(col) == chunk * 7 + chunk
     assert held(row) == 7 * chunk + 7  # the bias is whole on every rank
@@ -550,7 +550,7 @@ def test_parameter_bytes_per_rank(world):
 
 def _traffic_rank(kind):
     """Bytes each layer kind moves per step, counted by tpflow, against the minimum for its layout (fp32)."""
-    from tpflow.comm.collectives import stats
+    from tpflow.comm import stats
 
     P, W = _world(), dist.get_world_size()
     s, b, h, f = 4 * W, 3, 6, 8  # [S, B, H] input, hidden f; S splits evenly

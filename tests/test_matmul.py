@@ -10,7 +10,7 @@ import torch
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import B, P, S0, S1, backward_logical, ints, logical, sbp_tuples, source
+from tests.checks import S0, S1, B, P, backward_logical, ints, logical, sbp_tuples, source
 
 LEGAL = {(S0, B): S0, (B, S1): S1, (S1, S0): P, (B, B): B, (P, B): P, (B, P): P}
 

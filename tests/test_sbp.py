@@ -7,19 +7,18 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import tpflow as tpf
-from tpflow.sbp import chunk_range, conversion_bytes, infer_matmul, local_region, matmul_out_sbp, normalize
+from tpflow.sbp import chunk_bounds, conversion_bytes, infer_matmul, local_region, matmul_out_sbp, normalize
 
 S0, S1, B, P = tpf.sbp.split(0), tpf.sbp.split(1), tpf.sbp.broadcast, tpf.sbp.partial_sum
 
 
 @pytest.mark.parametrize("size", range(0, 13))
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 5])
-def test_chunk_range_is_torch_chunk(size, parts):
+def test_chunk_bounds_are_torch_chunk(size, parts):
     chunks = torch.arange(size).chunk(parts)
-    for i in range(parts):
-        offset, length = chunk_range(size, parts, i)
+    for i, (start, end) in enumerate(chunk_bounds(size, parts)):
         want = chunks[i].tolist() if i < len(chunks) else []
-        assert list(range(offset, offset + length)) == want
+        assert list(range(start, end)) == want
 
 
 def test_nested_split_regions():

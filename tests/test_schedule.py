@@ -8,9 +8,9 @@ import pytest
 from tpflow.pipeline.schedule import (
     Action,
     build,
-    check_streams,
     build_interleaved,
     build_zero_bubble,
+    check_streams,
     peak_activations,
     render,
     simulate,

@@ -107,7 +107,7 @@ def _embedding_checks():
         torch.manual_seed(vocab)
         ref = nn.Embedding(vocab, 8, padding_idx=vocab - 2, dtype=torch.float64)
         emb = VocabParallelEmbedding.from_embedding(ref, placement=P)
-        edges = [s for bounds in tpf.comm.bounds(vocab, W) for s in (bounds[0], bounds[1] - 1)]
+        edges = [s for bounds in tpf.sbp.chunk_bounds(vocab, W) for s in (bounds[0], bounds[1] - 1)]
         ids = torch.tensor([edges + [vocab - 2, vocab - 1, 0]] * 2)
         grad = torch.randn(*ids.shape, 8, dtype=torch.float64)
         opt, opt_ref = torch.optim.SGD(emb.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -125,7 +125,7 @@ def _embedding_checks():
         sp = VocabParallelEmbedding.from_embedding(ref, placement=P, sequence_parallel=True, sequence_dim=1)
         tokens = torch.randint(0, vocab, (2, 2 * W))
         mine = sp(tokens)
-        start, end = tpf.comm.bounds(2 * W, W)[tpf.get_rank()]
+        start, end = tpf.sbp.chunk_bounds(2 * W, W)[tpf.get_rank()]
         torch.testing.assert_close(mine, ref(tokens)[:, start:end], rtol=0, atol=0)
         mine.sum().backward()
         ref.zero_grad()

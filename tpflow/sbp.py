@@ -29,6 +29,7 @@ __all__ = [
     "normalize",
     "to_dtensor",
     "from_dtensor",
+    "chunk_bounds",
     "local_region",
     "dual",
     "matmul_out_sbp",
@@ -250,11 +251,26 @@ def from_dtensor(placements: Sequence[DTensorPlacement]) -> tuple[Sbp, ...]:
     return tuple(out)
 
 
-def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """(offset, length) of chunk ``index`` when ``torch.chunk`` cuts ``size`` into ``parts``."""
+def chunk_bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` chunks of ``size`` by ``torch.chunk``'s rule: tpflow's (and DTensor's)
+    split, so 10 rows over 4 ranks are 3, 3, 3, 1, and 5 over 4 are 2, 2, 1, 0.
+
+    Args:
+        size: the length to cut.
+        parts: the number of chunks.
+
+    Returns:
+        ``parts`` pairs ``(start, end)``; trailing chunks are empty where ``size`` runs out.
+
+    Example::
+
+        >>> tpf.sbp.chunk_bounds(10, 4)
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+        >>> tpf.sbp.chunk_bounds(5, 4)
+        [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
     step = math.ceil(size / parts) if size else 0
-    offset = min(index * step, size)
-    return offset, min(step, size - offset)
+    return [(min(i * step, size), min((i + 1) * step, size)) for i in range(parts)]
 
 
 def local_region(
@@ -285,9 +301,9 @@ def local_region(
     offsets, lengths = [0] * len(shape), list(shape)
     for s, parts, c in zip(sbps, hierarchy, coord):
         if isinstance(s, Split):
-            o, n = chunk_range(lengths[s.dim], parts, c)
-            offsets[s.dim] += o
-            lengths[s.dim] = n
+            start, end = chunk_bounds(lengths[s.dim], parts)[c]
+            offsets[s.dim] += start
+            lengths[s.dim] = end - start
     return tuple(offsets), tuple(lengths)
 
 

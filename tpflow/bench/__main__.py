@@ -27,8 +27,16 @@ import torch.distributed as dist
 
 import tpflow as tpf
 from tpflow.bench import report
-from tpflow.bench.measure import counting, device_name, every_rank, hold_freed_memory, quantiles, source_version, \
-    step_peak, step_times
+from tpflow.bench.measure import (
+    counting,
+    device_name,
+    every_rank,
+    hold_freed_memory,
+    quantiles,
+    source_version,
+    step_peak,
+    step_times,
+)
 from tpflow.bench.modes import MODES, build, slug
 from tpflow.bench.trainer import Context, Skip, Trainer
 from tpflow.bench.workloads import build as build_workload

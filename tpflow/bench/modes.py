@@ -32,26 +32,25 @@ pipeline stage sends its output forward and its input's gradient back).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import tempfile
 from collections.abc import Callable
-import dataclasses
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 import tpflow as tpf
-from tpflow import comm
-from tpflow.comm.collectives import ring_bytes
 from tpflow.bench import pipelines
 from tpflow.bench.measure import count_ddp
 from tpflow.bench.trainer import Context, Skip, Trainer, block_bytes, forward_backward, make_trainer, rows_share
 from tpflow.bench.workloads import CausalLMLoss, Workload
+from tpflow.comm import ring_bytes
 from tpflow.layers import ParallelLinear
+from tpflow.sbp import chunk_bounds
 
 __all__ = ["MODES", "build", "slug"]
 
@@ -94,7 +93,7 @@ def _norm_params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _rows(n: int, parts: int, index: int) -> slice:
-    start, end = comm.bounds(n, parts)[index]
+    start, end = chunk_bounds(n, parts)[index]
     return slice(start, end)
 
 

@@ -1,9 +1,12 @@
-"""Communication on local shards: collectives with byte counters, the transports the ring collectives run
-over (torch.distributed, or ranks as threads on an emulated link), and the metadata messages ranks
-exchange before blocks travel. Nothing here computes: products live in ``tpflow.kernels``, and
-``tpflow.ops`` combines the two.
+"""Communication on local shards: transfers and collectives with byte counters, the autograd pairs the layers'
+hot path uses, the transports the ring collectives run over (torch.distributed, or ranks as threads on an
+emulated link), and the metadata messages ranks exchange before blocks travel. Nothing here computes: products
+live in ``tpflow.kernels``, and ``tpflow.ops`` combines the two.
 
-    collectives   point-to-point transfers, all-gather / reduce-scatter with uneven chunks, autograd pairs
+    accounting    CommStats: the bytes and messages this rank sent; what a ring pass costs
+    p2p           point-to-point transfers posted without waiting (Pending), grouped for NCCL (batch)
+    collectives   all-reduce, all-gather / reduce-scatter with uneven chunks, all-to-all by counts
+    pairs         autograd pairs, a collective forward and its conjugate backward (all_gather_chunk, ...)
     transport     the Transport interface, its torch.distributed implementation, and the two rings
     fake          FakeWorld: ranks as threads joined by emulated links, for tests and benchmarks
     wire          a tensor's shape, dtype and SBP (or an error) as a fixed-size message
@@ -11,28 +14,21 @@ exchange before blocks travel. Nothing here computes: products live in ``tpflow.
 
 from __future__ import annotations
 
-from tpflow.comm import collectives, wire
-from tpflow.comm.collectives import (
-    CommStats,
-    Pending,
-    all_gather,
-    all_reduce,
-    batch,
-    bounds,
-    count_ring,
-    exchange,
-    gather,
-    post,
-    reduce,
-    reduce_chunk,
-    reduce_scatter,
-    ring_bytes,
-    scatter,
-    stats,
-)
+from tpflow.comm import wire
+from tpflow.comm.accounting import CommStats, count_ring, ring_bytes, stats
+from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, exchange_counts, reduce_scatter
 from tpflow.comm.fake import FakeTransport, FakeWorld
-from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport, row_bounds
+from tpflow.comm.p2p import Pending, batch, post
+from tpflow.comm.pairs import (
+    all_gather_chunk,
+    all_reduce_identity,
+    all_to_all_mirror,
+    chunk_all_gather,
+    reduce_scatter_all_gather,
+)
+from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 
-__all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "all_gather",
-           "all_reduce", "as_transport", "batch", "bounds", "collectives", "count_ring", "exchange", "gather", "post",
-           "reduce", "reduce_chunk", "reduce_scatter", "ring_bytes", "row_bounds", "scatter", "stats", "wire"]
+__all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport",
+           "all_gather", "all_gather_chunk", "all_reduce", "all_reduce_identity", "all_to_all", "all_to_all_mirror",
+           "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts", "post", "reduce_scatter",
+           "reduce_scatter_all_gather", "ring_bytes", "stats", "wire"]

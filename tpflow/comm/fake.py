@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpflow.comm.collectives import CommStats
+from tpflow.comm.accounting import CommStats
 from tpflow.comm.transport import Handle, Pairs, Transport
 
 __all__ = ["FakeTransport", "FakeWorld"]
@@ -79,7 +79,7 @@ class FakeWorld:
 
         >>> world = tpf.comm.FakeWorld(3, bandwidth=1e9, latency=1e-4, jitter=1e-4)
         >>> def gather(transport):
-        ...     return transport.all_gather(torch.full((1, 2), float(transport.rank)), tpf.comm.bounds(3, 3))
+        ...     return transport.all_gather(torch.full((1, 2), float(transport.rank)), tpf.sbp.chunk_bounds(3, 3))
         >>> world.run(gather)[0]
         tensor([[0., 0.],
                 [1., 1.],

@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 
 from tpflow.comm import collectives
-from tpflow.comm.collectives import CommStats, stats
-from tpflow.comm.collectives import bounds as row_bounds
+from tpflow.comm.accounting import CommStats, stats
+from tpflow.sbp import chunk_bounds
 
-__all__ = ["DistTransport", "Handle", "Transport", "as_transport", "row_bounds"]
+__all__ = ["DistTransport", "Handle", "Transport", "as_transport"]
 
 Pairs = Sequence[tuple[torch.Tensor, int]]
 
 
 def _sub_bounds(start: int, end: int, parts: int) -> list[tuple[int, int]]:
-    return [(start + a, start + b) for a, b in row_bounds(end - start, parts)]
+    return [(start + a, start + b) for a, b in chunk_bounds(end - start, parts)]
 
 
 class Handle:
@@ -196,7 +196,7 @@ class Transport(ABC):
 
     def gather_ints(self, value: int, device: torch.device | str = "cpu") -> list[int]:
         """Every rank's ``value`` (a tiny all-gather, counted like any other)."""
-        one = row_bounds(self.world_size, self.world_size)
+        one = chunk_bounds(self.world_size, self.world_size)
         return self.all_gather(torch.tensor([[value]], device=device), one).flatten().tolist()
 
     def all_gather(self, part: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -2,12 +2,14 @@
 
 Everything in ``tpflow.global_tensor`` is built on these: a global tensor is a ``DTensor`` whose local
 tensor is this rank's block of the logical value (empty on ranks outside its placement), laid out by
-``tpflow.sbp``'s arithmetic.
+``tpflow.sbp``'s arithmetic. ``Block`` is the same without the DTensor: the block, its SBPs and the global shape,
+which is how a pipeline carries a micro-batch from stage to stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -15,11 +17,11 @@ from torch.distributed.tensor import DTensor
 from tpflow.placement import Placement, placement_of_mesh
 from tpflow.sbp import PartialSum, Sbp, from_dtensor, local_region, to_dtensor
 
-__all__ = ["block", "check_placement", "get_placement", "get_sbp", "is_zero_partial", "local_of_full",
-           "off_placement", "to_local", "wrap"]
+__all__ = ["Block", "check_placement", "get_placement", "get_sbp", "is_zero_partial", "local_of_full",
+           "off_placement", "region_of", "to_local", "wrap"]
 
 
-def block(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+def region_of(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     """The block of ``t`` that starts at ``offsets`` and has sizes ``lengths``: a view (``narrow`` along each
     dimension), no copy.
 
@@ -34,8 +36,8 @@ def block(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> to
     Example::
 
         >>> import torch
-        >>> from tpflow.global_tensor.blocks import block
-        >>> block(torch.arange(12).reshape(4, 3), (2, 0), (2, 3))
+        >>> from tpflow.global_tensor.blocks import region_of
+        >>> region_of(torch.arange(12).reshape(4, 3), (2, 0), (2, 3))
         tensor([[ 6,  7,  8],
                 [ 9, 10, 11]])
     """
@@ -103,6 +105,47 @@ def wrap(local: torch.Tensor | None, pl: Placement, sbps: Sequence[Sbp], shape: 
                               shape=torch.Size(shape), stride=tuple(stride))
 
 
+class Block(NamedTuple):
+    """A global tensor as the hot paths hold it: this rank's block, its SBPs and its global shape, with no
+    DTensor around it (DTensor's dispatch costs 100-400 us an op).
+
+    A pipeline's micro-batch is one from the first stage to the loss: the stage computes on ``local`` (and
+    returns the output's ``Block``), a hand-off posts ``local`` across placements by ``sbp`` and ``shape``, and
+    the loss reads the last stage's. A rank outside the placement holds an empty ``local`` (``Block.absent``),
+    as a DTensor does; its dtype still says what the others hold. The loss is a ``Block`` of no placement axes.
+    ``tpflow.global_tensor.local.from_block`` makes the global tensor back, where a module needs one.
+
+    Args:
+        local: this rank's block of the value (plain tensor; autograd reaches it).
+        sbp: the SBPs, one per placement axis, split dims >= 0; ``()`` for a plain value (the loss).
+        shape: the global shape.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(5, 3, placement=P, sbp=tpf.sbp.split(0))
+        >>> b = Block.of(x)
+        >>> b.sbp, b.shape, b.local.shape               # on rank 1: the last 2 of 5 rows
+        ((split(0),), (5, 3), torch.Size([2, 3]))
+        >>> Block.absent(b.sbp, b.shape, torch.float16).local     # what a rank outside P holds
+        tensor([], dtype=torch.float16)
+    """
+
+    local: torch.Tensor
+    sbp: tuple[Sbp, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, x: DTensor) -> Block:
+        """The block of a global tensor ``x`` on this rank (a view of its local tensor)."""
+        return cls(x.to_local(), from_dtensor(x.placements), tuple(x.shape))
+
+    @classmethod
+    def absent(cls, sbp: tuple[Sbp, ...], shape: tuple[int, ...], dtype: torch.dtype) -> Block:
+        """What a rank outside the placement holds of a tensor laid out as ``sbp``: an empty block."""
+        return cls(torch.empty(0, dtype=dtype), sbp, shape)
+
+
 def local_of_full(full: torch.Tensor, pl: Placement, sbps: Sequence[Sbp]) -> torch.Tensor | None:
     """This rank's block of a whole value (zeros for partial-sum blocks off coordinate 0).
 
@@ -129,7 +172,7 @@ def local_of_full(full: torch.Tensor, pl: Placement, sbps: Sequence[Sbp]) -> tor
     offsets, lengths = local_region(full.shape, sbps, pl.hierarchy, coord)
     if is_zero_partial(sbps, coord):
         return full.new_zeros(lengths)
-    return block(full, offsets, lengths).clone()
+    return region_of(full, offsets, lengths).clone()
 
 
 def check_placement(placement: object) -> Placement:

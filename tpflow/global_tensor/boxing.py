@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tpflow import config
-from tpflow import comm
-from tpflow.global_tensor.blocks import block, is_zero_partial, wrap
+from tpflow import comm, config
+from tpflow.global_tensor.blocks import Block, is_zero_partial, region_of, wrap
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, PartialSum, Sbp, Split, broadcast, local_region, to_dtensor
 
@@ -110,7 +109,7 @@ def box_within(x: DTensor, pl: Placement, src: tuple[Sbp, ...], dst: tuple[Sbp, 
     elif any(isinstance(m, Split) and isinstance(d, PartialSum) for m, d in zip(mid, dst)):
         mid_off, mid_len = local_region(x.shape, mid, pl.hierarchy, coord)
         embedded = local.new_zeros(dst_len)
-        block(embedded, [m - d for m, d in zip(mid_off, dst_off)], mid_len).copy_(local)
+        region_of(embedded, [m - d for m, d in zip(mid_off, dst_off)], mid_len).copy_(local)
         local = embedded
     return wrap(local, pl, dst, x.shape, x.dtype)
 
@@ -169,23 +168,21 @@ def direct_route(src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst
     return tuple((sender, receiver, tuple(lengths)) for sender, receiver, _, lengths in transfers)
 
 
-def post_across(x: DTensor | torch.Tensor | None, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement,
-                dst: tuple[Sbp, ...], shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0,
+def post_across(x: Block, src_pl: Placement, dst_pl: Placement, dst: tuple[Sbp, ...], tag: int = 0,
                 pending: comm.Pending | None = None) -> tuple[comm.Pending, torch.Tensor | None]:
-    """Post this rank's part of boxing ``x`` from ``src_pl`` to ``dst_pl`` without waiting: its sends (``x`` is
-    needed on the source ranks only) and receives. Returns the transfers and this rank's destination block
-    (None off ``dst_pl``), complete once they are waited on.
+    """Post this rank's part of boxing ``x`` from ``src_pl`` to ``dst_pl`` without waiting: its sends and
+    receives. Returns the transfers and this rank's destination block (None off ``dst_pl``), complete once they
+    are waited on.
 
     The plan is direct when both sides have the same mesh shape and SBP; otherwise source ranks first gather
     ``x`` to broadcast among themselves (a collective over ``src_pl``) and each destination block is cut by one
     sender. Pipelines use it to hand activations on while computing.
 
     Args:
-        x: the global tensor on the ranks of ``src_pl`` (or this rank's block of it, a plain tensor in the layout
-            ``src``); None is fine on the others.
-        src_pl, src: the source placement and SBPs (a tuple, one per axis, split dims >= 0).
+        x: this rank's ``Block`` of the tensor laid out on ``src_pl``; off ``src_pl`` an empty one
+            (``Block.absent``), whose SBPs, shape and dtype say what to receive.
+        src_pl: the source placement (``x.sbp`` lays the tensor out on it, split dims >= 0).
         dst_pl, dst: the destination placement and SBPs.
-        shape, dtype: the global shape and dtype of ``x``, which ranks without ``x`` need too.
         tag: the point-to-point message tag, which keeps transfers between the same ranks apart.
         pending: a ``comm.Pending`` to add the transfers to (default: a new one).
 
@@ -195,40 +192,41 @@ def post_across(x: DTensor | torch.Tensor | None, src_pl: Placement, src: tuple[
 
     Example::
 
-        >>> import torch
-        >>> import tpflow as tpf
-        >>> from tpflow.global_tensor.boxing import post_across
+        >>> from tpflow.global_tensor.blocks import Block
         >>> P, Q = tpf.placement("cpu", ranks=[0, 1]), tpf.placement("cpu", ranks=[1])
-        >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
-        >>> pending, local = post_across(x, P, (tpf.sbp.split(0),), Q, (tpf.sbp.broadcast,), (4, 5), torch.float32)
-        >>> pending.wait()   # now local is the whole 4 x 5 value on rank 1, None on rank 0
+        >>> x = tpf.tensor(torch.arange(4.0), placement=P, sbp=tpf.sbp.split(0))
+        >>> pending, local = post_across(Block.of(x), P, Q, (tpf.sbp.broadcast,))
+        >>> pending.wait()
+        >>> local                                       # on rank 1: the whole value; None on rank 0
+        tensor([0., 1., 2., 3.])
     """
-    rank = dist.get_rank()
+    rank, src, shape = dist.get_rank(), x.sbp, x.shape
     direct, transfers = _across_plan(src_pl, src, dst_pl, dst, shape)
     source = None
-    if rank in src_pl:
-        if not isinstance(x, DTensor):  # this rank's block: a global tensor only where the route gathers it
-            x = x if direct else wrap(x, src_pl, src, shape, dtype)
-        source = box_within(x, src_pl, src, (broadcast,) * src_pl.ndim).to_local() if not direct else \
-            x.to_local() if isinstance(x, DTensor) else x
+    if rank in src_pl and direct:
+        source = x.local
+    elif rank in src_pl:  # a global tensor only where the route gathers it
+        whole = (broadcast,) * src_pl.ndim
+        source = box_within(wrap(x.local, src_pl, src, shape, x.local.dtype), src_pl, src, whole).to_local()
     sends, recvs, local = [], [], None
     for sender, receiver, offsets, lengths in transfers:
         piece = None
         if sender == rank:
-            piece = source if direct else block(source, offsets, lengths)
+            piece = source if direct else region_of(source, offsets, lengths)
             if receiver != rank:
                 sends.append((receiver, piece))
         if receiver == rank:
             if sender == rank:
                 local = piece.clone()
             else:
-                local = torch.empty(lengths, dtype=dtype, device=dst_pl.device)
+                local = torch.empty(lengths, dtype=x.local.dtype, device=dst_pl.device)
                 recvs.append((sender, local))
     before = comm.stats.bytes_sent
     pending = comm.post(sends, recvs, tag, pending)
     coord = dst_pl.coordinate()
     if coord is not None and local is None:  # a partial-sum block off coordinate 0
-        local = torch.zeros(local_region(shape, dst, dst_pl.hierarchy, coord)[1], dtype=dtype, device=dst_pl.device)
+        local = torch.zeros(local_region(shape, dst, dst_pl.hierarchy, coord)[1], dtype=x.local.dtype,
+                            device=dst_pl.device)
     config.debug("boxing %s on %s -> %s on %s: %s, %d message(s) and %d byte(s) sent by this rank", src, src_pl, dst,
               dst_pl, "direct send/recv" if direct else "gather on source, send blocks, slice on destination",
               len(sends), comm.stats.bytes_sent - before)
@@ -237,6 +235,6 @@ def post_across(x: DTensor | torch.Tensor | None, src_pl: Placement, src: tuple[
 
 def _box_across(x: DTensor, src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement,
                 dst: tuple[Sbp, ...]) -> DTensor:
-    pending, local = post_across(x, src_pl, src, dst_pl, dst, tuple(x.shape), x.dtype)
+    pending, local = post_across(Block(x.to_local(), src, tuple(x.shape)), src_pl, dst_pl, dst)
     pending.wait()
     return wrap(local, dst_pl, dst, x.shape, x.dtype)

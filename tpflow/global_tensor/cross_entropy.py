@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from tpflow import comm
 from tpflow.global_tensor.blocks import get_placement, get_sbp
 from tpflow.ops.cross_entropy import vocab_parallel_cross_entropy
-from tpflow.sbp import PartialSum, Split
+from tpflow.sbp import PartialSum, Split, chunk_bounds
 
 __all__ = ["cross_entropy", "vocab_parallel_loss"]
 
@@ -38,7 +37,7 @@ def _vocab_layout(logits: DTensor) -> tuple[int, object]:
         raise ValueError(f"cross_entropy: this rank is not in the logits' placement {pl.ranks}")
     if sbps[-1] != last or pl.hierarchy[-1] == 1:
         return 0, None
-    return comm.bounds(logits.shape[-1], pl.hierarchy[-1])[coord[-1]][0], pl.mesh.get_group(pl.ndim - 1)
+    return chunk_bounds(logits.shape[-1], pl.hierarchy[-1])[coord[-1]][0], pl.mesh.get_group(pl.ndim - 1)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100,

@@ -22,8 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tpflow import config
-from tpflow import comm
+from tpflow import comm, config
 
 __all__ = ["HOOK", "adopt", "clip_grad_norm_", "reduce_partial_gradients"]
 

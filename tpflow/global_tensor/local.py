@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tpflow.comm import collectives, wire
-from tpflow.global_tensor.blocks import check_placement, wrap
+from tpflow.global_tensor.blocks import Block, check_placement, wrap
 from tpflow.global_tensor.boxing import box
 from tpflow.placement import Placement
 from tpflow.sbp import Broadcast, Sbp, Split, dual, from_dtensor, local_region, normalize
 
-__all__ = ["from_local"]
+__all__ = ["from_block", "from_local"]
 
 
 class _LocalToGlobal(torch.autograd.Function):
@@ -152,3 +152,25 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: object, *, shape:
                 "tensor must have its shape, so use grad_sbp that differs only in broadcast / partial_sum"
             )
     return _LocalToGlobal.apply(local, pl, sbps, global_shape, grad_sbps, sync_data)
+
+
+def from_block(b: Block, placement: Placement) -> DTensor:
+    """The global tensor whose block on this rank is ``b`` (``from_local`` with the shape known and no data
+    synchronised: no communication), its gradient reaching ``b.local``.
+
+    Args:
+        b: this rank's ``Block`` (an empty ``local`` off ``placement``).
+        placement: the placement ``b``'s SBPs lay it out on.
+
+    Returns:
+        A global tensor (a ``DTensor``).
+
+    Example::
+
+        >>> from tpflow.global_tensor.blocks import Block
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> x = tpf.randn(5, 3, placement=P, sbp=tpf.sbp.split(0))
+        >>> torch.equal(from_block(Block.of(x), P).full_tensor(), x.full_tensor())
+        True
+    """
+    return from_local(b.local, placement, b.sbp, shape=b.shape, sync_data=False)

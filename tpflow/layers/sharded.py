@@ -13,11 +13,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow import comm
 from tpflow.global_tensor import from_local, get_sbp, gradients, tensor
 from tpflow.layers.blocks import LocalBlocks
 from tpflow.placement import Placement, placement_of_mesh
-from tpflow.sbp import Sbp, broadcast, local_region
+from tpflow.sbp import Sbp, broadcast, chunk_bounds, local_region
 
 __all__ = ["ShardedModule"]
 
@@ -110,14 +109,14 @@ class ShardedModule(nn.Module):
             size: the whole size (a vocabulary, a layer's output features).
 
         Returns:
-            ``(start, end)``, ``torch.chunk``'s block for this rank (``tpf.comm.bounds``).
+            ``(start, end)``, ``torch.chunk``'s block for this rank (``tpf.sbp.chunk_bounds``).
 
         Example::
 
             >>> tpf.ColumnParallelLinear(8, 101, placement=P).local_range(101)   # on rank 1 of 2  # doctest: +SKIP
             (51, 101)
         """
-        return comm.bounds(size, self._tp_size)[self._tp_rank]
+        return chunk_bounds(size, self._tp_size)[self._tp_rank]
 
     def __getstate__(self) -> dict:
         """The process group is this process's handle: a copy (``copy.deepcopy``, pickle) looks it up again."""

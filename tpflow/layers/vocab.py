@@ -25,7 +25,7 @@ from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.sharded import ShardedModule
 from tpflow.ops import cross_entropy as ops_ce
 from tpflow.placement import Placement
-from tpflow.sbp import split
+from tpflow.sbp import chunk_bounds, split
 
 __all__ = ["VocabParallelEmbedding", "linear_cross_entropy", "ranks_without_rows"]
 
@@ -46,7 +46,7 @@ def ranks_without_rows(rows: int, ranks: int) -> list[int]:
         >>> ranks_without_rows(9, 4), ranks_without_rows(101, 4)
         ([3], [])
     """
-    return [r for r, (start, end) in enumerate(comm.bounds(rows, ranks)) if start == end]
+    return [r for r, (start, end) in enumerate(chunk_bounds(rows, ranks)) if start == end]
 
 
 class VocabParallelEmbedding(ShardedModule, nn.Embedding):
@@ -180,8 +180,8 @@ import torch
                 raise ValueError(f"sequence parallelism splits dim {self.sequence_dim} ({y.shape[self.sequence_dim]} "
                                  f"tokens) over {self._tp_size} ranks: pad the sequence to a multiple of "
                                  f"{self._tp_size}")
-            return tag(comm.reduce_chunk(y, self.sequence_dim, self._group), SPLIT)
-        return tag(comm.reduce(y, self._group), WHOLE)
+            return tag(comm.reduce_scatter_all_gather(y, self.sequence_dim, self._group), SPLIT)
+        return tag(comm.all_reduce_identity(y, self._group), WHOLE)
 
     def extra_repr(self) -> str:
         where = "not on this rank" if self._tp_rank is None else \

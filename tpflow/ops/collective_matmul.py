@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from tpflow import config
-from tpflow.comm.transport import Transport, as_transport, row_bounds
+from tpflow.comm.transport import Transport, as_transport
 from tpflow.kernels.epilogue import accumulate_dtype, activation_grad, bias_grad, needs_pre, saved_for_grad
 from tpflow.kernels.linear import wanted
 from tpflow.kernels.matmul import matmul, matmul_ref
+from tpflow.sbp import chunk_bounds
 
 __all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "matmul_reduce_scatter", "matmul_reduce_scatter_ref"]
 
@@ -74,7 +75,7 @@ def _check_even_rows(t: Transport, rows: int, device: torch.device) -> None:
 
 def _flat_bounds(rows: int, world: int, inner: int) -> list[tuple[int, int]]:
     """Chunks of dim 0 (``rows``), as ranges of the rows of x flattened to 2-D (``inner`` per dim-0 index)."""
-    return [(s * inner, e * inner) for s, e in row_bounds(rows, world)]
+    return [(s * inner, e * inner) for s, e in chunk_bounds(rows, world)]
 
 
 # The two schedules on plain tensors. ``wgrad`` hooks let each backward fold its weight
@@ -261,7 +262,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     ring = _use_ring(algo, t, bounds, w.shape[1], x.device)
     y = _MatmulReduceScatter.apply(x.reshape(bounds[-1][1], x.shape[-1]), w, bias, t, bounds, ring,
                                    out_dtype or x.dtype, partial_dtype or accumulate_dtype(x.dtype), splits)
-    start, end = row_bounds(x.shape[0], t.world_size)[t.rank]
+    start, end = chunk_bounds(x.shape[0], t.world_size)[t.rank]
     return y.reshape(end - start, *x.shape[1:-1], w.shape[1])
 
 
@@ -327,7 +328,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group: Group = None, *, 
         if t.world_size > 1:
             _check_even_rows(t, x.shape[0], x.device)
         rows = x.shape[0] * t.world_size
-    start, end = row_bounds(rows, t.world_size)[t.rank]
+    start, end = chunk_bounds(rows, t.world_size)[t.rank]
     if x.shape[0] != end - start:
         raise ValueError(f"all_gather_matmul: rank {t.rank} holds {x.shape[0]} rows, but chunk {t.rank} of {rows} "
                          f"rows over {t.world_size} ranks has {end - start}")
@@ -369,7 +370,7 @@ def matmul_reduce_scatter_ref(x: torch.Tensor, w: torch.Tensor, group: Group = N
     """
     t = as_transport(group)
     y = torch.matmul(x, w)
-    out = t.reduce_scatter(y.flatten(1), row_bounds(x.shape[0], t.world_size))
+    out = t.reduce_scatter(y.flatten(1), chunk_bounds(x.shape[0], t.world_size))
     out = out.reshape(out.shape[0], *y.shape[1:])
     return (out if bias is None else out + bias).to(out_dtype or x.dtype)
 
@@ -406,5 +407,5 @@ def all_gather_matmul_ref(x: torch.Tensor, w: torch.Tensor, group: Group = None,
     """
     t = as_transport(group)
     rows = x.shape[0] * t.world_size if rows is None else rows
-    gathered = t.all_gather(x.flatten(1).contiguous(), row_bounds(rows, t.world_size))
+    gathered = t.all_gather(x.flatten(1).contiguous(), chunk_bounds(rows, t.world_size))
     return matmul_ref(gathered.reshape(rows, *x.shape[1:]), w, bias=bias, activation=activation, out_dtype=out_dtype)

@@ -22,10 +22,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm, config
-from tpflow.global_tensor import from_local, get_sbp, to_global
+from tpflow.global_tensor import to_global
+from tpflow.global_tensor.blocks import Block
+from tpflow.global_tensor.local import from_block
 from tpflow.pipeline import schedule as schedules
 from tpflow.pipeline.backward import WeightGrad, input_grad
-from tpflow.pipeline.handoff import Block, Link, Paired
+from tpflow.pipeline.handoff import Link, Paired
 from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast
@@ -261,7 +263,7 @@ class Pipeline(nn.Module):
         if self._failed is not None:
             raise PipelineError(f"an earlier step failed ({self._failed}); its messages may still be in flight, so "
                                 "this pipeline runs no more steps: restart the job")
-        p, m = len(self.rank_sets), self.micro_batches
+        p = len(self.rank_sets)
         mine = range(r, len(self.stages), p)  # this rank set's stages, chunk by chunk
         for k in mine:
             prev, nxt = self._links(k)
@@ -337,21 +339,15 @@ class Pipeline(nn.Module):
     def _forward(self, stage: Stage, x: Block) -> Block:
         """``stage`` on the block ``x``: on local tensors where it can, else on global ones (its own global
         parameters), with the autograd graph reaching ``x``'s block either way."""
-        got = stage.compute_block(*x)
-        if got is not None:
-            return got
-        local, sbps, shape = x
-        y = stage.check_output(stage.module(from_local(local, stage.placement, sbps, shape=shape, sync_data=False)))
-        return y.to_local(), get_sbp(y), tuple(y.shape)
+        got = stage.compute_block(x)
+        return got if got is not None else Block.of(stage.check_output(stage.module(from_block(x, stage.placement))))
 
     def _loss(self, stage: Stage, y: Block, target: torch.Tensor, rows: int) -> torch.Tensor:
         """The micro-batch's loss on the last stage's ranks, on its whole output (gathered where the stage left it
         split), weighted by its share of the batch's rows for a mean."""
-        local, sbps, shape = y
-        whole = (broadcast,) * stage.placement.ndim
-        if sbps != whole:  # DTensor's mean over uneven split(0) blocks averages the blocks' means (biased)
-            local = to_global(from_local(local, stage.placement, sbps, shape=shape, sync_data=False),
-                              sbp=whole).to_local()
+        whole, local = (broadcast,) * stage.placement.ndim, y.local
+        if y.sbp != whole:  # DTensor's mean over uneven split(0) blocks averages the blocks' means (biased)
+            local = to_global(from_block(y, stage.placement), sbp=whole).to_local()
         weight = target.shape[0] / rows if self.loss_reduction == "mean" else 1.0
         return self.loss_fn(local, target.to(local.device)) * weight
 
@@ -379,7 +375,7 @@ class Pipeline(nn.Module):
                 if k == n - 1:
                     loss = self._loss(stage, y, micro_targets[i], rows)
                     total = loss.detach().float() if total is None else total + loss.detach().float()
-                    y = (loss, (), ())
+                    y = Block(loss, (), ())  # a plain value: its backward starts the stage's
                 outputs[k][i] = y
             elif action.kind == "send_act":
                 sends[action] = comm.Pending()
@@ -387,10 +383,10 @@ class Pipeline(nn.Module):
             elif action.kind == "recv_grad":
                 grads[key] = nxt.recv_grad(outputs[k][i], i)
             elif action.kind == "B":
-                y = outputs[k].pop(i)[0]
+                y = outputs[k].pop(i).local
                 if y.requires_grad:  # a frozen stage (or one before it) has nothing to differentiate
                     if self.split_backward:  # the input's gradient now, the weights' at this micro-batch's W
-                        x = received[key][0] if k > 0 else None
+                        x = received[key].local if k > 0 else None
                         later[key] = input_grad(y, grads.pop(key, None), x, stage.weights())
                     else:
                         torch.autograd.backward(y, grads.pop(key, None))
@@ -399,7 +395,7 @@ class Pipeline(nn.Module):
                     later.pop(key).run()
             elif action.kind == "send_grad":
                 sends[action] = comm.Pending()
-                x = received.pop(key)[0]
+                x = received.pop(key).local
                 grad = x.grad if x.grad is not None else torch.zeros_like(x)
                 prev.send_grad(grad, i, sends[action], self._paired(r, index, outputs))
             if action.kind == "B" and k == 0:

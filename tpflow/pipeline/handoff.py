@@ -31,6 +31,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,17 +39,31 @@ import torch.distributed as dist
 from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import zeros
+from tpflow.global_tensor.blocks import Block
 from tpflow.global_tensor.boxing import direct_route, post_across
 from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import Sbp, dual
 
-__all__ = ["Block", "Link", "Paired"]
+__all__ = ["Link", "Paired"]
 
-# what a header says of a hand-off: shape, dtype, SBP on the sender, SBP on the receiver, requires_grad
-Meta = tuple[tuple[int, ...], torch.dtype, tuple[Sbp, ...], tuple[Sbp, ...], bool]
-# a global tensor as the executor holds it: this rank's block, its SBPs, its global shape
-Block = tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]]
+
+class Meta(NamedTuple):
+    """What a header says of a hand-off (the receiver adds ``dst``); both ends remember it per micro-batch."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    src: tuple[Sbp, ...]  # the layout on the sending stage
+    dst: tuple[Sbp, ...]  # and on the receiving one
+    requires_grad: bool
+
+    def block(self, local: torch.Tensor) -> Block:
+        """The sender's block ``local`` of the tensor this header describes."""
+        return Block(local, self.src, self.shape)
+
+    def absent(self) -> Block:
+        """What a receiver holds of it before the blocks arrive (it is not on the sending placement)."""
+        return Block.absent(self.src, self.shape, self.dtype)
 
 
 # a receive paired with a send: called after the send's header is out, it waits for the receive's header and
@@ -73,8 +88,7 @@ def _send(channel: _Channel, x: torch.Tensor, meta: Meta, i: int, pending: comm.
 @functools.lru_cache(maxsize=256)
 def _ok_header(meta: Meta) -> torch.Tensor:
     """A header saying all is well with the layout ``meta`` (never written to: messages copy it)."""
-    shape, dtype, src, _, requires_grad = meta
-    return header(OK, shape, dtype, src, requires_grad=requires_grad)
+    return header(OK, meta.shape, meta.dtype, meta.src, requires_grad=meta.requires_grad)
 
 
 def _padded(head: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -113,14 +127,13 @@ class _Channel:
         meta = self.remembered.get(i) if self.ahead and self.frm.type == "cpu" else None
         if meta is None:
             return None
-        shape, dtype, src, dst, _ = meta
-        route = direct_route(self.frm, src, self.to, dst, shape)
+        route = direct_route(self.frm, meta.src, self.to, meta.dst, meta.shape)
         if route is None or len(route) > 1:  # between multi-rank stages every rank's header goes to every rank
             return None
         (sender, receiver, lengths), = route
         if dist.get_rank() != (sender if sending else receiver):
             return None
-        return receiver if sending else sender, lengths, HEADER_BYTES + math.prod(lengths) * dtype.itemsize
+        return receiver if sending else sender, lengths, HEADER_BYTES + math.prod(lengths) * meta.dtype.itemsize
 
     def send(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
         """Post micro-batch ``i``'s hand-off (this rank's block ``x`` in the layout ``meta`` names), unpaired. A
@@ -136,8 +149,7 @@ class _Channel:
         if meta == self.remembered[i]:
             message = torch.cat([_ok_header(meta), x.contiguous().view(-1).view(torch.uint8)])
         else:
-            shape, dtype, src, dst, _ = meta
-            post_across(x, self.frm, src, self.to, dst, shape, dtype, self._tags(i)[2], pending)
+            post_across(meta.block(x), self.frm, self.to, meta.dst, self._tags(i)[2], pending)
             message = _padded(_ok_header(meta), nbytes)
         comm.post([(peer, message)], [], tag=self._tags(i)[1], pending=pending)
         self.remembered[i] = meta
@@ -157,15 +169,13 @@ class _Channel:
 
     def send_blocks(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
         """Micro-batch ``i``'s blocks (this rank's block ``x`` in the layout ``meta`` names)."""
-        shape, dtype, src, dst, _ = meta
         _, tag, again = self._tags(i)
         guess = self.remembered.get(i) if self.ahead else None
         if guess is not None and guess != meta:  # the receiver posted blocks of the remembered layout: fill them
-            g_shape, g_dtype, g_src, g_dst, _ = guess
-            filler = zeros(*g_shape, dtype=g_dtype, placement=self.frm, sbp=g_src)
-            post_across(filler, self.frm, g_src, self.to, g_dst, g_shape, g_dtype, tag, pending)
+            filler = zeros(*guess.shape, dtype=guess.dtype, placement=self.frm, sbp=guess.src)
+            post_across(Block.of(filler), self.frm, self.to, guess.dst, tag, pending)
             tag = again
-        post_across(x, self.frm, src, self.to, dst, shape, dtype, tag, pending)
+        post_across(meta.block(x), self.frm, self.to, meta.dst, tag, pending)
         self.remembered[i] = meta
 
     def post(self, i: int) -> _Incoming:
@@ -176,18 +186,17 @@ class _Channel:
         guess = self.remembered.get(i) if self.ahead else None
         steady = self._steady(i, sending=False)
         if steady is not None:
-            (peer, lengths, nbytes), dtype = steady, guess[1]
+            peer, lengths, nbytes = steady
             message = torch.empty(nbytes, dtype=torch.uint8)
             pending = comm.post([], [(peer, message)], tag=self._tags(i)[1])
-            body = message[HEADER_BYTES:].view(dtype).view(lengths)
+            body = message[HEADER_BYTES:].view(guess.dtype).view(lengths)
             self.incoming[i] = _Incoming([(peer, message[:HEADER_BYTES])], pending, guess, (comm.Pending(), body))
             return self.incoming[i]
         headers = [(r, torch.empty(HEADER_BYTES, dtype=torch.uint8)) for r in self.frm.flat_ranks]
         pending = comm.post([], headers, tag=self._tags(i)[0])
         posted = None
         if guess is not None:
-            shape, dtype, src, dst, _ = guess
-            posted = post_across(None, self.frm, src, self.to, dst, shape, dtype, self._tags(i)[1])
+            posted = post_across(guess.absent(), self.frm, self.to, guess.dst, self._tags(i)[1])
         self.incoming[i] = _Incoming(headers, pending, guess, posted)
         return self.incoming[i]
 
@@ -205,7 +214,7 @@ class _Channel:
                 raise PipelineError(f"the ranks of stage {sender} hand off different tensors for micro-batch {i}: "
                                     f"{sorted(map(str, metas))}")
             shape, dtype, src, requires_grad = metas.pop()
-            incoming.meta = (shape, dtype, src, dst_of(src, len(shape)), requires_grad)
+            incoming.meta = Meta(shape, dtype, src, dst_of(src, len(shape)), requires_grad)
         return incoming.meta
 
     def post_blocks(self, i: int, meta: Meta) -> None:
@@ -217,8 +226,7 @@ class _Channel:
         if incoming.guess is not None:
             incoming.blocks[0].wait()  # the sender's filler (in a steady hand-off's message, already in)
             tag = again
-        shape, dtype, src, dst, _ = meta
-        incoming.blocks = post_across(None, self.frm, src, self.to, dst, shape, dtype, tag)
+        incoming.blocks = post_across(meta.absent(), self.frm, self.to, meta.dst, tag)
         incoming.guess = meta
 
     def abandon(self, keep: comm.Pending) -> None:
@@ -296,9 +304,8 @@ class Link:
     def send_act(self, y: Block, i: int, pending: comm.Pending, paired: Paired | None = None) -> None:
         """Micro-batch ``i``'s activation (this rank's block ``y``) to dst; ``paired``: a receive to post in one group
         with it."""
-        local, sbps, shape = y
-        meta = (shape, local.dtype, sbps, self._dst_of(sbps, len(shape)), local.requires_grad)
-        _send(self.acts, local.detach(), meta, i, pending, paired)
+        meta = Meta(y.shape, y.local.dtype, y.sbp, self._dst_of(y.sbp, len(y.shape)), y.local.requires_grad)
+        _send(self.acts, y.local.detach(), meta, i, pending, paired)
         self.sent["act"] += 1
 
     def recv_act(self, i: int) -> Block:
@@ -308,9 +315,8 @@ class Link:
             local, meta = self.acts.take(i, self._dst_of, self.src.stage_id)
         if self.ahead and i + 1 < self.m:
             self.acts.post(i + 1)
-        shape, _, src, dst, requires_grad = meta
-        self.out_sbps[i], self.in_sbps[i] = src, dst
-        return local.requires_grad_(requires_grad), dst, shape
+        self.out_sbps[i], self.in_sbps[i] = meta.src, meta.dst
+        return Block(local.requires_grad_(meta.requires_grad), meta.dst, meta.shape)
 
     # gradients, dst -> src
 
@@ -318,22 +324,21 @@ class Link:
         """The gradient of micro-batch ``i``'s activation (this rank's block, laid out as the input's gradient:
         ``dual`` of its SBP), to src; ``paired``: a receive to post in one group with it."""
         sbps = dual(self.in_sbps.pop(i))
-        meta = (self.acts_shape(i), grad.dtype, sbps, dual(self.out_sbps.pop(i)), False)
+        meta = Meta(self.acts_shape(i), grad.dtype, sbps, dual(self.out_sbps.pop(i)), False)
         _send(self.grads, grad, meta, i, pending, paired)
         self.sent["grad"] += 1
 
     def acts_shape(self, i: int) -> tuple[int, ...]:
         """The global shape of micro-batch ``i``'s activation, as its header said."""
-        return self.acts.remembered[i][0]
+        return self.acts.remembered[i].shape
 
     def recv_grad(self, y: Block, i: int) -> torch.Tensor:
         """The gradient of this stage's output ``y`` (a block), from the stage after: this rank's block of it."""
-        _, sbps, shape = y
         with self._watching():
-            local, meta = self.grads.take(i, lambda src, ndim: dual(sbps), self.dst.stage_id)
-        if meta[0] != tuple(shape):
-            raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {meta[0]} for an output of "
-                                f"shape {tuple(shape)} (micro-batch {i})")
+            local, meta = self.grads.take(i, lambda src, ndim: dual(y.sbp), self.dst.stage_id)
+        if meta.shape != tuple(y.shape):
+            raise PipelineError(f"stage {self.dst.stage_id} sent a gradient of shape {meta.shape} for an output of "
+                                f"shape {tuple(y.shape)} (micro-batch {i})")
         if self.ahead and i + 1 < self.m:
             self.grads.post(i + 1)
         self.grads_received += 1
@@ -354,7 +359,7 @@ class Link:
         it."""
         def header() -> Callable[[], None]:
             with self._watching():
-                meta = self.grads.header(i, lambda src, ndim: dual(y[1]), self.dst.stage_id)
+                meta = self.grads.header(i, lambda src, ndim: dual(y.sbp), self.dst.stage_id)
             return lambda: self.grads.post_blocks(i, meta)
         return header
 

@@ -34,8 +34,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
-from tpflow.global_tensor import from_local, get_placement, get_sbp, tensor, to_global
-from tpflow.global_tensor.blocks import local_of_full, off_placement
+from tpflow.global_tensor import get_placement, get_sbp, tensor, to_global
+from tpflow.global_tensor.blocks import Block, local_of_full, off_placement
+from tpflow.global_tensor.local import from_block
 from tpflow.layers import ShardedModule
 from tpflow.layers.blocks import LocalBlocks
 from tpflow.layers.regions import is_split
@@ -145,14 +146,14 @@ class Stage(nn.Module):
         sbps = self.input_sbp(get_placement(x), get_sbp(x), x.ndim)
         return to_global(x, placement=self.placement, sbp=sbps)
 
-    def enter_block(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]]:
-        """``enter`` as a pipeline holds its result: this rank's block (a copy), its SBPs and the global shape. A
-        plain ``x`` is cut here, with no global tensor made (a pipeline's first stage takes every micro-batch so)."""
+    def enter_block(self, x: torch.Tensor) -> Block:
+        """``enter`` as a pipeline holds its result: this rank's ``Block`` (a copy). A plain ``x`` is cut here, with
+        no global tensor made (a pipeline's first stage takes every micro-batch so)."""
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and self.placement.coordinate() is not None:
             sbps = self.input_sbp(self.placement, (broadcast,) * self.placement.ndim, x.ndim)
-            return local_of_full(x.detach().to(self.placement.device), self.placement, sbps), sbps, tuple(x.shape)
-        y = self.enter(x)
-        return y.to_local(), get_sbp(y), tuple(y.shape)
+            return Block(local_of_full(x.detach().to(self.placement.device), self.placement, sbps), sbps,
+                         tuple(x.shape))
+        return Block.of(self.enter(x))
 
     def check_output(self, y: object) -> DTensor:
         if not isinstance(y, DTensor):
@@ -167,30 +168,31 @@ class Stage(nn.Module):
     def compute(self, x: torch.Tensor) -> DTensor:
         """The module on ``x`` moved onto the placement, on the stage's own ranks (as a pipeline runs it)."""
         x = self.enter(x)
-        got = self.compute_block(x.to_local(), get_sbp(x), tuple(x.shape))
-        if got is None:
-            return self.check_output(self.module(x))
-        y, sbps, shape = got
-        return from_local(y, self.placement, sbps, shape=shape, sync_data=False)
+        got = self.compute_block(Block.of(x))
+        return self.check_output(self.module(x)) if got is None else from_block(got, self.placement)
 
-    def compute_block(self, local: torch.Tensor, sbps: tuple[Sbp, ...],
-                      shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple[Sbp, ...], tuple[int, ...]] | None:
-        """The module on this rank's block ``local`` of an input laid out as ``sbps`` (global ``shape``) on the
-        placement, without global tensors: the output's block, its SBPs and global shape; None where the module must
-        run on global tensors (global parameters of its own, or a layout the local paths do not take).
+    def compute_block(self, x: Block) -> Block | None:
+        """The module on this rank's ``Block`` of an input laid out on the placement, without global tensors: the
+        output's ``Block``; None where the module must run on global tensors (global parameters of its own, or a
+        layout the local paths do not take).
 
         Args:
-            local: this rank's block of the input.
-            sbps: the input's SBPs on the stage's placement.
-            shape: the input's global shape.
+            x: this rank's block of the input, its SBPs on the stage's placement and its global shape.
 
         Returns:
-            ``(output block, output SBPs, output global shape)``, or None.
+            The output's ``Block``, or None.
 
         Example::
 
-            >>> y, sbps, shape = stage.compute_block(x_block, (tpf.sbp.split(0),), (16, 8))  # doctest: +SKIP
+            >>> from tpflow.global_tensor.blocks import Block
+            >>> P = tpf.placement("cpu", ranks=[0, 1])
+            >>> _ = torch.manual_seed(0)
+            >>> stage = tpf.stage(torch.nn.Linear(8, 4), stage_id=0, placement=P, sbp=tpf.sbp.split(0))
+            >>> y = stage.compute_block(Block(torch.ones(3, 8), (tpf.sbp.split(0),), (6, 8)))   # 3 of 6 rows
+            >>> y.sbp, y.shape, y.local.shape
+            ((split(0),), (6, 4), torch.Size([3, 4]))
         """
+        local, sbps, shape = x
         hierarchy = self.placement.hierarchy
         split = tuple(s == Split(0) and n > 1 for s, n in zip(sbps, hierarchy))
         # a module with buffers (BatchNorm's statistics) may mix rows: on split rows it runs through DTensor
@@ -212,7 +214,7 @@ class Stage(nn.Module):
         if any(split) and (y.ndim == 0 or y.shape[0] != local.shape[0]):
             raise ValueError(f"stage {self.stage_id} runs data parallel on split(0) rows, so its module must keep "
                              f"one output row per input row: {tuple(local.shape)} -> {tuple(y.shape)}")
-        return y, out, (shape[0], *y.shape[1:]) if any(split) else tuple(y.shape)
+        return Block(y, out, (shape[0], *y.shape[1:]) if any(split) else tuple(y.shape))
 
     def open_step(self) -> None:
         """A pipeline's step begins. Until ``close_step``, the plain path reads each parameter's block as a plain

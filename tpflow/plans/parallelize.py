@@ -17,9 +17,9 @@ from torch import nn
 
 from tpflow import comm
 from tpflow.layers import ColumnGroup, VocabParallelEmbedding
-from tpflow.layers.vocab import ranks_without_rows
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
+from tpflow.layers.vocab import ranks_without_rows
 from tpflow.placement import Placement
 from tpflow.plans.heads import attention_heads, check, keep_columns
 from tpflow.plans.hf import hf_plan
@@ -225,13 +225,13 @@ def _on_tokens(module: nn.Module, dim: int, placement: Placement, gather: bool) 
         args, kwargs = list(args), dict(kwargs)
         x = args[0] if args else kwargs["hidden_states"]
         if gather:
-            x = tag(comm.gather(x, dim, x.shape[dim] * world, group), WHOLE)
+            x = tag(comm.all_gather_chunk(x, dim, x.shape[dim] * world, group), WHOLE)
         elif x.shape[dim] % world:
             raise ValueError(f"sequence parallelism splits dim {dim} ({x.shape[dim]} tokens) over {world} ranks: pad "
                              f"the sequence to a multiple of {world}, or parallelize without sequence_parallel "
                              f"(generation)")
         else:
-            x = tag(comm.scatter(x, dim, group), SPLIT)
+            x = tag(comm.chunk_all_gather(x, dim, group), SPLIT)
         if args:
             args[0] = x
         else:
