@@ -59,7 +59,8 @@ def _bad_input():
         tpf.to_global(torch.ones(2))
 
     # blocks that do not fit together: every rank raises the same error after one exchange
-    with pytest.raises(ValueError, match=r"ranks hold \{1: \(2, 6\)\}, but global shape \(4, 5\) needs \{1: \(2, 5\)\}"):
+    with pytest.raises(ValueError,
+                       match=r"ranks hold \{1: \(2, 6\)\}, but global shape \(4, 5\) needs \{1: \(2, 5\)\}"):
         tpf.to_global(torch.ones(2, 5 + rank % 2), placement=p01, sbp=S0)
     with pytest.raises(ValueError, match="torch.chunk sizes"):
         tpf.from_local(torch.ones(1 + 2 * (rank % 2), 5), placement=p01, sbp=S0)  # 1 + 3 rows: chunk gives 2 + 2

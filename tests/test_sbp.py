@@ -7,7 +7,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import tpflow as tpf
-from tpflow.sbp import chunk_bounds, conversion_bytes, infer_matmul, local_region, matmul_out_sbp, normalize
+from tpflow.global_tensor.signatures import conversion_bytes, infer_matmul, matmul_out_sbp
+from tpflow.sbp import chunk_bounds, local_region, normalize
 
 S0, S1, B, P = tpf.sbp.split(0), tpf.sbp.split(1), tpf.sbp.broadcast, tpf.sbp.partial_sum
 

@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tpflow.pipeline.schedule import (
-    Action,
-    build,
-    build_interleaved,
-    build_zero_bubble,
-    check_streams,
-    peak_activations,
-    render,
-    simulate,
-)
+from tpflow.pipeline.actions import Action
+from tpflow.pipeline.replay import check_streams, peak_activations, render, simulate
+from tpflow.pipeline.schedule import build, build_interleaved, build_zero_bubble
 
 
 def _peak_in_flight(timeline_row):

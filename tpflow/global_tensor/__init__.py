@@ -5,6 +5,7 @@
     boxing      layout changes within a placement and across placements (no autograd)
     local       from_local: a global tensor from each rank's block
     convert     to_global, for global tensors, plain tensors and modules (module)
+    signatures  the matmul signatures legal on a placement axis, and what boxing to another costs
     matmul      matmul with SBP inference
     cross_entropy  the loss of logits split over the classes, and the mode routing F.cross_entropy to it
     loading     models built without values (meta_parameters), each rank reading its blocks

@@ -11,7 +11,8 @@ from tpflow import config, kernels
 from tpflow.global_tensor.blocks import get_placement, get_sbp, wrap
 from tpflow.global_tensor.boxing import box
 from tpflow.global_tensor.convert import to_global
-from tpflow.sbp import Sbp, Split, dual, from_dtensor, infer_matmul, matmul_out_sbp
+from tpflow.global_tensor.signatures import infer_matmul, matmul_out_sbp
+from tpflow.sbp import Sbp, Split, dual, from_dtensor
 
 __all__ = ["matmul"]
 

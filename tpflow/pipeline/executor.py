@@ -25,6 +25,7 @@ from tpflow import comm, config
 from tpflow.global_tensor import to_global
 from tpflow.global_tensor.blocks import Block
 from tpflow.global_tensor.local import from_block
+from tpflow.pipeline import actions, replay
 from tpflow.pipeline import schedule as schedules
 from tpflow.pipeline.backward import WeightGrad, input_grad
 from tpflow.pipeline.handoff import Link, Paired
@@ -39,19 +40,19 @@ __all__ = ["Pipeline"]
 _UNFINISHED = comm.Pending()
 
 
-def _released(table: schedules.Table, r: int) -> dict[schedules.Action, list[schedules.Action]]:
+def _released(table: actions.Table, r: int) -> dict[actions.Action, list[actions.Action]]:
     """For rank set ``r``, the receives after which some of its sends are known to be taken: the peer posted that
     message after waiting for the send's. Waiting on those sends then is free, and their buffers (often the
     very activation) are freed when the schedule says, not at the end of the step."""
-    out: dict[schedules.Action, list[schedules.Action]] = {}
+    out: dict[actions.Action, list[actions.Action]] = {}
     for a in table[r]:
-        if a.kind not in schedules.SENDS:
+        if a.kind not in actions.SENDS:
             continue
-        peer, theirs = schedules.route(len(table), r, a)
-        actions = table[peer]
-        for b in actions[actions.index(theirs) + 1:]:
-            if b.kind in schedules.SENDS:
-                to, proof = schedules.route(len(table), peer, b)
+        peer, theirs = actions.route(len(table), r, a)
+        row = table[peer]
+        for b in row[row.index(theirs) + 1:]:
+            if b.kind in actions.SENDS:
+                to, proof = actions.route(len(table), peer, b)
                 if to == r:
                     out.setdefault(proof, []).append(a)
                     break
@@ -212,7 +213,7 @@ class Pipeline(nn.Module):
         self.pairs = bool(config.get("pipeline_pairs", sets[0].type))
         if self.pairs:
             try:
-                schedules.check_streams(self.table)
+                replay.check_streams(self.table)
             except ValueError as e:
                 raise ValueError(f"schedule={schedule!r} with {micro_batches} micro-batches on {p} rank sets can "
                                  "deadlock where a rank's transfers to one peer run in order on one stream, as on "
@@ -222,11 +223,11 @@ class Pipeline(nn.Module):
             dist.all_reduce(torch.zeros(1, device=sets[0].device))
         self.links = [Link(a, b, base=k * (3 * micro_batches + 1), micro_batches=micro_batches, ahead=not self.pairs)
                       for k, (a, b) in enumerate(zip(found, found[1:]))]
-        self.trace: list[tuple[schedules.Action, float, float]] = []
+        self.trace: list[tuple[actions.Action, float, float]] = []
         self._failed: str | None = None
         self._released = {} if self.stage_index is None else _released(self.table, self.stage_index)
         self._pairs = {} if self.stage_index is None or not self.pairs else \
-            schedules.pairs(self.table, self.stage_index)
+            replay.pairs(self.table, self.stage_index)
 
     def schedule_table(self) -> str:
         """The step as a grid of rank sets by time steps (unit time per forward, per backward and per weight
@@ -235,7 +236,7 @@ class Pipeline(nn.Module):
         formula, share = schedules.bubble(self.schedule, p, m, v)
         where = f"{p} rank sets of {v} stages" if v > 1 else f"{p} stages"
         return f"{self.schedule}: {where}, {m} micro-batches, bubble {formula} = {share:.1%}\n" + \
-            schedules.render(self.table)
+            replay.render(self.table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for st in self.stages:
@@ -271,7 +272,7 @@ class Pipeline(nn.Module):
                 if link is not None:
                     link.reset()
                     link.start(rank_in_src=src)
-        sends: dict[schedules.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
+        sends: dict[actions.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
         outputs: dict[int, dict[int, Block]] = {k: {} for k in mine}  # per stage, outputs until their backward
         self.trace, self._action = [], None
         for k in mine:
@@ -324,7 +325,7 @@ class Pipeline(nn.Module):
 
     def _stage_of(self, r: int) -> int:
         """The stage rank set ``r`` was at when it failed."""
-        action = self._action if isinstance(self._action, schedules.Action) else None
+        action = self._action if isinstance(self._action, actions.Action) else None
         return r + len(self.rank_sets) * (action.chunk if action is not None else 0)
 
     def _paired(self, r: int, index: int, outputs: dict[int, dict[int, Block]]) -> Paired | None:
@@ -351,7 +352,7 @@ class Pipeline(nn.Module):
         weight = target.shape[0] / rows if self.loss_reduction == "mean" else 1.0
         return self.loss_fn(local, target.to(local.device)) * weight
 
-    def _run(self, r: int, inputs: object, targets: object, sends: dict[schedules.Action, comm.Pending],
+    def _run(self, r: int, inputs: object, targets: object, sends: dict[actions.Action, comm.Pending],
              outputs: dict[int, dict[int, Block]]) -> torch.Tensor | None:
         p, n = len(self.rank_sets), len(self.stages)
         micro_inputs = self._micro(inputs, "inputs") if r == 0 else None
