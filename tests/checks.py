@@ -1,20 +1,25 @@
-"""Rank-side helpers for multi-rank tests: exact sources and an independent reassembly.
+"""Rank-side helpers for multi-rank tests: exact sources, an independent reassembly, and the checks more than one
+test file runs (the torch path's and the Triton kernels').
 
 Values are small integers stored as floats, so sums of partials are exact and every
 comparison can be ``torch.equal``. ``logical`` reassembles a global tensor from the raw
 per-rank blocks with ``all_gather_object``, not through tpflow, so a boxing bug cannot hide
-behind the same bug in the checker.
+behind the same bug in the checker. Test files import helpers from here, from ``tests.harness`` and from
+``tests.models``, never from each other.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 import tpflow as tpf
-from tpflow.sbp import Broadcast, PartialSum, local_region
+from tpflow.sbp import Broadcast, PartialSum, chunk_bounds, local_region
 
 S0, S1, B, P = tpf.sbp.split(0), tpf.sbp.split(1), tpf.sbp.broadcast, tpf.sbp.partial_sum
 SBPS_2D = (S0, S1, B, P)
@@ -95,3 +100,133 @@ def backward_logical(out, g: torch.Tensor) -> None:
 
 def sbp_tuples(ndim: int):
     return list(itertools.product(SBPS_2D, repeat=ndim))
+
+
+def all_ranks():
+    """The placement of every rank of the world."""
+    return tpf.placement("cpu", list(range(dist.get_world_size())))
+
+
+def own(size):
+    """This rank's chunk of ``size`` (``torch.chunk``'s rule), as a slice."""
+    return slice(*chunk_bounds(size, dist.get_world_size())[dist.get_rank()])
+
+
+class Counting:
+    """Launches a kernel as ``inner`` does, counting the launches (for ``tuning.use``): a path that silently fell
+    back to torch's matmul launches none."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.launches = inner, 0
+
+    def launch(self, *args, **kwargs) -> None:
+        self.launches += 1
+        self.inner.launch(*args, **kwargs)
+
+
+def sent_bytes(fn):
+    """(forward, backward) bytes this rank sends in ``fn``, which returns the tensor to backpropagate and its
+    gradient."""
+    tpf.comm.stats.reset()
+    y, g = fn()
+    forward = tpf.comm.stats.bytes_sent
+    y.backward(g)
+    return forward, tpf.comm.stats.bytes_sent - forward
+
+
+def _equal(a, b, msg):
+    assert torch.equal(a, b), msg
+
+
+def _close(a, b, msg):
+    torch.testing.assert_close(a, b, msg=msg)
+
+
+def mlp_matches_one_device(sequence_parallel, seq, hidden, gelu, dtype=torch.float64, algo="auto"):
+    """Column -> activation -> row blocks through ``parallelize`` (sequence parallel or not): the output, the
+    input's and every parameter's gradient, and every parameter after an SGD step equal one device's."""
+    from tests.models import Stack
+
+    ref = Stack(5, hidden, depth=2, act=F.gelu if gelu else torch.relu).to(dtype)
+    plan = {"*.fc1": tpf.ColumnParallel(sequence_parallel=sequence_parallel, algo=algo),
+            "*.fc2": tpf.RowParallel(sequence_parallel=sequence_parallel, algo=algo)}
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan=plan)
+    same = _close if gelu else _equal  # exact with relu (small integers); gelu: up to the order of sums over ranks
+    x_ref = ints((seq, 2, 5), seed=7).to(dtype).requires_grad_()  # [S, B, H]: sequence parallelism splits S
+    rows = own(seq) if sequence_parallel else slice(None)
+    x = x_ref.detach()[rows].clone().requires_grad_()
+    y, y_ref = model(x), ref(x_ref)
+    same(y, y_ref[rows], msg="output")
+    g = ints(y_ref.shape, seed=8).to(dtype)
+    y.backward(g[rows])
+    y_ref.backward(g)
+    same(x.grad, x_ref.grad[rows], msg="input gradient")
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        full = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+        same(full, p_ref.grad, msg=f"gradient of {name}")
+    for params in (model.parameters(), ref.parameters()):  # lr 1/4 keeps small integers exact
+        torch.optim.SGD(params, lr=0.25, momentum=0.5).step()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        same(p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p, p_ref,
+             msg=f"{name} after an optimizer step")
+    return str(model)
+
+
+def fused_columns_match_one_device(sequence_parallel, keep_gathered, bias):
+    """q / k / v-like column layers run as one product (``fuse=True``): outputs and gradients equal one device's;
+    returns the (forward, backward) bytes the group sent, and those one layer as wide as the three sends."""
+    from tests.models import WIDTHS, Trio
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    ref = Trio(bias=bias)
+    style = tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel, keep_gathered=keep_gathered)
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan={"[abc]": style})
+    assert model.a.fused_group is model.b.fused_group is model.c.fused_group is not None
+    x_full = ints((2 * W, 3, 6), seed=20)  # [sequence, batch, features]: sequence parallelism splits dim 0 evenly
+    mine = slice(2 * r, 2 * r + 2) if sequence_parallel else slice(None)
+    x = x_full[mine].clone().requires_grad_()
+    x_ref = x_full.clone().requires_grad_()
+    grads = [ints((2 * W, 3, w), seed=30 + i) for i, w in enumerate(WIDTHS)]  # of the whole outputs
+    outs, refs = [], ref(x_ref)
+
+    def step():
+        outs.extend(model(x))
+        return torch.cat([y.flatten() for y in outs]), torch.cat([g[..., own(w)].flatten()
+                                                                  for g, w in zip(grads, WIDTHS)])
+    fused_bytes = sent_bytes(step)
+    sum(((y * g).sum() for y, g in zip(refs, grads))).backward()
+    for y, y_ref, w, name in zip(outs, refs, WIDTHS, "abc"):
+        assert torch.equal(y, y_ref[..., own(w)]), f"output of {name}"
+    assert torch.equal(x.grad, x_ref.grad[mine]), "input gradient"
+    for name in "abc":
+        layer, layer_ref = getattr(model, name), getattr(ref, name)
+        cols = own(layer_ref.out_features)
+        assert torch.equal(layer.weight.grad.to_local(), layer_ref.weight.grad[cols]), f"weight gradient of {name}"
+        if bias:
+            assert torch.equal(layer.bias.grad.to_local(), layer_ref.bias.grad[cols]), f"bias gradient of {name}"
+
+    # one column layer as wide as the three, on the same input: the communication the group must match
+    one = tpf.ColumnParallelLinear(6, sum(WIDTHS), bias=bias, placement=all_ranks(),
+                                   sequence_parallel=sequence_parallel, keep_gathered=keep_gathered)
+    x_one = x.detach().clone().requires_grad_()
+    return fused_bytes, sent_bytes(lambda: (one(x_one).sum(), torch.ones(())))
+
+
+def half_precision_rounds_once(dtype):
+    """fp16 / bf16 layers against nn.Linear in the same dtype, both measured against fp64: partial sums
+    travel in fp32, so the parallel layers round once, as one device does (half-precision partials would
+    round W + 1 times)."""
+    torch.manual_seed(0)
+    ref64 = nn.Linear(1024, 48).double()
+    x64 = torch.randn(64, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cols, rows = own(48), own(1024)
+    ref = copy.deepcopy(ref64).to(dtype)
+    col = tpf.ColumnParallelLinear.from_linear(ref, placement=all_ranks())
+    row = tpf.RowParallelLinear.from_linear(ref, placement=all_ranks())
+    x = x64.to(dtype)
+    checks = [(col(x), ref(x)[..., cols], ref64(x64)[..., cols]),
+              (row(x[..., rows]), ref(x), ref64(x64))]
+    for got, torch_same_dtype, want in checks:
+        err = (got.double() - want).abs().max()
+        bound = 1.2 * (torch_same_dtype.double() - want).abs().max()  # one rounding, as on one device
+        assert err <= bound, f"{dtype}: error {err:.3g} > {bound:.3g}"

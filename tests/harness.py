@@ -3,7 +3,8 @@
 ``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank and returns the per-rank
 results. A rank that raises fails the test with its traceback; a pool whose ranks stop
 answering (a hang) is killed after the timeout and replaced, so one bad test cannot stall
-the rest of the suite.
+the rest of the suite. ``run_python(args)`` runs a fresh Python process from the repository
+root, for what must run as a user runs it (the launcher, the examples, the benchmark scripts).
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 COLLECTIVE_TIMEOUT_S = 60  # gloo collectives of a broken test fail after this instead of hanging
 GRACE_S = 10  # after one rank fails, how long the others get to finish before the pool is replaced
 
@@ -131,3 +136,12 @@ def shutdown() -> None:
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+def run_python(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root, outside any torch.distributed world (no RANK, WORLD_SIZE, ...
+    inherited), with the repository importable; its output captured as text."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

@@ -1,14 +1,17 @@
-"""A small Llama-style decoder written as a Hugging Face user would, knowing nothing of tpflow: the
-benchmark's decoder layers (RMSNorm, rotary attention with grouped key/value heads whose reshapes infer
-the head count (-1), SwiGLU feed-forward) under an embedding and an untied LM head."""
+"""Models the tests build, written as a user would, knowing nothing of tpflow: a small Llama-style decoder (the
+benchmark's decoder layers: RMSNorm, rotary attention with grouped key/value heads whose reshapes infer the head
+count (-1), SwiGLU feed-forward) under an embedding and an untied LM head; MLP blocks and q / k / v-like
+projections with small-integer weights, so that sums over ranks are exact."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from tests.checks import ints
 from tpflow.bench.workloads import LLAMA_PLAN, DecoderLayer, RMSNorm
 
-__all__ = ["LLAMA_PLAN", "DecoderLayer", "TinyLlama"]
+__all__ = ["LLAMA_PLAN", "MLP", "WIDTHS", "DecoderLayer", "Stack", "TinyLlama", "Trio", "int_linear"]
 
 
 class TinyLlama(nn.Module):
@@ -24,3 +27,53 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(self.norm(x))
+
+
+def int_linear(fin, fout, bias, seed):
+    """``nn.Linear`` with small-integer weights (seeded), so sums over ranks are exact."""
+    lin = nn.Linear(fin, fout, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(ints((fout, fin), seed))
+        if bias:
+            lin.bias.copy_(ints((fout,), seed + 1))
+    return lin
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden, seed, act=torch.relu):
+        super().__init__()
+        self.fc1, self.fc2 = int_linear(dim, hidden, True, seed), int_linear(hidden, dim, True, seed + 2)
+        self.act = act
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, dim, hidden, depth, act=torch.relu):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(dim, hidden, seed=10 * i, act=act) for i in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+WIDTHS = (5, 7, 3)  # uneven over 2-4 ranks; 3 leaves rank 3 of 4 without a block
+
+
+class Trio(nn.Module):
+    """Three projections of one input, as q / k / v are."""
+
+    def __init__(self, fin: int = 6, bias: bool = True) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(fin, w, bias=bias) for w in WIDTHS)
+        with torch.no_grad():
+            for seed, layer in enumerate((self.a, self.b, self.c)):
+                layer.weight.copy_(ints(layer.weight.shape, seed))
+                if bias:
+                    layer.bias.copy_(ints(layer.bias.shape, seed + 10))
+
+    def forward(self, x):
+        return self.a(x), self.b(x), self.c(x)

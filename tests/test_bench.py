@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.test_examples import _run
+from tests.harness import run_python
 from tpflow.comm.wire import HEADER_BYTES
 
 TWO_D = {"data x tensor", "pipeline x tensor"}
@@ -18,7 +18,7 @@ FP32 = 4
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"bench{request.param}")
-    proc = _run(["-m", "tpflow.bench", "--nproc_per_node", str(request.param), "--tiny", "--out", str(out)])
+    proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", str(request.param), "--tiny", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     files = {p.suffix: p for p in out.iterdir()}
     data = json.loads(files[".json"].read_text())
@@ -37,7 +37,7 @@ def test_every_file_is_written_and_named_in_the_output(run):
     table = files[".md"].read_text()
     assert data["meta"]["command"] in table and "| data, DDP |" in table
     assert f"python -m tpflow.bench --nproc_per_node {world} --tiny" in data["meta"]["command"]
-    plot = _run(["-m", "tpflow.bench.plot", str(files[".json"])])
+    plot = run_python(["-m", "tpflow.bench.plot", str(files[".json"])])
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert files[".json"].with_suffix(".png").stat().st_size > 10_000
 
@@ -121,8 +121,8 @@ def test_hf_workload_beside_transformers_own_tensor_parallelism(tmp_path):
     parallelism from the same checkpoint, each step's loss one device's; tpflow sends its layout's minimum."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    proc = _run(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "--out", str(tmp_path),
-                 "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp"])
+    proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "--out",
+                       str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     rows = {row["mode"]: row for row in data["rows"]}

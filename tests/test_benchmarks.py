@@ -9,20 +9,18 @@ import re
 import runpy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_examples import _run
+from tests.harness import ROOT, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_pytest_benchmark_suites_run():
-    proc = _run(["-m", "pytest", "benchmarks/", "--benchmark-disable", "-q", "-p", "no:cacheprovider"])
+    proc = run_python(["-m", "pytest", "benchmarks/", "--benchmark-disable", "-q", "-p", "no:cacheprovider"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
@@ -34,7 +32,7 @@ def test_pytest_benchmark_suites_run():
          "--reps", "1"]),
 ], ids=["layers", "collectives", "pipeline", "vocab"])
 def test_benchmark_scripts_run_under_the_launcher(nproc, args, tmp_path):
-    proc = _run(["-m", "tpflow.launch", "--nproc_per_node", str(nproc), *args, "--out", str(tmp_path)])
+    proc = run_python(["-m", "tpflow.launch", "--nproc_per_node", str(nproc), *args, "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(list(tmp_path.glob("*.md"))) == 1, proc.stdout
 
@@ -42,10 +40,10 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, args, tmp_path):
 def test_loading_benchmark_runs(tmp_path):
     pytest.importorskip("transformers")
     sizes = ["--vocab", "64", "--hidden", "128", "--ffn", "64", "--layers", "1"]
-    proc = _run(["benchmarks/loading_cpu.py", "--prepare", str(tmp_path / "model"), *sizes])
+    proc = run_python(["benchmarks/loading_cpu.py", "--prepare", str(tmp_path / "model"), *sizes])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = _run(["-m", "tpflow.launch", "--nproc_per_node", "2", "benchmarks/loading_cpu.py", "--dir",
-                 str(tmp_path / "model"), "--out", str(tmp_path)])
+    proc = run_python(["-m", "tpflow.launch", "--nproc_per_node", "2", "benchmarks/loading_cpu.py", "--dir",
+                       str(tmp_path / "model"), "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "bit-identical on every rank: True" in next(tmp_path.glob("loading_*.md")).read_text()
 

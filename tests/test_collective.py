@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import ints
+from tests.checks import Counting, ints
 from tpflow.comm import FakeWorld, as_transport
 from tpflow.kernels import matmul_ref, use_triton
 from tpflow.ops import all_gather_matmul, all_gather_matmul_ref, matmul_reduce_scatter, matmul_reduce_scatter_ref
@@ -366,17 +366,6 @@ def test_gloo(world, algo, m, inner):
 
 
 # The Triton kernels (row ranges, the received partial added in the epilogue) through the interpreter.
-
-class Counting:
-    """Launches a kernel as ``inner`` does, counting the launches (for ``tuning.use``)."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.launches = inner, 0
-
-    def launch(self, *args, **kwargs) -> None:
-        self.launches += 1
-        self.inner.launch(*args, **kwargs)
-
 
 def _triton_rank(dtype, bias, activation, kernel, shape, add_late):
     """The rings on the Triton kernels; with ``kernel="persistent"``, also how many products ran on it."""

@@ -7,7 +7,7 @@ import torch
 
 import tpflow as tpf
 from tests import harness
-from tests.test_collective import Counting
+from tests.checks import Counting
 from tpflow.comm import FakeWorld, as_transport
 from tpflow.kernels import matmul, matmul_ref
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter

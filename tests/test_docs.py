@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import harness
-from tests.test_examples import ROOT, _run
+from tests.harness import ROOT, run_python
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -70,8 +70,8 @@ def test_readme_quickstart_runs_as_the_readme_says(tmp_path):
     commands = [c for _, block in snippets(ROOT / "README.md", "bash") for c in block.splitlines()
                 if "example.py" in c]
     assert any("tpflow.launch --nproc_per_node 2 example.py" in c for c in commands), commands
-    launched = _run(["-m", "tpflow.launch", "--nproc_per_node", "2", str(script)])
+    launched = run_python(["-m", "tpflow.launch", "--nproc_per_node", "2", str(script)])
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert any(c.split("#")[0].split() == ["python", "example.py"] for c in commands), commands
-    alone = _run([str(script)])
+    alone = run_python([str(script)])
     assert alone.returncode == 0, alone.stderr[-3000:]

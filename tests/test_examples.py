@@ -3,14 +3,11 @@ checks its own values against one device."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import harness
+from tests.harness import ROOT
+
 EXAMPLES = {  # ranks under the launcher
     "data_parallel.py": 2,
     "model_parallel.py": 2,
@@ -25,13 +22,6 @@ PIPELINES = {"pipeline_lenet.py", "pipeline_module_model.py"}  # a rank per stag
 FINETUNE = "finetune_hf.py"  # compares its runs with each other (test_finetune_hf_matches_one_device)
 
 
-def _run(args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-
-
 def test_every_example_is_listed():
     assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted([*EXAMPLES, FINETUNE])
 
@@ -39,20 +29,20 @@ def test_every_example_is_listed():
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_under_launcher(name):
     nproc = EXAMPLES[name]
-    proc = _run(["-m", "tpflow.launch", "--nproc_per_node", str(nproc), f"examples/{name}"])
+    proc = harness.run_python(["-m", "tpflow.launch", "--nproc_per_node", str(nproc), f"examples/{name}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("matches one device") + proc.stdout.count("w = [") >= nproc, proc.stdout
 
 
 @pytest.mark.parametrize("name", sorted(set(EXAMPLES) - PIPELINES))
 def test_example_as_one_process(name):
-    proc = _run([f"examples/{name}"])
+    proc = harness.run_python([f"examples/{name}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 def test_pipeline_example_says_how_to_launch_it(name):
-    proc = _run([f"examples/{name}"])
+    proc = harness.run_python([f"examples/{name}"])
     assert proc.returncode == 1 and f"python -m tpflow.launch --nproc_per_node {EXAMPLES[name]}" in proc.stderr
 
 
@@ -68,12 +58,12 @@ def test_finetune_hf_matches_one_device(tmp_path):
     """A Hugging Face model by its own plan on 2 ranks, saved halfway and resumed: one device's losses and tokens;
     and the 2-rank checkpoint resumed on one rank (resharded on load) goes on as the others do."""
     pytest.importorskip("transformers")
-    two = _run(["-m", "tpflow.launch", "--nproc_per_node", "2", f"examples/{FINETUNE}", "--checkpoint",
+    two = harness.run_python(["-m", "tpflow.launch", "--nproc_per_node", "2", f"examples/{FINETUNE}", "--checkpoint",
                 str(tmp_path / "ckpt")])
     assert two.returncode == 0, two.stderr[-4000:]
-    one = _run([f"examples/{FINETUNE}"])
+    one = harness.run_python([f"examples/{FINETUNE}"])
     assert one.returncode == 0, one.stderr[-4000:]
-    resumed = _run([f"examples/{FINETUNE}", "--resume", str(tmp_path / "ckpt")])
+    resumed = harness.run_python([f"examples/{FINETUNE}", "--resume", str(tmp_path / "ckpt")])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     want = _losses(one.stdout)
     assert sorted(want) == list(range(6)) and want[5] < want[0], one.stdout

@@ -15,95 +15,31 @@ from torch import nn
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import ints
-from tests.test_layers import _own, _world
-from tpflow.comm import ring_bytes, stats
-
-WIDTHS = (5, 7, 3)  # uneven over 2-4 ranks; 3 leaves rank 3 of 4 without a block
-
-
-class Trio(nn.Module):
-    """Three projections of one input, as q / k / v are."""
-
-    def __init__(self, fin: int = 6, bias: bool = True) -> None:
-        super().__init__()
-        self.a, self.b, self.c = (nn.Linear(fin, w, bias=bias) for w in WIDTHS)
-        with torch.no_grad():
-            for seed, layer in enumerate((self.a, self.b, self.c)):
-                layer.weight.copy_(ints(layer.weight.shape, seed))
-                if bias:
-                    layer.bias.copy_(ints(layer.bias.shape, seed + 10))
-
-    def forward(self, x):
-        return self.a(x), self.b(x), self.c(x)
-
-
-def _bytes(fn):
-    """(forward, backward) bytes this rank sends in ``fn``, which returns the tensor to backpropagate and its
-    gradient."""
-    stats.reset()
-    y, g = fn()
-    forward = stats.bytes_sent
-    y.backward(g)
-    return forward, stats.bytes_sent - forward
-
-
-def _trio_rank(sequence_parallel, keep_gathered, bias):
-    W, r = dist.get_world_size(), dist.get_rank()
-    ref = Trio(bias=bias)
-    style = tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel, keep_gathered=keep_gathered)
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"[abc]": style})
-    assert model.a.fused_group is model.b.fused_group is model.c.fused_group is not None
-    x_full = ints((2 * W, 3, 6), seed=20)  # [sequence, batch, features]: sequence parallelism splits dim 0 evenly
-    mine = slice(2 * r, 2 * r + 2) if sequence_parallel else slice(None)
-    x = x_full[mine].clone().requires_grad_()
-    x_ref = x_full.clone().requires_grad_()
-    grads = [ints((2 * W, 3, w), seed=30 + i) for i, w in enumerate(WIDTHS)]  # of the whole outputs
-    outs, refs = [], ref(x_ref)
-
-    def step():
-        outs.extend(model(x))
-        return torch.cat([y.flatten() for y in outs]), torch.cat([g[..., _own(w)].flatten()
-                                                                  for g, w in zip(grads, WIDTHS)])
-    fused_bytes = _bytes(step)
-    sum(((y * g).sum() for y, g in zip(refs, grads))).backward()
-    for y, y_ref, w, name in zip(outs, refs, WIDTHS, "abc"):
-        assert torch.equal(y, y_ref[..., _own(w)]), f"output of {name}"
-    assert torch.equal(x.grad, x_ref.grad[mine]), "input gradient"
-    for name in "abc":
-        layer, layer_ref = getattr(model, name), getattr(ref, name)
-        cols = _own(layer_ref.out_features)
-        assert torch.equal(layer.weight.grad.to_local(), layer_ref.weight.grad[cols]), f"weight gradient of {name}"
-        if bias:
-            assert torch.equal(layer.bias.grad.to_local(), layer_ref.bias.grad[cols]), f"bias gradient of {name}"
-
-    # one column layer as wide as the three, on the same input: the communication the group must match
-    one = tpf.ColumnParallelLinear(6, sum(WIDTHS), bias=bias, placement=_world(), sequence_parallel=sequence_parallel,
-                                   keep_gathered=keep_gathered)
-    x_one = x.detach().clone().requires_grad_()
-    return fused_bytes, _bytes(lambda: (one(x_one).sum(), torch.ones(())))
+from tests.checks import all_ranks, fused_columns_match_one_device, ints, own, sent_bytes
+from tests.models import LLAMA_PLAN, WIDTHS, TinyLlama, Trio
+from tpflow.comm import ring_bytes
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
 def test_fused_columns_match_one_device_and_communicate_as_one_layer(world, bias):
-    for fused, one in harness.run(world, _trio_rank, False, True, bias):
+    for fused, one in harness.run(world, fused_columns_match_one_device, False, True, bias):
         assert fused == one, f"fused q/k/v-like layers sent {fused} bytes (forward, backward), one layer {one}"
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("keep_gathered", [True, False], ids=["keep", "regather"])
 def test_fused_sequence_parallel_columns(world, keep_gathered):
-    for fused, one in harness.run(world, _trio_rank, True, keep_gathered, True):
+    for fused, one in harness.run(world, fused_columns_match_one_device, True, keep_gathered, True):
         assert fused == one, f"fused sequence-parallel layers sent {fused} bytes, one layer {one}"
 
 
 def _patterns_rank():
     """Every calling pattern gives one device's values and gradients; pending outputs never outlive a forward."""
     ref = Trio()
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
     x, z = ints((4, 6), seed=1), ints((4, 6), seed=2)
-    cols = [_own(w) for w in WIDTHS]
+    cols = [own(w) for w in WIDTHS]
 
     def check(calls, label):
         """calls: (member, input) in order; the sum of every output against one device's, and the gradients."""
@@ -136,14 +72,14 @@ def _patterns_rank():
         assert torch.equal(model.c(x), ref.c(x)[..., cols[2]]), "a pending output after a weight update"
     xg = x.clone().requires_grad_()
     for _ in range(2):  # the same input object twice through the parent: one product, one all-reduce, each time
-        sent = _bytes(lambda: (sum(y.sum() for y in model(xg)), torch.ones(())))
+        sent = sent_bytes(lambda: (sum(y.sum() for y in model(xg)), torch.ones(())))
         assert sent == (0, ring_bytes(xg.numel() * 4, dist.get_world_size(), 2)), sent
-    temporary = tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    temporary = tpf.parallelize(Trio(), placement=all_ranks(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
     loss = sum(y.sum() for y in temporary(xg))
     del temporary
     gc.collect()
     loss.backward()  # the graph does not keep the group alive, and runs without it
-    glob = tpf.tensor(x, placement=_world(), sbp=tpf.sbp.broadcast)  # a global input: each layer alone
+    glob = tpf.tensor(x, placement=all_ranks(), sbp=tpf.sbp.broadcast)  # a global input: each layer alone
     for y, y_ref in zip(model(glob), ref(x)):
         assert torch.equal(y.full_tensor(), y_ref), "a global input"
     assert not model.a.fused_group._pending
@@ -163,7 +99,7 @@ def _storage_rank():
     """The members' weight blocks share one storage, back to back, which the product reads without a copy;
     loading a checkpoint keeps it, and a conversion that gives the blocks storages of their own is undone."""
     ref = Trio()
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
 
     def blocks():
         return [getattr(model, name).weight._local_tensor for name in "abc"]
@@ -189,7 +125,7 @@ def _storage_rank():
     model.double()
     assert not joined()
     for y, y_ref, w in zip(model(x.double()), ref.double()(x.double()), WIDTHS):
-        assert torch.equal(y, y_ref[..., _own(w)])
+        assert torch.equal(y, y_ref[..., own(w)])
     assert joined(), "joined again by the first product after the conversion"
 
 
@@ -203,7 +139,7 @@ def _dcp_rank(path, save):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model = tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
+    model = tpf.parallelize(Trio(), placement=all_ranks(), plan={"[abc]": tpf.ColumnParallel(fuse=True)})
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model_sd, opt_sd = get_state_dict(model, opt)
     if save:
@@ -244,7 +180,7 @@ def _compile_rank():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    eager = _Around(tpf.parallelize(Trio(), placement=_world(), plan={"[abc]": tpf.ColumnParallel(fuse=True)}))
+    eager = _Around(tpf.parallelize(Trio(), placement=all_ranks(), plan={"[abc]": tpf.ColumnParallel(fuse=True)}))
     graphs = CompileCounterWithBackend("inductor")
     compiled = torch.compile(copy.deepcopy(eager), backend=graphs)
     x = ints((3, 6), seed=2)
@@ -264,13 +200,13 @@ def test_torch_compile_of_a_fused_model(world):
 
 
 def _llama_rank(sequence_parallel):
-    from tests.models import LLAMA_PLAN, TinyLlama
 
     torch.manual_seed(0)
     ref = TinyLlama().double()
     styles = {"column": tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel),
               "row": tpf.RowParallel(sequence_parallel=sequence_parallel)}
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={k: styles[v] for k, v in LLAMA_PLAN.items()})
+    plan = {k: styles[v] for k, v in LLAMA_PLAN.items()}
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan=plan)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert attn.q_proj.fused_group.layers == (attn.q_proj, attn.k_proj, attn.v_proj)
     assert mlp.gate_proj.fused_group.layers == (mlp.gate_proj, mlp.up_proj)
@@ -297,8 +233,8 @@ def _llama_rank(sequence_parallel):
             torch.testing.assert_close(grad, p_ref.grad, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
             continue
         split = p.placements[-1].dim
-        own = _own(p_ref.shape[split])
-        want = p_ref.grad.narrow(split, own.start, own.stop - own.start)
+        mine = own(p_ref.shape[split])
+        want = p_ref.grad.narrow(split, mine.start, mine.stop - mine.start)
         torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
 
 
@@ -317,7 +253,7 @@ class Mixed(nn.Module):
 
 
 def _errors_rank():
-    P = _world()
+    P = all_ranks()
     for plan, message in [
         ({"[ab]": tpf.ColumnParallel(fuse=True)}, r"'b' differs from 'a'"),  # in_features
         ({"[ac]": tpf.ColumnParallel(fuse=True)}, r"'c' differs from 'a'"),  # bias and no bias

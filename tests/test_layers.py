@@ -14,27 +14,21 @@ from torch import nn
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import S0, B, backward_logical, ints, logical
+from tests.checks import (
+    S0,
+    B,
+    all_ranks,
+    backward_logical,
+    half_precision_rounds_once,
+    ints,
+    logical,
+    mlp_matches_one_device,
+    own,
+)
+from tests.models import LLAMA_PLAN, MLP, Stack, TinyLlama, int_linear
 from tpflow.sbp import chunk_bounds
 
 FEATURES = [(6, 8), (5, 7), (3, 2)]  # even for W = 2; uneven; fewer output features than ranks
-
-
-def _world():
-    return tpf.placement("cpu", list(range(dist.get_world_size())))
-
-
-def _linear(fin, fout, bias, seed):
-    lin = nn.Linear(fin, fout, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(ints((fout, fin), seed))
-        if bias:
-            lin.bias.copy_(ints((fout,), seed + 1))
-    return lin
-
-
-def _own(size):
-    return slice(*chunk_bounds(size, dist.get_world_size())[dist.get_rank()])
 
 
 def _assert_grads(layer, ref, weight_block):
@@ -46,12 +40,12 @@ def _assert_grads(layer, ref, weight_block):
 
 
 def _column_rank(fin, fout, bias, gather_output):
-    ref = _linear(fin, fout, bias, seed=1)
-    layer = tpf.ColumnParallelLinear.from_linear(ref, placement=_world(), gather_output=gather_output)
+    ref = int_linear(fin, fout, bias, seed=1)
+    layer = tpf.ColumnParallelLinear.from_linear(ref, placement=all_ranks(), gather_output=gather_output)
     x = ints((3, 4, fin), seed=2).requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = layer(x), ref(x_ref)
-    cols = _own(fout)
+    cols = own(fout)
     assert torch.equal(y, y_ref if gather_output else y_ref[..., cols]), "output"
     g = ints(y_ref.shape, seed=3)
     y.backward(g if gather_output else g[..., cols])
@@ -61,10 +55,10 @@ def _column_rank(fin, fout, bias, gather_output):
 
 
 def _row_rank(fin, fout, bias, input_is_parallel):
-    ref = _linear(fin, fout, bias, seed=4)
-    layer = tpf.RowParallelLinear.from_linear(ref, placement=_world(), input_is_parallel=input_is_parallel)
+    ref = int_linear(fin, fout, bias, seed=4)
+    layer = tpf.RowParallelLinear.from_linear(ref, placement=all_ranks(), input_is_parallel=input_is_parallel)
     x_ref = ints((3, 4, fin), seed=5).requires_grad_()
-    rows = _own(fin)
+    rows = own(fin)
     x = (x_ref.detach()[..., rows] if input_is_parallel else x_ref.detach()).clone().requires_grad_()
     y, y_ref = layer(x), ref(x_ref)
     assert torch.equal(y, y_ref), "output"
@@ -91,66 +85,11 @@ def test_row(world, fin, fout, bias, input_is_parallel):
 
 # An MLP block through parallelize(): column -> relu -> row, plain and sequence-parallel.
 
-class MLP(nn.Module):
-    def __init__(self, dim, hidden, seed, act=torch.relu):
-        super().__init__()
-        self.fc1, self.fc2 = _linear(dim, hidden, True, seed), _linear(hidden, dim, True, seed + 2)
-        self.act = act
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self, dim, hidden, depth, act=torch.relu):
-        super().__init__()
-        self.blocks = nn.ModuleList(MLP(dim, hidden, seed=10 * i, act=act) for i in range(depth))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return x
-
-
-def _equal(a, b, msg):
-    assert torch.equal(a, b), msg
-
-
-def _close(a, b, msg):
-    torch.testing.assert_close(a, b, msg=msg)
-
-
-def _mlp_rank(sequence_parallel, seq, hidden, gelu, dtype=torch.float64, algo="auto"):
-    ref = Stack(5, hidden, depth=2, act=F.gelu if gelu else torch.relu).to(dtype)
-    plan = {"*.fc1": tpf.ColumnParallel(sequence_parallel=sequence_parallel, algo=algo),
-            "*.fc2": tpf.RowParallel(sequence_parallel=sequence_parallel, algo=algo)}
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=plan)
-    same = _close if gelu else _equal  # exact with relu (small integers); gelu: up to the order of sums over ranks
-    x_ref = ints((seq, 2, 5), seed=7).to(dtype).requires_grad_()  # [S, B, H]: sequence parallelism splits S
-    rows = _own(seq) if sequence_parallel else slice(None)
-    x = x_ref.detach()[rows].clone().requires_grad_()
-    y, y_ref = model(x), ref(x_ref)
-    same(y, y_ref[rows], msg="output")
-    g = ints(y_ref.shape, seed=8).to(dtype)
-    y.backward(g[rows])
-    y_ref.backward(g)
-    same(x.grad, x_ref.grad[rows], msg="input gradient")
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        full = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
-        same(full, p_ref.grad, msg=f"gradient of {name}")
-    for params in (model.parameters(), ref.parameters()):  # lr 1/4 keeps small integers exact
-        torch.optim.SGD(params, lr=0.25, momentum=0.5).step()
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        same(p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p, p_ref,
-             msg=f"{name} after an optimizer step")
-    return str(model)
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("gelu", [False, True], ids=["relu", "gelu"])
 def test_mlp_through_parallelize(world, sequence_parallel, gelu):
-    text = harness.run(world, _mlp_rank, sequence_parallel, 4 * world, 7, gelu)[0]
+    text = harness.run(world, mlp_matches_one_device, sequence_parallel, 4 * world, 7, gelu)[0]
     assert "ColumnParallelLinear(in_features=5, out_features=7" in text and "W split(1)" in text
     assert "RowParallelLinear(in_features=7, out_features=5" in text and "W split(0)" in text
 
@@ -158,7 +97,7 @@ def test_mlp_through_parallelize(world, sequence_parallel, gelu):
 # Global tensor inputs in any layout; outputs are global with the layer's SBP.
 
 def _global_rank():
-    P = _world()
+    P = all_ranks()
     ref = MLP(6, 9, seed=3)
     col = tpf.ColumnParallelLinear.from_linear(ref.fc1, placement=P)
     row = tpf.RowParallelLinear.from_linear(ref.fc2, placement=P)
@@ -192,7 +131,7 @@ def _global_rank():
 
 def _one_dim_rank():
     """A 1-D global input (one token's features) through every kind of layer."""
-    P, ref = _world(), _linear(5, 7, True, seed=2)
+    P, ref = all_ranks(), int_linear(5, 7, True, seed=2)
     x_ref = ints((5,), seed=3)
     for layer in (tpf.ColumnParallelLinear.from_linear(ref, placement=P, sequence_parallel=True),
                   tpf.RowParallelLinear.from_linear(ref, placement=P, input_is_parallel=False),
@@ -214,7 +153,7 @@ def test_global_inputs(world):
 # Fresh layers, checkpoints and state.
 
 def _init_rank():
-    P = _world()
+    P = all_ranks()
     torch.manual_seed(3)
     ref = nn.Linear(7, 5)
     torch.manual_seed(3)
@@ -239,7 +178,7 @@ def test_fresh_layers_initialise_as_nn_linear(world):
 
 def _state_rank():
     ref = Stack(6, 10, depth=1)
-    model = tpf.parallelize(Stack(6, 10, depth=1), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    model = tpf.parallelize(Stack(6, 10, depth=1), placement=all_ranks(), plan={"*.fc1": "column", "*.fc2": "row"})
     missing = model.load_state_dict(ref.state_dict())  # a single-device checkpoint loads as is
     assert not missing.missing_keys and not missing.unexpected_keys
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -261,7 +200,7 @@ def _dcp_rank(path, save):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     torch.manual_seed(0)
-    model = tpf.parallelize(Stack(6, 10, depth=2), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    model = tpf.parallelize(Stack(6, 10, depth=2), placement=all_ranks(), plan={"*.fc1": "column", "*.fc2": "row"})
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     x = ints((4, 6), seed=1)
     if save:
@@ -296,9 +235,9 @@ def _torch_tp_rank():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     ref = Stack(6, 12, depth=1)  # 12 hidden features split evenly over 1-4 ranks: torch's layers need even shards
-    theirs = parallelize_module(copy.deepcopy(ref), _world().mesh,
+    theirs = parallelize_module(copy.deepcopy(ref), all_ranks().mesh,
                                 {"blocks.0.fc1": ColwiseParallel(), "blocks.0.fc2": RowwiseParallel()})
-    ours = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    ours = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan={"*.fc1": "column", "*.fc2": "row"})
     x = ints((3, 6), seed=2)
     y_ours, y_theirs, y_ref = ours(x), theirs(x), ref(x)
     assert torch.equal(y_ours, y_ref)
@@ -323,7 +262,7 @@ def _compile_rank():
 
     torch._dynamo.reset()
     ref = Stack(6, 10, depth=1)
-    eager = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan={"*.fc1": "column", "*.fc2": "row"})
+    eager = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan={"*.fc1": "column", "*.fc2": "row"})
     graphs = CompileCounterWithBackend("inductor")
     compiled = torch.compile(copy.deepcopy(eager), backend=graphs)
     x = ints((3, 6), seed=2)
@@ -345,7 +284,7 @@ def test_torch_compile_matches_eager(world):
 # Bad input: a clear error on every rank at once.
 
 def _errors_rank():
-    P = _world()
+    P = all_ranks()
     W = dist.get_world_size()
     col = tpf.ColumnParallelLinear(6, 8, placement=P)
     with pytest.raises(ValueError, match=r"ColumnParallelLinear\(6, 8\): the input has 5 features .* expects 6"):
@@ -409,12 +348,11 @@ def test_bad_input_is_a_clear_error(world):
 # A Llama-style decoder nobody wrote for tpflow (tests/models.py), through parallelize().
 
 def _llama_rank(lm_head_parallel):
-    from tests.models import LLAMA_PLAN, TinyLlama
 
     torch.manual_seed(0)
     ref = TinyLlama().double()  # hidden 44: uneven over 3 and 4 ranks; 8 query and 4 key/value heads
     plan = {**LLAMA_PLAN, **({"lm_head": tpf.ColumnParallel(gather_output=True)} if lm_head_parallel else {})}
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=plan)
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan=plan)
     tokens = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
     logits, logits_ref = model(tokens), ref(tokens)
     torch.testing.assert_close(logits, logits_ref, rtol=1e-10, atol=1e-10)
@@ -475,10 +413,10 @@ def test_data_x_tensor_parallel_on_2d_placement(global_input, sequence_parallel)
 def _outside_rank():
     """A layer on rank 1 only, fed a global tensor from ranks [0, 1]: rank 0 holds an empty block and still
     takes part in the backward of the boxing, so nobody hangs and the gradients are right."""
-    ref = _linear(6, 4, True, seed=1)
+    ref = int_linear(6, 4, True, seed=1)
     layer = tpf.ColumnParallelLinear.from_linear(ref, placement=tpf.placement("cpu", [1]))
     x_ref = ints((3, 6), seed=2).requires_grad_()
-    x = tpf.tensor(x_ref.detach(), placement=_world(), sbp=S0).requires_grad_()
+    x = tpf.tensor(x_ref.detach(), placement=all_ranks(), sbp=S0).requires_grad_()
     y = layer(x)
     y_ref = ref(x_ref)
     g = ints(y_ref.shape, seed=3)
@@ -494,7 +432,7 @@ def test_rank_outside_the_layer_placement():
 
 
 def _plan_keeps_state_rank():
-    P = _world()
+    P = all_ranks()
 
     class Tied(nn.Module):
         def __init__(self):
@@ -532,7 +470,7 @@ def test_parallelize_keeps_ties_sharing_and_frozen_state(world):
 
 def _bytes_rank():
     """Each rank holds 1/W of a layer's parameters (chunks by torch.chunk's rule)."""
-    P, W, r = _world(), dist.get_world_size(), dist.get_rank()
+    P, W, r = all_ranks(), dist.get_world_size(), dist.get_rank()
     col, row = tpf.ColumnParallelLinear(7, 10, placement=P), tpf.RowParallelLinear(10, 7, placement=P)
     chunk = chunk_bounds(10, W)[r][1] - chunk_bounds(10, W)[r][0]
     held = lambda layer: sum(p.to_local().numel() for p in layer.parameters())  # noqa: E731
@@ -552,7 +490,7 @@ def _traffic_rank(kind):
     """Bytes each layer kind moves per step, counted by tpflow, against the minimum for its layout (fp32)."""
     from tpflow.comm import stats
 
-    P, W = _world(), dist.get_world_size()
+    P, W = all_ranks(), dist.get_world_size()
     s, b, h, f = 4 * W, 3, 6, 8  # [S, B, H] input, hidden f; S splits evenly
     sp = kind.endswith("sp")
     layer = (tpf.ColumnParallelLinear(h, f, placement=P, sequence_parallel=sp) if kind.startswith("column")
@@ -583,27 +521,7 @@ def test_communication_is_the_minimum(world, kind):
         assert (forward, backward) == want, f"{kind}: forward {forward}, backward {backward} bytes; minimum {want}"
 
 
-def _low_precision_rank(dtype):
-    """fp16 / bf16 layers against nn.Linear in the same dtype, both measured against fp64: partial sums
-    travel in fp32, so the parallel layers round once, as one device does (half-precision partials would
-    round W + 1 times)."""
-    torch.manual_seed(0)
-    ref64 = nn.Linear(1024, 48).double()
-    x64 = torch.randn(64, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    cols, rows = _own(48), _own(1024)
-    ref = copy.deepcopy(ref64).to(dtype)
-    col = tpf.ColumnParallelLinear.from_linear(ref, placement=_world())
-    row = tpf.RowParallelLinear.from_linear(ref, placement=_world())
-    x = x64.to(dtype)
-    checks = [(col(x), ref(x)[..., cols], ref64(x64)[..., cols]),
-              (row(x[..., rows]), ref(x), ref64(x64))]
-    for got, torch_same_dtype, want in checks:
-        err = (got.double() - want).abs().max()
-        bound = 1.2 * (torch_same_dtype.double() - want).abs().max()  # one rounding, as on one device
-        assert err <= bound, f"{dtype}: error {err:.3g} > {bound:.3g}"
-
-
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision(world, dtype):
-    harness.run(world, _low_precision_rank, dtype)
+    harness.run(world, half_precision_rounds_once, dtype)

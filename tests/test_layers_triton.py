@@ -1,9 +1,9 @@
 """The parallel layers, parallelize() and fused column groups on tpflow's Triton kernels: the GPU's hot path,
 run here through Triton's interpreter (small shapes, fp32 and fp16; the interpreter mishandles bf16).
 
-The rank functions are the torch-path tests' own, run with the ``kernels`` switch at ``"triton"``; each run
-also counts the kernel launches, so a path that silently fell back to torch's matmul fails. Values are small
-integers, so fp32 results are exact whatever order the kernel sums in."""
+The rank functions are the torch-path tests' own (``tests.checks``), run with the ``kernels`` switch at
+``"triton"``; each run also counts the kernel launches, so a path that silently fell back to torch's matmul fails.
+Values are small integers, so fp32 results are exact whatever order the kernel sums in."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import torch
 
 import tpflow as tpf
 from tests import harness
-from tests.test_collective import Counting
-from tests.test_fused import _trio_rank
-from tests.test_layers import _low_precision_rank, _mlp_rank
+from tests.checks import Counting, fused_columns_match_one_device, half_precision_rounds_once, mlp_matches_one_device
 
 pytest.importorskip("triton")
 
@@ -34,7 +32,7 @@ def _on_triton(fn, *args):
 def test_mlp_through_parallelize_on_the_kernels(world, sequence_parallel, algo):
     """Column -> relu -> row blocks, forward and every gradient equal to nn.Linear's; with sequence parallelism
     the ring collectives compute their chunks as row ranges of the kernels."""
-    for _, launches in harness.run(world, _on_triton, _mlp_rank, sequence_parallel, 4 * world, 7, False,
+    for _, launches in harness.run(world, _on_triton, mlp_matches_one_device, sequence_parallel, 4 * world, 7, False,
                                    torch.float32, algo, timeout=300):
         assert launches >= 12, f"{launches} kernel launches: the layers must compute on the Triton kernels"
 
@@ -45,8 +43,8 @@ def test_mlp_through_parallelize_on_the_kernels(world, sequence_parallel, algo):
 def test_fused_columns_on_the_kernels(world, sequence_parallel, keep_gathered):
     """q / k / v-like column layers as one product on the kernels: each member's output and gradients equal
     nn.Linear's, and the group sends what one layer as wide as the three sends."""
-    for (fused, one), launches in harness.run(world, _on_triton, _trio_rank, sequence_parallel, keep_gathered, True,
-                                              timeout=300):
+    for (fused, one), launches in harness.run(world, _on_triton, fused_columns_match_one_device, sequence_parallel,
+                                              keep_gathered, True, timeout=300):
         assert fused == one, f"fused layers sent {fused} bytes (forward, backward), one layer {one}"
         assert launches >= 6, f"{launches} kernel launches"
 
@@ -54,7 +52,7 @@ def test_fused_columns_on_the_kernels(world, sequence_parallel, keep_gathered):
 @pytest.mark.parametrize("world", [2, 3])
 def test_half_precision_on_the_kernels(world):
     """fp16 column and row layers round once, as one device does: their partial sums travel in fp32."""
-    for _, launches in harness.run(world, _on_triton, _low_precision_rank, torch.float16, timeout=300):
+    for _, launches in harness.run(world, _on_triton, half_precision_rounds_once, torch.float16, timeout=300):
         assert launches >= 2, f"{launches} kernel launches"
 
 
