@@ -5,7 +5,7 @@ LAUNCH := $(PY) -m tpflow.launch
 GPU_PY ?= python
 GPU_RUN := env -u TRITON_INTERPRET PYTHONPATH=. $(GPU_PY)
 
-.PHONY: test demo examples gpu-check gpu-tests gpu-kernels gpu-loss gpu-decode clean
+.PHONY: test lint demo examples gpu-check gpu-tests gpu-kernels gpu-loss gpu-decode clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -14,6 +14,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# ruff's checks as pyproject.toml configures them (.ci/run runs this before the tests)
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
 
 # Every parallel mode side by side on the default workloads (CPU processes over gloo when there is no GPU),
 # then the plot of those rows.

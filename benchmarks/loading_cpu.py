@@ -35,7 +35,8 @@ from tpflow.bench.measure import every_rank
 
 
 def _status() -> dict[str, int]:
-    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
     return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM", "RssAnon")}
 
 

@@ -38,7 +38,8 @@ METHODS = ("gathered", "vocab-parallel", "fused")
 
 def resident() -> tuple[int, int]:
     """(resident bytes now, the peak since the last reset), from /proc/self/status."""
-    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
     return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
 
 

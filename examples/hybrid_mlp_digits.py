@@ -52,7 +52,7 @@ model.output = tpf.ColumnParallelLinear.from_linear(model.output, placement=P)  
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 optimizer_one = torch.optim.SGD(one_device.parameters(), lr=0.1, momentum=0.9)
 for epoch in range(4):
-    for step, batch in enumerate(train.split(100)):
+    for batch in train.split(100):
         x, y = images[batch], labels[batch]
         rows = torch.tensor_split(torch.arange(len(batch)), world)[rank]  # this rank reads only its rows
         x_global = tpf.to_global(x[rows.to(device)], placement=P, sbp=S0)

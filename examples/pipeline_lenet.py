@@ -69,7 +69,7 @@ if rank == 1:
     accuracy = (tpf.to_local(logits).argmax(1) == labels[test]).float().mean().item()
     print(f"rank 1: test accuracy {accuracy:.1%} on {len(test)} digits (one device {accuracy_one:.1%})")
     assert accuracy >= 0.9 and abs(accuracy - accuracy_one) <= 1 / len(test)
-for (name, p), p_one in zip(pipe.named_parameters(), one_device.parameters()):
+for p, p_one in zip(pipe.parameters(), one_device.parameters()):
     if rank in tpf.get_placement(p):
         # the same steps in another summation order: float32 rounding grows over 70 momentum steps to ~1e-3
         torch.testing.assert_close(tpf.to_local(p), p_one, rtol=0, atol=1e-2)

@@ -8,9 +8,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TPFLOW_AUTOTUNE", "0")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests import harness  # noqa: E402
+from tests import harness
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,6 +9,7 @@ root, for what must run as a user runs it (the launcher, the examples, the bench
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -47,7 +48,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
         fn, args = msg
         try:
             conn.send(("ok", fn(*args)))
-        except BaseException:  # noqa: BLE001 - the parent reports every failure with its traceback
+        except BaseException:
             conn.send(("error", traceback.format_exc()))
 
 
@@ -97,10 +98,8 @@ class Pool:
     def close(self, kill: bool = False) -> None:
         if not kill:
             for conn in self.conns:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         for proc in self.procs:
             proc.join(timeout=0 if kill else 5)
             if proc.is_alive():

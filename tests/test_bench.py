@@ -46,8 +46,8 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
     world, _, _, data = run
     for row in data["rows"]:
         if row["skipped"]:
-            assert world == 2 and row["mode"] in TWO_D or row["mode"] == "tensor, transformers" or \
-                world == 4 and row["mode"].startswith("pipeline, interleaved"), row  # 8 stages, 4 blocks
+            assert (world == 2 and row["mode"] in TWO_D) or row["mode"] == "tensor, transformers" or \
+                (world == 4 and row["mode"].startswith("pipeline, interleaved")), row  # 8 stages, 4 blocks
             continue
         assert len(row["losses"]) == data["meta"]["settings"]["warmup"] + 2 + data["meta"]["settings"]["reps"]
         assert row["loss_rel_diff"] < 1e-5, row

@@ -243,7 +243,7 @@ def test_late_add_computes_each_piece_before_its_accumulator_is_waited_for(add_l
 def test_ring_moves_half_of_gloos_reduce_scatter_bytes():
     """Even rows, W = 4: the ring sends exactly (W-1)/W of the fp32 output in 2 (W-1) messages."""
     X, Wt, _, dY = _problem(16, 8, 6, False, dtype=torch.float32)
-    for y, *_, (nbytes, messages) in FakeWorld(4).run(_rs_rank, X, Wt, None, dY, 2, "ring"):
+    for *_, (nbytes, messages) in FakeWorld(4).run(_rs_rank, X, Wt, None, dY, 2, "ring"):
         assert (nbytes, messages) == (3 * 16 * 6 * 4 // 4, 2 * 3)
 
 

@@ -111,4 +111,4 @@ def test_accumulating_in_place_survives_autotuning():
             assert launcher.kernel_choice(a, b, s) == kernel
             want = s + a.float() @ b.float()
             matmul(a, b, acc=s, out=s)  # the first call of this key autotunes
-            torch.testing.assert_close(s, want, rtol=2e-3, atol=2e-2, msg=lambda m: f"{kernel}: {m}")
+            torch.testing.assert_close(s, want, rtol=2e-3, atol=2e-2, msg=lambda m, kernel=kernel: f"{kernel}: {m}")

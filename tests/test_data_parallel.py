@@ -134,7 +134,8 @@ def _ddp(rows, on_axis):
             opt.step()
             opt_ref.zero_grad()
             # one device: the mean of the replicas' mean losses (equal batches) is the whole batch's mean
-            F.cross_entropy(ref(x[sum(everyone, [])]), y[sum(everyone, [])]).backward()
+            rows_seen = [i for rows in everyone for i in rows]
+            F.cross_entropy(ref(x[rows_seen]), y[rows_seen]).backward()
             opt_ref.step()
             _assert_same_parameters(model.module, ref, (epoch, step))
     return True

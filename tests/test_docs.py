@@ -64,7 +64,7 @@ def test_config_page_lists_every_switch():
 
 def test_readme_quickstart_runs_as_the_readme_says(tmp_path):
     """The README's first snippet is example.py; its commands are the bash block after it."""
-    (line, code), = snippets(ROOT / "README.md")[:1]
+    (_, code), = snippets(ROOT / "README.md")[:1]
     script = tmp_path / "example.py"
     script.write_text(code)
     commands = [c for _, block in snippets(ROOT / "README.md", "bash") for c in block.splitlines()

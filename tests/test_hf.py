@@ -79,7 +79,7 @@ def _check(kind, ref, model, ids, generate=True):
                                msg=f"{kind}: gradient norms")
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-6, atol=1e-6,  # the norms compute in fp32
-                                   msg=lambda m: f"{kind}: {name} after AdamW: {m}")
+                                   msg=lambda m, name=name: f"{kind}: {name} after AdamW: {m}")
     _same_copies(model, kind)
     if not generate:
         return

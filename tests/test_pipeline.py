@@ -6,6 +6,7 @@ Mistakes fail on every rank at once (never a hang)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 
 import pytest
@@ -27,7 +28,7 @@ def _on(*ranks):
 
 def _chain(dims, seed):
     torch.manual_seed(seed)
-    return [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(dims, dims[1:])]
+    return [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(dims)]
 
 
 def _batch(rows, fin, fout, seed=1, classes=None):

@@ -13,7 +13,7 @@ from tpflow.sbp import chunk_bounds, local_region, normalize
 S0, S1, B, P = tpf.sbp.split(0), tpf.sbp.split(1), tpf.sbp.broadcast, tpf.sbp.partial_sum
 
 
-@pytest.mark.parametrize("size", range(0, 13))
+@pytest.mark.parametrize("size", range(13))
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 5])
 def test_chunk_bounds_are_torch_chunk(size, parts):
     chunks = torch.arange(size).chunk(parts)

@@ -85,7 +85,7 @@ def test_zero_bubble_h1(stages, extra):
     assert max(t + (2 if a.kind == "B" else 1) for row in one_f_one_b for t, a in row) - 3 * micro_batches == \
         3 * (stages - 1)
     assert peak_activations(table) == [stages] * stages
-    for s, actions in enumerate(table):  # W after its B, and stage s's W lagging by s micro-batches in steady state
+    for actions in table:  # W after its B, and stage s's W lagging by s micro-batches in steady state
         kinds = [str(a) for a in actions if a.kind in "BW"]
         assert all(kinds.index(f"W{i}") > kinds.index(f"B{i}") for i in range(micro_batches))
 
