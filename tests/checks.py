@@ -102,9 +102,9 @@ def sbp_tuples(ndim: int):
     return list(itertools.product(SBPS_2D, repeat=ndim))
 
 
-def all_ranks():
-    """The placement of every rank of the world."""
-    return tpf.placement("cpu", list(range(dist.get_world_size())))
+def all_ranks(device: str = "cpu"):
+    """The placement of every rank of the world, on ``device``'s type."""
+    return tpf.placement(device, list(range(dist.get_world_size())))
 
 
 def own(size):
@@ -142,22 +142,22 @@ def _close(a, b, msg):
     torch.testing.assert_close(a, b, msg=msg)
 
 
-def mlp_matches_one_device(sequence_parallel, seq, hidden, gelu, dtype=torch.float64, algo="auto"):
+def mlp_matches_one_device(sequence_parallel, seq, hidden, gelu, dtype=torch.float64, algo="auto", device="cpu"):
     """Column -> activation -> row blocks through ``parallelize`` (sequence parallel or not): the output, the
     input's and every parameter's gradient, and every parameter after an SGD step equal one device's."""
     from tests.models import Stack
 
-    ref = Stack(5, hidden, depth=2, act=F.gelu if gelu else torch.relu).to(dtype)
+    ref = Stack(5, hidden, depth=2, act=F.gelu if gelu else torch.relu).to(device, dtype)
     plan = {"*.fc1": tpf.ColumnParallel(sequence_parallel=sequence_parallel, algo=algo),
             "*.fc2": tpf.RowParallel(sequence_parallel=sequence_parallel, algo=algo)}
-    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan=plan)
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(device), plan=plan)
     same = _close if gelu else _equal  # exact with relu (small integers); gelu: up to the order of sums over ranks
-    x_ref = ints((seq, 2, 5), seed=7).to(dtype).requires_grad_()  # [S, B, H]: sequence parallelism splits S
+    x_ref = ints((seq, 2, 5), seed=7).to(device, dtype).requires_grad_()  # [S, B, H]: sequence parallelism splits S
     rows = own(seq) if sequence_parallel else slice(None)
     x = x_ref.detach()[rows].clone().requires_grad_()
     y, y_ref = model(x), ref(x_ref)
     same(y, y_ref[rows], msg="output")
-    g = ints(y_ref.shape, seed=8).to(dtype)
+    g = ints(y_ref.shape, seed=8).to(device, dtype)
     y.backward(g[rows])
     y_ref.backward(g)
     same(x.grad, x_ref.grad[rows], msg="input gradient")
@@ -172,21 +172,21 @@ def mlp_matches_one_device(sequence_parallel, seq, hidden, gelu, dtype=torch.flo
     return str(model)
 
 
-def fused_columns_match_one_device(sequence_parallel, keep_gathered, bias):
+def fused_columns_match_one_device(sequence_parallel, keep_gathered, bias, device="cpu"):
     """q / k / v-like column layers run as one product (``fuse=True``): outputs and gradients equal one device's;
     returns the (forward, backward) bytes the group sent, and those one layer as wide as the three sends."""
     from tests.models import WIDTHS, Trio
 
     W, r = dist.get_world_size(), dist.get_rank()
-    ref = Trio(bias=bias)
+    ref = Trio(bias=bias).to(device)
     style = tpf.ColumnParallel(fuse=True, sequence_parallel=sequence_parallel, keep_gathered=keep_gathered)
-    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan={"[abc]": style})
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(device), plan={"[abc]": style})
     assert model.a.fused_group is model.b.fused_group is model.c.fused_group is not None
-    x_full = ints((2 * W, 3, 6), seed=20)  # [sequence, batch, features]: sequence parallelism splits dim 0 evenly
+    x_full = ints((2 * W, 3, 6), seed=20).to(device)  # [sequence, batch, features]: sequence parallelism splits dim 0
     mine = slice(2 * r, 2 * r + 2) if sequence_parallel else slice(None)
     x = x_full[mine].clone().requires_grad_()
     x_ref = x_full.clone().requires_grad_()
-    grads = [ints((2 * W, 3, w), seed=30 + i) for i, w in enumerate(WIDTHS)]  # of the whole outputs
+    grads = [ints((2 * W, 3, w), seed=30 + i).to(device) for i, w in enumerate(WIDTHS)]  # of the whole outputs
     outs, refs = [], ref(x_ref)
 
     def step():
@@ -206,23 +206,23 @@ def fused_columns_match_one_device(sequence_parallel, keep_gathered, bias):
             assert torch.equal(layer.bias.grad.to_local(), layer_ref.bias.grad[cols]), f"bias gradient of {name}"
 
     # one column layer as wide as the three, on the same input: the communication the group must match
-    one = tpf.ColumnParallelLinear(6, sum(WIDTHS), bias=bias, placement=all_ranks(),
+    one = tpf.ColumnParallelLinear(6, sum(WIDTHS), bias=bias, placement=all_ranks(device),
                                    sequence_parallel=sequence_parallel, keep_gathered=keep_gathered)
     x_one = x.detach().clone().requires_grad_()
-    return fused_bytes, sent_bytes(lambda: (one(x_one).sum(), torch.ones(())))
+    return fused_bytes, sent_bytes(lambda: (one(x_one).sum(), torch.ones((), device=device)))
 
 
-def half_precision_rounds_once(dtype):
+def half_precision_rounds_once(dtype, device="cpu"):
     """fp16 / bf16 layers against nn.Linear in the same dtype, both measured against fp64: partial sums
     travel in fp32, so the parallel layers round once, as one device does (half-precision partials would
     round W + 1 times)."""
     torch.manual_seed(0)
-    ref64 = nn.Linear(1024, 48).double()
-    x64 = torch.randn(64, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref64 = nn.Linear(1024, 48).to(device, torch.float64)
+    x64 = torch.randn(64, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
     cols, rows = own(48), own(1024)
     ref = copy.deepcopy(ref64).to(dtype)
-    col = tpf.ColumnParallelLinear.from_linear(ref, placement=all_ranks())
-    row = tpf.RowParallelLinear.from_linear(ref, placement=all_ranks())
+    col = tpf.ColumnParallelLinear.from_linear(ref, placement=all_ranks(device))
+    row = tpf.RowParallelLinear.from_linear(ref, placement=all_ranks(device))
     x = x64.to(dtype)
     checks = [(col(x), ref(x)[..., cols], ref64(x64)[..., cols]),
               (row(x[..., rows]), ref(x), ref64(x64))]

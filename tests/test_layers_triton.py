@@ -1,5 +1,7 @@
-"""The parallel layers, parallelize() and fused column groups on tpflow's Triton kernels: the GPU's hot path,
-run here through Triton's interpreter (small shapes, fp32 and fp16; the interpreter mishandles bf16).
+"""The parallel layers, parallelize() and fused column groups on tpflow's Triton kernels: the GPU's hot path.
+Without a GPU they run through Triton's interpreter on 2 and 3 gloo ranks (small shapes, fp32 and fp16; the
+interpreter mishandles bf16); on a GPU machine (``make gpu-check``) on the compiled kernels, one rank on one GPU
+(bf16 too), since NCCL gives each rank a GPU of its own.
 
 The rank functions are the torch-path tests' own (``tests.checks``), run with the ``kernels`` switch at
 ``"triton"``; each run also counts the kernel launches, so a path that silently fell back to torch's matmul fails.
@@ -16,43 +18,51 @@ from tests.checks import Counting, fused_columns_match_one_device, half_precisio
 
 pytest.importorskip("triton")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+WORLDS = [1] if DEVICE == "cuda" else [2, 3]
+HALF = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+
 
 def _on_triton(fn, *args):
-    """``fn(*args)`` with every local product on the Triton kernels; (its result, the launches it made)."""
+    """``fn(*args)`` with every local product on the Triton kernels, however few its rows; (its result, the launches
+    it made)."""
     from tpflow.kernels import tuning
 
     tiled = Counting(tuning.tuned("tiled"))
-    with tpf.config.override(kernels="triton", matmul="tiled"), tuning.use("tiled", tiled):
+    with tpf.config.override(kernels="triton", matmul="tiled", triton_min_rows={DEVICE: 0}), \
+            tuning.use("tiled", tiled):
         return fn(*args), tiled.launches
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("sequence_parallel, algo", [(False, "auto"), (True, "ring"), (True, "naive")],
                          ids=["tp", "tp+sp ring", "tp+sp plain"])
 def test_mlp_through_parallelize_on_the_kernels(world, sequence_parallel, algo):
     """Column -> relu -> row blocks, forward and every gradient equal to nn.Linear's; with sequence parallelism
     the ring collectives compute their chunks as row ranges of the kernels."""
     for _, launches in harness.run(world, _on_triton, mlp_matches_one_device, sequence_parallel, 4 * world, 7, False,
-                                   torch.float32, algo, timeout=300):
+                                   torch.float32, algo, DEVICE, timeout=300):
         assert launches >= 12, f"{launches} kernel launches: the layers must compute on the Triton kernels"
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("sequence_parallel, keep_gathered", [(False, True), (True, True), (True, False)],
                          ids=["tp", "tp+sp", "tp+sp regather"])
 def test_fused_columns_on_the_kernels(world, sequence_parallel, keep_gathered):
     """q / k / v-like column layers as one product on the kernels: each member's output and gradients equal
     nn.Linear's, and the group sends what one layer as wide as the three sends."""
     for (fused, one), launches in harness.run(world, _on_triton, fused_columns_match_one_device, sequence_parallel,
-                                              keep_gathered, True, timeout=300):
+                                              keep_gathered, True, DEVICE, timeout=300):
         assert fused == one, f"fused layers sent {fused} bytes (forward, backward), one layer {one}"
         assert launches >= 6, f"{launches} kernel launches"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_half_precision_on_the_kernels(world):
-    """fp16 column and row layers round once, as one device does: their partial sums travel in fp32."""
-    for _, launches in harness.run(world, _on_triton, half_precision_rounds_once, torch.float16, timeout=300):
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_precision_on_the_kernels(world, dtype):
+    """fp16 (and on a GPU bf16) column and row layers round once, as one device does: their partial sums travel in
+    fp32."""
+    for _, launches in harness.run(world, _on_triton, half_precision_rounds_once, dtype, DEVICE, timeout=300):
         assert launches >= 2, f"{launches} kernel launches"
 
 
@@ -61,11 +71,11 @@ def test_decode_sized_products_run_torch():
     and backward; from that many rows on, the kernel."""
     from tpflow.kernels import linear, tuning
 
-    w = torch.randint(-3, 4, (6, 5)).float().requires_grad_()
+    w = torch.randint(-3, 4, (6, 5), device=DEVICE).float().requires_grad_()
     for rows, kernel in ((3, False), (4, True)):
-        x = torch.randint(-3, 4, (rows, 5)).float().requires_grad_()
+        x = torch.randint(-3, 4, (rows, 5), device=DEVICE).float().requires_grad_()
         tiled = Counting(tuning.tuned("tiled"))
-        with tpf.config.override(kernels="triton", matmul="tiled", triton_min_rows={"cpu": 4}), \
+        with tpf.config.override(kernels="triton", matmul="tiled", triton_min_rows={DEVICE: 4}), \
                 tuning.use("tiled", tiled):
             y = linear(x, w, activation="relu")
             y.sum().backward()
