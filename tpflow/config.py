@@ -288,7 +288,11 @@ def describe() -> str:
 
     Example::
 
-        >>> print(tpf.config.describe())  # doctest: +SKIP
+        >>> rows = tpf.config.describe().splitlines()
+        >>> rows[0]
+        '| switch | environment | value | from | what |'
+        >>> rows[2].split(" | ")[:4]           # a switch, its variable, its value, where the value came from
+        ['| debug', '`TPFLOW_DEBUG`', 'False', 'default']
     """
     rows = ["| switch | environment | value | from | what |", "|---|---|---|---|---|"]
     for name, switch in SWITCHES.items():

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Example::
 
-        >>> main(["--nproc_per_node", "2", "train.py", "--epochs", "1"])  # doctest: +SKIP
+        >>> main(["--nproc_per_node", "2", "train.py", "--epochs", "1"])  # the launcher itself  # doctest: +SKIP
         0
     """
     argv = sys.argv[1:] if argv is None else argv

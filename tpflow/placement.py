@@ -55,8 +55,8 @@ def init_distributed() -> None:
 
         >>> import tpflow as tpf
         >>> tpf.init_distributed()   # optional: the first placement does it too
-        >>> tpf.get_world_size()     # in a plain `python script.py`
-        1
+        >>> tpf.get_world_size()     # under `tpflow.launch --nproc_per_node 2`; 1 in a plain `python script.py`
+        2
     """
     if dist.is_initialized():
         return
@@ -118,7 +118,7 @@ def get_rank() -> int:
     Example::
 
         >>> import tpflow as tpf
-        >>> tpf.get_rank()   # under `python -m tpflow.launch --nproc_per_node 2`: 0 on one process, 1 on the other
+        >>> tpf.get_rank()   # on rank 0 of `python -m tpflow.launch --nproc_per_node 2` (1 on the other process)
         0
     """
     init_distributed()
@@ -185,14 +185,14 @@ class Placement:
             row-major); a single int, a tensor or an array also do. Each rank appears once, ranks increase along
             every axis, and all lie in ``0 .. get_world_size() - 1``.
 
-    Example::
+    Example (4 ranks)::
 
         >>> import tpflow as tpf
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> P.hierarchy, P.ndim, P == tpf.placement("cpu", [0, 1])
         ((2,), 1, True)
-        >>> M = tpf.placement("cpu", ranks=[[0, 1], [2, 3]])   # a 2 x 2 mesh: needs 4 processes  # doctest: +SKIP
-        >>> M.hierarchy, M.coordinate(2)  # doctest: +SKIP
+        >>> M = tpf.placement("cpu", ranks=[[0, 1], [2, 3]])   # a 2 x 2 mesh: needs 4 processes
+        >>> M.hierarchy, M.coordinate(2)
         ((2, 2), (1, 0))
     """
 

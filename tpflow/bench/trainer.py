@@ -30,6 +30,7 @@ class Skip(Exception):
 
     Example::
 
+        >>> from tpflow.bench.modes import build
         >>> from tpflow.bench.workloads import build as build_workload
         >>> w = build_workload("mlp", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
         >>> try:
@@ -54,8 +55,9 @@ class Context:
 
     Example::
 
-        >>> ctx = Context(world=2, rank=dist.get_rank(), device=torch.device("cpu"))  # doctest: +SKIP
-        >>> P = ctx.placement(range(ctx.world))  # doctest: +SKIP
+        >>> ctx = Context(world=2, rank=tpf.get_rank(), device=torch.device("cpu"))
+        >>> ctx.placement(range(ctx.world))
+        placement(type="cpu", ranks=[0, 1])
     """
 
     world: int
@@ -108,8 +110,14 @@ class Trainer:
         >>> idle = Trainer(step=lambda: None, params=[], minimum=0, ranks=[0])  # one device's, off rank 0
         >>> idle.step() is None, idle.param_bytes()
         (True, 0)
-        >>> trainer = build("data, DDP", w, ctx)  # doctest: +SKIP
-        >>> share = trainer.step()  # doctest: +SKIP
+        >>> from tpflow.bench.modes import build
+        >>> from tpflow.bench.workloads import build as build_workload
+        >>> w = build_workload("mlp", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
+        >>> trainer = build("data, DDP", w, Context(world=2, rank=tpf.get_rank(), device=torch.device("cpu")))
+        >>> trainer.step()                                # on rank 0: its share of the loss
+        tensor(1.2341)
+        >>> trainer.param_bytes(), trainer.state_bytes    # DDP's buckets: one more copy of the parameters
+        (67072, 67072)
     """
 
     step: Callable[[], torch.Tensor | None]
@@ -140,7 +148,13 @@ def make_trainer(params: list[torch.Tensor], forward_backward: Callable[[], torc
 
     Example::
 
-        >>> mode = make_trainer(list(model.parameters()), forward_backward(model, x, y), 0, [0])  # doctest: +SKIP
+        >>> model = torch.nn.Linear(3, 1, bias=False)
+        >>> _ = torch.nn.init.ones_(model.weight)
+        >>> mode = make_trainer([model.weight], forward_backward(model, torch.ones(4, 3), torch.zeros(4, 1)), 0, [0])
+        >>> mode.step(), mode.step()                       # SGD at lr 0.05: the weight goes from 1 to 0.7
+        (tensor(9.), tensor(4.4100))
+        >>> model.weight.grad is None                      # freed after each step
+        True
     """
     opt = torch.optim.SGD(params, lr=LR)
 

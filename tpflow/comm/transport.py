@@ -220,9 +220,9 @@ class DistTransport(Transport):
 
     Example::
 
-        >>> tpf.init_distributed()  # doctest: +SKIP
-        >>> transport = tpf.comm.DistTransport()  # doctest: +SKIP
-        >>> transport.gather_ints(10 + transport.rank)  # on 2 ranks  # doctest: +SKIP
+        >>> tpf.init_distributed()
+        >>> transport = tpf.comm.DistTransport()
+        >>> transport.gather_ints(10 + transport.rank)  # under python -m tpflow.launch --nproc_per_node 2
         [10, 11]
     """
 
@@ -279,7 +279,7 @@ def as_transport(group: dist.ProcessGroup | Transport | None) -> Transport:
         >>> world = tpf.comm.FakeWorld(2)
         >>> tpf.comm.as_transport(world.transports[0]) is world.transports[0]
         True
-        >>> tpf.comm.as_transport(None).world_size  # under python -m tpflow.launch  # doctest: +SKIP
+        >>> tpf.comm.as_transport(None).world_size  # under python -m tpflow.launch --nproc_per_node 2
         2
     """
     if isinstance(group, Transport):

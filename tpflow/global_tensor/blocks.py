@@ -126,7 +126,7 @@ class Block(NamedTuple):
         >>> x = tpf.randn(5, 3, placement=P, sbp=tpf.sbp.split(0))
         >>> b = Block.of(x)
         >>> b.sbp, b.shape, b.local.shape               # on rank 1: the last 2 of 5 rows
-        ((split(0),), (5, 3), torch.Size([2, 3]))
+        ((sbp.split(dim=0),), (5, 3), torch.Size([2, 3]))
         >>> Block.absent(b.sbp, b.shape, torch.float16).local     # what a rank outside P holds
         tensor([], dtype=torch.float16)
     """

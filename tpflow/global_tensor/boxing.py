@@ -155,7 +155,7 @@ def direct_route(src_pl: Placement, src: tuple[Sbp, ...], dst_pl: Placement, dst
     Returns:
         The ``(sender, receiver, block shape)`` triples, or None where the route gathers, or keeps a block on a rank.
 
-    Example::
+    Example (4 ranks)::
 
         >>> import tpflow as tpf
         >>> P, Q = tpf.placement("cpu", ranks=[0, 1]), tpf.placement("cpu", ranks=[2, 3])
@@ -197,7 +197,7 @@ def post_across(x: Block, src_pl: Placement, dst_pl: Placement, dst: tuple[Sbp, 
         >>> x = tpf.tensor(torch.arange(4.0), placement=P, sbp=tpf.sbp.split(0))
         >>> pending, local = post_across(Block.of(x), P, Q, (tpf.sbp.broadcast,))
         >>> pending.wait()
-        >>> local                                       # on rank 1: the whole value; None on rank 0
+        >>> local                                       # on rank 1: the whole value (None off Q)
         tensor([0., 1., 2., 3.])
     """
     rank, src, shape = dist.get_rank(), x.sbp, x.shape

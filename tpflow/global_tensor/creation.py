@@ -66,9 +66,9 @@ def randn(*size: int, placement: Placement, sbp: object, dtype: torch.dtype | No
         >>> import torch
         >>> import tpflow as tpf
         >>> P = tpf.placement("cpu", ranks=[0, 1])
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> x = tpf.randn(4, 5, placement=P, sbp=tpf.sbp.split(0))
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> torch.equal(x.full_tensor(), torch.randn(4, 5))   # any world size and SBP
         True
     """

@@ -64,9 +64,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
 
     Example::
 
-        >>> import math
-
-import torch
+        >>> import torch
         >>> import tpflow as tpf
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> _ = torch.manual_seed(0)
@@ -123,9 +121,7 @@ def vocab_parallel_loss() -> TorchFunctionMode:
 
     Example::
 
-        >>> import math
-
-import torch
+        >>> import torch
         >>> import torch.nn.functional as F
         >>> import tpflow as tpf
         >>> P = tpf.placement("cpu", ranks=[0, 1])

@@ -40,7 +40,10 @@ def adopt(param: torch.Tensor) -> torch.Tensor:
 
     Example::
 
-        >>> weight = tpf.gradients.adopt(nn.Parameter(tpf.zeros(4, 4, placement=P, sbp=tpf.sbp.broadcast)))
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> weight = torch.nn.Parameter(tpf.zeros(4, 4, placement=P, sbp=tpf.sbp.broadcast))
+        >>> tpf.gradients.adopt(weight) is weight
+        True
     """
     setattr(param, _MARK, True)
     return param
@@ -69,9 +72,16 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
 
     Example::
 
-        >>> loss.backward()
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> model = tpf.to_global(torch.nn.Linear(4, 2), placement=P)          # broadcast parameters
+        >>> x = tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))             # data parallel: 3 rows a rank
+        >>> model(x).sum().backward()
+        >>> tpf.get_sbp(model.weight.grad)
+        (sbp.partial_sum,)
         >>> tpf.gradients.reduce_partial_gradients(model.parameters())  # before reading the gradients
-        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> tpf.get_sbp(model.weight.grad)
+        (sbp.broadcast,)
+        >>> norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     """
     bucket_bytes = config.get("grad_bucket_bytes") if bucket_bytes is None else bucket_bytes
     groups: dict[tuple, list[list[torch.Tensor]]] = {}
@@ -125,9 +135,16 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
     Example::
 
-        >>> loss = pipe.step(x, y)                                         # doctest: +SKIP
-        >>> norm = tpf.clip_grad_norm_(pipe.parameters(), 1.0)            # doctest: +SKIP
-        >>> opt.step()                                                     # doctest: +SKIP
+        >>> import torch.nn.functional as F
+        >>> _ = torch.manual_seed(0)
+        >>> stages = tpf.pipeline.cut(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+        ...                           [tpf.placement("cpu", [0]), tpf.placement("cpu", [1])])
+        >>> pipe = tpf.Pipeline(stages, micro_batches=2, loss_fn=F.mse_loss)
+        >>> opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        >>> loss = pipe.step(torch.ones(4, 8), torch.zeros(4, 8))
+        >>> tpf.clip_grad_norm_(pipe.parameters(), 1.0)                   # both stages' gradients, on every rank
+        tensor(0.3533)
+        >>> opt.step()
     """
     params = [p for p in parameters if p.grad is not None]
     reduce_partial_gradients(params)

@@ -59,8 +59,12 @@ def tma_layouts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 
     Example::
 
-        >>> tma_layouts(x, w.mT, y, None)  # doctest: +SKIP
+        >>> x, w = torch.randn(4, 32, dtype=torch.float16), torch.randn(16, 32, dtype=torch.float16)
+        >>> y = torch.empty(4, 16, dtype=torch.float16)
+        >>> tma_layouts(x, w.mT, y, None)                                # x @ w.T: w is read transposed
         (False, True)
+        >>> tma_layouts(x.float(), w.mT.float(), y.float(), None) is None   # fp32: no TMA
+        True
     """
     if a.dtype not in _TMA_DTYPES:
         return None
@@ -93,7 +97,12 @@ def kernel_choice(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pre: torc
 
     Example::
 
-        >>> kernel_choice(a, b, torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device))  # doctest: +SKIP
+        >>> a, b = torch.randn(4, 32, dtype=torch.float16), torch.randn(32, 16, dtype=torch.float16)
+        >>> out = torch.empty(4, 16, dtype=torch.float16)
+        >>> kernel_choice(a, b, out)           # under Triton's interpreter; 'persistent' compiled on an H100
+        'tiled'
+        >>> with tpf.config.override(matmul="persistent"):
+        ...     kernel_choice(a, b, out)
         'persistent'
     """
     return "tiled" if _persistent_layouts(a, b, out, pre) is None else "persistent"
@@ -132,8 +141,8 @@ def programs(device: torch.device) -> int:
 
     Example::
 
-        >>> programs(torch.device("cuda", 0))  # doctest: +SKIP
-        132
+        >>> programs(torch.device("cpu"))      # under Triton's interpreter; one per SM on a GPU (132 on an H100)
+        3
     """
     return _INTERPRETER_PROGRAMS if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -201,7 +210,10 @@ def launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activati
 
     Example::
 
-        >>> launch(a, b, None, 0, None, out, None, 0, a.shape[0], 0)  # doctest: +SKIP
+        >>> a, b, out = torch.randn(4, 8), torch.randn(8, 6), torch.empty(4, 6)
+        >>> launch(a, b, None, 0, None, out, None, 0, a.shape[0], 0)   # every row; no bias, activation or acc
+        >>> torch.allclose(out, a @ b, atol=1e-5)
+        True
     """
     layouts = _persistent_layouts(a, b, out, pre)
     flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_ACC=acc is not None, STORE_PRE=pre is not None)

@@ -47,8 +47,21 @@ def wanted(ctx, index: int) -> bool:
 
     Example::
 
-        >>> # in a torch.autograd.Function's backward:
-        >>> dw = dy.mT @ x if wanted(ctx, 1) else None  # doctest: +SKIP
+        >>> class Scale(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x, w):
+        ...         ctx.save_for_backward(x, w)
+        ...         return x * w
+        ...     @staticmethod
+        ...     def backward(ctx, dy):
+        ...         x, w = ctx.saved_tensors
+        ...         print(wanted(ctx, 0), wanted(ctx, 1))
+        ...         return dy * w if wanted(ctx, 0) else None, (dy * x).sum() if wanted(ctx, 1) else None
+        >>> x, w = torch.ones(3, requires_grad=True), torch.tensor(2.0, requires_grad=True)
+        >>> Scale.apply(x, w).sum().backward()
+        True True
+        >>> Scale.apply(x, w).sum().backward(inputs=[w])             # only towards the weight
+        False True
     """
     if not ctx.needs_input_grad[index] or torch.compiler.is_compiling():  # traced code has no engine to ask
         return ctx.needs_input_grad[index]

@@ -193,7 +193,13 @@ def tuned(kernel: str) -> Tuned:
 
     Example::
 
-        >>> tuned("tiled").launch  # doctest: +SKIP
+        >>> t = tuned("tiled")
+        >>> type(t).__name__, tuned("tiled") is t          # built once, then kept
+        ('Tuned', True)
+        >>> pinned = Tuned("tiled", configs("tiled")[:1])
+        >>> with use("tiled", pinned):
+        ...     tuned("tiled") is pinned
+        True
     """
     if kernel in _IN_USE:
         return _IN_USE[kernel]

@@ -50,8 +50,15 @@ class LocalBlocks:
 
     Example::
 
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> layer = tpf.ColumnParallelLinear(4, 6, placement=P)   # weight split(0): 3 of its 6 rows a rank
         >>> blocks = LocalBlocks()
         >>> w, b = blocks((layer.weight, layer.bias), key=(), grad_placements=lambda p: p.placements)
+        >>> w.shape, b.shape
+        (torch.Size([3, 4]), torch.Size([3]))
+        >>> w.sum().backward()
+        >>> layer.weight.grad.placements                           # as grad_placements said
+        (Shard(dim=0),)
     """
 
     def __init__(self) -> None:
@@ -101,7 +108,11 @@ def join(params: Sequence[DTensor]) -> None:
 
     Example::
 
-        >>> join([q.weight, k.weight, v.weight])  # doctest: +SKIP
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> q, k, v = (tpf.ColumnParallelLinear(8, n, placement=P) for n in (8, 4, 4))
+        >>> join([q.weight, k.weight, v.weight])
+        >>> _adjacent([q.weight.to_local(), k.weight.to_local(), v.weight.to_local()])   # one storage, in order
+        True
     """
     blocks = [p._local_tensor for p in params]
     if not _adjacent(blocks):

@@ -44,8 +44,14 @@ class ColumnGroup:
     Example::
 
         >>> from tpflow.layers import ColumnGroup
-        >>> # attn: a module whose q_proj / k_proj / v_proj are ColumnParallelLinear layers, all read by its forward
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> attn = torch.nn.Module()   # in a model: the attention, whose forward reads all three
+        >>> attn.q_proj, attn.k_proj, attn.v_proj = (tpf.ColumnParallelLinear(8, n, placement=P) for n in (8, 4, 4))
         >>> group = ColumnGroup([attn.q_proj, attn.k_proj, attn.v_proj], attn)  # what parallelize(fuse=True) does
+        >>> x = torch.randn(2, 8)
+        >>> q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)   # one product; k and v are taken from it
+        >>> group._products, q.shape, k.shape                          # this rank's columns of each
+        (1, torch.Size([2, 4]), torch.Size([2, 2]))
     """
 
     def __init__(self, layers: Sequence[ColumnParallelLinear], parent: nn.Module) -> None:

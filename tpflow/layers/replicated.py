@@ -128,7 +128,7 @@ def replicate(model: nn.Module, placement: Placement, grads: str | Mapping[str, 
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> norm = replicate(nn.LayerNorm(8), P)
         >>> type(norm.weight).__name__, tpf.get_sbp(norm.weight)
-        ('DTensor', (broadcast,))
+        ('DTensor', (sbp.broadcast,))
         >>> norm(torch.randn(2, 8)).shape                     # its own forward, on plain tensors
         torch.Size([2, 8])
     """
@@ -163,7 +163,12 @@ def replicated_grads(module: nn.Module) -> str | None:
 
     Example::
 
-        >>> replicated_grads(model.model.layers[0].self_attn.q_norm)  # doctest: +SKIP
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> q_proj, q_norm = tpf.ColumnParallelLinear(8, 8, placement=P), replicate(torch.nn.LayerNorm(4), P)
+        >>> replicated_grads(q_norm)                              # not called with gradients yet
+        'auto'
+        >>> q_norm(q_proj(torch.randn(2, 8))).sum().backward()     # it sees this rank's columns (its heads)
+        >>> replicated_grads(q_norm)
         'partial'
     """
     replica = getattr(module, _STATE, None)

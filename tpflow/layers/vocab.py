@@ -79,15 +79,13 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
 
     Example::
 
-        >>> import functools
-
-import torch
+        >>> import torch
         >>> import tpflow as tpf
         >>> from tpflow.layers import VocabParallelEmbedding
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> _ = torch.manual_seed(0)                        # the same weights on every rank
         >>> emb = VocabParallelEmbedding(101, 16, placement=P)
-        >>> emb.weight.shape, emb.weight.to_local().shape   # rank 0 holds ids [0, 51), rank 1 [51, 101)
+        >>> emb.weight.shape, emb.weight.to_local().shape   # on rank 0: ids [0, 51); rank 1 holds [51, 101)
         (torch.Size([101, 16]), torch.Size([51, 16]))
         >>> emb(torch.tensor([[0, 100, 50]])).shape         # the whole output on every rank
         torch.Size([1, 3, 16])
@@ -132,7 +130,12 @@ import torch
 
         Example::
 
-            >>> emb = VocabParallelEmbedding.from_embedding(nn.Embedding(101, 16), placement=P)  # doctest: +SKIP
+            >>> P = tpf.placement("cpu", ranks=[0, 1])
+            >>> _ = torch.manual_seed(0)                       # the same embedding on every rank
+            >>> plain = nn.Embedding(101, 16)
+            >>> emb = VocabParallelEmbedding.from_embedding(plain, placement=P)
+            >>> torch.equal(emb.weight.full_tensor(), plain.weight), isinstance(emb, nn.Embedding)
+            (True, True)
         """
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"from_embedding takes an nn.Embedding, got {type(module).__name__}")
@@ -230,9 +233,17 @@ def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.L
     Example::
 
         >>> import tpflow as tpf
-        >>> hidden = model.model(ids).last_hidden_state[:, :-1]                # doctest: +SKIP
-        >>> loss = tpf.linear_cross_entropy(hidden, model.lm_head, ids[:, 1:])   # doctest: +SKIP
-        >>> loss.backward()                                                    # doctest: +SKIP
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> head = tpf.ColumnParallelLinear(16, 101, bias=False, placement=P)   # a vocabulary-parallel lm_head
+        >>> hidden, target = torch.randn(2, 5, 16, requires_grad=True), torch.randint(0, 101, (2, 5))
+        >>> loss = tpf.linear_cross_entropy(hidden, head, target)
+        >>> loss.backward()
+        >>> loss                                                    # the same on every rank
+        tensor(4.8424, grad_fn=<_LinearCEBackward>)
+        >>> logits = hidden @ head.weight.full_tensor().T          # what it never makes
+        >>> torch.allclose(loss, F.cross_entropy(logits.flatten(0, 1), target.flatten()))
+        True
     """
     if isinstance(hidden, DTensor):
         raise TypeError("linear_cross_entropy takes the hidden states as a plain tensor, whole on every rank")

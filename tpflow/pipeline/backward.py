@@ -66,8 +66,14 @@ class WeightGrad:
 
     Example::
 
-        >>> later = input_grad(y, dy, x, list(stage.parameters()))  # doctest: +SKIP
-        >>> later.run()                                             # doctest: +SKIP
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> x = torch.randn(4, 3, requires_grad=True)
+        >>> later = input_grad(lin(x).sum(), None, x, list(lin.parameters()))   # B: the input's gradient
+        >>> type(later).__name__, lin.weight.grad is None
+        ('WeightGrad', True)
+        >>> later.run()                                                         # W: the weights' gradients
+        >>> lin.weight.grad.shape
+        torch.Size([2, 3])
     """
 
     def __init__(self, groups: list[tuple[list[Node], list[torch.Tensor]]]) -> None:

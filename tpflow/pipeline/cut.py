@@ -115,9 +115,13 @@ class CausalLMStage(nn.Module):
 
     Example::
 
-        >>> stages = tpf.pipeline.cut(lm, placements=[P0, P1])  # doctest: +SKIP
-        >>> stages[0].module                                    # doctest: +SKIP
-        CausalLMStage(first=True, last=False, layers=2)
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        ...                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+        >>> P0, P1 = tpf.placement("cpu", [0]), tpf.placement("cpu", [1])
+        >>> stages = tpf.pipeline.cut(lm, placements=[P0, P1])
+        >>> stages[0].module.extra_repr(), stages[1].module.extra_repr()
+        ('first=True, last=False, layers=2', 'first=False, last=True, layers=2')
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], first: bool, last: bool) -> None:
@@ -293,7 +297,18 @@ def causal_lm_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], t
 
     Example::
 
-        >>> pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=tpf.pipeline.causal_lm_loss(lm))  # doctest: +SKIP
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+        >>> ids = torch.randint(0, 64, (4, 8))
+        >>> lm(ids, labels=ids).loss                       # one device's
+        tensor(4.1618, grad_fn=<NllLossBackward0>)
+        >>> stages = tpf.pipeline.cut(lm, [tpf.placement("cpu", [0]), tpf.placement("cpu", [1])])
+        >>> pipe = tpf.Pipeline(stages, micro_batches=2, loss_fn=tpf.pipeline.causal_lm_loss(lm))
+        >>> loss = pipe.step(ids, ids)
+        >>> loss                                           # on rank 1, the last stage's
+        tensor(4.1618)
     """
     vocab = model.config.vocab_size
     own = model.loss_function

@@ -168,7 +168,11 @@ class Pipeline(nn.Module):
         ...                     placement=tpf.placement("cpu", ranks=[0])),
         ...           tpf.stage(nn.Linear(32, 4), stage_id=1, placement=tpf.placement("cpu", ranks=[1]))]
         >>> pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=F.cross_entropy)
-        >>> print(pipe.schedule_table())  # doctest: +SKIP
+        >>> print(pipe.schedule_table())
+        1f1b: 2 stages, 4 micro-batches, bubble (p - 1) / (m + p - 1) = 20.0%
+        step      0  1  2  3  4  5  6  7  8  9
+        stage 0  F0 F1  . B0 F2 B1 F3 B2  . B3
+        stage 1   . F0 B0 F1 B1 F2 B2 F3 B3  .
         >>> opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         >>> x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
         >>> loss = pipe.step(x, y)   # the batch's mean loss on rank 1, None on rank 0

@@ -263,7 +263,11 @@ class Link:
 
     Example::
 
-        >>> link = Link(stages[0], stages[1], base=0, micro_batches=4, ahead=True)  # doctest: +SKIP
+        >>> from torch import nn
+        >>> stages = [tpf.stage(nn.Linear(8, 8), stage_id=k, placement=tpf.placement("cpu", [k])) for k in range(2)]
+        >>> link = Link(stages[0], stages[1], base=0, micro_batches=4, ahead=True)   # as tpf.Pipeline makes it
+        >>> link.acts.frm.ranks, link.acts.to.ranks, link.grads.to.ranks           # activations on, gradients back
+        ([0], [1], [0])
     """
 
     def __init__(self, src: Stage, dst: Stage, base: int, micro_batches: int, ahead: bool) -> None:

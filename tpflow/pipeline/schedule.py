@@ -70,8 +70,8 @@ def build(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> Ta
         >>> table = build("1f1b", stages=2, micro_batches=2)
         >>> [str(a) for a in table[1]]
         ['recv_act0', 'F0', 'B0', 'send_grad0', 'recv_act1', 'F1', 'B1', 'send_grad1']
-        >>> [str(a) for a in build("interleaved", stages=2, micro_batches=2, chunks=2)[1]][:4]
-        ['recv_act0', 'F0', 'recv_act1', 'F1']
+        >>> [str(a) for a in build("interleaved", stages=2, micro_batches=2, chunks=2)[1]][:8]   # .1: chunk 1
+        ['recv_act0', 'F0', 'send_act0', 'recv_act1', 'F1', 'send_act1', 'recv_act0.1', 'F0.1']
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")

@@ -65,10 +65,14 @@ class PipelineError(RuntimeError):
     Example::
 
         >>> import tpflow as tpf
+        >>> from torch import nn
+        >>> first = tpf.stage(nn.Linear(8, 6), stage_id=0, placement=tpf.placement("cpu", ranks=[0]))
+        >>> second = tpf.stage(nn.Linear(7, 4), stage_id=1, placement=tpf.placement("cpu", ranks=[1]))  # wants 7
         >>> try:
-        ...     loss = pipe.step(x, y)  # doctest: +SKIP
-        ... except tpf.PipelineError as e:
-        ...     print(e)  # "stage 1 (ranks [1]) failed on F0: ..."  # doctest: +SKIP
+        ...     y = second(first(torch.randn(2, 8)))   # eagerly: rank 1 raises the module's own RuntimeError
+        ... except RuntimeError as e:                 # a PipelineError on rank 0 (in Pipeline.step: on every rank)
+        ...     print(type(e).__name__, e)
+        PipelineError stage 1 (ranks [1]) failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x6 and 7x4)
     """
 
 
@@ -190,7 +194,7 @@ class Stage(nn.Module):
             >>> stage = tpf.stage(torch.nn.Linear(8, 4), stage_id=0, placement=P, sbp=tpf.sbp.split(0))
             >>> y = stage.compute_block(Block(torch.ones(3, 8), (tpf.sbp.split(0),), (6, 8)))   # 3 of 6 rows
             >>> y.sbp, y.shape, y.local.shape
-            ((split(0),), (6, 4), torch.Size([3, 4]))
+            ((sbp.split(dim=0),), (6, 4), torch.Size([3, 4]))
         """
         local, sbps, shape = x
         hierarchy = self.placement.hierarchy
