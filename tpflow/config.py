@@ -218,7 +218,7 @@ def get(name: str, device: object = None) -> object:
     return value.get(getattr(device, "type", device), value["cuda"])
 
 
-def set(**values: object) -> None:  # noqa: A001 - tpf.config.set reads as what it does
+def set(**values: object) -> None:
     """Set switches from code, for the rest of the process (until ``reset``); they win over the environment.
 
     Every value is checked before any is set, so a bad one changes nothing.

@@ -20,7 +20,7 @@ import os
 import runpy
 import sys
 
-__all__ = ["build_parser", "torchrun_args", "main"]
+__all__ = ["build_parser", "main", "torchrun_args"]
 
 _WORKER = "--tpflow-worker"  # internal: how torchrun starts each rank through this module
 

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tpflow import config
 
-__all__ = ["Placement", "placement", "get_rank", "get_world_size", "init_distributed", "placement_of_mesh"]
+__all__ = ["Placement", "get_rank", "get_world_size", "init_distributed", "placement", "placement_of_mesh"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _MESHES: dict[tuple[str, tuple], DeviceMesh] = {}

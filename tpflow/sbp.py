@@ -20,19 +20,19 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DTensorPlacement
 
 __all__ = [
-    "Split",
     "Broadcast",
     "PartialSum",
     "Sbp",
-    "split",
+    "Split",
     "broadcast",
-    "partial_sum",
-    "normalize",
-    "to_dtensor",
-    "from_dtensor",
     "chunk_bounds",
-    "local_region",
     "dual",
+    "from_dtensor",
+    "local_region",
+    "normalize",
+    "partial_sum",
+    "split",
+    "to_dtensor",
 ]
 
 

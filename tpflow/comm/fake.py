@@ -110,7 +110,7 @@ class FakeWorld:
         def body(rank: int) -> None:
             try:
                 results[rank] = fn(self.transports[rank], *args)
-            except BaseException as e:  # noqa: BLE001 - re-raised below, on the caller's thread
+            except BaseException as e:
                 with self._cond:
                     if not first_error:  # the others then fail waiting for it; their errors say so
                         first_error.append(e)

@@ -87,7 +87,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
-def _routed(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,  # noqa: A002 - torch's
+def _routed(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
             reduction="mean", label_smoothing=0.0):
     """``F.cross_entropy``'s arguments, if ``cross_entropy`` computes them (logits [rows, classes] split over the
     classes, class-index targets, no weights), else None."""

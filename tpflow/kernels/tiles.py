@@ -98,7 +98,7 @@ def _tiled_kernel(
     row_mask = out_m[:, None] < rows
     col_mask = offs_n[None, :] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:  # no K mask: the loads stay simple enough to pipeline well
             a = tl.load(a_ptrs, mask=row_mask, other=0.0)
             b = tl.load(b_ptrs, mask=col_mask, other=0.0)

@@ -14,8 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Action", "COMPUTE", "RECVS", "SENDS", "Table", "UNIT_COSTS", "backward_actions", "forward_actions",
-           "route"]
+__all__ = [
+    "COMPUTE",
+    "RECVS",
+    "SENDS",
+    "UNIT_COSTS",
+    "Action",
+    "Table",
+    "backward_actions",
+    "forward_actions",
+    "route",
+]
 
 COMPUTE = ("F", "B", "W")
 SENDS, RECVS = ("send_act", "send_grad"), ("recv_act", "recv_grad")

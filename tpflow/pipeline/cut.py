@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -71,7 +72,7 @@ def _runs(names: list[str], parts: int, at: Sequence[str] | None, what: str) -> 
     if starts != sorted(set(starts)) or starts[0] == 0:
         raise ValueError(f"at must name {what} in their order, after the first, each once: got {at}")
     bounds = [0, *starts, len(names)]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def _sequential_stages(model: nn.Sequential, placements: Sequence[Placement], at: Sequence[str] | None,

@@ -13,6 +13,7 @@ of the batch (``loss_reduction="mean"``) or not at all (``"sum"``), and paramete
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -209,7 +210,7 @@ class Pipeline(nn.Module):
         self.table = schedules.build(schedule, p, micro_batches, chunks=v)
         self.split_backward = any(a.kind == "W" for actions in self.table for a in actions)
         for st in found:  # process groups are made by every rank, in one order: here, not lazily inside a stage
-            st.placement.mesh
+            _ = st.placement.mesh
         rank = dist.get_rank()
         # this rank's rank set: its first stage's id, None off the pipeline
         self.stage_index = next((r for r, pl in enumerate(sets) if rank in pl), None)
@@ -226,7 +227,7 @@ class Pipeline(nn.Module):
         if self.pairs and sets[0].type == "cuda":  # batched transfers use the world's communicator: made here, by all
             dist.all_reduce(torch.zeros(1, device=sets[0].device))
         self.links = [Link(a, b, base=k * (3 * micro_batches + 1), micro_batches=micro_batches, ahead=not self.pairs)
-                      for k, (a, b) in enumerate(zip(found, found[1:]))]
+                      for k, (a, b) in enumerate(itertools.pairwise(found))]
         self.trace: list[tuple[actions.Action, float, float]] = []
         self._failed: str | None = None
         self._released = {} if self.stage_index is None else _released(self.table, self.stage_index)

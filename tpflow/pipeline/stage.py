@@ -236,8 +236,8 @@ class Stage(nn.Module):
             if leaf.grad is not None:
                 spent.setdefault(split, []).append((p, leaf.grad))
         for split, items in spent.items():
-            placements = _grad_placements(split)
-            blocks = self._blocks(tuple(p for p, _ in items), ("step", split), lambda p: placements)
+            layout = _grad_placements(split)
+            blocks = self._blocks(tuple(p for p, _ in items), ("step", split), lambda p, layout=layout: layout)
             torch.autograd.backward(blocks, [g for _, g in items])
 
     def weights(self) -> list[torch.Tensor]:
