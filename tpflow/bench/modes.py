@@ -335,9 +335,12 @@ def build(name: str, w: Workload, ctx: Context) -> Trainer:
 
         >>> from tpflow.bench.workloads import build as build_workload
         >>> w = build_workload("mlp", dim=32, hidden=64, depth=4, tokens=64, seq=8, heads=8, kv_heads=4)
-        >>> ctx = Context(world=2, rank=dist.get_rank(), device=torch.device("cpu"))  # doctest: +SKIP
-        >>> trainer = build("tensor, tpflow", w, ctx)  # doctest: +SKIP
-        >>> share = trainer.step()  # doctest: +SKIP
+        >>> ctx = Context(world=2, rank=dist.get_rank(), device=torch.device("cpu"))
+        >>> trainer = build("tensor, tpflow", w, ctx)
+        >>> trainer.step()                                  # on rank 0, which reports the whole loss
+        tensor(2.3699)
+        >>> build("one device", w, ctx).step()              # on rank 0: the same loss on one device
+        tensor(2.3699)
     """
     if name in HF_ONLY and w.name != "hf":
         raise Skip("transformers' own tensor parallelism runs the hf workload only")

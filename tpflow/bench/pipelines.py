@@ -83,7 +83,11 @@ def pipeline_mode(name: str) -> Callable[[Workload, Context], Trainer]:
 
     Example::
 
-        >>> trainer = pipeline_mode("ZB-H1")(w, ctx)  # doctest: +SKIP
+        >>> from tpflow.bench.workloads import build as build_workload
+        >>> w = build_workload("mlp", dim=8, hidden=16, depth=4, tokens=16, seq=4, heads=2, kv_heads=1)
+        >>> trainer = pipeline_mode("ZB-H1")(w, Context(world=2, rank=tpf.get_rank(), device=torch.device("cpu")))
+        >>> trainer.step()                     # on rank 1, the last stage's: the batch's loss
+        tensor(2.4722)
     """
     def build(w: Workload, ctx: Context) -> Trainer:
         stages, per_rank, m = _layout(w, ctx, name)
@@ -104,8 +108,14 @@ def counting_p2p() -> Iterator[None]:
 
     Example::
 
-        >>> with counting_p2p():  # doctest: +SKIP
-        ...     schedule.step(x)
+        >>> buf, peer = torch.zeros(256), 1 - dist.get_rank()
+        >>> comm.stats.reset()
+        >>> with counting_p2p():
+        ...     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(256), peer),
+        ...                                     dist.P2POp(dist.irecv, buf, peer)])
+        >>> _ = [work.wait() for work in works]
+        >>> comm.stats.bytes_sent             # the send's 1 KiB; a receive sends nothing
+        1024
     """
     own = dist.P2POp.__init__
 
@@ -132,7 +142,11 @@ def torch_pipeline_mode(name: str) -> Callable[[Workload, Context], Trainer]:
 
     Example::
 
-        >>> trainer = torch_pipeline_mode("1F1B")(w, ctx)  # doctest: +SKIP
+        >>> from tpflow.bench.workloads import build as build_workload
+        >>> w = build_workload("mlp", dim=8, hidden=16, depth=4, tokens=16, seq=4, heads=2, kv_heads=1)
+        >>> trainer = torch_pipeline_mode("1F1B")(w, Context(world=2, rank=tpf.get_rank(), device=torch.device("cpu")))
+        >>> trainer.step()                     # on rank 1: the loss tpflow's 1F1B gives too
+        tensor(2.4722, grad_fn=<MeanBackward0>)
     """
     def build(w: Workload, ctx: Context) -> Trainer:
         from torch.distributed.pipelining import PipelineStage, schedules
@@ -170,9 +184,14 @@ def pipeline_x_tensor(w: Workload, ctx: Context, plan: dict,
     Returns:
         The trainer.
 
-    Example::
+    Example (4 ranks)::
 
-        >>> trainer = pipeline_x_tensor(w, ctx, plan, layers_bytes)  # doctest: +SKIP
+        >>> from tpflow.bench.workloads import build as build_workload
+        >>> w = build_workload("mlp", dim=8, hidden=16, depth=4, tokens=16, seq=4, heads=2, kv_heads=1)
+        >>> ctx = Context(world=4, rank=tpf.get_rank(), device=torch.device("cpu"))
+        >>> trainer = pipeline_x_tensor(w, ctx, w.plan, lambda part, stage_input: 0)   # stages on [0, 1] and [2, 3]
+        >>> trainer.step()                     # on rank 2, the last stage's first rank
+        tensor(2.4722)
     """
     if ctx.world < 4 or ctx.world % 2:
         raise Skip("needs an even world of at least 4 ranks")

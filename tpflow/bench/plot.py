@@ -31,8 +31,13 @@ def plot(results: pathlib.Path) -> pathlib.Path:
 
     Example::
 
-        >>> plot(pathlib.Path("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json"))  # doctest: +SKIP
-        PosixPath('benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.png')
+        >>> import shutil
+        >>> import tempfile
+        >>> folder = tempfile.TemporaryDirectory()         # a copy: the PNG is drawn beside it
+        >>> results = shutil.copy("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json", folder.name)
+        >>> plot(pathlib.Path(results)).name
+        'bench_AMD-EPYC_w2_2026-11-22_200828.png'
+        >>> folder.cleanup()
     """
     import matplotlib
 
@@ -86,9 +91,14 @@ def main(argv: list[str] | None = None) -> int:
 
     Example::
 
-        >>> main(["benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json"])  # doctest: +SKIP
-        plot: benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.png
+        >>> import shutil
+        >>> import tempfile
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> _ = shutil.copy("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json", folder.name)
+        >>> main(["--folder", folder.name])                # its newest results file  # doctest: +ELLIPSIS
+        plot: .../bench_AMD-EPYC_w2_2026-11-22_200828.png
         0
+        >>> folder.cleanup()
     """
     p = argparse.ArgumentParser(prog="python -m tpflow.bench.plot", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="*", type=pathlib.Path, help="JSON files of python -m tpflow.bench")

@@ -57,7 +57,7 @@ class Progress:
 
     Example::
 
-        >>> with Progress(enabled=True) as progress:  # doctest: +SKIP
+        >>> with Progress(enabled=tpf.get_rank() == 0) as progress:     # bars on rank 0's terminal only
         ...     task = progress.add("mlp on 2 ranks", total=24)
         ...     for _ in range(24):
         ...         progress.advance(task)
@@ -98,7 +98,12 @@ def show(rows: list[dict], meta: dict) -> None:
     Example::
 
         >>> data = json.loads(pathlib.Path("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json").read_text())
-        >>> show(data["rows"], data["meta"])  # doctest: +SKIP
+        >>> import contextlib
+        >>> import io
+        >>> with contextlib.redirect_stdout(io.StringIO()) as out:
+        ...     show(data["rows"], data["meta"])
+        >>> out.getvalue().splitlines()[-1]              # after the tables, the command that repeats the run
+        'command: python -m tpflow.bench --nproc_per_node 2  (commit 8cf5d8a, torch 2.13.0+cpu)'
     """
     for title, part in _by_workload(rows, meta):
         if rich is None:
@@ -174,9 +179,13 @@ def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
 
     Example::
 
-        >>> paths = write(rows, meta, "benchmarks/results")  # doctest: +SKIP
-        >>> paths["json"]  # doctest: +SKIP
-        PosixPath('benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json')
+        >>> import tempfile
+        >>> data = json.loads(pathlib.Path("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json").read_text())
+        >>> folder = tempfile.TemporaryDirectory()          # the harness writes to benchmarks/results
+        >>> paths = write(data["rows"], data["meta"], folder.name)
+        >>> sorted(paths), paths["json"].name
+        (['csv', 'json', 'table'], 'bench_AMD-EPYC_w2_2026-11-22_200828.json')
+        >>> folder.cleanup()
     """
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)

@@ -212,7 +212,15 @@ class CausalLMLoss(nn.Module):
 
     Example::
 
-        >>> loss = CausalLMLoss(lm)(ids)  # doctest: +SKIP
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                                   num_attention_heads=4, num_key_value_heads=2))
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> CausalLMLoss(lm)(ids)                     # lm(ids, labels=ids).loss
+        tensor(4.1710, grad_fn=<NllLossBackward0>)
+        >>> list(CausalLMLoss(lm).tp_plan)[:2]        # the model's own plan, under the prefix lm.
+        ['lm.lm_head', 'lm.model.embed_tokens']
     """
 
     def __init__(self, lm: nn.Module) -> None:

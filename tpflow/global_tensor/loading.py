@@ -136,11 +136,26 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
 
     Example::
 
+        >>> import os
+        >>> import tempfile
+        >>> from safetensors.torch import save_file
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
         >>> import tpflow as tpf
-        >>> with tpf.meta_parameters():                                            # doctest: +SKIP
-        ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        >>> tpf.parallelize(model, placement=P, plan="auto")                      # doctest: +SKIP
-        >>> tpf.load_safetensors(model, path)                                     # doctest: +SKIP
+        >>> config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                      num_attention_heads=4, num_key_value_heads=2)
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "model.safetensors")
+        >>> _ = torch.manual_seed(0)
+        >>> save_file(LlamaForCausalLM(config).state_dict(), path)     # a checkpoint (or a from_pretrained folder)
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> with tpf.meta_parameters():
+        ...     model = AutoModelForCausalLM.from_config(config)        # nothing allocated yet
+        >>> model = tpf.parallelize(model, placement=P, plan="auto")
+        >>> model = tpf.load_safetensors(model, path)                   # each rank reads its blocks only
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> model(ids, labels=ids).loss                                 # the saved model's loss
+        tensor(4.1710, grad_fn=<_VocabParallelCEBackward>)
+        >>> folder.cleanup()
     """
     try:
         from safetensors import safe_open

@@ -155,7 +155,12 @@ class ColumnParallelLinear(ParallelLinear):
 
         Example::
 
-            >>> y = layer.product(x, *layer.local_blocks(()), rows=None)  # doctest: +SKIP
+            >>> P = tpf.placement("cpu", ranks=[0, 1])
+            >>> layer = tpf.ColumnParallelLinear(8, 6, placement=P)
+            >>> x = torch.randn(2, 8)
+            >>> y = layer.product(x, *layer.local_blocks(()), rows=None)
+            >>> y.shape, torch.equal(y, layer(x))          # this rank's 3 of 6 features, as forward gives them
+            (torch.Size([2, 3]), True)
         """
         group = self.group
         if group is None:

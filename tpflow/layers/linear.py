@@ -208,7 +208,11 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
 
         Example::
 
-            >>> w, b = layer.local_blocks(data_split=())  # doctest: +SKIP
+            >>> P = tpf.placement("cpu", ranks=[0, 1])
+            >>> layer = tpf.ColumnParallelLinear(8, 6, placement=P)
+            >>> w, b = layer.local_blocks(data_split=())   # a 1-D placement: no data-parallel axis
+            >>> w.shape, b.shape
+            (torch.Size([3, 8]), torch.Size([3]))
         """
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
         blocks = self._local_blocks(params, data_split)
@@ -233,7 +237,12 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
 
         Example::
 
-            >>> fc1 = tpf.ColumnParallelLinear.from_linear(nn.Linear(512, 2048), placement=P)  # doctest: +SKIP
+            >>> P = tpf.placement("cpu", ranks=[0, 1])
+            >>> _ = torch.manual_seed(0)                   # the same module on every rank
+            >>> fc1 = nn.Linear(16, 64)
+            >>> layer = tpf.ColumnParallelLinear.from_linear(fc1, placement=P)
+            >>> torch.equal(layer.weight.full_tensor(), fc1.weight), layer.weight.to_local().shape
+            (True, torch.Size([32, 16]))
         """
         if not isinstance(module, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(module).__name__}")

@@ -35,7 +35,10 @@ def tag(t: torch.Tensor, region: str) -> torch.Tensor:
 
     Example::
 
-        >>> y = tag(column_output, SPLIT)  # doctest: +SKIP
+        >>> w = torch.randn(4, 3, requires_grad=True)
+        >>> y = tag(w * 2, SPLIT)                                   # as a column layer tags its output
+        >>> is_split([y.relu()]), is_split([tag(y.sum(0), WHOLE) + 1])
+        (True, False)
     """
     if not torch.compiler.is_compiling() and t.grad_fn is not None:  # traced code has no autograd nodes to tag
         t.grad_fn.metadata[_KEY] = region
@@ -52,7 +55,14 @@ def mark(t: object, owner: object) -> None:
 
     Example::
 
-        >>> mark(norm_output, replica)  # doctest: +SKIP
+        >>> class Replica:                      # a replicated module's state
+        ...     def saw_split(self):
+        ...         print("told")
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> norm_output = x * 2
+        >>> mark(norm_output, Replica())
+        >>> reads_split(norm_output + 1)        # a layer downstream reads split data
+        told
     """
     for x in t if isinstance(t, (tuple, list)) else (t,):
         if isinstance(x, torch.Tensor) and x.grad_fn is not None:
@@ -90,8 +100,11 @@ def is_split(tensors: Iterable[object]) -> bool:
 
     Example::
 
-        >>> is_split([q_proj(x)])  # doctest: +SKIP
-        True
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> q_proj = tpf.ColumnParallelLinear(8, 8, placement=P)   # returns this rank's columns
+        >>> x = torch.randn(2, 8, requires_grad=True)
+        >>> is_split([q_proj(x)]), is_split([x * 2])
+        (True, False)
     """
     return _walk(tensors)[0]
 
@@ -106,7 +119,15 @@ def reads_split(x: torch.Tensor) -> None:
 
     Example::
 
-        >>> reads_split(x)  # doctest: +SKIP
+        >>> class Replica:                      # a replicated norm's state
+        ...     def saw_split(self):
+        ...         print("told")
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> normed = x * 2
+        >>> mark(normed, Replica())             # the norm marks its output
+        >>> reads_split(normed[:, :2])          # a layer takes this rank's part of it
+        told
+        >>> reads_split(x + 1)                  # nothing marked behind it
     """
     for owner in _walk([x])[1]:
         owner.saw_split()

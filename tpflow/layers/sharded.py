@@ -113,7 +113,8 @@ class ShardedModule(nn.Module):
 
         Example::
 
-            >>> tpf.ColumnParallelLinear(8, 101, placement=P).local_range(101)   # on rank 1 of 2  # doctest: +SKIP
+            >>> P = tpf.placement("cpu", ranks=[0, 1])
+            >>> tpf.ColumnParallelLinear(8, 101, placement=P).local_range(101)   # on rank 1 of 2
             (51, 101)
         """
         return chunk_bounds(size, self._tp_size)[self._tp_rank]

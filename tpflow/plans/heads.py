@@ -34,8 +34,11 @@ def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
 
     Example::
 
-        >>> attention_heads(model.model.layers[0].self_attn)  # doctest: +SKIP
-        (8, 2, 16)
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> attention_heads(model.model.layers[0].self_attn), attention_heads(model.model.layers[0].mlp)
+        ((4, 2, 4), None)
     """
     config = getattr(module, "config", None)
     if not all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "head_dim")) or config is None:
@@ -74,7 +77,18 @@ def keep_columns(linear: nn.Linear, start: int, end: int, placement: Placement) 
 
     Example::
 
-        >>> keep_columns(attn.k_proj, 16, 32, P)  # doctest: +SKIP
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> k_proj = nn.Linear(8, 4)                          # whole, the same on every rank
+        >>> start = 2 * tpf.get_rank()
+        >>> keep_columns(k_proj, start, start + 2, P)         # this rank's 2 of the 4 features
+        >>> x = torch.ones(3, 8, requires_grad=True)
+        >>> y = k_proj(x)
+        >>> y.shape
+        torch.Size([3, 2])
+        >>> y.sum().backward()                                # x's gradient summed over the ranks: the whole one
+        >>> torch.allclose(x.grad, k_proj.weight.sum(0).expand(3, 8))
+        True
     """
     if placement.hierarchy[-1] > 1:
         linear.register_forward_pre_hook(_SummedInput(placement))

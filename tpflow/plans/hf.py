@@ -103,8 +103,11 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     Example::
 
         >>> import tpflow as tpf
-        >>> plan = tpf.hf_plan(model)                                  # doctest: +SKIP
-        >>> plan["model.layers.*.self_attn.o_proj"]                    # doctest: +SKIP
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> plan = tpf.hf_plan(model)
+        >>> plan["model.layers.*.self_attn.o_proj"]
         RowParallel(input_is_parallel=True, sequence_parallel=False, algo='auto', sequence_dim=0)
     """
     own = _model_plan(model)

@@ -78,7 +78,21 @@ def route_loss(model: nn.Module, heads: Sequence[ColumnParallelLinear]) -> None:
 
     Example::
 
-        >>> route_loss(model, [model.lm_head])  # what parallelize does for a "vocab" head  # doctest: +SKIP
+        >>> import torch.nn.functional as F
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> class LM(nn.Module):                 # a model whose own code computes the loss from its head's logits
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lm_head = tpf.ColumnParallelLinear(8, 10, placement=P, global_output=True)
+        ...     def forward(self, h, labels):
+        ...         return F.cross_entropy(self.lm_head(h), labels)
+        >>> _ = torch.manual_seed(0)
+        >>> model = LM()
+        >>> route_loss(model, [model.lm_head])  # what parallelize does for a "vocab" head
+        >>> h, labels = torch.randn(4, 8), torch.randint(0, 10, (4,))
+        >>> loss = model(h, labels)             # without it: "got mixed torch.Tensor and DTensor"
+        >>> torch.allclose(loss, F.cross_entropy(model.lm_head(h).full_tensor(), labels))
+        True
     """
     if hasattr(model, _STATE):
         getattr(model, _STATE).heads.extend(h for h in heads if h not in getattr(model, _STATE).heads)

@@ -78,13 +78,22 @@ class ColumnParallel(Style):
     Example::
 
         >>> import tpflow as tpf
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> P = tpf.placement("cpu", ranks=[0, 1])
-        >>> tpf.parallelize(model, placement=P, plan={                            # doctest: +SKIP
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = tpf.parallelize(model, placement=P, plan={
         ...     "*.[qkv]_proj": tpf.ColumnParallel(fuse=True),                    # q, k, v as one product
         ...     "*.o_proj": "row",
-        ...     "*.fc1": tpf.ColumnParallel(sequence_parallel=True, keep_gathered=False),
-        ...     "*.fc2": tpf.RowParallel(sequence_parallel=True),
+        ...     "*.mlp.[gu]*_proj": tpf.ColumnParallel(fuse=True),                # gate, up as one product
+        ...     "*.down_proj": "row",
         ... })
+        >>> attn = model.model.layers[0].self_attn
+        >>> attn.q_proj.fused_group is attn.v_proj.fused_group
+        True
+        >>> model(torch.randint(0, 64, (2, 8))).logits.shape
+        torch.Size([2, 8, 64])
     """
 
     layer = ColumnParallelLinear
@@ -121,11 +130,18 @@ class RowParallel(Style):
     Example::
 
         >>> import tpflow as tpf
+        >>> from torch import nn
         >>> P = tpf.placement("cpu", ranks=[0, 1])
-        >>> tpf.parallelize(model, placement=P, plan={                            # doctest: +SKIP
-        ...     "*.fc1": tpf.ColumnParallel(sequence_parallel=True),
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = nn.Sequential()
+        >>> model.mlp = nn.Sequential()
+        >>> model.mlp.fc1, model.mlp.act, model.mlp.fc2 = nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)
+        >>> model = tpf.parallelize(model, placement=P, plan={
+        ...     "*.fc1": tpf.ColumnParallel(sequence_parallel=True, keep_gathered=False),
         ...     "*.fc2": tpf.RowParallel(sequence_parallel=True, algo="ring"),
         ... })
+        >>> model(torch.randn(4, 2, 16)).shape      # [seq, batch, hidden]: this rank's 4 of the 8 tokens in and out
+        torch.Size([4, 2, 16])
     """
 
     layer = RowParallelLinear
@@ -151,8 +167,16 @@ class Replicated:
     Example::
 
         >>> import tpflow as tpf
-        >>> tpf.parallelize(model, placement=P, plan={"*.q_norm": tpf.Replicated(grads="partial"),  # doctest: +SKIP
-        ...                                          "*.q_proj": "column", "*.o_proj": "row"})
+        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+        >>> from tpflow.layers.replicated import replicated_grads
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=4,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = tpf.parallelize(model, placement=P, plan={"*.q_norm": tpf.Replicated(grads="partial"),
+        ...                                                   "*.[qkv]_proj": "column", "*.o_proj": "row"})
+        >>> attn = model.model.layers[0].self_attn
+        >>> replicated_grads(attn.q_norm), replicated_grads(attn.k_norm)    # k_norm: found on its first call
+        ('partial', 'auto')
     """
 
     grads: str = "auto"
@@ -175,10 +199,20 @@ class SequenceParallel:
     Example::
 
         >>> import tpflow as tpf
-        >>> tpf.parallelize(model, placement=P, plan={                                  # doctest: +SKIP
-        ...     "model.layers.0": tpf.SequenceParallel(split_input=True),
-        ...     "*.input_layernorm": "sequence_parallel",
-        ...     "*.q_proj": tpf.ColumnParallel(sequence_parallel=True, sequence_dim=1), ...})
+        >>> from torch import nn
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = nn.Sequential()
+        >>> model.norm, model.fc1, model.act = nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU()
+        >>> model.fc2, model.out_norm = nn.Linear(64, 16), nn.LayerNorm(16)
+        >>> model = tpf.parallelize(model, placement=P, plan={
+        ...     "norm": tpf.SequenceParallel(split_input=True),                   # cuts the whole input to its tokens
+        ...     "fc1": tpf.ColumnParallel(sequence_parallel=True, sequence_dim=1),
+        ...     "fc2": tpf.RowParallel(sequence_parallel=True, sequence_dim=1),
+        ...     "out_norm": "sequence_parallel",                                  # on this rank's tokens, from fc2
+        ... })
+        >>> model(torch.randn(2, 8, 16)).shape     # [batch, seq, hidden]: all 8 tokens in, this rank's 4 out
+        torch.Size([2, 4, 16])
     """
 
     split_input: bool = False
@@ -197,7 +231,20 @@ class GatherSequence:
     Example::
 
         >>> import tpflow as tpf
-        >>> tpf.parallelize(model, placement=P, plan={"*.self_attn": tpf.GatherSequence(), ...})  # doctest: +SKIP
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> model(ids, labels=ids).loss                                         # one device's
+        tensor(4.1710, grad_fn=<NllLossBackward0>)
+        >>> plan = tpf.hf_plan(model, sequence_parallel=True)
+        >>> plan["model.layers.*.self_attn"]
+        GatherSequence(sequence_dim=1)
+        >>> model = tpf.parallelize(model, placement=P, plan=plan)
+        >>> model(ids, labels=ids).loss
+        tensor(4.1710, grad_fn=<_VocabParallelCEBackward>)
     """
 
     sequence_dim: int = 1
@@ -222,8 +269,17 @@ class VocabParallel:
     Example::
 
         >>> import tpflow as tpf
-        >>> plan = {"model.embed_tokens": "vocab", "lm_head": "vocab", "*.q_proj": "column", "*.o_proj": "row"}
-        >>> tpf.parallelize(model, placement=P, plan=plan)  # doctest: +SKIP
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> plan = {"model.embed_tokens": "vocab", "lm_head": "vocab", "*.[qkv]_proj": "column", "*.o_proj": "row"}
+        >>> model = tpf.parallelize(model, placement=P, plan=plan)
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> out = model(ids, labels=ids)                          # the loss without gathering the logits
+        >>> tpf.get_sbp(out.logits), out.logits.shape
+        ((sbp.split(dim=2),), torch.Size([2, 8, 64]))
     """
 
     sequence_parallel: bool = False
@@ -241,7 +297,11 @@ class VocabParallel:
 
         Example::
 
-            >>> head = tpf.VocabParallel().build(nn.Linear(64, 101, bias=False), P)   # doctest: +SKIP
+            >>> P = tpf.placement("cpu", ranks=[0, 1])
+            >>> head = tpf.VocabParallel().build(nn.Linear(64, 101, bias=False), P)
+            >>> logits = head(torch.randn(2, 64))
+            >>> type(head).__name__, tpf.get_sbp(logits), logits.shape
+            ('ColumnParallelLinear', (sbp.split(dim=1),), torch.Size([2, 101]))
         """
         if isinstance(module, nn.Embedding):
             return VocabParallelEmbedding.from_embedding(module, placement=placement, **dataclasses.asdict(self))
