@@ -90,7 +90,7 @@ def pipeline_mode(name: str) -> Callable[[Workload, Context], Trainer]:
         tensor(2.4722)
     """
     def build(w: Workload, ctx: Context) -> Trainer:
-        stages, per_rank, m = _layout(w, ctx, name)
+        stages, _, m = _layout(w, ctx, name)
         placements = [ctx.placement([k % ctx.world]) for k in range(stages)]
         cut = tpf.pipeline.cut(w.model.to(ctx.device), placements)
         pipe = tpf.Pipeline(cut, micro_batches=m, schedule=SCHEDULES[name][0], loss_fn=F.mse_loss)
