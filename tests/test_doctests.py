@@ -13,6 +13,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import importlib.util
+import os
 import pkgutil
 import re
 
@@ -25,6 +26,7 @@ WORLD = re.compile(r"Example \((\d+) ranks?\)::")
 ON_RANK = re.compile(r"#.*\bon rank (\d+)")
 ANY = "<output on another rank>\n"
 TRITON = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles"}
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest without a GPU
 
 
 def _module_names() -> list[str]:
@@ -32,6 +34,8 @@ def _module_names() -> list[str]:
              if not info.name.endswith("__main__")]
     if importlib.util.find_spec("triton") is None:
         names = [n for n in names if n not in TRITON]
+    if not INTERPRETED:  # the kernels' examples show Triton's interpreter on CPU tensors; make gpu-check has the GPU
+        names = [n for n in names if not n.startswith("tpflow.kernels")]
     return ["tpflow", *names]
 
 
