@@ -125,8 +125,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("triton_min_rows", "TPFLOW_TRITON_MIN_ROWS", {"cpu": 0, "cuda": 256}, _size,
            "products with fewer rows than this run torch's matmul even where the Triton kernels would (decode: a few "
            "tokens a step), since a Triton launch costs the host 58-199 us on an H100 against torch's 12-21 us "
-           "(issue 16's measurement) while such a product computes in about 10 us. CUDA: an estimate until the "
-           "crossover is measured on a GPU; CPU: 0, so the interpreter tests run the kernels at every size"),
+           "(issue 16's measurement) while such a product computes in about 10 us. CUDA: an estimate until "
+           "benchmarks/decode_gpu.py (make gpu-check) measures the crossover; CPU: 0, so the interpreter tests run "
+           "the kernels at every size"),
     Switch("grad_bucket_bytes", "TPFLOW_GRAD_BUCKET_BYTES", 4 << 20, _size,
            "bytes of partial-sum gradients summed by one all-reduce before an optimizer step (the flat copy is the "
            "memory this costs; DDP's first bucket is 1 MiB, the rest 25 MiB)"),
