@@ -438,7 +438,9 @@ def _pairs_rank(world, seed):
     W, r, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     counts = _counts(W, seed)
     rows = [ints((int(counts[s].sum()), 3), seed + s) for s in range(W)]  # every rank's rows, known to all
+    tpf.comm.stats.reset()
     got_counts = tpf.comm.exchange_counts(counts[r], group)
+    assert (tpf.comm.stats.bytes_sent, tpf.comm.stats.messages_sent) == ((W - 1) * 8, W - 1)  # an int64 each
     assert got_counts.tolist() == counts[:, r].tolist()
     # all-to-all: rank r receives, in rank order, the rows each rank s sent it
     starts = [torch.cat([torch.zeros(1, dtype=torch.long), counts[s].cumsum(0)]) for s in range(W)]
@@ -449,6 +451,11 @@ def _pairs_rank(world, seed):
     assert torch.equal(y, want)
     sent = sum(int(c) for q, c in enumerate(counts[r]) if q != r) * 3 * 4
     assert tpf.comm.stats.bytes_sent == sent
+    # not contiguous, in bf16: the same rows arrive
+    columns = rows[r].T.contiguous().to(torch.bfloat16).T
+    assert not columns.is_contiguous() or columns.shape[0] < 2  # a rank that sends no rows holds none
+    got = tpf.comm.all_to_all(columns, counts[r].tolist(), counts[:, r].tolist(), group)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want)
     # backward: row i's gradient comes back to the rank it came from; the loss weighs rank r's received rows by r+1
     (y * (r + 1)).sum().backward()
     back = torch.cat([torch.full((int(counts[r][q]), 3), float(q + 1)) for q in range(W)])
@@ -489,8 +496,12 @@ def _all_to_all_misuse_rank():
         tpf.comm.all_to_all(torch.zeros(3, 2), [1, 1], [1, 1], dist.group.WORLD)
     with pytest.raises(ValueError, match="one count per rank"):
         tpf.comm.all_to_all(torch.zeros(2, 2), [2], [1, 1], dist.group.WORLD)
-    with pytest.raises(ValueError, match="one per rank"):
+    with pytest.raises(ValueError, match="must not be negative"):
+        tpf.comm.all_to_all(torch.zeros(2, 2), [3, -1], [1, 1], dist.group.WORLD)
+    with pytest.raises(ValueError, match="one row per rank"):
         tpf.comm.exchange_counts(torch.zeros(3, dtype=torch.long), dist.group.WORLD)
+    with pytest.raises(ValueError, match="x has 3 rows"):  # no parallelism: still checked
+        tpf.comm.all_to_all_mirror(torch.zeros(3, 2), [2], [2], None)
 
 
 def test_all_to_all_misuse_names_the_fix():

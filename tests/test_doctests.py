@@ -34,7 +34,7 @@ def _module_names() -> list[str]:
              if not info.name.endswith("__main__")]
     if importlib.util.find_spec("triton") is None:
         names = [n for n in names if n not in TRITON]
-    if not INTERPRETED:  # the kernels' examples show Triton's interpreter on CPU tensors; make gpu-check has the GPU
+    if not INTERPRETED:  # the kernels' examples show Triton's interpreter on CPU tensors (CI runs them)
         names = [n for n in names if not n.startswith("tpflow.kernels")]
     return ["tpflow", *names]
 

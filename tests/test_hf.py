@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import tpflow as tpf
 from tests import harness
+from tests.checks import all_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,10 +30,6 @@ def tiny(kind: str, kv_heads: int = 2, **extra) -> transformers.PreTrainedModel:
         num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).double()  # AdamW magnifies fp32 rounding
-
-
-def _world() -> tpf.Placement:
-    return tpf.placement("cpu", ranks=list(range(dist.get_world_size())))
 
 
 def _train(model, ids, steps=2):
@@ -100,7 +97,7 @@ def _auto_rank():
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     for kind in MODELS:
         ref = tiny(kind)
-        model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan="auto")
+        model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan="auto")
         assert all(isinstance(p, DTensor) for p in model.parameters())
         if W > 2:  # fewer key/value heads than ranks: k / v stay whole, each rank keeps its head
             assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear
@@ -129,7 +126,7 @@ def _explicit_rank():
     ref = tiny("qwen3")
     plan = {"*.[qkv]_proj": "colwise", "*.o_proj": "rowwise", "*.[gu][ap]*_proj": "column", "*.down_proj": "row",
             "lm_head": "colwise_rep"}
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=plan)
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan=plan)
     _check("qwen3 explicit", ref, model, ids, generate=False)
     from tpflow.layers.replicated import replicated_grads
     attn = model.model.layers[0].self_attn
@@ -141,7 +138,8 @@ def _sequence_parallel_rank():
     ids = torch.randint(0, VOCAB, (2, 4 * W), generator=torch.Generator().manual_seed(1))
     for kind in ("llama", "qwen2", "qwen3", "gemma2"):  # gemma2: its tied embedding and head split too
         ref = tiny(kind, kv_heads=4)
-        model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan=tpf.hf_plan(ref, sequence_parallel=True))
+        plan = tpf.hf_plan(ref, sequence_parallel=True)
+        model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan=plan)
         assert model.model.layers[0].mlp.down_proj.sequence_dim == 1
         _check(f"{kind} sequence parallel", ref, model, ids, generate=False)
         if W > 1:
@@ -155,7 +153,7 @@ def test_sequence_parallel_batch_first(world):
 
 
 def _errors_rank():
-    P = _world()
+    P = all_ranks()
     with pytest.raises(ValueError, match=r"has 4 attention heads, which do not split over 3 tensor-parallel ranks: "
                                          r"use a degree that divides them \(\[1, 2, 4\]\)"):
         tpf.parallelize(tiny("llama"), placement=P, plan="auto")
@@ -178,7 +176,7 @@ def _autocast_and_checkpointing_rank():
     W = dist.get_world_size()
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     ref = tiny("llama").float()
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan="auto")
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan="auto")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
     assert out.logits.dtype == out_ref.logits.dtype
@@ -193,7 +191,7 @@ def _autocast_and_checkpointing_rank():
     ref = tiny("llama")
     for block in ref.model.layers:  # inside each checkpointed layer, on the replicated residual stream
         block.input_layernorm = torch.nn.Sequential(torch.nn.Dropout(0.3), block.input_layernorm)
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_world(), plan="auto")
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan="auto")
     for m in (model, ref):
         m.train()
         m.gradient_checkpointing_enable()
@@ -219,7 +217,7 @@ def _loading_rank():
     regular from_pretrained + parallelize, on every rank; a plain model (nothing parallelized) loads too."""
     import tempfile
 
-    P = _world()
+    P = all_ranks()
     for kind in ("llama", "gemma2"):
         folder = [tempfile.mkdtemp(prefix="tpflow-load-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(folder)

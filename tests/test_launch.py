@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import ROOT
 from tpflow.launch import build_parser, torchrun_args
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import sys
     import torch

@@ -1,7 +1,8 @@
 """The parallel layers, parallelize() and fused column groups on tpflow's Triton kernels: the GPU's hot path.
 Without a GPU they run through Triton's interpreter on 2 and 3 gloo ranks (small shapes, fp32 and fp16; the
-interpreter mishandles bf16); on a GPU machine (``make gpu-check``) on the compiled kernels, one rank on one GPU
-(bf16 too), since NCCL gives each rank a GPU of its own.
+interpreter mishandles bf16), sequence-parallel rings included. On a GPU machine (``make gpu-check``) NCCL gives each
+rank a GPU of its own, so with one GPU they run on one rank: the layers' products and gradients on the compiled
+kernels, bf16 too, with no collective (``test_cuda.py`` runs the compiled rings, its ranks threads of one process).
 
 The rank functions are the torch-path tests' own (``tests.checks``), run with the ``kernels`` switch at
 ``"triton"``; each run also counts the kernel launches, so a path that silently fell back to torch's matmul fails.
@@ -19,8 +20,12 @@ from tests.checks import Counting, fused_columns_match_one_device, half_precisio
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-WORLDS = [1] if DEVICE == "cuda" else [2, 3]
-HALF = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+GPU = DEVICE == "cuda"
+WORLDS = [1] if GPU else [2, 3]
+HALF = [torch.float16, torch.bfloat16] if GPU else [torch.float16]
+# on one rank sequence parallelism has no collective: one case of each
+MLP_CASES = [(False, "auto")] if GPU else [(False, "auto"), (True, "ring"), (True, "naive")]
+FUSED_CASES = [(False, True)] if GPU else [(False, True), (True, True), (True, False)]
 
 
 def _on_triton(fn, *args):
@@ -35,8 +40,7 @@ def _on_triton(fn, *args):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("sequence_parallel, algo", [(False, "auto"), (True, "ring"), (True, "naive")],
-                         ids=["tp", "tp+sp ring", "tp+sp plain"])
+@pytest.mark.parametrize("sequence_parallel, algo", MLP_CASES, ids=["tp", "tp+sp ring", "tp+sp plain"][:len(MLP_CASES)])
 def test_mlp_through_parallelize_on_the_kernels(world, sequence_parallel, algo):
     """Column -> relu -> row blocks, forward and every gradient equal to nn.Linear's; with sequence parallelism
     the ring collectives compute their chunks as row ranges of the kernels."""
@@ -46,8 +50,8 @@ def test_mlp_through_parallelize_on_the_kernels(world, sequence_parallel, algo):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("sequence_parallel, keep_gathered", [(False, True), (True, True), (True, False)],
-                         ids=["tp", "tp+sp", "tp+sp regather"])
+@pytest.mark.parametrize("sequence_parallel, keep_gathered", FUSED_CASES,
+                         ids=["tp", "tp+sp", "tp+sp regather"][:len(FUSED_CASES)])
 def test_fused_columns_on_the_kernels(world, sequence_parallel, keep_gathered):
     """q / k / v-like column layers as one product on the kernels: each member's output and gradients equal
     nn.Linear's, and the group sends what one layer as wide as the three sends."""

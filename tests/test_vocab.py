@@ -18,14 +18,11 @@ from torch import nn
 
 import tpflow as tpf
 from tests import harness
+from tests.checks import all_ranks
 from tpflow.kernels import logit_grad, logit_grad_ref, logit_stats, logit_stats_ref
 from tpflow.layers import VocabParallelEmbedding
 
 VOCABS = (37, 101)  # uneven blocks over 2, 3 and 4 ranks
-
-
-def _world() -> tpf.Placement:
-    return tpf.placement("cpu", ranks=list(range(dist.get_world_size())))
 
 
 def _targets(shape, vocab, seed):
@@ -42,7 +39,7 @@ def _close(got, want, dtype, what):
 def _loss_checks(dtype):
     """tpf.cross_entropy on logits split over the classes, and F.cross_entropy routed to it: every reduction, with
     and without label smoothing, 2-D and 3-D logits; the bytes sent are the row stats, never the logits."""
-    P, g = _world(), torch.Generator().manual_seed(0)
+    P, g = all_ranks(), torch.Generator().manual_seed(0)
     for vocab in VOCABS:
         whole = torch.randn(3, 5, vocab, generator=g, dtype=torch.float64).to(dtype) * 3
         target = _targets((3, 5), vocab, seed=vocab)
@@ -71,7 +68,7 @@ def _loss_checks(dtype):
 def _fused_checks(dtype):
     """The fused head + loss against nn.Linear + F.cross_entropy: loss, every gradient, and the head and hidden
     states after SGD steps; chunks that do not divide the tokens."""
-    P = _world()
+    P = all_ranks()
     for vocab, reduction, smoothing in ((37, "mean", 0.0), (101, "sum", 0.1)):
         torch.manual_seed(vocab)
         lin = nn.Linear(16, vocab, dtype=dtype)
@@ -102,7 +99,7 @@ def _fused_checks(dtype):
 def _embedding_checks():
     """The vocabulary-parallel embedding: uneven rows, a padding row on the last rank, ids at the blocks' edges,
     the sequence-parallel reduce-scatter, a whole checkpoint loaded, and SGD steps."""
-    P, W = _world(), dist.get_world_size()
+    P, W = all_ranks(), dist.get_world_size()
     for vocab in VOCABS:
         torch.manual_seed(vocab)
         ref = nn.Embedding(vocab, 8, padding_idx=vocab - 2, dtype=torch.float64)
@@ -162,7 +159,7 @@ PLAN = {"embed": "vocab", "head": "vocab", "fc1": "column", "fc2": "row"}
 def _tied_checks():
     """A tied pair: one parameter with one device's gradient (the embedding's and the head's summed), the same
     after AdamW steps, trained through tpf.cross_entropy on the split logits; and the plans that would untie it."""
-    P = _world()
+    P = all_ranks()
     torch.manual_seed(0)
     ref = TiedLM(101, 16).double()
     model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=PLAN)
@@ -234,7 +231,7 @@ def _two_d_checks():
 def _edge_checks(dtype):
     """Infinite logits (a masked tail of the vocabulary, a rank whose block is all -inf for a row), a rank holding
     no classes, and a batch whose targets are all ignored: one device's loss and gradients, nan where torch's."""
-    P, W = _world(), dist.get_world_size()
+    P, W = all_ranks(), dist.get_world_size()
     vocab = 9  # over 4 ranks torch.chunk leaves the last one no class
     whole = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype)
     whole[:, -3:] = float("-inf")  # the last rank's block (and over 2 ranks, part of one) is all -inf
@@ -269,7 +266,7 @@ def _edge_checks(dtype):
 def _autocast_checks():
     """Under bf16 autocast (fp32 parameters): the split loss and the fused one against torch's under the same
     autocast, each loss in fp32 as autocast gives F.cross_entropy's, gradients in the parameters' dtype."""
-    P = _world()
+    P = all_ranks()
     torch.manual_seed(0)
     lin = nn.Linear(16, 37)
     head = tpf.ColumnParallelLinear.from_linear(lin, placement=P, global_output=True)
@@ -301,7 +298,7 @@ def _vocab_rank():
     if dist.get_world_size() == 4:
         _two_d_checks()
     with pytest.raises(ValueError, match=r"target 37 is outside the 37 classes \[0, 37\)"):
-        tpf.cross_entropy(tpf.tensor(torch.zeros(2, 37), placement=_world(), sbp=tpf.sbp.split(1)),
+        tpf.cross_entropy(tpf.tensor(torch.zeros(2, 37), placement=all_ranks(), sbp=tpf.sbp.split(1)),
                           torch.tensor([0, 37]))
     return dist.get_world_size()
 

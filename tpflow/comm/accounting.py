@@ -1,9 +1,9 @@
 """Byte accounting: what this rank has sent, counted where it is sent.
 
 Every point-to-point transfer (``tpflow.comm.p2p``) and every library collective (``tpflow.comm.collectives``)
-adds to ``stats``. A collective counts the bytes of the ring algorithm that implements it, (W-1)/W of the tensor
-per pass, so counts compare across backends: a gloo reduce-scatter is an all-reduce underneath and counts two
-passes.
+adds to ``stats``. A ring-shaped collective (all-reduce, all-gather, reduce-scatter) counts the bytes of the ring
+algorithm that implements it, (W-1)/W of the tensor per pass, so counts compare across backends: a gloo
+reduce-scatter is an all-reduce underneath and counts two passes. An all-to-all counts what it sends other ranks.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ call when no ring of their own overlaps the transfer with compute.
                      a sequence split turned into a head split)
 
 Uneven chunks are padded to the largest for the library's all-gather and reduce-scatter, and the padding is
-dropped after. Each call counts the bytes of the ring that implements it (``tpflow.comm.accounting``); the
-autograd pairs built on these are in ``tpflow.comm.pairs``.
+dropped after. The ring-shaped ones count the bytes of the ring that implements them, the all-to-alls the bytes
+they send other ranks (``tpflow.comm.accounting``); the autograd pairs built on these are in ``tpflow.comm.pairs``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tpflow.comm.accounting import count_ring, stats
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "exchange_counts", "reduce_scatter"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "checked_counts", "exchange_counts", "reduce_scatter"]
 
 # torch 2.13 renames the single-tensor collectives (the old names warn); 2.11 has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -155,14 +155,48 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
         tensor([1, 2])
     """
     world = dist.get_world_size(group)
-    if counts.shape[0] != world:
-        raise ValueError(f"exchange_counts: counts has {counts.shape[0]} rows, one per rank of a group of {world} "
-                         "is needed")
+    if counts.ndim == 0 or counts.shape[0] != world:
+        raise ValueError(f"exchange_counts: counts of shape {tuple(counts.shape)}: one row per rank of a group of "
+                         f"{world} is needed")
     counts = counts.contiguous()
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts, group=group)
     stats.add((world - 1) * counts[0].numel() * counts.element_size(), world - 1)
     return out
+
+
+def checked_counts(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                   world: int) -> tuple[list[int], list[int]]:
+    """An all-to-all's counts as lists of ints, checked on this rank: one per rank, none negative, the send counts
+    adding up to ``x``'s rows. (That each rank's receive counts are what the others send is the caller's: take
+    them from ``exchange_counts``; NCCL would otherwise hang or mix rows up.)
+
+    Args:
+        x: the rows to send.
+        send_counts, recv_counts: rows for, and from, each rank.
+        world: the group's size.
+
+    Returns:
+        ``(send_counts, recv_counts)`` as lists of ints.
+
+    Example::
+
+        >>> from tpflow.comm.collectives import checked_counts
+        >>> checked_counts(torch.zeros(3, 2), torch.tensor([1, 2]), [2, 0], world=2)
+        ([1, 2], [2, 0])
+        >>> checked_counts(torch.zeros(3, 2), [4, -1], [2, 0], world=2)
+        Traceback (most recent call last):
+        ValueError: all_to_all: counts must not be negative, got send [4, -1], receive [2, 0]
+    """
+    send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if len(send) != world or len(recv) != world:
+        raise ValueError(f"all_to_all: {len(send)} send and {len(recv)} receive counts for a group of {world} "
+                         "ranks: give one count per rank")
+    if min(send + recv) < 0:
+        raise ValueError(f"all_to_all: counts must not be negative, got send {send}, receive {recv}")
+    if x.shape[0] != sum(send):
+        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but send_counts {send} add up to {sum(send)}")
+    return send, recv
 
 
 def all_to_all(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
@@ -176,8 +210,8 @@ def all_to_all(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequenc
     Args:
         x: ``[sum(send_counts), ...]``: this rank's rows, grouped by the rank they go to.
         send_counts: rows for each rank, in rank order.
-        recv_counts: rows from each rank, in rank order (``exchange_counts`` of ``send_counts`` where the
-            receiver does not know them).
+        recv_counts: rows from each rank, in rank order: what those ranks send this one (``exchange_counts`` of
+            ``send_counts`` where the receiver does not know them; counts that disagree hang or mix rows up on NCCL).
         group: the process group.
 
     Returns:
@@ -193,13 +227,7 @@ def all_to_all(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequenc
         tensor([ 1.,  2., 10.])
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-    if len(send_counts) != world or len(recv_counts) != world:
-        raise ValueError(f"all_to_all: {len(send_counts)} send and {len(recv_counts)} receive counts for a group of "
-                         f"{world} ranks: give one count per rank")
-    if x.shape[0] != sum(send_counts):
-        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but send_counts {send_counts} add up to "
-                         f"{sum(send_counts)}")
+    send_counts, recv_counts = checked_counts(x, send_counts, recv_counts, world)
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     row = math.prod(x.shape[1:]) * x.element_size()

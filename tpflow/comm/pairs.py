@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, checked_counts, reduce_scatter
 from tpflow.sbp import chunk_bounds
 
 __all__ = ["all_gather_chunk", "all_reduce_identity", "all_to_all_mirror", "chunk_all_gather",
@@ -224,4 +224,6 @@ def all_to_all_mirror(x: torch.Tensor, send_counts: Sequence[int], recv_counts: 
         >>> x.grad.flatten()                            # on rank 0: each row's gradient came back
         tensor([1., 1.])
     """
-    return x if _single(group) else _AllToAllMirror.apply(x, list(send_counts), list(recv_counts), group)
+    world = 1 if group is None else dist.get_world_size(group)
+    send_counts, recv_counts = checked_counts(x, send_counts, recv_counts, world)  # on one rank too: it fails there
+    return x if world == 1 else _AllToAllMirror.apply(x, send_counts, recv_counts, group)

@@ -208,7 +208,7 @@ class Pipeline(nn.Module):
             micro_batches, schedule, loss_fn, loss_reduction
         self.rank_sets, self.chunks = sets, v
         self.table = schedules.build(schedule, p, micro_batches, chunks=v)
-        self.split_backward = any(a.kind == "W" for actions in self.table for a in actions)
+        self.split_backward = any(a.kind == "W" for row in self.table for a in row)
         for st in found:  # process groups are made by every rank, in one order: here, not lazily inside a stage
             _ = st.placement.mesh
         rank = dist.get_rank()
