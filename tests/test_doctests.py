@@ -90,7 +90,7 @@ def test_docstring_examples_run(name, world):
     assert not failed, "\n".join(failed)
 
 
-def test_skips_are_few():
+def test_every_skip_says_why():
     """What is skipped needs what this machine lacks; every skip says so on its line."""
     skipped = [(name, e.source.strip()) for name in _module_names() for t in doctest.DocTestFinder().find(
         importlib.import_module(name), name, globs={}) for e in t.examples if e.options.get(doctest.SKIP)]

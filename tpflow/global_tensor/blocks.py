@@ -107,7 +107,7 @@ def wrap(local: torch.Tensor | None, pl: Placement, sbps: Sequence[Sbp], shape: 
 
 class Block(NamedTuple):
     """A global tensor as the hot paths hold it: this rank's block, its SBPs and its global shape, with no
-    DTensor around it (DTensor's dispatch costs 100-400 us an op).
+    DTensor around it, so that a stage's hot path pays no DTensor dispatch per op.
 
     A pipeline's micro-batch is one from the first stage to the loss: the stage computes on ``local`` (and
     returns the output's ``Block``), a hand-off posts ``local`` across placements by ``sbp`` and ``shape``, and
