@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import io
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -23,10 +25,10 @@ MODELS = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
 VOCAB = 101  # uneven blocks of the head over 2 and 4 ranks
 
 
-def tiny(kind: str, kv_heads: int = 2, **extra) -> transformers.PreTrainedModel:
-    """A 2-layer model of ``kind`` with 4 query heads, ``kv_heads`` key/value heads and uneven MLP blocks."""
+def tiny(kind: str, kv_heads: int = 2, layers: int = 2, **extra) -> transformers.PreTrainedModel:
+    """A model of ``kind`` with 4 query heads, ``kv_heads`` key/value heads and uneven MLP blocks."""
     config = transformers.AutoConfig.for_model(
-        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=4,
+        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).double()  # AdamW magnifies fp32 rounding
@@ -78,6 +80,7 @@ def _check(kind, ref, model, ids, generate=True):
         torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-6, atol=1e-6,  # the norms compute in fp32
                                    msg=lambda m, name=name: f"{kind}: {name} after AdamW: {m}")
     _same_copies(model, kind)
+    _round_trip(kind, model, ids)
     if not generate:
         return
     model.eval()
@@ -90,6 +93,25 @@ def _check(kind, ref, model, ids, generate=True):
     sampled = model.generate(prompt, do_sample=True, top_k=0, **kwargs)
     torch.manual_seed(5)
     assert torch.equal(sampled, ref.generate(prompt, do_sample=True, top_k=0, **kwargs)), f"{kind}: sampled tokens"
+
+
+def _round_trip(kind, model, ids):
+    """save_pretrained on every rank (rank 0 writes), from_pretrained on one device: the trained model's values bit
+    for bit, its ties, its logits."""
+    whole = {name: _whole(p) for name, p in model.named_parameters()}  # gathers: every rank
+    logits = _whole(model(ids).logits)
+    folder = tempfile.TemporaryDirectory(prefix="tpflow-export-")
+    where = [folder.name]
+    dist.broadcast_object_list(where)
+    model.save_pretrained(where[0])
+    if dist.get_rank() == 0:
+        back = transformers.AutoModelForCausalLM.from_pretrained(where[0])
+        assert (back.lm_head.weight is back.model.embed_tokens.weight) == model.config.tie_word_embeddings, kind
+        for name, p in back.named_parameters():
+            assert p.dtype == whole[name].dtype and torch.equal(p, whole[name]), f"{kind}: {name} exported"
+        torch.testing.assert_close(back(ids).logits, logits, rtol=1e-10, atol=1e-10, msg=f"{kind}: exported logits")
+    dist.barrier()  # rank 0 has read the files
+    folder.cleanup()
 
 
 def _auto_rank():
@@ -150,6 +172,45 @@ def _sequence_parallel_rank():
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_batch_first(world):
     harness.run(world, _sequence_parallel_rank, timeout=600)
+
+
+def _compile_rank():
+    """torch.compile of a parallelized model with labels= (after one eager call): the loss still vocabulary-parallel,
+    the loss and every gradient of the eager call; save_pretrained's failure on rank 0 raises on every rank."""
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = tiny("qwen3", layers=1)  # each layer adds graphs: its fused groups run eagerly between them
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan="auto")
+    eager = model(ids, labels=ids).loss
+    eager.backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    model.zero_grad()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    graphs = CompileCounterWithBackend("aot_eager")  # dynamo and AOT autograd, as inductor gets them (faster here)
+    compiled = torch.compile(model, backend=graphs)
+    counts = []
+    for _ in range(2):
+        loss = compiled(ids, labels=ids).loss
+        counts.append(graphs.frame_count)
+        assert type(loss.grad_fn).__name__ == "_VocabParallelCEBackward"
+        loss.backward()
+        torch.testing.assert_close(loss, eager, rtol=1e-12, atol=1e-12)
+        for name, p in model.named_parameters():  # HF's loss computes in fp32 (see _check)
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name], rtol=1e-6, atol=1e-7, msg=name)
+        model.zero_grad()
+    assert counts[0] == counts[1], f"the second call compiled {counts[1] - counts[0]} graphs more"
+    torch.testing.assert_close(eager, ref(ids, labels=ids).loss, rtol=1e-6, atol=1e-6)
+    with tempfile.TemporaryDirectory() as folder:
+        failure = (r"Unit 'US' not supported" if dist.get_rank() == 0 else
+                   r"save_pretrained failed on rank 0, which writes the files: ValueError: Unit 'US' not supported")
+        with pytest.raises((ValueError, RuntimeError), match=failure):
+            model.save_pretrained(folder, max_shard_size="bogus")
+        with pytest.raises(TypeError, match="leave state_dict out"):
+            model.save_pretrained(folder, state_dict=model.state_dict())
+
+
+def test_compile_with_labels_and_export_failures():
+    harness.run(2, _compile_rank, timeout=600)
 
 
 def _errors_rank():
@@ -214,13 +275,13 @@ def test_autocast_and_gradient_checkpointing():
 def _loading_rank():
     """Built under meta_parameters, parallelized, filled by load_safetensors from a directory as save_pretrained
     writes it (sharded files and their index, a tied head saved under the embedding's name): bit for bit the
-    regular from_pretrained + parallelize, on every rank; a plain model (nothing parallelized) loads too."""
-    import tempfile
-
+    regular from_pretrained + parallelize, on every rank; a plain model (nothing parallelized) loads too. Built
+    under torch.device("meta") instead, the model is refused: its rotary frequencies were never computed."""
     P = all_ranks()
+    root = [tempfile.mkdtemp(prefix="tpflow-load-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root)
     for kind in ("llama", "gemma2"):
-        folder = [tempfile.mkdtemp(prefix="tpflow-load-") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(folder)
+        folder = [os.path.join(root[0], kind)]
         ref = tiny(kind).float()
         if dist.get_rank() == 0:
             ref.save_pretrained(folder[0], max_shard_size="50KB")
@@ -250,6 +311,14 @@ def _loading_rank():
             llama = transformers.AutoModelForCausalLM.from_config(tiny("llama").config)
         tpf.load_safetensors(llama, [f"{folder[0]}/{n}" for n in sorted(os.listdir(folder[0]))
                                       if n.endswith(".safetensors")])
+    with torch.device("meta"):
+        llama = transformers.AutoModelForCausalLM.from_config(tiny("llama").config)
+    with pytest.raises(ValueError, match=r"\['model.rotary_emb.inv_freq', .*\] are buffers on the meta device .* "
+                                         r"Build it under tpf.meta_parameters\(\) instead"):
+        tpf.parallelize(llama, placement=P, plan="auto")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root[0])
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -1,5 +1,5 @@
-"""The launcher: worlds of 1, 2 and 4 CPU processes, fail-fast with the failing rank's error,
-clear errors for flags that make no sense, and the same script as one plain process."""
+"""The launcher: worlds of 1, 2 and 4 CPU processes, fail-fast with the failing rank's error said once (not
+once per rank), clear errors for flags that make no sense, and the same script as one plain process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT
-from tpflow.launch import build_parser, torchrun_args
+from tpflow.launch import _report, build_parser, torchrun_args
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -27,6 +27,11 @@ SCRIPT = textwrap.dedent("""
     print(f"rank {rank}: ready before the first line {ready}")
     if "--fail" in sys.argv and rank == world - 1:
         raise ValueError(f"boom from rank {rank}")
+    if "--fail-all" in sys.argv:  # as a wrong degree fails: the same error on every rank
+        import warnings
+        print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+        warnings.warn(f"a warning from rank {rank}")
+        raise ValueError("degree 2 does not divide dimension 255")
     total = tpf.to_global(torch.tensor([float(rank)]), placement=tpf.placement.all("cpu"), sbp=tpf.sbp.partial_sum)
     value = tpf.to_local(tpf.to_global(total, sbp=tpf.sbp.broadcast)).item()
     print(f"rank {rank} of {world}: sum of ranks {value:g}, args {sys.argv[1:]}")
@@ -66,10 +71,27 @@ def test_failing_rank_stops_the_launch(tmp_path):
     # ranks 0 and 1 wait in a collective for rank 2, which raises: the launch must end at once
     proc, elapsed = _launch(["--nproc_per_node", "3", "--logdir", str(tmp_path / "logs")], tmp_path, ["--fail"])
     assert proc.returncode != 0
-    assert "ValueError: boom from rank 2" in proc.stderr
-    assert "tpflow.launch FAILED" in proc.stderr or "Root Cause" in proc.stderr
+    assert proc.stderr.count("ValueError: boom from rank 2") == 1, proc.stderr[-4000:]
+    assert "tpflow.launch: rank 2 raised this error" in proc.stderr
     assert elapsed < 60, f"the launch took {elapsed:.0f}s to fail: ranks were left waiting"
     assert list((tmp_path / "logs").rglob("stderr.log")), "--logdir kept no per-rank logs"
+    errors = list((tmp_path / "logs").rglob("error.json"))  # and the failing rank's error
+    assert any("boom from rank 2" in e.read_text() for e in errors), errors
+
+
+def test_error_on_every_rank_is_said_once(tmp_path):
+    # every rank raises the same error: one traceback and the ranks that raised it, not one traceback per rank
+    proc, _ = _launch(["--nproc_per_node", "2"], tmp_path, ["--fail-all"])
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    message = "ValueError: degree 2 does not divide dimension 255"
+    assert proc.stderr.count(message) == 1 and proc.stderr.count("Traceback") == 1, proc.stderr[-4000:]
+    report = proc.stderr[proc.stderr.index("Traceback"):].splitlines()
+    assert report[-2:] == [message, "tpflow.launch: ranks 0, 1 raised this error"], report
+    assert report[1].startswith(f'  File "{tmp_path / "script.py"}", line'), report  # the script on, not the launcher
+    assert "Root Cause" not in proc.stderr and "[rank0]" not in proc.stderr and "exitcode" not in proc.stderr
+    for rank in range(2):  # the script's own output still reaches the user
+        assert f"rank {rank}: ready before the first line" in proc.stdout
+        assert f"rank {rank} to stderr" in proc.stderr and f"UserWarning: a warning from rank {rank}" in proc.stderr
 
 
 PENDING_SCRIPT = textwrap.dedent("""
@@ -89,8 +111,37 @@ PENDING_SCRIPT = textwrap.dedent("""
 def test_failing_rank_with_a_collective_in_flight_exits_at_once(tmp_path, imports):
     # destroying the process group at exit would wait for the unfinished all-reduce, i.e. for rank 0
     proc, elapsed = _launch(["--nproc_per_node", "2"], tmp_path, (), text=PENDING_SCRIPT.format(imports=imports))
-    assert proc.returncode != 0 and "boom with a collective in flight" in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode != 0 and proc.stderr.count("ValueError: boom with a collective") == 1, proc.stderr[-4000:]
+    assert "tpflow.launch: rank 1 raised this error" in proc.stderr  # only rank 1 raised: rank 0 was stopped
+    assert "tpflow.launch: rank 0 was stopped (SIGTERM)" in proc.stderr, proc.stderr[-4000:]
     assert elapsed < 60, f"the launch took {elapsed:.0f}s to fail: the failing rank waited at exit"
+
+
+def _error(rank, error, time, where='File "train.py", line 3, in <module>'):
+    return {"rank": rank, "time": time, "error": error, "where": where,
+            "traceback": f"Traceback (most recent call last):\n  {where}\n    ...\n{error}  # rank {rank}"}
+
+
+def test_failure_report_groups_errors_and_names_the_ranks_without_one():
+    # the first error in full (rank 0's traceback when rank 0 raised it), then each other error in short, grouped by
+    # message; then ranks that ended without a Python error, with their exit code or signal
+    errors = {r: _error(r, "ValueError: bad degree", 10.0 + r) for r in (3, 0, 1, 2)}
+    errors[5] = _error(5, "RuntimeError: Connection closed by peer", 9.0)
+    errors[6] = _error(6, "RuntimeError: Connection closed by peer", 12.0, where="")
+    report = _report(errors, {0: 1, 1: 1, 2: 1, 3: 1, 4: -9, 5: 1, 6: 1, 7: -15, 8: 3, 9: -15})
+    assert report.splitlines() == [
+        "Traceback (most recent call last):", '  File "train.py", line 3, in <module>', "    ...",
+        "RuntimeError: Connection closed by peer  # rank 5",
+        "tpflow.launch: ranks 5, 6 raised this error",
+        'tpflow.launch: ranks 0-3 raised a different error (File "train.py", line 3, in <module>):',
+        "    ValueError: bad degree",
+        "tpflow.launch: rank 4 was killed by SIGKILL (exit code -9) with no Python error",
+        "tpflow.launch: rank 8 exited with code 3 and no Python error",
+        "tpflow.launch: ranks 7, 9 were stopped (SIGTERM)",
+    ]
+    assert _report({r: _error(r, "E: x", 5.0 - r) for r in (2, 0)}, {0: 1, 2: 1}).splitlines()[-2:] == [
+        "E: x  # rank 0", "tpflow.launch: ranks 0, 2 raised this error"]  # rank 0's, though rank 2 raised first
+    assert _report({}, {1: -15}) == "tpflow.launch: rank 1 was killed by SIGTERM (exit code -15) with no Python error"
 
 
 @pytest.mark.parametrize("flags, message", [

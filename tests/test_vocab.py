@@ -105,6 +105,8 @@ def _embedding_checks():
         ref = nn.Embedding(vocab, 8, padding_idx=vocab - 2, dtype=torch.float64)
         emb = VocabParallelEmbedding.from_embedding(ref, placement=P)
         edges = [s for bounds in tpf.sbp.chunk_bounds(vocab, W) for s in (bounds[0], bounds[1] - 1)]
+        lo, hi = tpf.sbp.chunk_bounds(vocab, W)[tpf.get_rank()]
+        assert f"rows [{lo}, {hi}) of {vocab} on this rank" in repr(emb), repr(emb)  # half-open, as written
         ids = torch.tensor([edges + [vocab - 2, vocab - 1, 0]] * 2)
         grad = torch.randn(*ids.shape, 8, dtype=torch.float64)
         opt, opt_ref = torch.optim.SGD(emb.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)

@@ -6,23 +6,48 @@
 
 Each worker sets up torch.distributed (gloo, or NCCL with the rank's GPU) before the script's first line,
 as OneFlow's launcher does; a script that calls ``torch.distributed.init_process_group`` itself must check
-``torch.distributed.is_initialized()`` first. Every worker runs the script under torch.elastic's ``record``,
-so when a rank raises, torchrun
-stops the others at once and the launch exits non-zero with that rank's traceback. A
-single-node launch without ``--master_port`` rendezvouses on a free port (``--standalone``),
+``torch.distributed.is_initialized()`` first. The script's own output (prints, warnings) reaches the console
+as it is written. A single-node launch without ``--master_port`` rendezvouses on a free port (``--standalone``),
 so several launches can run side by side.
+
+When a rank raises, torchrun stops the others at once (SIGTERM) and the launch exits non-zero with the
+error said once, not once per rank: the traceback of the first error (rank 0's when rank 0 raised it too),
+from the script's frame on, then a line naming every rank that raised it; each other error as a short block
+(its ranks grouped by message); and a line for the ranks that ended without a Python error (killed by a
+signal, with its exit code; a non-zero ``sys.exit``; stopped by torchrun). A wrong degree, which every rank
+finds, reads::
+
+    Traceback (most recent call last):
+      File "train.py", line 12, in <module>
+        ...
+    ValueError: ...
+    tpflow.launch: ranks 0, 1 raised this error
+
+Each worker records its error in a file for the launcher instead of printing it, and in torch.elastic's
+``error.json`` too, which ``--logdir`` keeps beside each rank's output. ``sys.exit(0)`` in a script is a
+success. A script run without the launcher (``python script.py``) prints its error as Python does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
 import os
 import runpy
+import signal
 import sys
+import sysconfig
+import tempfile
+import time
+import traceback
 
 __all__ = ["build_parser", "main", "torchrun_args"]
 
 _WORKER = "--tpflow-worker"  # internal: how torchrun starts each rank through this module
+_ERRORS_ENV = "TPFLOW_LAUNCH_ERRORS"  # internal: the folder where each worker records the error it raised
+_SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}  # frames above the script's
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,23 +124,182 @@ def torchrun_args(ns: argparse.Namespace) -> list[str]:
     return [*args, "-m", "tpflow.launch", *worker]
 
 
-def _run_worker(kind: str, target: str, args: list[str]) -> None:
-    """One rank: run the user's script like ``python script.py`` would, errors recorded for torchrun."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+# ---- the worker: one rank ----
+
+
+def _run_worker(kind: str, target: str, args: list[str]) -> int:
+    """One rank: run the user's script like ``python script.py`` would; the exit status.
+
+    Under the launcher (``TPFLOW_LAUNCH_ERRORS`` set), an exception is recorded for the launcher and for
+    torchrun instead of printed, and the rank exits with status 1 as an uncaught exception would (the
+    script's exit hooks run, then tpflow's, which leaves at once, see ``tpflow.placement._shutdown``).
+    Without it (torchrun started this module itself) the exception goes up as before.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
     from tpflow.placement import init_distributed
 
-    @record
-    def run() -> None:
-        init_distributed()  # the process group (and the rank's GPU) ready at the script's first line, as OneFlow's
-        sys.argv = [target, *args]
-        if kind == "module":
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+    errors = os.environ.get(_ERRORS_ENV)
 
-    run()
+    @record
+    def run() -> int:
+        try:
+            init_distributed()  # the process group (and the rank's GPU) ready at the script's first line, as OneFlow's
+            sys.argv = [target, *args]
+            if kind == "module":
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+                runpy.run_path(target, run_name="__main__")
+        except Exception as e:
+            if not errors or not _record_error(errors, e):
+                raise
+            with contextlib.suppress(OSError):
+                get_error_handler().record_exception(e)  # torchrun's error.json (kept under --logdir)
+            # as an uncaught exception leaves them: tpflow's exit hook then exits at once, without waiting on
+            # collectives this rank left unfinished
+            sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+            sys.last_exc = e
+            return 1
+        return 0
+
+    return run() or 0  # record returns None for the script's sys.exit(0)
+
+
+def _record_error(folder: str, e: BaseException) -> bool:
+    """Write this rank's error for the launcher: its traceback from the script's frame on; False if it cannot."""
+    tb = e.__traceback__
+    while tb is not None and _launcher_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    rank = int(os.environ.get("RANK", 0))
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "error": "".join(traceback.format_exception_only(type(e), e)).rstrip("\n"),
+        "traceback": "".join(traceback.format_exception(type(e), e, tb)).rstrip("\n"),
+        "where": _where(frames),
+    }
+    path = os.path.join(folder, f"rank{rank}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)  # the launcher never reads half a file, even if torchrun stops this rank
+    except OSError:
+        return False
+    return True
+
+
+def _launcher_frame(filename: str) -> bool:
+    return filename.startswith("<frozen runpy") or os.path.abspath(filename) in _SKIPPED_FILES
+
+
+def _where(frames: traceback.StackSummary) -> str:
+    """The innermost line of the user's own code (not Python's, torch's or tpflow's), else the innermost line."""
+    libraries = {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    libraries = tuple(os.path.join(os.path.abspath(p), "") for p in {*libraries, os.path.dirname(__file__)} if p)
+    own = [f for f in frames if not f.filename.startswith("<")
+           and not os.path.abspath(f.filename).startswith(libraries)]
+    frame = (own or frames or [None])[-1]
+    return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}' if frame else ""
+
+
+# ---- the launcher ----
+
+
+class _DropFailureDump(logging.Filter):
+    """Drops torchrun's own lines about a failure (the launcher's summary says it once)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+
+
+@contextlib.contextmanager
+def _errors_folder():
+    """A temporary folder the workers record their errors in, named to them by ``TPFLOW_LAUNCH_ERRORS``."""
+    old = os.environ.get(_ERRORS_ENV)
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    quiet = _DropFailureDump()
+    with tempfile.TemporaryDirectory(prefix="tpflow-launch-") as folder:
+        os.environ[_ERRORS_ENV] = folder
+        logger.addFilter(quiet)
+        try:
+            yield folder
+        finally:
+            logger.removeFilter(quiet)
+            if old is None:
+                os.environ.pop(_ERRORS_ENV, None)
+            else:
+                os.environ[_ERRORS_ENV] = old
+
+
+def _read_errors(folder: str) -> dict[int, dict]:
+    found = {}
+    for name in os.listdir(folder):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    record = json.load(f)
+                found[int(record["rank"])] = record
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return found
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0, 1' or 'ranks 0-7, 9': runs of three or more as a range."""
+    ranks, parts, i = sorted(ranks), [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 2 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def _report(errors: dict[int, dict], exitcodes: dict[int, int]) -> str:
+    """The failure, said once: the first error's traceback and who raised it, then the other errors and deaths.
+
+    ``errors`` are the records the ranks wrote; ``exitcodes`` the non-zero exit statuses torchrun saw (a
+    negative one is the signal that ended the rank).
+    """
+    lines = []
+    groups: dict[str, list[dict]] = {}
+    for record in sorted(errors.values(), key=lambda r: (r["time"], r["rank"])):  # the first error first
+        groups.setdefault(record["error"], []).append(record)
+    for n, group in enumerate(groups.values()):
+        ranks = [r["rank"] for r in group]
+        if n == 0:
+            shown = next((r for r in group if r["rank"] == 0), group[0])
+            lines += [shown["traceback"], f"tpflow.launch: {_ranks(ranks)} raised this error"]
+        else:
+            where = f" ({group[0]['where']})" if group[0]["where"] else ""
+            lines.append(f"tpflow.launch: {_ranks(ranks)} raised a different error{where}:")
+            lines += ["    " + line for line in group[0]["error"].splitlines()]
+    ended = {rank: code for rank, code in sorted(exitcodes.items()) if rank not in errors and code != 0}
+    stopped = [rank for rank, code in ended.items() if code == -signal.SIGTERM]
+    if len(stopped) == len(ended) and not errors:
+        stopped = []  # SIGTERM is all there is: it came from outside, not from torchrun stopping the ranks
+    said: dict[str, list[int]] = {}  # how a rank ended -> those ranks
+    for rank, code in ended.items():
+        if rank in stopped:
+            continue
+        if code > 0:
+            how = f"exited with code {code} and no Python error"
+        else:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = f"killed by {name} (exit code {code}) with no Python error"
+        said.setdefault(how, []).append(rank)
+    for how, ranks in said.items():
+        verb = "" if how.startswith("exited") else "was " if len(ranks) == 1 else "were "
+        lines.append(f"tpflow.launch: {_ranks(ranks)} {verb}{how}")
+    if stopped:  # how torchrun stops the other ranks once one has failed
+        lines.append(f"tpflow.launch: {_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped (SIGTERM)")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,13 +307,14 @@ def main(argv: list[str] | None = None) -> int:
 
     Inside a worker (torchrun starts each rank through this module) it runs the user's script on that rank
     instead. Flags that make no sense, or a script file that does not exist, end in argparse's error (exit
-    status 2).
+    status 2). When ranks fail, the error is printed once (see the module's docstring).
 
     Args:
         argv: the arguments after ``python -m tpflow.launch``; None for ``sys.argv[1:]``.
 
     Returns:
-        The exit status: 0 when every rank finished, 1 when one failed (its traceback printed to stderr).
+        The exit status: 0 when every rank finished, 1 when one failed (its traceback printed to stderr once,
+        with the ranks that raised it).
 
     Example::
 
@@ -138,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_WORKER]:
-        _run_worker(argv[1], argv[2], argv[3:])
-        return 0
+        return _run_worker(argv[1], argv[2], argv[3:])
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
@@ -151,11 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    try:
-        torchrun.run(torchrun.parse_args(args))
-    except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr)
-        return 1
+    if ns.nproc_per_node > 1:  # torchrun's own default for its workers, set here so it does not warn about it
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with _errors_folder() as folder:
+        try:
+            torchrun.run(torchrun.parse_args(args))
+        except ChildFailedError as e:
+            exitcodes = {rank: failure.exitcode for rank, failure in e.failures.items()}
+            report = _report(_read_errors(folder), exitcodes)
+            print(report or e.format_msg(), file=sys.stderr, flush=True)
+            return 1
     return 0
 
 

@@ -167,7 +167,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         if self._tp_rank is None:
             raise ValueError(f"VocabParallelEmbedding: this rank is not in its placement {self.placement.ranks}")
         bad = (ids < 0) | (ids >= self.num_embeddings)
-        if ids.is_cuda:
+        if ids.is_cuda or torch.compiler.is_compiling():  # no host sync; a graph without a data-dependent branch
             torch._assert_async(~bad.any(), "VocabParallelEmbedding: an id is outside [0, num_embeddings)")
         elif bad.any():
             raise IndexError(f"id {ids[bad][0].item()} is outside the vocabulary [0, {self.num_embeddings})")
@@ -187,8 +187,10 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         return tag(comm.all_reduce_identity(y, self._group), WHOLE)
 
     def extra_repr(self) -> str:
-        where = "not on this rank" if self._tp_rank is None else \
-            f"rows {list(self.local_range(self.num_embeddings))} of {self.num_embeddings} on this rank"
+        where = "not on this rank"
+        if self._tp_rank is not None:
+            start, end = self.local_range(self.num_embeddings)
+            where = f"rows [{start}, {end}) of {self.num_embeddings} on this rank"  # half-open, as local_range's
         return (f"{self.num_embeddings}, {self.embedding_dim}"
                 + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}")
                 + f", placement={self.placement.type}:{self.placement.ranks}, {where}"

@@ -3,8 +3,9 @@
 - Its loss: after the head runs inside the model's forward, ``F.cross_entropy`` is routed to the
   vocabulary-parallel loss (``tpf.vocab_parallel_loss()``) until the forward returns, so a Hugging Face model's
   ``labels=`` loss never gathers the logits. Only that stretch runs under the mode: the layers before the head
-  pay nothing for it. Under ``torch.compile`` the mode is not entered (a traced forward has no such hooks): call
-  ``tpf.cross_entropy`` on the logits there.
+  pay nothing for it. A traced forward (``torch.compile``) runs no such hooks, so a Hugging Face model's
+  ``loss_function`` is wrapped too: it runs eagerly (one graph break) under the mode, the rest of the forward
+  compiled.
 - Its ``generate``: decoding picks tokens from whole logits (argmax, sampling, processors written for plain
   tensors), so while the model's own ``generate`` runs, the heads gather their logits (``[batch, 1, V]`` a step).
 """
@@ -47,6 +48,22 @@ class _Logits:
         if not self.depth and self.mode is not None:
             mode, self.mode = self.mode, None
             mode.__exit__(None, None, None)
+
+
+class _Loss:
+    """A Hugging Face model's ``loss_function`` under the loss's mode: what routes ``labels=`` when the forward is
+    compiled (the hooks above do not run there). It runs eagerly, a graph break: dynamo does not trace a
+    ``TorchFunctionMode`` entered inside the graph, nor the loss's collectives."""
+
+    def __init__(self, model: nn.Module, loss_function) -> None:
+        self.model, self.loss_function = model, loss_function
+
+    @torch.compiler.disable
+    def __call__(self, *args, **kwargs):
+        if getattr(self.model, _STATE).mode is not None:  # eager: the hooks entered it already
+            return self.loss_function(*args, **kwargs)
+        with vocab_parallel_loss():
+            return self.loss_function(*args, **kwargs)
 
 
 class _Generate:
@@ -100,3 +117,5 @@ def route_loss(model: nn.Module, heads: Sequence[ColumnParallelLinear]) -> None:
     setattr(model, _STATE, _Logits(model, heads))
     if callable(getattr(type(model), "generate", None)):
         model.generate = _Generate(model)  # the instance's: the class's generate runs inside
+    if isinstance(getattr(type(model), "loss_function", None), property):  # a Hugging Face model's own loss
+        model.loss_function = _Loss(model, model.loss_function)

@@ -24,6 +24,7 @@ from tpflow.placement import Placement
 from tpflow.plans.heads import attention_heads, check, keep_columns
 from tpflow.plans.hf import hf_plan
 from tpflow.plans.logits import route_loss
+from tpflow.plans.pretrained import export_whole
 from tpflow.plans.styles import (
     ColumnParallel,
     GatherSequence,
@@ -101,6 +102,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         if plan != "auto":
             raise ValueError(f"plan must be 'auto' or a dict of module-name patterns to entries, got {plan!r}")
         plan = hf_plan(model)
+    _check_buffers(model)
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen = _match(model, modules, plan)
     kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
@@ -151,7 +153,21 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         if coord is not None:
             keep_columns(modules[name], start[coord[-1]], end[coord[-1]], placement)
     replicate(model, placement, grads)
+    export_whole(model)
     return model
+
+
+def _check_buffers(model: nn.Module) -> None:
+    """Refuse a model whose computed buffers were never computed (built under ``torch.device("meta")``): no
+    checkpoint holds them, so the forward would fail deep in the model's code."""
+    persistent = set(model.state_dict(keep_vars=True))
+    lost = [name for name, b in model.named_buffers() if b.is_meta and name not in persistent]
+    if lost:
+        more = f" ... ({len(lost)} in all)" if len(lost) > 4 else ""
+        raise ValueError(f"{lost[:4]}{more} are buffers on the meta device that no checkpoint holds (computed when "
+                         f"the model is built, as a rotary embedding's frequencies): the model was built under "
+                         f"torch.device('meta'). Build it under tpf.meta_parameters() instead, which puts only the "
+                         f"parameters on meta, then parallelize and tpf.load_safetensors")
 
 
 def _match(model: nn.Module, modules: dict[str, nn.Module], plan: Mapping[str, object]) -> dict[str, tuple]:

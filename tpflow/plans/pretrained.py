@@ -1,0 +1,75 @@
+"""A parallelized Hugging Face model's ``save_pretrained``: a checkpoint that ``from_pretrained`` loads on one device.
+
+transformers' own ``save_pretrained`` would write the blocks (and refuses the joined storage of a fused group);
+after ``parallelize`` the model's instance calls it with the whole tensors instead: every rank gathers, rank 0
+writes, and every rank returns once the files are written, or raises if rank 0 failed to write them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch import nn
+
+from tpflow.global_tensor import full_state_dict
+
+__all__ = ["export_whole"]
+
+
+class _SavePretrained:
+    """The model's own ``save_pretrained`` given the whole tensors (an object, not a bound method: a copy or a pickle
+    of the model takes it along, bound to the copy)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        if "state_dict" in kwargs:
+            raise TypeError("save_pretrained of a parallelized model gathers its own state dict: leave state_dict out "
+                            "(tpf.full_state_dict(model) is what it saves)")
+        kwargs.pop("is_main_process", None)
+        state = full_state_dict(self.model)  # every rank takes part in the gathers
+        failure = None
+        if dist.get_rank() == 0:
+            try:
+                type(self.model).save_pretrained(self.model, save_directory, *args, state_dict=state, **kwargs)
+            except Exception as e:  # every rank must hear of it, or the others return as if it had been written
+                failure = e
+        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(outcome, src=0)
+        if failure is not None:
+            raise failure
+        if outcome[0] is not None:
+            raise RuntimeError(f"save_pretrained failed on rank 0, which writes the files: {outcome[0]}")
+
+
+def export_whole(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(dir)`` (a Hugging Face model's) write whole tensors when every rank calls it.
+
+    Args:
+        model: a model after ``parallelize`` (changed in place; models without ``save_pretrained`` are left alone).
+
+    Example::
+
+        >>> import tempfile
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        >>> _ = torch.manual_seed(0)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> model = tpf.parallelize(model, placement=P, plan="auto")   # calls export_whole(model)
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> where = [folder.name]
+        >>> torch.distributed.broadcast_object_list(where, src=0)      # rank 0's folder for every rank
+        >>> model.save_pretrained(where[0])                           # on every rank; rank 0 writes
+        >>> one_device = transformers.LlamaForCausalLM.from_pretrained(where[0])
+        >>> ids = torch.randint(0, 64, (1, 6))
+        >>> torch.allclose(one_device(ids).logits, model(ids).logits.full_tensor(), atol=1e-6)
+        True
+        >>> torch.distributed.barrier()                               # every rank has read it
+        >>> folder.cleanup()
+    """
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = _SavePretrained(model)
