@@ -10,12 +10,16 @@ model's linear layers as its config's plan says; the model's own forward, loss (
 ``generate`` run unchanged; torch's AdamW and ``clip_grad_norm_`` take the parameters as on one device.
 Halfway, the model and optimizer are saved with ``torch.distributed.checkpoint`` and loaded into a fresh
 copy, which trains on: the printed losses are the one-device run's. ``--resume DIR`` starts from a
-checkpoint saved by a run on any number of ranks (it is resharded on load).
+checkpoint saved by a run on any number of ranks (it is resharded on load). At the end the trained model is
+exported with its own ``save_pretrained`` (called on every rank; rank 0 writes whole tensors) and loaded back
+on one device with ``from_pretrained``, whose logits are the parallel model's. Folders not named by
+``--checkpoint`` / ``--export`` are temporary and removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -38,6 +42,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--checkpoint", help="where the halfway checkpoint goes (default: a temporary directory)")
     parser.add_argument("--resume", help="a checkpoint directory to start from, saved after --steps // 2 steps")
+    parser.add_argument("--export", help="where save_pretrained writes the trained model (default: a temporary one)")
     return parser.parse_args()
 
 
@@ -86,38 +91,64 @@ def train(model, opt, windows, first: int) -> None:
             print(f"step {step} loss {loss.item():.6f} grad norm {norm.full_tensor().item():.6f}", flush=True)
 
 
+def shared_folder(path: str | None, stack: contextlib.ExitStack) -> str:
+    """``path``, or rank 0's temporary directory (removed when ``stack`` closes): one folder for every rank."""
+    if path is None and tpf.get_rank() == 0:
+        path = stack.enter_context(tempfile.TemporaryDirectory(prefix="tpflow-finetune-"))
+    holder = [path]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def export(model, folder: str, prompt: torch.Tensor) -> None:
+    """The model's own save_pretrained on every rank, then from_pretrained on one device: the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    logits = model(prompt).logits
+    logits = logits.full_tensor() if isinstance(logits, torch.distributed.tensor.DTensor) else logits
+    model.save_pretrained(folder)  # every rank: they gather the blocks, rank 0 writes
+    if tpf.get_rank() == 0:
+        one_device = AutoModelForCausalLM.from_pretrained(folder)
+        diff = (one_device(prompt.to(one_device.device)).logits - logits.cpu()).abs().max().item()
+        print(f"exported to {folder}; from_pretrained on one device: logits within {diff:.1e}", flush=True)
+        assert diff < 1e-4, "the exported model computes other logits"
+    torch.distributed.barrier()  # rank 0 has read the folder before it may be removed
+
+
 def main() -> None:
     args = arguments()
     P = tpf.placement("cuda" if torch.cuda.is_available() else "cpu", ranks=list(range(tpf.get_world_size())))
     model, opt, tokenizer = fresh(args, P)
     windows = batches(corpus(tokenizer), args.steps, args.batch, args.seq)
     half = args.steps // 2
-    if args.resume:
-        directory = args.resume
-    else:
-        train(model, opt, windows[:half], 0)
-        holder = [args.checkpoint or (tempfile.mkdtemp(prefix="tpflow-finetune-") if tpf.get_rank() == 0 else None)]
-        torch.distributed.broadcast_object_list(holder, src=0)  # one directory for every rank
-        directory = holder[0]
+    with contextlib.ExitStack() as temporary:
+        if args.resume:
+            directory = args.resume
+        else:
+            train(model, opt, windows[:half], 0)
+            directory = shared_folder(args.checkpoint, temporary)
+            model_state, opt_state = get_state_dict(model, opt)
+            dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=directory)
+            if tpf.get_rank() == 0:
+                print(f"saved to {directory}", flush=True)
+        model, opt, tokenizer = fresh(args, P)  # a new model and optimizer, filled from the checkpoint
         model_state, opt_state = get_state_dict(model, opt)
-        dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=directory)
+        state = {"model": model_state, "optim": opt_state}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train(model, opt, windows[half:], half)
+        model.eval()
+        prompt = windows[0][:1, :16]
+        out = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones_like(prompt))
+        new = out[0, prompt.shape[1]:].tolist()
+        text = bytes(new).decode(errors="replace") if tokenizer is None else tokenizer.decode(new)
         if tpf.get_rank() == 0:
-            print(f"saved to {directory}", flush=True)
-    model, opt, tokenizer = fresh(args, P)  # a new model and optimizer, filled from the checkpoint
-    model_state, opt_state = get_state_dict(model, opt)
-    state = {"model": model_state, "optim": opt_state}
-    dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    train(model, opt, windows[half:], half)
-    model.eval()
-    prompt = windows[0][:1, :16]
-    out = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0,
-                         attention_mask=torch.ones_like(prompt))
-    new = out[0, prompt.shape[1]:].tolist()
-    text = bytes(new).decode(errors="replace") if tokenizer is None else tokenizer.decode(new)
-    if tpf.get_rank() == 0:
-        print(f"generated {new}", flush=True)
-        print(f"as text {text!r}", flush=True)
+            print(f"generated {new}", flush=True)
+            note = "" if args.model else " (random weights and a few steps: expect spaces and repeats, not Python)"
+            print(f"as text {text!r}{note}", flush=True)
+        export(model, shared_folder(args.export, temporary), prompt)
+        torch.distributed.barrier()  # every rank is done with the folders before rank 0 removes them
 
 
 if __name__ == "__main__":

@@ -8,13 +8,16 @@ also runs as the README says: under the launcher with 2 ranks, and as one plain 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests import harness
-from tests.harness import ROOT, run_python
+from tests.harness import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -63,15 +66,22 @@ def test_config_page_lists_every_switch():
 
 
 def test_readme_quickstart_runs_as_the_readme_says(tmp_path):
-    """The README's first snippet is example.py; its commands are the bash block after it."""
-    (_, code), = snippets(ROOT / "README.md")[:1]
-    script = tmp_path / "example.py"
-    script.write_text(code)
+    """example.py is the README's first two snippets (the second says to add it); its commands, the bash lines
+    naming it, run exactly as written in the environment the README activates (its python first on PATH)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "source .venv/bin/activate" in readme
+    code = [block for _, block in snippets(ROOT / "README.md")[:2]]
+    assert readme.index(code[0]) < readme.index("Add this to `example.py`") < readme.index(code[1])
+    (tmp_path / "example.py").write_text("\n".join(code))
     commands = [c for _, block in snippets(ROOT / "README.md", "bash") for c in block.splitlines()
                 if "example.py" in c]
-    assert any("tpflow.launch --nproc_per_node 2 example.py" in c for c in commands), commands
-    launched = run_python(["-m", "tpflow.launch", "--nproc_per_node", "2", str(script)])
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    assert any(c.split("#")[0].split() == ["python", "example.py"] for c in commands), commands
-    alone = run_python([str(script)])
-    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert [c.split("#")[0].split() for c in commands] == [
+        ["python", "-m", "tpflow.launch", "--nproc_per_node", "2", "example.py"], ["python", "example.py"]], commands
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "TPFLOW_LAUNCH_ERRORS")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # what the activation does
+    for command in commands:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{command}:\n{done.stderr[-3000:]}"
+        assert "ColumnParallelLinear" in done.stdout, f"{command} printed:\n{done.stdout[-2000:]}"

@@ -56,7 +56,8 @@ def _generated(stdout: str) -> str:
 
 def test_finetune_hf_matches_one_device(tmp_path):
     """A Hugging Face model by its own plan on 2 ranks, saved halfway and resumed: one device's losses and tokens;
-    and the 2-rank checkpoint resumed on one rank (resharded on load) goes on as the others do."""
+    and the 2-rank checkpoint resumed on one rank (resharded on load) goes on as the others do. Each run exports
+    the trained model with save_pretrained and loads it back on one device (the example checks the logits)."""
     pytest.importorskip("transformers")
     two = harness.run_python(["-m", "tpflow.launch", "--nproc_per_node", "2", f"examples/{FINETUNE}", "--checkpoint",
                 str(tmp_path / "ckpt")])
@@ -73,3 +74,5 @@ def test_finetune_hf_matches_one_device(tmp_path):
         for step in steps:
             assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), (step, run.stdout, one.stdout)
         assert _generated(run.stdout) == _generated(one.stdout)
+    for run in (two, one, resumed):
+        assert "from_pretrained on one device: logits within" in run.stdout, run.stdout
