@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tests.harness import run_python
+from tests.harness import ROOT, run_python
+from tpflow.bench import report
 from tpflow.comm.wire import HEADER_BYTES
 
 TWO_D = {"data x tensor", "pipeline x tensor"}
@@ -22,11 +23,16 @@ def run(request, tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     files = {p.suffix: p for p in out.iterdir()}
     data = json.loads(files[".json"].read_text())
-    return request.param, proc.stdout, files, data
+    return request.param, proc.stdout, files, data, proc.stderr
 
 
 def test_every_file_is_written_and_named_in_the_output(run):
-    world, stdout, files, data = run
+    world, stdout, files, data, stderr = run
+    assert "requires_grad" not in stderr  # every mode's share of the loss is detached
+    skipped = [r["mode"] for r in data["rows"] if r["skipped"]]  # folded into one line under the table, not rows
+    assert skipped and "skipped: " in stdout and not any(f"| {m} |" in files[".md"].read_text() for m in skipped)
+    words = " ".join(stdout.split())  # the legend, as wrapped to the terminal
+    assert "below 1 is faster" in words and "expect about 1x or slower" in words
     assert set(files) == {".json", ".csv", ".md"}
     for path in files.values():
         assert str(path) in stdout
@@ -43,7 +49,8 @@ def test_every_file_is_written_and_named_in_the_output(run):
 
 
 def test_every_mode_runs_and_agrees_with_one_device(run):
-    world, _, _, data = run
+    world, _, _, data, _ = run
+    base = {r["workload"]: r["step_ms"] for r in data["rows"] if r["mode"] == "one device"}
     for row in data["rows"]:
         if row["skipped"]:
             assert (world == 2 and row["mode"] in TWO_D) or row["mode"] == "tensor, transformers" or \
@@ -53,7 +60,7 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
         assert row["loss_rel_diff"] < 1e-5, row
         assert row["losses"][-1] < row["losses"][0]  # it trains
         assert row["step_ms_p20"] <= row["step_ms"] <= row["step_ms_p80"]
-        assert row["speedup_p20"] <= row["speedup"] <= row["speedup_p80"]
+        assert row["time_vs_one_device"] == pytest.approx(row["step_ms"] / base[row["workload"]])  # the medians' ratio
         assert row["peak_bytes"] > row["param_bytes"] > 0
 
 
@@ -91,7 +98,7 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
 
 
 def test_bytes_sent_equal_the_theory_for_each_layout(run):
-    world, _, _, data = run
+    world, _, _, data, _ = run
     settings = data["meta"]["settings"]
     for row in data["rows"]:
         if row["skipped"]:
@@ -104,7 +111,7 @@ def test_the_minimum_by_hand(run):
     """Not the harness's formula: the layouts' bytes written out for the tiny MLP (4 blocks of 32 -> 64 -> 32,
     64 rows): tensor parallel all-reduces each row layer's output and each column layer's input gradient but
     the first's (the input wants none); data parallel all-reduces every gradient."""
-    world, _, _, data = run
+    world, _, _, data, _ = run
     s = data["meta"]["settings"]
     rows = {r["mode"]: r for r in data["rows"] if r["workload"] == "mlp"}
     ring = (world - 1) / world
@@ -133,3 +140,21 @@ def test_hf_workload_beside_transformers_own_tensor_parallelism(tmp_path):
         assert row["loss_rel_diff"] < 1e-5 and row["losses"][-1] < row["losses"][0], row
     tpflow = rows["tensor, tpflow"]
     assert tpflow["sent_per_rank"] == tpflow["minimum_per_rank"]
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_the_table_fits_the_terminal(width, capsys):
+    """A committed run shown within the terminal's width: narrower terminals get fewer columns, not wrapped rows;
+    the skipped modes in one line; the time ratio printed beside the medians it is the ratio of."""
+    data = json.loads((ROOT / "benchmarks/results/bench_AMD-EPYC_w4_2026-11-22_200918.json").read_text())
+    report.show(data["rows"], data["meta"], width=width)
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if line.startswith(("one device ", "tensor, tpflow "))]
+    assert len(table) == 2 * len(data["meta"]["workloads"]) and all(len(line) <= width for line in table)
+    one, tpflow = (next(r for r in data["rows"] if r["mode"] == m and r["workload"] == "mlp")
+                   for m in ("one device", "tensor, tpflow"))
+    ratio = f"{tpflow['step_ms'] / one['step_ms']:.2f}x"
+    assert ratio in table[1] and f"{tpflow['step_ms']:.1f}" in table[1]
+    assert sum(line.startswith("skipped: ") for line in lines) == 1  # pipeline x tensor, on the transformer
+    assert not any(line.startswith("pipeline x tensor") and "skipped" in line for line in lines)
+    assert ("narrowed to" in "\n".join(lines)) == (width < 120)

@@ -402,6 +402,12 @@ def _hybrid_rank(global_input, sequence_parallel):
         y.backward(grad)
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad.full_tensor(), p_ref.grad), f"gradient of {name}"
+    whole = tpf.full_state_dict(model)  # over both axes: one device's state dict on rank 0, nothing elsewhere
+    if dist.get_rank() == 0:
+        assert whole.keys() == ref.state_dict().keys()
+        assert all(torch.equal(whole[k], v) for k, v in ref.state_dict().items())
+    else:
+        assert whole == {}
 
 
 @pytest.mark.parametrize("global_input", [False, True], ids=["plain", "global"])

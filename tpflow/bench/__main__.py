@@ -6,9 +6,10 @@
 
 Each mode (``tpflow.bench.modes``) trains the same model on the same batch. The modes' steps are
 interleaved, repetition by repetition, so drift hits all alike; a step's time is its slowest rank's,
-and the speed-up against one device is the median of per-repetition ratios. One step per mode is
-counted (bytes every rank sends, torch's collectives included) and one is profiled for memory, both
-outside the timed ones; every step's loss is compared with one device's. CUDA is used when every rank
+and a mode's time against one device's is the ratio of their median step times (below 1: faster). One
+step per mode is counted (bytes every rank sends, torch's collectives included) and one is profiled for
+memory (per rank: parameters, gradients, activations at the step's peak), both outside the timed ones;
+every step's loss is compared with one device's. CUDA is used when every rank
 has a GPU, else CPU processes over gloo with one thread each. Rows go to
 ``benchmarks/results/bench_<device>_w<W>_<time>.{json,csv,md}``.
 """
@@ -123,7 +124,7 @@ def summarize(workload: str, samples: int, trainers: dict[str, Trainer], found: 
               world: int) -> list[dict]:
     """A row per mode: every rank's values gathered, times on the slowest rank, losses against one device's."""
     rows = []
-    base = step_times(found["one device"].times)
+    base = quantiles(step_times(found["one device"].times))[0]
     reference = every_rank(found["one device"].shares).sum(0).tolist()
     for n, t in trainers.items():
         m = found[n]
@@ -131,11 +132,10 @@ def summarize(workload: str, samples: int, trainers: dict[str, Trainer], found: 
         losses = every_rank(m.shares).sum(0).tolist()
         slowest = step_times(m.times)
         median, p20, p80 = quantiles(slowest)
-        speedup = quantiles([b / s for b, s in zip(base, slowest)])
         rows.append(dict(
             workload=workload, mode=n, world=world, ranks=len(t.ranks),
             step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3, samples_per_s=samples / median,
-            speedup=speedup[0], speedup_p20=speedup[1], speedup_p80=speedup[2],
+            time_vs_one_device=median / base,
             peak_bytes=int(per_rank[:, 2].max()), param_bytes=int(per_rank[:, 3].max()),
             sent_bytes=int(per_rank[:, 0].max()), minimum_bytes=int(per_rank[:, 1].max()),
             sent_per_rank=[int(v) for v in per_rank[:, 0]], minimum_per_rank=[int(v) for v in per_rank[:, 1]],
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 tpflow=tpf.__version__, code=source_version(), python=sys.version.split()[0],
                 timestamp=datetime.datetime.now().isoformat(timespec="seconds"), command=command(argv, world),
                 allocator=allocator, threads_per_rank=torch.get_num_threads() if device.type == "cpu" else None,
+                cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                 settings=cfg, dtype="float32", optimizer="SGD", loss="MSE")
     rows, workloads = [], []
     with report.Progress(enabled=rank == 0) as progress:

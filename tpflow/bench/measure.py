@@ -191,7 +191,7 @@ def quantiles(times: list[float]) -> tuple[float, float, float]:
     sample is all three.
 
     Args:
-        times: the samples (step times, or per-step speed-up ratios); at least one.
+        times: the samples (step times, or per-step time ratios); at least one.
 
     Returns:
         ``(median, p20, p80)``.

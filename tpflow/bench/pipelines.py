@@ -146,7 +146,7 @@ def torch_pipeline_mode(name: str) -> Callable[[Workload, Context], Trainer]:
         >>> w = build_workload("mlp", dim=8, hidden=16, depth=4, tokens=16, seq=4, heads=2, kv_heads=1)
         >>> trainer = torch_pipeline_mode("1F1B")(w, Context(world=2, rank=tpf.get_rank(), device=torch.device("cpu")))
         >>> trainer.step()                     # on rank 1: the loss tpflow's 1F1B gives too
-        tensor(2.4722, grad_fn=<MeanBackward0>)
+        tensor(2.4722)
     """
     def build(w: Workload, ctx: Context) -> Trainer:
         from torch.distributed.pipelining import PipelineStage, schedules
@@ -164,7 +164,8 @@ def torch_pipeline_mode(name: str) -> Callable[[Workload, Context], Trainer]:
             losses: list[torch.Tensor] = []
             with counting_p2p():
                 pipe.step(*([x] if first else []), target=y if last else None, losses=losses if last else None)
-            return torch.stack(losses).mean() if last else None  # equal micro-batches: the batch's mean
+            # equal micro-batches: the batch's mean; detached, as every mode's share (the schedule ran the backward)
+            return torch.stack(losses).detach().mean() if last else None
         params = [p for st in mine for p in st.submod.parameters()]
         return make_trainer(params, step, _minimum(w, list(range(ctx.rank, stages, ctx.world)), stages),
                             range(ctx.world))

@@ -1,5 +1,9 @@
-"""The harness's outputs: a progress bar and a table on the terminal (rich, when installed), and the rows
-as JSON, CSV and a Markdown table in the results folder, each naming the device and the command."""
+"""The harness's outputs: a progress bar, the tables and their legend on the terminal (rich, when installed), and
+the rows as JSON, CSV and a Markdown file in the results folder, each naming the device and the command.
+
+One ratio everywhere (the terminal, the files, the plot): a mode's time against one device's is its median step
+time over one device's median step time, so below 1 is faster and the ratio agrees with the medians beside it.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +12,208 @@ import datetime
 import json
 import pathlib
 import re
+import shutil
+from collections.abc import Callable, Iterator
 
-__all__ = ["COLUMNS", "Progress", "markdown", "markdown_table", "show", "write"]
+__all__ = ["COLUMNS", "NARROWER", "Progress", "implementation", "legend", "markdown", "markdown_table", "show",
+           "skipped_line", "time_ratios", "write"]
 
 try:
+    import rich.box
     import rich.console
     import rich.progress
     import rich.table
 except ImportError:  # the GPU machines have no rich: plain text there
     rich = None
 
-# header, how a row's values print
-COLUMNS = {
+Cell = Callable[[dict], str]
+
+
+def _step(r: dict) -> str:
+    return f"{r['step_ms']:.1f} ({r['step_ms_p20']:.1f}-{r['step_ms_p80']:.1f})"
+
+
+def _peak(r: dict) -> str:
+    return f"{r['peak_bytes'] / 2**20:.1f} ({r['param_bytes'] / 2**20:.1f})"
+
+
+def _sent(r: dict) -> str:
+    return f"{r['sent_bytes'] / 2**10:,.0f} ({r['minimum_bytes'] / 2**10:,.0f})"
+
+
+LOSS = "loss vs\none device"
+
+# header (a line break where the terminal may fold it; the Markdown joins the lines): how a row's values print
+COLUMNS: dict[str, Cell] = {
     "mode": lambda r: r["mode"],
-    "step ms (p20-p80)": lambda r: f"{r['step_ms']:.1f} ({r['step_ms_p20']:.1f}-{r['step_ms_p80']:.1f})",
+    "step ms\n(p20-p80)": _step,
+    "time vs\none device\n(<1 faster)": lambda r: f"{r['time_vs_one_device']:.2f}x",
+    "peak MiB/rank\n(params)": _peak,
+    "sent KiB/rank\n(minimum)": _sent,
+    LOSS: lambda r: f"{r['loss_rel_diff']:.1e}",
     "samples/s": lambda r: f"{r['samples_per_s']:,.0f}",
-    "vs one device": lambda r: f"{r['speedup']:.2f}x",
-    "peak MiB/rank": lambda r: f"{r['peak_bytes'] / 2**20:.1f}",
-    "params MiB/rank": lambda r: f"{r['param_bytes'] / 2**20:.2f}",
-    "sent KiB/rank": lambda r: f"{r['sent_bytes'] / 2**10:,.0f}",
-    "minimum KiB": lambda r: f"{r['minimum_bytes'] / 2**10:,.0f}",
-    "loss vs one device": lambda r: f"{r['loss_rel_diff']:.1e}",
 }
 
+# while a table is wider than the terminal, in this order: a column left out (None) or made narrower
+NARROWER: list[tuple[str, tuple[str, Cell] | None]] = [
+    ("samples/s", None),
+    ("step ms\n(p20-p80)", ("step ms", lambda r: f"{r['step_ms']:.1f}")),
+    ("peak MiB/rank\n(params)", ("peak MiB\nper rank", lambda r: f"{r['peak_bytes'] / 2**20:.1f}")),
+    (LOSS, None),  # its worst value then goes under the table
+    ("sent KiB/rank\n(minimum)", ("sent KiB\nper rank", lambda r: f"{r['sent_bytes'] / 2**10:,.0f}")),
+]
 
-def _cells(row: dict) -> list[str]:
-    if row.get("skipped"):
-        return [row["mode"], f"skipped: {row['skipped']}", *[""] * (len(COLUMNS) - 2)]
-    return [fmt(row) for fmt in COLUMNS.values()]
+# the implementations of the rows, as the terminal and the plot color them
+TERMINAL_STYLE = {"tpflow": "bold bright_blue", "PyTorch": "dark_orange", "transformers": "green3",
+                  "one device": ""}
 
 
-def _by_workload(rows: list[dict], meta: dict):
-    """(title, rows) per workload."""
+def implementation(mode: str) -> str:
+    """Whose parallelism a mode runs: tpflow's, or a peer's that it is measured beside.
+
+    Args:
+        mode: a mode's name, as in the rows (``"tensor, torch"``).
+
+    Returns:
+        ``"one device"`` (the baseline), ``"PyTorch"`` (DDP, ``parallelize_module``, ``torch.distributed.pipelining``:
+        the modes named ``..., torch``), ``"transformers"`` (its own tensor parallelism) or ``"tpflow"``.
+
+    Example::
+
+        >>> [implementation(m) for m in ("tensor, tpflow", "tensor, torch", "data, DDP", "pipeline, 1F1B, torch")]
+        ['tpflow', 'PyTorch', 'PyTorch', 'PyTorch']
+    """
+    if mode == "one device":
+        return "one device"
+    if mode == "tensor, transformers":
+        return "transformers"
+    return "PyTorch" if mode == "data, DDP" or mode.endswith(", torch") else "tpflow"
+
+
+def time_ratios(rows: list[dict]) -> list[dict]:
+    """The rows with ``time_vs_one_device``: the mode's median step time over one device's on the same workload.
+
+    The harness writes it into every row it runs; files written before it had none, so it is computed here from
+    the medians (``step_ms``) where missing. Skipped rows are returned as they are.
+
+    Args:
+        rows: result rows, each with ``workload``, ``mode`` and, unless ``skipped``, ``step_ms``; every workload
+            with a ``"one device"`` row.
+
+    Returns:
+        New dicts, in the same order.
+
+    Example::
+
+        >>> rows = time_ratios([{"workload": "mlp", "mode": "one device", "step_ms": 50.0},
+        ...                     {"workload": "mlp", "mode": "tensor, tpflow", "step_ms": 60.0}])
+        >>> [r["time_vs_one_device"] for r in rows]           # below 1 would be faster than one device
+        [1.0, 1.2]
+    """
+    base = {r["workload"]: r["step_ms"] for r in rows if r["mode"] == "one device" and not r.get("skipped")}
+    return [r if r.get("skipped") or "time_vs_one_device" in r else
+            {**r, "time_vs_one_device": r["step_ms"] / base[r["workload"]]} for r in rows]
+
+
+def _cells(row: dict, columns: dict[str, Cell]) -> list[str]:
+    return [fmt(row) for fmt in columns.values()]
+
+
+def skipped_line(rows: list[dict]) -> str:
+    """The skipped modes in one line, grouped by reason, for under a table rather than a row each.
+
+    Args:
+        rows: result rows; those with a ``skipped`` reason count, in their order.
+
+    Returns:
+        ``"skipped: a / b (reason); c (another reason)"`` (the modes' names have commas of their own), or ``""``
+        when no row was skipped.
+
+    Example::
+
+        >>> skipped_line([{"mode": "one device", "skipped": None},
+        ...               {"mode": "data x tensor", "skipped": "needs 4 ranks"},
+        ...               {"mode": "pipeline x tensor", "skipped": "needs 4 ranks"}])
+        'skipped: data x tensor / pipeline x tensor (needs 4 ranks)'
+    """
+    reasons: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("skipped"):
+            reasons.setdefault(r["skipped"], []).append(r["mode"])
+    return "skipped: " + "; ".join(f"{' / '.join(modes)} ({why})" for why, modes in reasons.items()) if reasons \
+        else ""
+
+
+def _by_workload(rows: list[dict], meta: dict) -> Iterator[tuple[str, list[dict]]]:
+    """(title, rows, with their time ratios) per workload."""
+    rows = time_ratios(rows)
     for workload, described in zip(dict.fromkeys(r["workload"] for r in rows), meta["workloads"]):
-        title = f"{described} | {meta['world']} ranks, {meta['device']} | {meta['timestamp']}"
-        yield title, [r for r in rows if r["workload"] == workload]
+        yield described, [r for r in rows if r["workload"] == workload]
+
+
+def _layouts() -> Iterator[tuple[dict[str, Cell], list[str]]]:
+    """``COLUMNS``, then ever narrower sets of columns (``NARROWER``), each with what it left out or shortened."""
+    columns, changed = dict(COLUMNS), []
+    yield columns, changed
+    for header, narrower in NARROWER:
+        columns = dict(columns)
+        if narrower is None:
+            del columns[header]
+        else:
+            columns = {narrower[0] if h == header else h: narrower[1] if h == header else f for h, f in columns.items()}
+        changed = [*changed, " ".join(header.split())]
+        yield columns, changed
+
+
+def _run_line(meta: dict) -> str:
+    steps = meta.get("settings", {}).get("reps")
+    steps = f", {steps} timed steps a mode" if steps else ""
+    if meta.get("device_type", "cpu") == "cpu":
+        cores = f", {meta['cpus']} cores shared" if meta.get("cpus") else ""
+        threads = meta.get("threads_per_rank") or 1
+        return f"tpflow.bench on {meta['world']} CPU processes (gloo, {threads} thread each{cores}), " \
+            f"{meta['device']}{steps}"
+    return f"tpflow.bench on {meta['world']} ranks, a GPU each, {meta['device']}{steps}"
+
+
+def legend(meta: dict, colors: bool = False, rows: list[dict] | None = None) -> list[str]:
+    """Three lines to print under the tables: what the columns mean, and what to look at on this device.
+
+    Args:
+        meta: the run's metadata, as for :func:`show`; ``device_type``, ``world`` and ``cpus`` (the cores the ranks
+            share) pick the last line's advice.
+        colors: name the colors the terminal and the plot give tpflow's rows and the peers'.
+        rows: the rows shown, to name only the peers among them; None for every peer.
+
+    Returns:
+        The three lines, no newlines.
+
+    Example::
+
+        >>> lines = legend({"device_type": "cpu", "world": 2, "cpus": 2})
+        >>> lines[0].split(":")[0], len(lines)
+        ('time vs one device', 3)
+        >>> lines[2].split(":")[0]
+        'On 2 CPU processes sharing 2 cores expect about 1x or slower'
+    """
+    shown = {implementation(r["mode"]) for r in rows} if rows is not None else {"PyTorch", "transformers"}
+    named = {"PyTorch": "PyTorch's (orange)" if colors else "PyTorch's (data, DDP and the modes named '..., torch')",
+             "transformers": "transformers' (green)" if colors else "transformers' (tensor, transformers)"}
+    peers = "tpflow's rows" + (" (blue)" if colors else "") + " beside " + \
+        " and ".join(text for who, text in named.items() if who in shown) if shown & set(named) else "tpflow's rows"
+    lines = ["time vs one device: the mode's median step time / one device's, below 1 is faster. step ms: the "
+             "slowest rank's, median (p20-p80); gaps within that spread are noise.",
+             "peak MiB/rank: the most a rank holds during a step (its parameters in brackets). sent KiB/rank: what "
+             "the busiest rank sends per step (the layout's minimum). loss: the largest relative gap to one device's "
+             "(1e-7: the same training)."]
+    if meta.get("device_type", "cpu") == "cpu":
+        cores = f" sharing {meta['cpus']} cores" if meta.get("cpus") else " sharing the host's cores"
+        lines.append(f"On {meta['world']} CPU processes{cores} expect about 1x or slower: tensor parallelism gains "
+                     f"memory per rank here, not speed. Look at peak MiB/rank, and at {peers}.")
+    else:
+        lines.append(f"Each rank has a GPU of its own: below 1x is a real speed-up. Look at time and peak MiB/rank "
+                     f"together, and at {peers}.")
+    return lines
 
 
 class Progress:
@@ -83,17 +254,40 @@ class Progress:
             self.bar.advance(task)
 
 
-def show(rows: list[dict], meta: dict) -> None:
-    """The tables on the terminal.
+def _rich_table(title: str, columns: dict[str, Cell], part: list[dict]) -> rich.table.Table:
+    table = rich.table.Table(title=title, title_justify="left", box=rich.box.SIMPLE_HEAD, pad_edge=False,
+                             show_edge=False, padding=(0, 1, 0, 0))
+    for i, header in enumerate(columns):
+        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=True)
+    for row in part:
+        table.add_row(*_cells(row, columns), style=TERMINAL_STYLE[implementation(row["mode"])] or None)
+    return table
 
-    A table per workload, titled with its description, the world's size, the device and the time; then the
-    command that repeats the run. Drawn with rich where it is installed, else as :func:`markdown`'s lines.
+
+def _fitting(width: int, measure: Callable[[dict[str, Cell], list[dict]], int],
+             ran: list[dict]) -> tuple[dict[str, Cell], list[str]]:
+    """The widest layout whose table of ``ran`` ``measure`` finds within ``width`` (else the narrowest)."""
+    layouts = list(_layouts())
+    return next((layout for layout in layouts if measure(layout[0], ran) <= width), layouts[-1])
+
+
+def show(rows: list[dict], meta: dict, width: int | None = None) -> None:
+    """The tables on the terminal, within its width, and their legend.
+
+    A line on the run (ranks, device, time), then a table per workload titled with its description, with the
+    skipped modes folded into one line under it; then :func:`legend`'s three lines and the command that repeats
+    the run. A table too wide for the terminal leaves out or shortens columns (``NARROWER``, the least read first)
+    rather than wrapping, and says which. Drawn with rich where it is installed (tpflow's rows in blue, the peers'
+    in orange and green), else as :func:`markdown`'s lines.
 
     Args:
         rows: the result rows of every workload: dicts with ``workload`` and the keys ``COLUMNS`` reads, or,
-            for a skipped mode, ``workload``, ``mode`` and ``skipped`` (the reason).
+            for a skipped mode, ``workload``, ``mode`` and ``skipped`` (the reason). Rows without
+            ``time_vs_one_device`` get it from :func:`time_ratios`.
         meta: the run's metadata: ``workloads`` (their descriptions, in the rows' order), ``world``,
-            ``device``, ``timestamp``, ``command``, ``code`` and ``torch``.
+            ``device``, ``device_type``, ``timestamp``, ``command``, ``code`` and ``torch``.
+        width: the columns to fit in; None for the terminal's (``shutil.get_terminal_size``, 80 when not a
+            terminal, or the ``COLUMNS`` environment variable).
 
     Example::
 
@@ -101,20 +295,41 @@ def show(rows: list[dict], meta: dict) -> None:
         >>> import contextlib
         >>> import io
         >>> with contextlib.redirect_stdout(io.StringIO()) as out:
-        ...     show(data["rows"], data["meta"])
-        >>> out.getvalue().splitlines()[-1]              # after the tables, the command that repeats the run
+        ...     show(data["rows"], data["meta"], width=100)
+        >>> lines = out.getvalue().splitlines()
+        >>> max(len(line) for line in lines) <= 100      # fitted: no line wider than the terminal
+        True
+        >>> lines[-1]                                    # after the tables, the command that repeats the run
         'command: python -m tpflow.bench --nproc_per_node 2  (commit 8cf5d8a, torch 2.13.0+cpu)'
     """
+    width = width or shutil.get_terminal_size().columns
+    console = rich.console.Console(width=width, highlight=False, soft_wrap=False) if rich is not None else None
+    emit = console.print if console is not None else print
+
+    def measure(columns: dict[str, Cell], ran: list[dict]) -> int:  # the table's own width, not the terminal's
+        if console is None:
+            return max(len(line) for line in markdown(ran, columns))
+        return console.measure(_rich_table("", columns, ran), options=console.options.update_width(10**4)).maximum
+    emit(_run_line(meta))
+    changed: list[str] = []
     for title, part in _by_workload(rows, meta):
-        if rich is None:
-            print("\n".join(["", title, *markdown(part)]))
-            continue
-        table = rich.table.Table(title=title)
-        for i, header in enumerate(COLUMNS):
-            table.add_column(header, justify="left" if i == 0 else "right")
-        for row in part:
-            table.add_row(*_cells(row))
-        rich.console.Console(width=200).print(table)
+        ran, skipped = [r for r in part if not r.get("skipped")], skipped_line(part)
+        columns, now = _fitting(width, measure, ran)
+        emit("")
+        if console is None:
+            print("\n".join([title, *markdown(ran, columns)]))
+        else:
+            console.print(_rich_table(title, columns, ran))
+        changed = now if len(now) > len(changed) else changed
+        if LOSS not in columns and ran:  # the column left out: its worst value
+            emit(f"loss vs one device: at most {max(r['loss_rel_diff'] for r in ran):.1e} in every mode and step")
+        if skipped:
+            emit(skipped)
+    emit("")
+    for line in legend(meta, colors=console is not None, rows=[r for r in rows if not r.get("skipped")]):
+        emit(line)
+    if changed:
+        emit(f"(narrowed to {width} columns, without: {'; '.join(changed)}; the results files have every column)")
     print(f"command: {meta['command']}  ({meta['code']}, torch {meta['torch']})")
 
 
@@ -138,23 +353,31 @@ def markdown_table(header: list[str], rows: list[list], numbers: bool = False) -
     return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(str(v) for v in r) + " |" for r in rows)]
 
 
-def markdown(rows: list[dict]) -> list[str]:
-    """Result rows as a Markdown table under ``COLUMNS``' headers, every column but the mode right-aligned.
+def markdown(rows: list[dict], columns: dict[str, Cell] | None = None) -> list[str]:
+    """Result rows as a Markdown table, every column but the mode right-aligned, the skipped modes in a line under it.
 
-    A skipped mode's row gives its name and ``skipped: <reason>``, its other cells empty.
+    The headers are ``columns``' with their line breaks made spaces; the skipped modes are grouped by reason
+    (``skipped: a / b (reason)``) after an empty line.
 
     Args:
-        rows: result rows, as for :func:`show`; usually one workload's.
+        rows: result rows, as for :func:`show`, of one workload; each that ran with ``time_vs_one_device``
+            (see :func:`time_ratios`).
+        columns: headers and how a row's values print; None for ``COLUMNS``.
 
     Returns:
-        The table's lines, as :func:`markdown_table` gives them.
+        The table's lines, as :func:`markdown_table` gives them, then the skipped line where a mode was skipped.
 
     Example::
 
-        >>> markdown([{"mode": "data, DDP", "skipped": "needs 4 ranks"}])[2]
-        '| data, DDP | skipped: needs 4 ranks |  |  |  |  |  |  |  |'
+        >>> markdown([{"mode": "data x tensor", "skipped": "needs 4 ranks"},
+        ...           {"mode": "pipeline x tensor", "skipped": "needs 4 ranks"}], {"mode": COLUMNS["mode"]})
+        ['| mode |', '|---|', '', 'skipped: data x tensor / pipeline x tensor (needs 4 ranks)']
     """
-    return markdown_table(list(COLUMNS), [_cells(r) for r in rows], numbers=True)
+    columns = COLUMNS if columns is None else columns
+    ran = [r for r in rows if not r.get("skipped")]
+    lines = markdown_table([" ".join(h.split()) for h in columns], [_cells(r, columns) for r in ran], numbers=True)
+    skipped = skipped_line(rows)
+    return lines + ["", skipped] if skipped else lines
 
 
 def _slug(text: str) -> str:
@@ -163,7 +386,7 @@ def _slug(text: str) -> str:
 
 def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
     """``bench_<device>_w<W>_<time>.json`` (meta and rows), ``.csv`` (a row per mode, meta repeated) and
-    ``.md`` (the tables with their device, date and command).
+    ``.md`` (the tables with their device, date, command and legend).
 
     The folder is created when missing. ``<device>`` is the device's name with each run of characters other
     than letters and digits made one hyphen, ``<time>`` the run's timestamp as ``YYYY-mm-dd_HHMMSS``. The CSV
@@ -201,12 +424,12 @@ def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
         for row in rows:
             writer.writerow({**flat_meta, **row})
     lines = [f"# tpflow.bench, {meta['world']} ranks on {meta['device']}", "",
-             f"{meta['timestamp']}; tpflow {meta['code']}; torch {meta['torch']}; {meta['allocator']}.",
+             f"{_run_line(meta)}; tpflow {meta['code']}; torch {meta['torch']}; {meta['allocator']}.", "",
              f"Command: `{meta['command']}`", "",
-             "Step: forward, backward and SGD of an MSE loss (hf: the model's own labels= loss), fp32; time on the "
-             "slowest rank, modes interleaved; "
-             "'vs one device' is the median of per-step ratios; bytes are every rank's sends counted by tpflow "
-             "(the most on any rank) and the minimum for the mode's layout."]
+             "Step: forward, backward and SGD of an MSE loss (hf: the model's own labels= loss), fp32; modes "
+             "interleaved step by step, so drift hits all alike. Bytes are every rank's sends counted by tpflow "
+             "(torch's collectives included), the most on any rank.", "",
+             *(f"- {line}" for line in legend(meta, rows=[r for r in rows if not r.get("skipped")]))]
     for title, part in _by_workload(rows, meta):
         lines += ["", f"## {title}", "", *markdown(part)]
     paths["table"].write_text("\n".join(lines) + "\n")
