@@ -207,6 +207,24 @@ def _compile_rank():
             model.save_pretrained(folder, max_shard_size="bogus")
         with pytest.raises(TypeError, match="leave state_dict out"):
             model.save_pretrained(folder, state_dict=model.state_dict())
+        # a model on rank 1 alone: its values whole on rank 1; save_pretrained (transformers writes from rank 0)
+        # refuses on every rank, before any gather
+        ref = tiny("llama", layers=1)
+        alone = tpf.parallelize(copy.deepcopy(ref), placement=tpf.placement("cpu", [1]), plan="auto")
+        whole = tpf.full_state_dict(alone)
+        if dist.get_rank() == 1:
+            assert whole.keys() == ref.state_dict().keys()
+            assert all(torch.equal(whole[k], v) for k, v in ref.state_dict().items())
+        else:
+            assert whole == {}
+        with pytest.raises(ValueError, match=r"writes from rank 0 \(transformers' rule\), which holds no block"):
+            alone.save_pretrained(folder)
+        # stages on two placements: no one rank can gather them
+        stages = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4))
+        for r in (0, 1):
+            tpf.to_global(stages[r], placement=tpf.placement("cpu", [r]), sbp=tpf.sbp.broadcast)
+        with pytest.raises(ValueError, match=r"live on 2 placements .*: no one rank can gather them"):
+            tpf.full_state_dict(stages)
 
 
 def test_compile_with_labels_and_export_failures():

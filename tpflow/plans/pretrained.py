@@ -2,7 +2,10 @@
 
 transformers' own ``save_pretrained`` would write the blocks (and refuses the joined storage of a fused group);
 after ``parallelize`` the model's instance calls it with the whole tensors instead: every rank gathers, rank 0
-writes, and every rank returns once the files are written, or raises if rank 0 failed to write them.
+writes (transformers writes from rank 0 only, so the model's placement must include it), and every rank returns
+once the files are written, or raises if rank 0 failed to write them. So it is called on every rank, as is
+transformers' ``push_to_hub``, which calls it: on one rank alone it waits in the first gather until the
+collective timeout (``TPFLOW_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import torch.distributed as dist
 from torch import nn
 
-from tpflow.global_tensor import full_state_dict
+from tpflow.global_tensor.export import export_rank, full_state_dict
 
 __all__ = ["export_whole"]
 
@@ -24,16 +27,21 @@ class _SavePretrained:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def __call__(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+    def __call__(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
+        """``is_main_process`` is taken and dropped: rank 0 writes, every rank gathers."""
         if "state_dict" in kwargs:
             raise TypeError("save_pretrained of a parallelized model gathers its own state dict: leave state_dict out "
                             "(tpf.full_state_dict(model) is what it saves)")
-        kwargs.pop("is_main_process", None)
+        writer = export_rank(self.model)
+        if writer != 0:  # every rank finds it alike, before any collective
+            raise ValueError(f"save_pretrained writes from rank 0 (transformers' rule), which holds no block of this "
+                             f"model (its placement starts at rank {writer}): take tpf.full_state_dict(model) on rank "
+                             f"{writer} and save that (safetensors.torch.save_file), or place the model on rank 0 too")
         state = full_state_dict(self.model)  # every rank takes part in the gathers
         failure = None
         if dist.get_rank() == 0:
             try:
-                type(self.model).save_pretrained(self.model, save_directory, *args, state_dict=state, **kwargs)
+                type(self.model).save_pretrained(self.model, save_directory, True, state_dict=state, **kwargs)
             except Exception as e:  # every rank must hear of it, or the others return as if it had been written
                 failure = e
         outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
