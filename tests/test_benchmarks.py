@@ -30,7 +30,8 @@ def test_pytest_benchmark_suites_run():
     (3, ["benchmarks/pipeline_cpu.py", "--reps", "1", "--forward-ms", "1", "--dim", "8", "--rows", "2"]),
     (2, ["benchmarks/vocab_cpu.py", "--vocab", "101", "--tokens", "16", "--hidden", "8", "--chunk", "4",
          "--reps", "1"]),
-], ids=["layers", "collectives", "pipeline", "vocab"])
+    (2, ["benchmarks/checks_cpu.py", "--hidden", "32", "--layers", "1", "--vocab", "64", "--seq", "8", "--reps", "1"]),
+], ids=["layers", "collectives", "pipeline", "vocab", "checks"])
 def test_benchmark_scripts_run_under_the_launcher(nproc, args, tmp_path):
     proc = run_python(["-m", "tpflow.launch", "--nproc_per_node", str(nproc), *args, "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-4000:]

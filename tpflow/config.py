@@ -137,6 +137,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "receives to one peer share a stream, cannot deadlock on 1F1B's crossed pair; off, receives are posted "
            "ahead (the next micro-batch's, with the layout the step before had), which gloo allows. CUDA: untried "
            "on two GPUs yet (the GPU machines here have one)"),
+    Switch("check_inputs", "TPFLOW_CHECK_INPUTS", "first", str,
+           "whether a parallelized model checks that its tensor-parallel ranks were fed the same input (a digest of "
+           "it all-gathered at its first layer that reads whole data): first, on the first call of each of the "
+           "first 8 input shapes; always, on every call (debugging; its cost is in benchmarks/README.md); off",
+           ("first", "always", "off")),
 )}
 
 _SET: dict[str, object] = {}  # values set from code

@@ -3,6 +3,7 @@ hot path uses, the transports the ring collectives run over (torch.distributed, 
 emulated link), and the metadata messages ranks exchange before blocks travel. Nothing here computes: products
 live in ``tpflow.kernels``, and ``tpflow.ops`` combines the two.
 
+    agreement     ranks that must share a plan, a schedule, an input: checked, the same error on every rank
     accounting    CommStats: the bytes and messages this rank sent; what a ring pass costs
     p2p           point-to-point transfers posted without waiting (Pending), grouped for NCCL (batch)
     collectives   all-reduce, all-gather / reduce-scatter with uneven chunks, all-to-all by counts
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from tpflow.comm import wire
 from tpflow.comm.accounting import CommStats, count_ring, ring_bytes, stats
+from tpflow.comm.agreement import agree
 from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, exchange_counts, reduce_scatter
 from tpflow.comm.fake import FakeTransport, FakeWorld
 from tpflow.comm.p2p import Pending, batch, post
@@ -28,7 +30,7 @@ from tpflow.comm.pairs import (
 )
 from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 
-__all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport",
+__all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "agree",
            "all_gather", "all_gather_chunk", "all_reduce", "all_reduce_identity", "all_to_all", "all_to_all_mirror",
            "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts", "post", "reduce_scatter",
            "reduce_scatter_all_gather", "ring_bytes", "stats", "wire"]

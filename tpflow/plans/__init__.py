@@ -3,6 +3,7 @@
     styles        plan entries: "column", "row", HF's names, ColumnParallel(...), RowParallel(...), ...
     hf            plan="auto": a Hugging Face model's own plan, as entries
     logits        a vocabulary-parallel head's model: its own loss routed vocab-parallel, generate on whole logits
+    inputs        the tensor-parallel ranks fed the same data: checked at the first layer reading it whole
     pretrained    save_pretrained of a parallelized Hugging Face model: whole tensors, rank 0 writing
     heads         attention heads checked against the ranks; key/value heads replicated when too few
     parallelize   glob patterns over module names -> layers swapped in place, fused groups joined, the rest

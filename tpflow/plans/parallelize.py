@@ -11,6 +11,7 @@ so a model built and loaded on one device, the same on every rank, becomes a ten
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 from collections.abc import Mapping
 
 from torch import nn
@@ -23,6 +24,7 @@ from tpflow.layers.vocab import ranks_without_rows
 from tpflow.placement import Placement
 from tpflow.plans.heads import attention_heads, check, keep_columns
 from tpflow.plans.hf import hf_plan
+from tpflow.plans.inputs import check_inputs
 from tpflow.plans.logits import route_loss
 from tpflow.plans.pretrained import export_whole
 from tpflow.plans.styles import (
@@ -105,6 +107,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     _check_buffers(model)
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen = _match(model, modules, plan)
+    _agree(model, placement, chosen)
     kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
     linears = {name: entry for name, entry in chosen.items()
                if isinstance(entry[1], (ColumnParallel, RowParallel, VocabParallel))}
@@ -154,7 +157,35 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
             keep_columns(modules[name], start[coord[-1]], end[coord[-1]], placement)
     replicate(model, placement, grads)
     export_whole(model)
+    first = next((name for name in modules if name in linears and _reads_whole(modules[name], linears[name][1])), None)
+    if first is not None:  # the first layer that must read the same data on every tensor-parallel rank
+        check_inputs(model.get_submodule(first), first, placement)
     return model
+
+
+def _reads_whole(module: nn.Module, style: object) -> bool:
+    """Whether the layer ``style`` makes of ``module`` reads the same whole input on every tensor-parallel rank."""
+    if isinstance(style, VocabParallel):
+        return isinstance(module, nn.Embedding) or not style.sequence_parallel  # an embedding reads every id
+    if isinstance(style, ColumnParallel):
+        return not style.sequence_parallel
+    return isinstance(style, RowParallel) and not style.input_is_parallel
+
+
+def _agree(model: nn.Module, placement: Placement, chosen: dict[str, tuple]) -> None:
+    """Every rank of ``placement`` parallelizes the same model by the same plan, or every one of them stops here:
+    a rank with another plan (fuse=False, no vocabulary split) would hang in a collective or, worse, train on
+    with other gradients."""
+    if placement.coordinate() is None:
+        return
+    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    facts = {"the placement": repr(placement),
+             "the model": f"{type(model).__name__} of {len(shapes)} parameters "
+                          f"(digest {hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]})"}
+    facts.update({f"the plan entry of {name!r}": f"{pattern!r}: {style!r}"
+                  for name, (pattern, style) in chosen.items()})
+    groups = [placement.mesh.get_group(axis) for axis in range(placement.ndim)] if len(placement.flat_ranks) > 1 else []
+    comm.agree("parallelize", facts, groups, "call parallelize with the same model, placement and plan on every rank")
 
 
 def _check_buffers(model: nn.Module) -> None:

@@ -1,0 +1,88 @@
+"""The tensor-parallel ranks of a parallelized model must be fed the same data: checked where it is first read.
+
+A column layer, a vocabulary-split embedding or a row layer splitting its own input computes on this rank's
+block of the weights and the whole input; ranks fed different rows (a ``DistributedSampler`` over the
+tensor-parallel ranks, unseeded random ids) would train on a mixture of them without an error. The first such
+layer of the model gets a hook that all-gathers a digest of its input over the tensor-parallel ranks (two
+float64 sums a tensor, a few bytes) and raises the same error on every rank when they differ. The ``check_inputs``
+switch says when: the first call of each of the first 8 input shapes (``first``, the default: a training loop's
+first step, a generation's first steps), every call (``always``), or never (``off``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpflow import config
+from tpflow.placement import Placement
+
+__all__ = ["check_inputs"]
+
+SHAPES = 8  # input shapes checked under "first": then the hook costs a dict lookup a call
+
+
+def _digest(x: torch.Tensor) -> torch.Tensor:
+    """Two float64 numbers that differ, in practice, for different values or orders of ``x``."""
+    flat = x.detach().reshape(-1).to(torch.float64)
+    positions = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64).remainder_(1021)
+    return torch.stack([flat.sum(), (flat * positions).sum()])
+
+
+class _InputCheck:
+    """The hook: the input's digest compared over the tensor-parallel group, when the switch says so."""
+
+    def __init__(self, name: str, group: dist.ProcessGroup) -> None:
+        self.name, self.group, self.seen = name, group, set()
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        mode = config.get("check_inputs")
+        x = args[0] if args else None
+        if mode == "off" or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
+                or torch.compiler.is_compiling():
+            return
+        key = (tuple(x.shape), x.dtype)
+        if mode == "first" and (key in self.seen or len(self.seen) >= SHAPES):
+            return
+        self.seen.add(key)
+        mine = _digest(x)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        digests = [tuple(d.tolist()) for d in every]
+        if len(set(digests)) > 1:
+            ranks = dist.get_process_group_ranks(self.group)
+            differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
+            raise ValueError(
+                f"the tensor-parallel ranks {ranks} were fed different inputs: {self.name!r} read other values on "
+                f"ranks {differ} than on rank {ranks[0]} (shape {list(x.shape)}). Every rank of a tensor-parallel "
+                f"group computes on the same batch: shard the data over the data-parallel ranks only (a "
+                f"DistributedSampler with the data-parallel size and coordinate, not the world's), and seed "
+                f"random inputs alike on every rank")
+
+
+def check_inputs(module: nn.Module, name: str, placement: Placement) -> None:
+    """Check, on its calls, that ``module`` (a layer reading whole data) gets the same input on every
+    tensor-parallel rank of ``placement`` (the ``check_inputs`` switch says on which calls).
+
+    Args:
+        module: the model's first layer that must read the same data on every tensor-parallel rank.
+        name: its name in the model, for the error.
+        placement: its placement; the last axis is tensor parallel. One rank there, or a rank outside it: no check.
+
+    Example::
+
+        >>> from torch import nn
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> model = tpf.parallelize(nn.Sequential(nn.Linear(4, 6)), placement=P, plan={"0": "column"})
+        >>> x = torch.full((2, 4), float(tpf.get_rank()))     # each rank its own rows: a mistake
+        >>> model(x)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: the tensor-parallel ranks [0, 1] were fed different inputs: '0' read other values on ranks [1] ...
+    """
+    coord = placement.coordinate()
+    if coord is None or placement.hierarchy[-1] == 1:
+        return
+    module.register_forward_pre_hook(_InputCheck(name, placement.mesh.get_group(placement.ndim - 1)))
