@@ -68,6 +68,20 @@ def _disagreeing_rank():
             model(bad, labels=bad)
 
 
+    # once cryptic: the fused head + loss of a head the plan left whole (its weight broadcast) computes
+    model = tpf.parallelize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 10)), placement=P,
+                            plan={"0": "column"})
+    reference = torch.nn.Linear(16, 10)
+    reference.load_state_dict({k: v.full_tensor() for k, v in model[1].state_dict().items()})
+    hidden, target = torch.randn(6, 16, generator=torch.Generator().manual_seed(3)), torch.arange(6)
+    loss = tpf.linear_cross_entropy(hidden, model[1], target)
+    loss.backward()
+    loss_ref = torch.nn.functional.cross_entropy(reference(hidden), target)
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref)
+    torch.testing.assert_close(model[1].weight.grad.full_tensor(), reference.weight.grad)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_that_disagree_fail_on_every_rank(world):
     harness.run(world, _disagreeing_rank, timeout=120)

@@ -222,8 +222,8 @@ def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.L
 
     Args:
         hidden: ``[..., H]``, the head's input, whole on every rank of the head's placement (plain).
-        head: a ``ColumnParallelLinear`` (its weight split over the vocabulary; not sequence parallel) or, on one
-            device, an ``nn.Linear``.
+        head: a ``ColumnParallelLinear`` (its weight split over the vocabulary; not sequence parallel) or an
+            ``nn.Linear``: on one device, or a head ``parallelize`` left whole (its weight broadcast).
         target: ``[...]``, class indices in ``[0, V)`` or ``ignore_index``.
         ignore_index, label_smoothing: as ``F.cross_entropy``'s.
         reduction: ``"mean"`` over the counted tokens, or ``"sum"``.
@@ -257,6 +257,12 @@ def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.L
         start, group, classes = head.local_range(head.out_features)[0], head.group, head.out_features
     elif isinstance(head, nn.Linear):
         weight, bias, start, group, classes = head.weight, head.bias, 0, None, head.out_features
+        if isinstance(weight, DTensor):  # a head the plan left whole: its weight broadcast over a placement
+            if not all(p.is_replicate() for p in weight.placements):
+                raise ValueError(f"linear_cross_entropy: the head's weight is laid out as {weight.placements}; a head "
+                                 f"split over the vocabulary is a ColumnParallelLinear (plan it 'vocab'), any other "
+                                 f"head is whole on every rank")
+            weight, bias = weight.to_local(), None if bias is None else bias.to_local()
     else:
         raise TypeError(f"head must be a ColumnParallelLinear or an nn.Linear, got {type(head).__name__}")
     if target.shape != hidden.shape[:-1]:
