@@ -293,8 +293,10 @@ def test_autocast_and_gradient_checkpointing():
 def _loading_rank():
     """Built under meta_parameters, parallelized, filled by load_safetensors from a directory as save_pretrained
     writes it (sharded files and their index, a tied head saved under the embedding's name): bit for bit the
-    regular from_pretrained + parallelize, on every rank; a plain model (nothing parallelized) loads too. Built
-    under torch.device("meta") instead, the model is refused: its rotary frequencies were never computed."""
+    regular from_pretrained + parallelize, on every rank; a plain model (nothing parallelized) loads too. Strict:
+    a larger model's checkpoint is an error on every rank naming its extra tensors and strict=False, which loads
+    the model's part of it. Made global without a plan, the blocks still on meta are allocated as they are read.
+    Built under torch.device("meta") instead, the model is refused: its rotary frequencies were never computed."""
     P = all_ranks()
     root = [tempfile.mkdtemp(prefix="tpflow-load-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root)
@@ -324,16 +326,61 @@ def _loading_rank():
         assert (plain.lm_head.weight is plain.model.embed_tokens.weight) == ref.config.tie_word_embeddings
         for (name, p), p_ref in zip(plain.named_parameters(), ref.parameters()):
             assert torch.equal(p, p_ref), f"{kind}: {name} of the plain model"
-    with pytest.raises(KeyError, match=r"has no tensor for \[.*\] \(\d+ in all\): is it this model's\?"):
+    with pytest.raises(KeyError, match=r"has no tensor for \['lm_head.weight'\] \(1 in all\) and has 4 tensors that "
+                                       r"the model does not have: \['model.layers.0.post_feedforward_layernorm"
+                                       r"\.weight', .*\] \(4 in all\): is it this model's\?"):
         with tpf.meta_parameters():
             llama = transformers.AutoModelForCausalLM.from_config(tiny("llama").config)
         tpf.load_safetensors(llama, [f"{folder[0]}/{n}" for n in sorted(os.listdir(folder[0]))
                                       if n.endswith(".safetensors")])
+    from safetensors.torch import save_file
+
+    # strict: a larger model's checkpoint (4 layers into 2) is an error; strict=False loads the model's part of it
+    bigger = tiny("llama", layers=4).float()
+    larger = os.path.join(root[0], "llama-4-layers")
+    if dist.get_rank() == 0:
+        bigger.save_pretrained(larger, max_shard_size="50KB")
+    dist.barrier()
+    whole = bigger.state_dict()
+    with tpf.meta_parameters():
+        llama = transformers.AutoModelForCausalLM.from_config(tiny("llama").config)
+    tpf.parallelize(llama, placement=P, plan="auto")
+    with pytest.raises(KeyError, match=r"has 18 tensors that the model does not have: \['model.layers.2.input_layernorm"
+                                       r"\.weight', .*\] \.\.\. \(18 in all\): .* or pass strict=False"):
+        tpf.load_safetensors(llama, larger)
+    tpf.load_safetensors(llama, larger, strict=False)
+    for name, p in llama.named_parameters():
+        assert torch.equal(p.full_tensor(), whole[name]), f"strict=False: {name}"
+    # made global without a plan: the blocks on meta are allocated (the same parameters) and filled
+    with tpf.meta_parameters():
+        llama = transformers.AutoModelForCausalLM.from_config(bigger.config)
+    tpf.to_global(llama, placement=P, sbp=tpf.sbp.broadcast)
+    assert all(p.to_local().is_meta for p in llama.parameters())
+    tpf.load_safetensors(llama, larger)
+    for name, p in llama.named_parameters():
+        assert not p.to_local().is_meta and torch.equal(p.to_local(), whole[name]), f"to_global: {name}"
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    if dist.get_rank() == 0:
+        save_file(mlp.state_dict(), os.path.join(root[0], "mlp.safetensors"))
+    dist.barrier()
+    with tpf.meta_parameters():
+        split = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    tpf.to_global(split, placement=P, sbp=tpf.sbp.split(0))  # uneven blocks, rank 3 of 4 holds no row of 3
+    weight = split[2].weight
+    tpf.load_safetensors(split, os.path.join(root[0], "mlp.safetensors"))
+    assert split[2].weight is weight and tpf.get_sbp(weight) == (tpf.sbp.split(0),)
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(split(tpf.to_global(x, placement=P, sbp=tpf.sbp.broadcast)).full_tensor(), mlp(x))
     with torch.device("meta"):
         llama = transformers.AutoModelForCausalLM.from_config(tiny("llama").config)
     with pytest.raises(ValueError, match=r"\['model.rotary_emb.inv_freq', .*\] are buffers on the meta device .* "
                                          r"Build it under tpf.meta_parameters\(\) instead"):
         tpf.parallelize(llama, placement=P, plan="auto")
+    tpf.to_global(llama, placement=P)
+    with pytest.raises(ValueError, match=r"\['model.rotary_emb.inv_freq', .*\] \(2 in all\) are buffers on the meta "
+                                         r"device .* Build it under tpf.meta_parameters\(\) instead"):
+        tpf.load_safetensors(llama, larger)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root[0])
@@ -342,3 +389,72 @@ def _loading_rank():
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_meta_load_reads_only_its_blocks(world):
     harness.run(world, _loading_rank, timeout=300)
+
+
+def _stage_loading_rank():
+    """A checkpoint of the whole model loads into each stage of pipeline.cut, by the whole model's names: every
+    parameter bit for bit the whole model's, each on its stage, the other stages' tensors not unexpected; with a
+    plan (pipeline x tensor) and without (the blocks allocated from meta as they are read), and the stages then
+    give the whole model's logits. A larger model's checkpoint is an error on every rank; strict=False loads the
+    stages' part of it. An nn.Sequential's stages load its checkpoint the same way."""
+    from safetensors.torch import save_file
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    root = [tempfile.mkdtemp(prefix="tpflow-stage-load-") if rank == 0 else None]
+    dist.broadcast_object_list(root)
+    ref = tiny("llama", layers=4, tie_word_embeddings=False).float()
+    if rank == 0:
+        ref.save_pretrained(root[0], max_shard_size="50KB")
+    dist.barrier()
+    whole = ref.state_dict()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = ref(ids).logits
+    halves = [tpf.placement("cpu", list(range(W // 2))), tpf.placement("cpu", list(range(W // 2, W)))]
+    singles = [tpf.placement("cpu", [r]) for r in range(W)]
+    for placements, plan in ((halves, "auto"), (singles, None)):
+        with tpf.meta_parameters():  # cut (and parallelize) inside the block too: global parameters are left alone
+            stages = tpf.pipeline.cut(transformers.AutoModelForCausalLM.from_config(ref.config), placements, plan=plan)
+        names = set()
+        for stage in stages:
+            tpf.load_safetensors(stage, root[0])
+            for name, p in stage.module.model.named_parameters():  # the whole model's names
+                names.add(name)
+                if rank in stage.placement:
+                    assert torch.equal(p.full_tensor(), whole[name]), f"plan={plan}: {name}"
+        assert names == set(whole), f"plan={plan}: the stages hold {sorted(names ^ set(whole))} apart"
+        x = ids
+        for stage in stages:
+            x = stage(x)
+        if rank in stages[-1].placement:
+            exact = {} if plan else {"rtol": 0, "atol": 0}
+            torch.testing.assert_close(x.to_local(), expected, **exact, msg=f"plan={plan}: the stages' logits")
+    with tpf.meta_parameters():
+        smaller = transformers.AutoModelForCausalLM.from_config(tiny("llama", tie_word_embeddings=False).config)
+    for stage in tpf.pipeline.cut(smaller, halves):
+        with pytest.raises(KeyError, match=r"has 18 tensors that the model does not have: \['model.layers.2.input_"
+                                           r"layernorm.weight', .*\] \.\.\. \(18 in all\): .* or pass strict=False"):
+            tpf.load_safetensors(stage, root[0])
+        tpf.load_safetensors(stage, root[0], strict=False)
+        for name, p in stage.module.model.named_parameters():
+            if rank in stage.placement:
+                assert torch.equal(p.to_local(), whole[name]), f"strict=False: {name}"
+    torch.manual_seed(0)
+    chain = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    if rank == 0:
+        save_file(chain.state_dict(), os.path.join(root[0], "chain.safetensors"))
+    dist.barrier()
+    with tpf.meta_parameters():
+        parts = tpf.pipeline.cut(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), halves, at=["2"])
+    for part in parts:
+        tpf.load_safetensors(part, os.path.join(root[0], "chain.safetensors"))
+        for name, p in part.module.named_parameters():
+            if rank in part.placement:
+                assert torch.equal(p.to_local(), chain.get_parameter(name)), f"nn.Sequential: {name}"
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root[0])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_whole_checkpoint_loads_into_each_stage(world):
+    harness.run(world, _stage_loading_rank, timeout=300)

@@ -8,7 +8,10 @@
 A rank's host memory then holds its blocks and the whole replicated parameters (norms), about 1/W of the
 model, where building the whole model on every rank first holds W whole copies on a node. The safetensors
 files are memory-mapped and each block is read as a slice (``safe_open(...).get_slice``); the values are the
-file's, bit for bit, as the regular load gives them.
+file's, bit for bit, as the regular load gives them. Loading is strict by names, as ``load_state_dict``: a
+parameter the files lack or a tensor the model does not have is an error (``strict=False`` allows the latter),
+and no block is left on the meta device. A stage of ``tpf.pipeline.cut`` loads the whole model's checkpoint,
+its own part of it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -26,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from tpflow.global_tensor.blocks import get_placement, get_sbp
 from tpflow.sbp import local_region
 
-__all__ = ["load_safetensors", "meta_parameters", "unique_state_dict"]
+__all__ = ["load_safetensors", "meta_parameters", "tensor_names", "unique_state_dict"]
 
 
 @contextlib.contextmanager
@@ -36,7 +40,8 @@ def meta_parameters() -> Iterator[None]:
 
     Parameters made in the block are moved to meta as they are registered, before a module initialises them, so
     their host memory is never touched. ``parallelize`` then allocates each rank's blocks (uninitialised) and
-    ``load_safetensors`` fills them.
+    ``load_safetensors`` fills them. Global parameters (``parallelize``'s blocks, called inside the block too) are
+    left as they are.
 
     Returns:
         The context manager.
@@ -56,7 +61,7 @@ def meta_parameters() -> Iterator[None]:
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None and not param.is_meta:
+        if param is not None and not param.is_meta and not isinstance(param, DTensor):
             seen = moved.get(id(param))
             if seen is None or seen[0]() is not param:  # an id is reused once its tensor is freed
                 seen = moved[id(param)] = (weakref.ref(param), type(param)(param.to("meta"),
@@ -103,6 +108,65 @@ def _tensors(model: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, list[
     return found
 
 
+def tensor_names(model: nn.Module) -> frozenset[str]:
+    """The names a checkpoint of ``model`` may hold: its parameters and persistent buffers, a tied one under each
+    of its names (``tpf.pipeline.cut`` keeps the whole model's, so that each stage knows what other stages take).
+
+    Args:
+        model: any model.
+
+    Returns:
+        The names, as ``model.state_dict()`` gives them.
+
+    Example::
+
+        >>> from torch import nn
+        >>> from tpflow.global_tensor.loading import tensor_names
+        >>> sorted(tensor_names(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))))
+        ['0.bias', '0.weight', '1.bias', '1.num_batches_tracked', '1.running_mean', '1.running_var', '1.weight']
+    """
+    return frozenset(n for names, _, _ in _tensors(model).values() for n in names)
+
+
+def _listed(names: Sequence[str]) -> str:
+    """At most 8 names and how many there are in all."""
+    return f"{list(names[:8])}{' ...' if len(names) > 8 else ''} ({len(names)} in all)"
+
+
+def _ignored(model: nn.Module) -> re.Pattern | None:
+    """The checkpoint names that are never unexpected, as ``from_pretrained`` ignores them: a Hugging Face model's
+    ``_keys_to_ignore_on_load_unexpected`` patterns, and the rotary frequencies and position ids that older
+    checkpoints saved, where the model computes them now (non-persistent buffers)."""
+    patterns = set()
+    for module in model.modules():
+        patterns.update(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    """Whether this rank's block of ``t`` has no memory (a rank outside a global tensor's placement holds none)."""
+    if isinstance(t, DTensor):
+        return get_placement(t).coordinate() is not None and t.to_local().is_meta
+    return t.is_meta
+
+
+def _allocate(t: torch.Tensor, block: torch.Tensor) -> None:
+    """``t``, a global tensor whose block is on the meta device (a module made global without a plan), takes
+    ``block`` as its block in place: the same object, so that its modules, a tied twin and a stage keep it."""
+    block = block.to(device=get_placement(t).device, dtype=t.dtype).contiguous()
+    value = DTensor.from_local(block, t.device_mesh, t.placements,
+                               run_check=False, shape=t.shape, stride=t.stride())
+    if isinstance(t, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=t.requires_grad)
+    value.__dict__.update(t.__dict__)  # marks such as gradients.adopt's
+    torch.utils.swap_tensors(t, value)
+
+
 def _read(handle, key: str, t: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``t`` read from the file's tensor ``key``: only its slices, for a global tensor."""
     sliced = handle.get_slice(key)
@@ -116,23 +180,46 @@ def _read(handle, key: str, t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | os.PathLike]) -> nn.Module:
+def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | os.PathLike], *,
+                     strict: bool = True) -> nn.Module:
     """Fill ``model``'s parameters and persistent buffers from safetensors files, each rank reading only its
-    blocks of each global tensor.
+    blocks of each global tensor; strict by names, as ``load_state_dict(strict=True)``.
 
     Made for a model built under ``tpf.meta_parameters()`` and parallelized (its blocks allocated, not
     initialised), so that no rank ever holds the whole model; it loads any model whose names match the files'
-    (a plain one, a parallelized one). A tied parameter is read once, under whichever of its names the files have
-    (Hugging Face saves a tied head under the embedding's name only). The values are cast to the parameters'
-    dtypes, and otherwise are the file's, bit for bit.
+    (a plain one, a parallelized one). A global tensor whose block is still on the meta device (a module made
+    global without a plan, ``tpf.to_global(module, placement=P)``, or ``tpf.pipeline.cut`` without ``plan``) is
+    allocated on its placement's device and filled (the same tensor object). A tied parameter is read once,
+    under whichever of its names the files have (Hugging Face saves a tied head under the embedding's name only).
+    The values are cast to the parameters' dtypes, and otherwise are the file's, bit for bit.
+
+    A stage of ``tpf.pipeline.cut`` takes a checkpoint of the whole model: it reads the tensors of its own
+    layers by the whole model's names (``model.layers.5.mlp.up_proj.weight``) and leaves the other stages'
+    tensors to them (not unexpected: a tensor the whole model does not have is).
 
     Args:
-        model: the model to fill, in place; its ``named_parameters`` / ``named_buffers`` names are the files' keys.
+        model: the model to fill, in place; its ``named_parameters`` / ``named_buffers`` names are the files' keys
+            (a stage of ``cut``: the whole model's names).
         path: a ``.safetensors`` file, a list of them, or a directory as ``from_pretrained`` reads one
             (``model.safetensors`` or the shards of ``model.safetensors.index.json``).
+        strict: whether a tensor in the files that the model does not have is an error (as for
+            ``load_state_dict``): a checkpoint of another, larger model would otherwise load without a word.
+            ``strict=False`` skips such tensors (loading part of a checkpoint). Either way a parameter the files
+            lack is an error (a parallelized model's blocks are uninitialised), a persistent buffer they lack keeps
+            the value computed when the model was built, and no block is left on the meta device. Names Hugging
+            Face's ``from_pretrained`` ignores (the model's ``_keys_to_ignore_on_load_unexpected``, the rotary
+            frequencies older checkpoints saved) are never unexpected.
 
     Returns:
         ``model``.
+
+    Raises:
+        KeyError: the files lack a parameter of the model, or (``strict=True``) hold tensors it does not have; the
+            message names the first 8 and the count, on every rank.
+        ValueError: a tensor's shape differs between the files and the model; or the model has buffers on the
+            meta device that no checkpoint holds (built under ``torch.device("meta")``: build it under
+            ``tpf.meta_parameters()``).
+        FileNotFoundError: a directory without ``.safetensors`` files.
 
     Example::
 
@@ -155,34 +242,66 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         >>> ids = torch.randint(0, 64, (2, 8))
         >>> model(ids, labels=ids).loss                                 # the saved model's loss
         tensor(4.1710, grad_fn=<_VocabParallelCEBackward>)
+        >>> config.num_hidden_layers = 1                                # a smaller model than the checkpoint's
+        >>> with tpf.meta_parameters():
+        ...     small = AutoModelForCausalLM.from_config(config)
+        >>> try:                                                       # doctest: +ELLIPSIS
+        ...     tpf.load_safetensors(small, path)
+        ... except KeyError as e:
+        ...     print(e.args[0])
+        the checkpoint at ... has 9 tensors that the model does not have: ['model.layers.1.input_layernorm...] ...
+        >>> small = tpf.load_safetensors(small, path, strict=False)     # its layer 0, the embedding, norm and head
         >>> folder.cleanup()
     """
     try:
         from safetensors import safe_open
     except ImportError as e:
         raise ImportError("load_safetensors needs the safetensors package: pip install safetensors") from e
+    # a stage of tpf.pipeline.cut: its names are the whole model's after a prefix, and the whole model's are expected
+    prefix, whole = getattr(model, "part_of", None) or ("", None)
+    computed = {name for name, _ in model.named_buffers()} - tensor_names(model)
+    lost = [name for name, b in model.named_buffers() if name in computed and _is_meta(b)]
+    if lost:
+        raise ValueError(f"{_listed(lost)} are buffers on the meta device that no checkpoint holds (computed when the "
+                         "model is built, as a rotary embedding's frequencies): the model was built under "
+                         "torch.device('meta'). Build it under tpf.meta_parameters() instead, which puts only the "
+                         "parameters on meta")
     handles = {}
+    where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
     with contextlib.ExitStack() as stack:
         for file in _files(path):
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             handles.update(dict.fromkeys(handle.keys(), handle))
-        tensors = [(next((n for n in names if n in handles), None), names, t, owners)
-                   for names, t, owners in _tensors(model).values()]
+        tensors = []
+        for names, t, owners in _tensors(model).values():
+            names = [n[len(prefix):] if n.startswith(prefix) else n for n in names]
+            tensors.append((next((n for n in names if n in handles), None), names, t, owners))
+        expected = {n for _, names, _, _ in tensors for n in names} | (whole or set())
+        ignored = _ignored(model)
+        unexpected = sorted(k for k in handles if k not in expected and not (ignored and ignored.search(k))) if strict \
+            else []
         # a buffer the files lack keeps its value (one computed when the model was built); a parameter is an error
         tensors = [entry for entry in tensors if entry[0] is not None or isinstance(entry[2], nn.Parameter)
-                   or entry[2].is_meta]
+                   or _is_meta(entry[2])]
         missing = [names[0] for key, names, _, _ in tensors if key is None]
-        if missing:
-            where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else list(path)
-            more = " ..." if len(missing) > 8 else ""
-            raise KeyError(f"the checkpoint at {where} has no tensor for {missing[:8]}{more} ({len(missing)} in all): "
-                           f"is it this model's?")
+        if missing or unexpected:
+            lacks = f"has no tensor for {_listed(missing)}" if missing else ""
+            extra = f"has {len(unexpected)} tensors that the model does not have: {_listed(unexpected)}" \
+                if unexpected else ""
+            fix = "is it this model's?" if missing else \
+                "is it this model's (a larger model's, say)? Load the model's own checkpoint, or pass strict=False " \
+                "to skip the tensors the model does not have"
+            both = " and " if missing and unexpected else ""
+            raise KeyError(f"the checkpoint at {where} {lacks}{both}{extra}: {fix}")
         for key, _, t, owners in tensors:
             if isinstance(t, DTensor) and get_placement(t).coordinate() is None:
                 continue  # a rank outside the tensor's placement holds nothing of it
             value = _read(handles[key], key, t)
             if isinstance(t, DTensor):
-                t.to_local().copy_(value)
+                if t.to_local().is_meta:  # made global without a plan: its block was never allocated
+                    _allocate(t, value)
+                else:
+                    t.to_local().copy_(value)
             elif t.is_meta:  # a plain parameter never allocated: it takes the file's tensor, under every name
                 loaded = value.to(t.dtype)
                 loaded = type(t)(loaded, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else loaded
@@ -190,6 +309,10 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
                     (module._parameters if attr in module._parameters else module._buffers)[attr] = loaded
             else:
                 t.copy_(value)
+    left = [names[0] for names, t, _ in _tensors(model).values() if _is_meta(t)]
+    if left:  # never silently: the forward would fail far from here
+        raise ValueError(f"{_listed(left)} are still on the meta device after loading {where}: build the model "
+                         "under tpf.meta_parameters(), parallelize it or make it global, then load")
     return model
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tpflow.global_tensor.loading import tensor_names
 from tpflow.pipeline.stage import Stage
 from tpflow.placement import Placement
 from tpflow.plans import ColumnParallel, RowParallel, VocabParallel, hf_plan, parallelize
@@ -77,13 +78,14 @@ def _runs(names: list[str], parts: int, at: Sequence[str] | None, what: str) -> 
 
 def _sequential_stages(model: nn.Sequential, placements: Sequence[Placement], at: Sequence[str] | None,
                        plan: object, sbp: object) -> list[Stage]:
-    names = list(model._modules)
+    names, whole = list(model._modules), tensor_names(model)
     stages = []
     for k, ((a, b), pl) in enumerate(zip(_runs(names, len(placements), at, "children"), placements)):
         part = model[a:b]  # keeps the children's names, so plan patterns read as on the whole model
         if plan is not None:
             part = parallelize(part, placement=pl, plan=_matching(part, plan))
         stages.append(Stage(part, k, pl, sbp))
+        stages[-1].part_of = ("module.", whole)  # the whole model's checkpoint loads into it
     return stages
 
 
@@ -214,6 +216,7 @@ def _causal_lm_stages(model: nn.Module, placements: Sequence[Placement], at: Seq
                          "stages: untie them first (model.config.tie_word_embeddings = False and "
                          f"model.{head}.weight = nn.Parameter(model.{head}.weight.detach().clone()))")
     names = [f"{layers_name}.{i}" for i in range(len(layers))]
+    whole = tensor_names(model)
     stages = []
     runs = _runs(names, len(placements), at, "decoder layers")
     for k, ((a, b), pl) in enumerate(zip(runs, placements)):
@@ -238,6 +241,7 @@ def _causal_lm_stages(model: nn.Module, placements: Sequence[Placement], at: Seq
             entries = hf_plan(top, vocab_parallel=False) if plan == "auto" else plan
             top = parallelize(top, placement=pl, plan=_matching(top, entries))
         stages.append(Stage(CausalLMStage(top, list(own), first, last), k, pl, sbp))
+        stages[-1].part_of = ("module.model.", whole)  # the whole model's checkpoint loads into it
     return stages
 
 
@@ -248,7 +252,8 @@ def cut(model: nn.Module, placements: Sequence[Placement], *, at: Sequence[str] 
     An ``nn.Sequential`` is cut between its children; a Hugging Face causal LM (a model with a pipeline plan,
     ``pp_plan``) between its decoder layers, each stage the model's own class holding its layers only. Give a
     placement per stage; for an interleaved pipeline repeat them in turn (``[P0, P1, P0, P1]``). The model's
-    modules move into the stages (it is used up).
+    modules move into the stages (it is used up). Each stage keeps the whole model's names (``stage.part_of``), so
+    ``tpf.load_safetensors(stage, path)`` fills it from a checkpoint of the whole model.
 
     Args:
         model: an ``nn.Sequential``, or a transformers causal LM (Llama, Qwen, Mistral, Gemma, ...) whose head is

@@ -111,6 +111,10 @@ class Stage(nn.Module):
         ((sbp.split(dim=0),), torch.Size([16, 4]))
     """
 
+    # set by tpf.pipeline.cut, the stage being part of a model: (what its tensors' names have before the whole
+    # model's names, the whole model's tensor names); tpf.load_safetensors then loads the whole model's checkpoint
+    part_of: tuple[str, frozenset[str]] | None = None
+
     def __init__(self, module: nn.Module, stage_id: int, placement: Placement, sbp: object = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
