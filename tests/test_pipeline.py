@@ -1,7 +1,8 @@
 """tpf.stage and tpf.Pipeline against one device on the whole batch: GPipe, 1F1B, ZB-H1 and interleaved 1F1B, 1-4
 rank sets, stages of one and of several ranks (data parallel, tensor parallel, the seed's global-tensor modules),
-uneven micro-batches; two optimizer steps, so the loss and every gradient are checked before and after an update.
-Mistakes fail on every rank at once (never a hang)."""
+uneven micro-batches, means over targets that leave some out (ignore_index, a micro-batch with none); two optimizer
+steps, so the loss and every gradient are checked before and after an update. Mistakes fail on every rank at once
+(never a hang)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def _batch(rows, fin, fout, seed=1, classes=None):
     x = torch.randn(rows, fin, generator=g)
     y = torch.randint(0, classes, (rows,), generator=g) if classes else torch.randn(rows, fout, generator=g)
     return x, y
+
+
+def _masked(y, rows, value=-100):
+    """Class targets with ``rows`` left out (``value``): micro-batches of different numbers of labelled rows, one
+    of them without any, so that a mean weighted by rows would not be one device's."""
+    y = y.clone()
+    y[list(rows)] = value
+    return y
 
 
 def _train_and_compare(pipe, ref, x, y, loss_fn, steps=2):
@@ -108,8 +117,15 @@ def test_interleaved_stages_match_one_device(world, chunks, micro_batches, rows)
     assert [saw for _, saw in results] == [False] * (world - 1) + [True]
 
 
+def _hf_style_loss(out, t, num_items_in_batch):
+    """Hugging Face's convention: the micro-batch's sum over the whole batch's items (targets other than -100)."""
+    return F.cross_entropy(out, t, reduction="sum") / num_items_in_batch
+
+
 def _summed_loss_module():
-    """A torch loss module's own reduction: a summed loss is not scaled down by the micro-batches."""
+    """A torch loss module's own reduction: a summed loss is not scaled down by the micro-batches. Then, over the same
+    stages, a loss that takes num_items_in_batch: handed the count of the whole batch's targets other than -100.
+    The reduction and ignore_index a Pipeline is given must agree with the loss's own."""
     dims = [5, 7, 3]
     blocks = _chain(dims, seed=0)
     ref = nn.Sequential(*copy.deepcopy(blocks))
@@ -119,14 +135,35 @@ def _summed_loss_module():
         tpf.Pipeline(stages, micro_batches=4, loss_fn=loss_fn, loss_reduction="mean")
     with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\) must return a scalar"):
         tpf.Pipeline(stages, micro_batches=4, loss_fn=nn.MSELoss(reduction="none"))
+    with pytest.raises(ValueError, match="loss_fn CrossEntropyLoss has ignore_index=-100: leave ignore_index out"):
+        tpf.Pipeline(stages, micro_batches=4, loss_fn=nn.CrossEntropyLoss(), ignore_index=-1)
+    with pytest.raises(ValueError, match=r"cross_entropy\(output, target\) leaves out -100"):
+        tpf.Pipeline(stages, micro_batches=4, loss_fn=F.cross_entropy, ignore_index=0)
+    with pytest.raises(ValueError, match="loss_fn takes num_items_in_batch"):
+        tpf.Pipeline(stages, micro_batches=4, loss_fn=_hf_style_loss, loss_reduction="sum")
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        tpf.Pipeline(stages, micro_batches=4, loss_fn=_hf_style_loss, ignore_index=-1.0)
+
+    def counting(out, t, num_items_in_batch):
+        return _hf_style_loss(out, t, num_items_in_batch)
+    counting.num_items = lambda t: (t != -100).sum()
+    with pytest.raises(ValueError, match="loss_fn counts its own items"):
+        tpf.Pipeline(stages, micro_batches=4, loss_fn=counting, ignore_index=-1)
     pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=loss_fn)
-    assert pipe.loss_reduction == "sum"
+    assert pipe.loss_reduction == "sum" and pipe.ignore_index is None
+    assert tpf.Pipeline(stages, micro_batches=4, loss_fn=F.cross_entropy).ignore_index == -100
     x, y = _batch(10, dims[0], dims[-1])
-    return _train_and_compare(pipe, ref, x, y, loss_fn)
+    checked, saw = _train_and_compare(pipe, ref, x, y, loss_fn)
+    pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=_hf_style_loss)
+    assert pipe.loss_reduction == "mean" and pipe.ignore_index == -100
+    _, classes = _batch(10, dims[0], dims[-1], classes=3)
+    classes = _masked(classes, [0, 3, 4, 5, 8])  # micro-batches of 3, 3, 2, 2 rows: 2, 0, 2, 1 labelled
+    more, _ = _train_and_compare(pipe, ref, x, classes, F.cross_entropy)
+    return checked + more, saw
 
 
 def test_loss_module_gives_its_reduction():
-    assert all(checked == 4 for checked, _ in harness.run(2, _summed_loss_module))
+    assert all(checked == 8 for checked, _ in harness.run(2, _summed_loss_module))
 
 
 def _clipped(norm_type):
@@ -166,6 +203,7 @@ def _data_then_tensor_parallel(schedule):
               tpf.stage(second, stage_id=1, placement=_on(2, 3), sbp=B)]
     pipe = tpf.Pipeline(stages, micro_batches=3, schedule=schedule, loss_fn=F.cross_entropy)
     x, y = _batch(11, 6, 4, classes=4)
+    y = _masked(y, [0, 2, 4, 5, 6, 7, 9])  # F.cross_entropy leaves out -100: rows 4-7 (micro-batch 1) all of them
     return _train_and_compare(pipe, ref, x, y, F.cross_entropy)
 
 
@@ -254,7 +292,8 @@ def test_multi_rank_stages_match_one_device(schedule, case, grads):
 
 def _interleaved_tensor_and_data_parallel():
     """Four stages on two rank sets taking turns: ranks 0-1 tensor parallel (column then row layers), ranks 2-3 data
-    parallel (split(0) rows) with uneven blocks."""
+    parallel (split(0) rows) with uneven blocks; a loss of one's own that leaves out -1, named by ignore_index: the
+    mean over the whole batch's labelled rows on both ranks of the data-parallel last stage."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5)), nn.Sequential(nn.Linear(5, 7), nn.Tanh()),
               nn.Sequential(nn.Linear(7, 9), nn.GELU(), nn.Linear(9, 6)), nn.Linear(6, 4)]
@@ -264,9 +303,12 @@ def _interleaved_tensor_and_data_parallel():
         blocks[k] = tpf.parallelize(blocks[k], placement=tp, plan={"0": "column", "2": "row"})
     stages = [tpf.stage(b, stage_id=k, placement=tp if k % 2 == 0 else dp, sbp=B if k % 2 == 0 else S0)
               for k, b in enumerate(blocks)]
-    pipe = tpf.Pipeline(stages, micro_batches=4, schedule="interleaved", loss_fn=F.cross_entropy)
+    def loss_fn(out, t):
+        return F.cross_entropy(out, t, ignore_index=-1)
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule="interleaved", loss_fn=loss_fn, ignore_index=-1)
     x, y = _batch(11, 6, 4, classes=4)
-    return _train_and_compare(pipe, ref, x, y, F.cross_entropy)
+    y = _masked(y, [1, 3, 4, 5, 10], value=-1)  # micro-batches of 3, 3, 3, 2 rows: 2, 0, 3, 1 labelled
+    return _train_and_compare(pipe, ref, x, y, loss_fn)
 
 
 def test_interleaved_tensor_and_data_parallel_rank_sets():
@@ -606,9 +648,12 @@ def _cut_sequential(plan):
     else:
         stages = tpf.pipeline.cut(model, [_on(r) for r in range(world)])
         assert [len(st.module) for st in stages] == [2, 2] if world == 2 else [1, 1, 1, 1]
-    pipe = tpf.Pipeline(stages, micro_batches=4, schedule="zb-h1", loss_fn=F.cross_entropy)
+    # a loss module's own ignore_index (-100) and class weights: the mean divides by the labelled rows' weights
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0, 3.0]))
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule="zb-h1", loss_fn=loss_fn)
     x, y = _batch(9, 6, 4, classes=4)
-    return _train_and_compare(pipe, ref, x, y, F.cross_entropy)
+    y = _masked(y, [0, 3, 4, 7])  # micro-batches of 3, 2, 2, 2 rows: 2, 0, 2, 1 labelled
+    return _train_and_compare(pipe, ref, x, y, loss_fn)
 
 
 @pytest.mark.parametrize("world, plan", [(2, False), (4, False), (4, True)], ids=["2 stages", "4 stages", "2x2"])

@@ -1,7 +1,8 @@
 """Hugging Face causal LMs cut into pipeline stages by their own pipeline plan (tpf.pipeline.cut), each stage the
 model's own class and forward, against the same model on one device: the labels= loss at every step and every
-parameter after SGD steps, under every schedule, with stages of one rank and of two tensor-parallel ranks
-(pipeline x tensor). Parameters keep the whole model's names."""
+parameter after SGD steps, then after AdamW steps on prompt-masked labels (rows with different numbers of -100
+labels, rows and a whole micro-batch without a labelled token), under every schedule, with stages of one rank and of
+two tensor-parallel ranks (pipeline x tensor). Parameters keep the whole model's names."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ def _placements(layout: str) -> tuple[list[tpf.Placement], object]:
     return [tpf.placement("cpu", halves[k % 2]) for k in range(4)], "auto"  # interleaved, tensor parallel
 
 
+def _masked(ids: torch.Tensor) -> torch.Tensor:
+    """Labels as a supervised fine-tune masks them (-100), unevenly: prompts of different lengths, a span in the
+    middle, a row fully masked, and a row labelled only at its first token, which the causal shift drops; with
+    8 rows in 4 micro-batches, micro-batch 1 (rows 2-3) has no labelled token left."""
+    labels = ids.clone()
+    for row, masked in ((0, slice(0, 3)), (1, slice(0, 7)), (2, slice(None)), (3, slice(1, None)), (4, slice(5, 9)),
+                        (5, slice(None)), (6, slice(0, 10))):
+        labels[row, masked] = -100
+    return labels
+
+
 def _pipeline_against_one_device(kind: str, layout: str, schedule: str):
     extra = {"tie_word_embeddings": False} if kind == "gemma2" else {}
     lm = _tiny(kind, **extra)
@@ -62,12 +74,28 @@ def _pipeline_against_one_device(kind: str, layout: str, schedule: str):
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad()
+    # prompt-masked labels: the mean over the batch's labelled tokens (after the shift), as one device takes it;
+    # eps: a near-zero gradient's rounding (HF's loss is fp32) must not become a whole lr-sized step
+    labels = _masked(ids)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    for _ in range(2):
+        loss = pipe.step(ids, labels)
+        ref_loss = ref(ids, labels=labels).loss
+        ref_loss.backward()
+        if loss is not None:
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=1e-6, msg=f"{kind}: masked loss")
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
     held, checked = dict(ref.named_parameters()), []
     for st in pipe.stages:
         for name, p in st.module.model.named_parameters():
             assert name in names, f"{kind}: {name} is not one of the model's own names"
             if dist.get_rank() in tpf.get_placement(p):
-                torch.testing.assert_close(p.full_tensor(), held[name], rtol=1e-6, atol=1e-6, msg=f"{kind}: {name}")
+                torch.testing.assert_close(p.full_tensor(), held[name], rtol=1e-6, atol=1e-6,
+                                           msg=f"{kind}: {name} after AdamW")
                 checked.append(name)
     return sorted(set(checked)), losses
 

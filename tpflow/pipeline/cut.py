@@ -290,16 +290,25 @@ def cut(model: nn.Module, placements: Sequence[Placement], *, at: Sequence[str] 
                     f"{type(model).__name__}: write its stages with tpf.stage")
 
 
-def causal_lm_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def causal_lm_loss(model: nn.Module, *, ignore_index: int = -100) -> Callable[..., torch.Tensor]:
     """The causal LM's own loss (``model.loss_function``, as its ``labels=`` argument computes it) as a pipeline's
-    ``loss_fn(logits, labels)``: on the last stage's whole logits and the micro-batch's labels.
+    ``loss_fn``: on the last stage's whole logits and the micro-batch's labels, over the whole batch's labelled
+    tokens.
+
+    A pipeline hands it the count of the whole batch's labelled tokens, counted after the causal shift (position t
+    predicts the label at t + 1, so a row's first label is never one), before any micro-batch's loss is taken (Hugging
+    Face's ``num_items_in_batch``): each micro-batch's loss is its tokens' sum over that count, and the step's loss
+    and gradients are one device's ``labels=`` mean, whatever the labels mask (prompts of different lengths, rows or
+    whole micro-batches without a labelled token).
 
     Args:
         model: the transformers model (before or after ``cut``).
+        ignore_index: the label that is not predicted (``-100``, as transformers masks prompts and padding).
 
     Returns:
-        ``loss_fn`` for ``tpf.Pipeline``; each micro-batch's mean over its tokens, weighted by its rows as the
-        pipeline weighs a mean (exact when every row has as many labelled tokens).
+        ``loss_fn(logits, labels, num_items_in_batch=None)`` for ``tpf.Pipeline``, whose ``num_items(labels)`` counts
+        the labelled tokens after the shift; called without ``num_items_in_batch``, its mean is over the given
+        labels' tokens only.
 
     Example::
 
@@ -308,18 +317,30 @@ def causal_lm_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], t
         >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
         ...                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
         >>> ids = torch.randint(0, 64, (4, 8))
-        >>> lm(ids, labels=ids).loss                       # one device's
-        tensor(4.1618, grad_fn=<NllLossBackward0>)
+        >>> labels = ids.clone()
+        >>> labels[0, :5] = labels[1, :2] = -100           # prompts of different lengths, not trained on
+        >>> lm(ids, labels=labels).loss                    # one device's
+        tensor(4.1647, grad_fn=<NllLossBackward0>)
+        >>> loss_fn = tpf.pipeline.causal_lm_loss(lm)
+        >>> loss_fn.num_items(labels)                      # 4 rows of 7 predicted tokens, 4 + 1 of them masked
+        tensor(23)
         >>> stages = tpf.pipeline.cut(lm, [tpf.placement("cpu", [0]), tpf.placement("cpu", [1])])
-        >>> pipe = tpf.Pipeline(stages, micro_batches=2, loss_fn=tpf.pipeline.causal_lm_loss(lm))
-        >>> loss = pipe.step(ids, ids)
+        >>> pipe = tpf.Pipeline(stages, micro_batches=2, loss_fn=loss_fn)
+        >>> loss = pipe.step(ids, labels)
         >>> loss                                           # on rank 1, the last stage's
-        tensor(4.1618)
+        tensor(4.1647)
     """
     vocab = model.config.vocab_size
     own = model.loss_function
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor,
+                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         local = [t.to_local() if isinstance(t, DTensor) else t for t in (logits, labels)]
-        return own(*local, vocab_size=vocab)
+        return own(*local, vocab_size=vocab, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index)
+
+    def num_items(labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.to_local() if isinstance(labels, DTensor) else labels
+        return (labels[..., 1:] != ignore_index).sum()
+
+    loss_fn.num_items = num_items
     return loss_fn

@@ -8,17 +8,22 @@ header instead, on every link it still owes messages to: its neighbours raise th
 on, so a mistake in one stage stops the whole pipeline at once instead of leaving the other ranks waiting.
 
 Gradients end up as one full-batch step leaves them: each micro-batch's loss is weighted by its share
-of the batch (``loss_reduction="mean"``) or not at all (``"sum"``), and parameters accumulate.
+of the batch's items (``loss_reduction="mean"``: its rows, or its targets other than ``ignore_index``, counted over
+the whole batch before any loss is taken) or not at all (``"sum"``), and parameters accumulate. A loss that takes
+``num_items_in_batch`` (Hugging Face's convention, ``causal_lm_loss``) is handed the whole batch's count and divides
+its own sum by it.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -106,6 +111,61 @@ def _rank_sets(found: list[Stage]) -> list[Placement]:
     return sets
 
 
+def _takes_count(loss_fn: Callable) -> bool:
+    """Whether ``loss_fn`` takes ``num_items_in_batch`` (Hugging Face's convention: its sum over that count)."""
+    try:
+        params = inspect.signature(loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return "num_items_in_batch" in params
+
+
+def _ignore_index(loss_fn: Callable, given: int | None, takes_count: bool) -> int | None:
+    """The target value ``loss_fn`` leaves out of its mean: ``given``, or a torch loss module's own
+    (``nn.CrossEntropyLoss``, ``nn.NLLLoss``), or -100 for ``F.cross_entropy`` and ``F.nll_loss`` called with two
+    arguments and for a loss that takes ``num_items_in_batch``, else None (every row counts)."""
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
+        raise TypeError(f"ignore_index must be an int (the target value a mean leaves out), got {given!r}")
+    if given is not None and callable(getattr(loss_fn, "num_items", None)):
+        raise ValueError(f"ignore_index={given}, but loss_fn counts its own items (its num_items): give the ignored "
+                         f"label to the loss itself (tpf.pipeline.causal_lm_loss(model, ignore_index={given}))")
+    own = getattr(loss_fn, "ignore_index", None) if isinstance(loss_fn, nn.Module) else None
+    if own is None and any(loss_fn is f for f in (F.cross_entropy, F.nll_loss)):
+        own = -100
+        if given is not None and given != own:
+            raise ValueError(f"ignore_index={given}, but loss_fn {loss_fn.__name__}(output, target) leaves out -100: "
+                             f"pass loss_fn=lambda y, t: F.{loss_fn.__name__}(y, t, ignore_index={given}) with it")
+    if given is not None and own is not None and given != own:
+        raise ValueError(f"ignore_index={given}, but loss_fn {type(loss_fn).__name__} has ignore_index={own}: leave "
+                         "ignore_index out, and the loss module's own is used")
+    if given is None and own is None and takes_count:
+        return -100
+    return given if given is not None else own
+
+
+def _counter(loss_fn: Callable, ignore_index: int | None) -> Callable[[torch.Tensor], float]:
+    """How many items a batch of targets holds for ``loss_fn``'s mean: its own ``num_items(targets)`` where it has one
+    (``causal_lm_loss`` counts the labels after the causal shift); the integer targets other than ``ignore_index``
+    (weighted by a loss module's class ``weight``, as its mean divides by); else the rows."""
+    own = getattr(loss_fn, "num_items", None)
+    if callable(own):
+        return lambda t: _number(own(t))
+    weight = getattr(loss_fn, "weight", None) if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) else None
+
+    def count(t: torch.Tensor) -> float:
+        if ignore_index is None or t.is_floating_point():  # class probabilities: every row counts
+            return t.shape[0]
+        kept = t != ignore_index
+        return _number(kept.sum() if weight is None else weight.to(t.device)[t[kept]].sum())
+    return count
+
+
+def _number(n: object) -> float:
+    """A count as a Python number: an int where it is whole (a token count), a float where it is weighted."""
+    n = n.item() if isinstance(n, torch.Tensor) else n
+    return n if isinstance(n, int) else float(n)
+
+
 def _reduction(loss_fn: Callable, given: str | None) -> str:
     """How ``loss_fn`` reduces its rows: ``given``, or a torch loss module's own ``reduction``, or "mean"."""
     own = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, nn.Module) else None
@@ -136,6 +196,12 @@ class Pipeline(nn.Module):
     than rank sets, gaps in the stage ids, overlapping placements or stages of different device types are
     refused here.
 
+    A mean loss is one device's mean over the whole batch given to ``step``, whatever its targets mask: the
+    batch's items (rows, or targets other than ``ignore_index``, or a causal LM's labelled tokens) are counted
+    before any micro-batch's loss is taken. The targets are whole on every rank of the last stage, so a
+    data-parallel last stage (``sbp=split(0)``, its output gathered for the loss) takes the same mean; separate
+    pipelines over parts of a global batch (data parallelism outside the pipeline) each average over their own.
+
     Args:
         stages: the ``tpf.stage`` modules, in any order (they are sorted by ``stage_id``), or a module that
             holds them; their ids must be 0, 1, ..., each once. Stages on different placements must not share
@@ -146,18 +212,33 @@ class Pipeline(nn.Module):
             bubble (``tpflow.pipeline.schedule.bubble`` gives each schedule's share).
         loss_fn: called on the last stage's ranks as ``loss_fn(output, target)`` for each micro-batch, with the
             stage's output and the micro-batch's targets, both whole on every rank of that stage (plain
-            tensors; a split output is gathered first); returns a scalar, such as ``F.cross_entropy``.
+            tensors; a split output is gathered first); returns a scalar, such as ``F.cross_entropy``. A
+            ``loss_fn`` with a ``num_items_in_batch`` parameter (Hugging Face's convention, as
+            ``tpf.pipeline.causal_lm_loss`` gives) is called as ``loss_fn(output, target, num_items_in_batch=n)``
+            with n the whole batch's items, counted before any micro-batch's loss, and returns its micro-batch's
+            sum over n; it counts them by its own ``num_items(targets)`` where it has that attribute (the causal
+            LM's labels after the shift), else as the targets other than ``ignore_index``.
         schedule: ``"1f1b"`` (the default: PipeDream-flush, at most p - s micro-batches of activations held
             on stage s), ``"gpipe"`` (all forwards, then all backwards: m micro-batches held),
             ``"interleaved"`` (Megatron's interleaved 1F1B over v stages per rank set: the bubble v times
             smaller, for more activations held) or ``"zb-h1"`` (zero bubble: each backward split into the
             input's gradient and the weights', the latter run in what would be idle time; at most p
             micro-batches held on every stage).
-        loss_reduction: ``"mean"`` when ``loss_fn`` averages over its rows: each micro-batch's loss is weighted
-            by its share of the batch's rows; ``"sum"`` when it sums them: no weights. Either way the gradients
-            and the returned loss are those of the whole batch. Default: a torch loss module's own
-            ``reduction`` (``nn.MSELoss(reduction="sum")`` is ``"sum"``), else ``"mean"``; given beside a loss
-            module, it must agree with it.
+        loss_reduction: ``"mean"`` when ``loss_fn`` averages over its items (its rows, or with ``ignore_index``
+            its targets other than that value): each micro-batch's loss is weighted by its share of the whole
+            batch's items, counted before any loss is taken, and a micro-batch without items adds no loss and
+            zero gradients; ``"sum"`` when it sums them: no weights. Either way the gradients and the returned
+            loss are those of the whole batch on one device, whatever the targets mask (a batch without a single
+            item gives NaN, as one device does). Default: a torch loss module's own ``reduction``
+            (``nn.MSELoss(reduction="sum")`` is ``"sum"``), else ``"mean"``; given beside a loss module, it must
+            agree with it.
+        ignore_index: the target value a mean leaves out (integer targets; class probabilities count by rows):
+            the batch's items are then its targets other than this value, over every element of the targets
+            (``(rows, tokens)`` labels count tokens). Default: a torch loss module's own (``nn.CrossEntropyLoss``,
+            ``nn.NLLLoss``, whose class ``weight`` then weighs the count as their mean does), -100 for
+            ``F.cross_entropy``, ``F.nll_loss`` and a ``loss_fn`` that takes ``num_items_in_batch``, else None:
+            every row counts. Give it for a ``loss_fn`` of your own that leaves a value out
+            (``lambda y, t: F.cross_entropy(y, t, ignore_index=-1)`` with ``ignore_index=-1``).
 
     Example::
 
@@ -181,7 +262,7 @@ class Pipeline(nn.Module):
     """
 
     def __init__(self, stages: Sequence[Stage] | nn.Module, *, micro_batches: int, loss_fn: Callable,
-                 schedule: str = "1f1b", loss_reduction: str | None = None) -> None:
+                 schedule: str = "1f1b", loss_reduction: str | None = None, ignore_index: int | None = None) -> None:
         super().__init__()
         found = _collect(stages)
         sets = _rank_sets(found)
@@ -202,10 +283,16 @@ class Pipeline(nn.Module):
                              f"multiple of {p}, got micro_batches={micro_batches}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        takes_count = _takes_count(loss_fn)
+        if takes_count and loss_reduction == "sum":
+            raise ValueError("loss_reduction='sum', but loss_fn takes num_items_in_batch, and so divides its sum by "
+                             "the batch's items: leave loss_reduction out (a mean), or give a loss_fn without it")
         loss_reduction = _reduction(loss_fn, loss_reduction)
+        self.ignore_index = _ignore_index(loss_fn, ignore_index, takes_count)
         self.stages = nn.ModuleList(found)
         self.micro_batches, self.schedule, self.loss_fn, self.loss_reduction = \
             micro_batches, schedule, loss_fn, loss_reduction
+        self._takes_count, self._count = takes_count, _counter(loss_fn, self.ignore_index)
         self.rank_sets, self.chunks = sets, v
         self.table = schedules.build(schedule, p, micro_batches, chunks=v)
         self.split_backward = any(a.kind == "W" for row in self.table for a in row)
@@ -262,7 +349,8 @@ class Pipeline(nn.Module):
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
         """One batch forward and backward; the first stage reads ``inputs``, the last ``targets`` (plain whole
-        batches), so other ranks may pass None."""
+        batches), so other ranks may pass None. Returns the batch's loss on the last stage's ranks (for a mean,
+        over the whole batch's items), None elsewhere."""
         r = self.stage_index
         if r is None:
             return None
@@ -348,21 +436,39 @@ class Pipeline(nn.Module):
         got = stage.compute_block(x)
         return got if got is not None else Block.of(stage.check_output(stage.module(from_block(x, stage.placement))))
 
-    def _loss(self, stage: Stage, y: Block, target: torch.Tensor, rows: int) -> torch.Tensor:
+    def _items(self, micro_targets: tuple[torch.Tensor, ...], targets: torch.Tensor) -> tuple[list[float], float]:
+        """Each micro-batch's items and the whole batch's, for a mean: counted before any loss is taken."""
+        if self.loss_reduction == "sum":
+            return [1] * len(micro_targets), 1
+        total = self._count(targets)
+        if self._takes_count:
+            return [total] * len(micro_targets), total
+        if total == 0:  # nothing to average: each micro-batch's mean is NaN, and so is the batch's, as on one device
+            return [t.shape[0] for t in micro_targets], targets.shape[0]
+        return [self._count(t) for t in micro_targets], total
+
+    def _loss(self, stage: Stage, y: Block, target: torch.Tensor, items: float, total: float) -> torch.Tensor:
         """The micro-batch's loss on the last stage's ranks, on its whole output (gathered where the stage left it
-        split), weighted by its share of the batch's rows for a mean."""
+        split): a mean weighted by the micro-batch's share of the batch's items (rows, or targets other than
+        ``ignore_index``); a loss that takes ``num_items_in_batch`` is handed the batch's count instead."""
         whole, local = (broadcast,) * stage.placement.ndim, y.local
         if y.sbp != whole:  # DTensor's mean over uneven split(0) blocks averages the blocks' means (biased)
             local = to_global(from_block(y, stage.placement), sbp=whole).to_local()
-        weight = target.shape[0] / rows if self.loss_reduction == "mean" else 1.0
-        return self.loss_fn(local, target.to(local.device)) * weight
+        target = target.to(local.device)
+        if self._takes_count:
+            return self.loss_fn(local, target, num_items_in_batch=torch.tensor(total, device=local.device))
+        if self.loss_reduction == "sum":
+            return self.loss_fn(local, target)
+        if items == 0:  # nothing to average (its mean would be NaN): no loss, and zero gradients
+            return local.reshape(-1)[:0].sum()
+        return self.loss_fn(local, target) * (items / total)
 
     def _run(self, r: int, inputs: object, targets: object, sends: dict[actions.Action, comm.Pending],
              outputs: dict[int, dict[int, Block]]) -> torch.Tensor | None:
         p, n = len(self.rank_sets), len(self.stages)
         micro_inputs = self._micro(inputs, "inputs") if r == 0 else None
         micro_targets = self._micro(targets, "targets") if r == (n - 1) % p else None
-        rows = sum(t.shape[0] for t in micro_targets) if micro_targets is not None else 0
+        items, total_items = self._items(micro_targets, targets) if micro_targets is not None else ([], 0)
         received: dict[tuple[int, int], Block] = {}  # input activations' blocks, kept for their gradients
         grads: dict[tuple[int, int], torch.Tensor] = {}
         later: dict[tuple[int, int], WeightGrad] = {}  # what each micro-batch's W needs, after its B
@@ -379,7 +485,7 @@ class Pipeline(nn.Module):
                     received[key] = stage.enter_block(micro_inputs[i])
                 y = self._forward(stage, received[key])
                 if k == n - 1:
-                    loss = self._loss(stage, y, micro_targets[i], rows)
+                    loss = self._loss(stage, y, micro_targets[i], items[i], total_items)
                     total = loss.detach().float() if total is None else total + loss.detach().float()
                     y = Block(loss, (), ())  # a plain value: its backward starts the stage's
                 outputs[k][i] = y
