@@ -85,3 +85,28 @@ def _disagreeing_rank():
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_that_disagree_fail_on_every_rank(world):
     harness.run(world, _disagreeing_rank, timeout=120)
+
+
+def _pipeline_mistakes_rank():
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(4, 4) for _ in range(W)]
+    stages = [tpf.stage(b, stage_id=i, placement=tpf.placement("cpu", [i])) for i, b in enumerate(blocks)]
+    odd = W - 1
+    for name, change in (("micro_batches", {"micro_batches": 2 * W}), ("schedule", {"schedule": "gpipe"})):
+        arguments = {"micro_batches": W, "schedule": "1f1b", **(change if rank == odd else {})}
+        with pytest.raises(ValueError, match=rf"Pipeline: the ranks disagree on {name} \(.*rank {odd}: .*\): build "
+                                             rf"the Pipeline with the same"):
+            tpf.Pipeline(stages, loss_fn=torch.nn.functional.mse_loss, **arguments)
+    pipe = tpf.Pipeline(stages, micro_batches=W, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(2 * W, 4), torch.randn(2 * W - 2, 4)  # fewer target rows than input rows
+    with pytest.raises(tpf.PipelineError, match="takes as many target rows as input rows"):
+        pipe.step(x, y)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_mistakes_fail_on_every_rank(world):
+    try:
+        harness.run(world, _pipeline_mistakes_rank, timeout=60)
+    finally:
+        harness.discard(world)  # the failed step leaves sends that no rank will take

@@ -111,6 +111,19 @@ def _rank_sets(found: list[Stage]) -> list[Placement]:
     return sets
 
 
+def _agree(found: list[Stage], sets: list[Placement], **arguments: object) -> None:
+    """Every rank builds the pipeline alike, or every one of them stops here, before its checks (a rank with other
+    micro-batches or another schedule would wait in a hand-off its peers never post). Checked where the pipeline's
+    ranks are the world's, which is where its ranks can meet."""
+    ranks = sorted({r for pl in sets for r in pl.flat_ranks})
+    if len(ranks) < 2 or ranks != list(range(dist.get_world_size())):
+        return
+    facts = {name: repr(value) for name, value in arguments.items()}
+    facts["the stages"] = "; ".join(f"stage {st.stage_id} on {st.placement!r}" for st in found)
+    comm.agree("Pipeline", facts, [dist.group.WORLD],
+               "build the Pipeline with the same stages, micro_batches, schedule and loss on every rank")
+
+
 def _takes_count(loss_fn: Callable) -> bool:
     """Whether ``loss_fn`` takes ``num_items_in_batch`` (Hugging Face's convention: its sum over that count)."""
     try:
@@ -266,6 +279,8 @@ class Pipeline(nn.Module):
         super().__init__()
         found = _collect(stages)
         sets = _rank_sets(found)
+        _agree(found, sets, micro_batches=micro_batches, schedule=schedule, loss_reduction=loss_reduction,
+               ignore_index=ignore_index)
         p, v = len(sets), len(found) // len(sets)
         if schedule not in schedules.SCHEDULES:
             raise ValueError(f"schedule must be one of {list(schedules.SCHEDULES)}, got {schedule!r}")
@@ -455,6 +470,9 @@ class Pipeline(nn.Module):
         if y.sbp != whole:  # DTensor's mean over uneven split(0) blocks averages the blocks' means (biased)
             local = to_global(from_block(y, stage.placement), sbp=whole).to_local()
         target = target.to(local.device)
+        if local.shape[:1] != target.shape[:1]:
+            raise ValueError(f"a micro-batch of the last stage's output has {local.shape[0]} rows but its targets "
+                             f"{target.shape[0]}: step(inputs, targets) takes as many target rows as input rows")
         if self._takes_count:
             return self.loss_fn(local, target, num_items_in_batch=torch.tensor(total, device=local.device))
         if self.loss_reduction == "sum":
