@@ -32,10 +32,11 @@ def _digest(x: torch.Tensor) -> torch.Tensor:
 
 
 class _InputCheck:
-    """The hook: the input's digest compared over the tensor-parallel group, when the switch says so."""
+    """The hook: the input's digest compared over the tensor-parallel group, when the switch says so (it keeps the
+    placement, not the group, so that a copy or a pickle of the model takes it along)."""
 
-    def __init__(self, name: str, group: dist.ProcessGroup) -> None:
-        self.name, self.group, self.seen = name, group, set()
+    def __init__(self, name: str, placement: Placement) -> None:
+        self.name, self.placement, self.seen = name, placement, set()
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         mode = config.get("check_inputs")
@@ -47,12 +48,13 @@ class _InputCheck:
         if mode == "first" and (key in self.seen or len(self.seen) >= SHAPES):
             return
         self.seen.add(key)
+        group = self.placement.mesh.get_group(self.placement.ndim - 1)
         mine = _digest(x)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(every, mine, group=self.group)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
         digests = [tuple(d.tolist()) for d in every]
         if len(set(digests)) > 1:
-            ranks = dist.get_process_group_ranks(self.group)
+            ranks = dist.get_process_group_ranks(group)
             differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
             raise ValueError(
                 f"the tensor-parallel ranks {ranks} were fed different inputs: {self.name!r} read other values on "
@@ -85,4 +87,4 @@ def check_inputs(module: nn.Module, name: str, placement: Placement) -> None:
     coord = placement.coordinate()
     if coord is None or placement.hierarchy[-1] == 1:
         return
-    module.register_forward_pre_hook(_InputCheck(name, placement.mesh.get_group(placement.ndim - 1)))
+    module.register_forward_pre_hook(_InputCheck(name, placement))
