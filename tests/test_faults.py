@@ -7,7 +7,9 @@ harness's timeout (not a timing assertion), and a rank that raised nothing fails
 from __future__ import annotations
 
 import copy
+import os
 import re
+import time
 
 import pytest
 import torch
@@ -110,3 +112,146 @@ def test_pipeline_mistakes_fail_on_every_rank(world):
         harness.run(world, _pipeline_mistakes_rank, timeout=60)
     finally:
         harness.discard(world)  # the failed step leaves sends that no rank will take
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("a backward that fails on one rank")
+
+
+class _FailsOnOneRank(torch.nn.Module):
+    """The identity, but on rank ``rank`` while ``armed`` it raises in its forward (or in its output's backward)."""
+
+    def __init__(self, rank, backward):
+        super().__init__()
+        self.rank, self.backward, self.armed = rank, backward, True
+
+    def forward(self, x):
+        if self.armed and dist.get_rank() == self.rank:
+            if self.backward:
+                return _Boom.apply(x)
+            raise RuntimeError("a forward that fails on one rank")
+        return x
+
+
+def _one_device_check(pipe, ref, x, y):
+    """Two SGD steps of ``pipe`` against the one-device ``ref``: the loss, every gradient and parameter."""
+    opt, opt_ref = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        loss = pipe.step(x, y)
+        ref_loss = torch.nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        if loss is not None:
+            torch.testing.assert_close(loss, ref_loss.detach())
+        for p, q in zip(pipe.parameters(), ref.parameters(), strict=True):
+            if dist.get_rank() in tpf.get_placement(p):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+        opt.step()
+        opt_ref.step()
+    for p, q in zip(pipe.parameters(), ref.parameters(), strict=True):
+        if dist.get_rank() in tpf.get_placement(p):
+            torch.testing.assert_close(p.full_tensor(), q.detach())
+
+
+def _multi_rank_stage_fails(backward, schedule):
+    """Two stages, one of them (or both) data parallel on two ranks: on 3 ranks [0] and [1, 2] with rank 2 failing,
+    on 4 ranks [0, 1] and [2, 3] with rank 1 failing. Then a Pipeline built anew over the same stages trains as one
+    device does."""
+    W = dist.get_world_size()
+    sets, odd = ([[0], [1, 2]], 2) if W == 3 else ([[0, 1], [2, 3]], 1)
+    torch.manual_seed(0)
+    failing = _FailsOnOneRank(odd, backward)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh()), torch.nn.Linear(6, 3)]
+    blocks[0 if odd in sets[0] else 1] = torch.nn.Sequential(blocks[0 if odd in sets[0] else 1], failing)
+    ref = copy.deepcopy(torch.nn.Sequential(*blocks))
+    ref.apply(lambda m: setattr(m, "armed", False) if isinstance(m, _FailsOnOneRank) else None)
+    stages = [tpf.stage(b, stage_id=k, placement=tpf.placement("cpu", sets[k]),
+                        sbp=tpf.sbp.split(0) if len(sets[k]) > 1 else None) for k, b in enumerate(blocks)]
+    pipe = tpf.Pipeline(stages, micro_batches=4, schedule=schedule, loss_fn=torch.nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+    start = time.monotonic()
+    with pytest.raises(tpf.PipelineError) as caught:
+        pipe.step(x, y)
+    seconds = time.monotonic() - start
+    with pytest.raises(tpf.PipelineError, match="an earlier step failed .*build a new Pipeline over the stages"):
+        pipe.step(x, y)
+    failing.armed = False  # the cause is fixed: a new pipeline over the same stages runs as one device
+    _one_device_check(tpf.Pipeline(stages, micro_batches=4, schedule=schedule,
+                                   loss_fn=torch.nn.functional.mse_loss), ref, x, y)
+    return str(caught.value), seconds
+
+
+@pytest.mark.parametrize("world, backward, schedule", [(3, False, "1f1b"), (3, True, "zb-h1"), (4, False, "gpipe"),
+                                                       (4, True, "1f1b")])
+def test_one_rank_of_a_multi_rank_stage_fails(world, backward, schedule):
+    try:
+        results = harness.run(world, _multi_rank_stage_fails, backward, schedule, timeout=60)
+    finally:
+        harness.discard(world)
+    stage, odd = (1, 2) if world == 3 else (0, 1)
+    ranks = [1, 2] if world == 3 else [0, 1]
+    action = "B0" if backward else "F0"
+    error = "FloatingPointError: a backward that fails" if backward else "RuntimeError: a forward that fails"
+    for rank, (text, seconds) in enumerate(results):
+        assert f"stage {stage} (ranks {ranks}) failed on {action} (rank {odd}): {error} on one rank" in text, text
+        assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"
+
+
+class _Dies(torch.nn.Module):
+    """The identity, whose process exits (as a killed rank's) on its ``at``-th call."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.calls, self.at = 0, at
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            os._exit(3)
+        return x
+
+
+def _a_rank_dies(sets, dead):
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(4, 4) for _ in sets]
+    k = next(k for k, ranks in enumerate(sets) if dead in ranks)
+    if dist.get_rank() == dead:  # in the second step's second micro-batch
+        blocks[k] = torch.nn.Sequential(blocks[k], _Dies(at=6))
+    stages = [tpf.stage(b, stage_id=k, placement=tpf.placement("cpu", sets[k]),
+                        sbp=tpf.sbp.split(0) if len(sets[k]) > 1 else None) for k, b in enumerate(blocks)]
+    pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    start = time.monotonic()
+    with pytest.raises(tpf.PipelineError) as caught:
+        pipe.step(x, y)
+    raise RuntimeError(f"survived: {time.monotonic() - start:.1f} s: {caught.value}")  # the harness reports it
+
+
+@pytest.mark.parametrize("sets, dead", [([[0], [1], [2]], 1), ([[0], [1, 2]], 2)], ids=["one-rank", "two-rank"])
+def test_a_rank_that_dies_is_named_on_every_other_rank(sets, dead):
+    world = sum(map(len, sets))
+    try:
+        with pytest.raises(AssertionError) as caught:
+            harness.run(world, _a_rank_dies, sets, dead, timeout=60)
+    finally:
+        harness.discard(world)
+    report = str(caught.value)
+    assert f"rank {dead} died" in report, report
+    for rank in range(world):
+        if rank == dead:
+            continue
+        part = report.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+        found = re.search(r"survived: ([\d.]+) s: stage \d \(ranks \[[\d, ]+\]\) failed on \w+\d( \(rank \d\))?: "
+                          r"(PeerDied: rank \d of stage \d died or closed its connection|a peer rank died or closed "
+                          r"its connection)", part)
+        assert found, part
+        assert float(found.group(1)) < 10, part

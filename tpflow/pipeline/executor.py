@@ -16,6 +16,7 @@ its own sum by it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import time
@@ -28,13 +29,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm, config
+from tpflow.comm.wire import FAILED, HEADER_BYTES, header, read_header
 from tpflow.global_tensor import to_global
 from tpflow.global_tensor.blocks import Block
 from tpflow.global_tensor.local import from_block
 from tpflow.pipeline import actions, replay
 from tpflow.pipeline import schedule as schedules
 from tpflow.pipeline.backward import WeightGrad, input_grad
-from tpflow.pipeline.handoff import Link, Paired
+from tpflow.pipeline.handoff import Link, Paired, PeerDied, closed_connection
+from tpflow.pipeline.stage import _TAG as _EAGER_TAG
 from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast
@@ -44,6 +47,23 @@ __all__ = ["Pipeline"]
 # A failed step's sends, for the process's lifetime: a peer may take them after the pipeline is gone, and gloo
 # drops a send whose work and buffer are freed before it is taken.
 _UNFINISHED = comm.Pending()
+
+# Each Pipeline a process builds takes tags no pipeline before it used (every rank builds the same pipelines in
+# the same order, which Pipeline checks): a pipeline built over the same stages after a failed step never takes
+# the failed step's messages still in flight. [pipelines built, the next free tag]
+_BUILT = [0, 0]
+_TAG_LIMIT = (1 << 31) - 1  # gloo's tags are int32
+
+
+def _fresh_tags(span: int) -> int:
+    """The first of ``span`` tags no earlier pipeline of this process used (nor a stage's eager header)."""
+    start = _BUILT[1]
+    if start + span > _TAG_LIMIT:  # after some billions of tags: from the start again
+        start = 0
+    if start <= _EAGER_TAG < start + span:
+        start = _EAGER_TAG + 1
+    _BUILT[0], _BUILT[1] = _BUILT[0] + 1, start + span
+    return start
 
 
 def _released(table: actions.Table, r: int) -> dict[actions.Action, list[actions.Action]]:
@@ -63,6 +83,60 @@ def _released(table: actions.Table, r: int) -> dict[actions.Action, list[actions
                     out.setdefault(proof, []).append(a)
                     break
     return out
+
+
+def _cause(e: BaseException, ranks: Placement) -> str:
+    """A stage's error as its message says it: a connection a peer closed (gloo's words) named as a dead peer."""
+    if isinstance(e, PeerDied) or not closed_connection(e):
+        return f"{type(e).__name__}: {e}"
+    return (f"a peer rank died or closed its connection (one of this stage's ranks {ranks.ranks}, in a collective): "
+            f"{type(e).__name__}: {e}")
+
+
+def _still(fail: Callable, *args: object) -> object:
+    """Part of a failed step's error path, which goes on where it raises (a send to a peer that died): the other
+    links' error headers must still go out."""
+    try:
+        return fail(*args)
+    except Exception:  # the step's own error is raised; this one only stops this link's messages
+        return False
+
+
+_COMPUTE = ("F", "B", "W")
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # the ranks of a multi-rank stage: their group for _Guard
+
+
+class _Guard:
+    """The ranks of one multi-rank stage agree, after each forward and backward, whether every one of them
+    computed it: a rank that raised sends its error to the others (tag ``tag``) and tells them so in a one-int
+    all-gather on a group of their own, so that none goes on into a hand-off or collective the failed rank never
+    joins. (A rank stuck in a collective of the stage's own module, a tensor-parallel layer's all-reduce that the
+    failed rank never reached, still waits there until the ``timeout`` switch's seconds.)"""
+
+    def __init__(self, ranks: list[int], tag: int) -> None:
+        key = tuple(ranks)
+        if key not in _GROUPS:  # made by every rank, in one order (Pipeline's constructor)
+            _GROUPS[key] = dist.new_group(ranks)
+        self.ranks, self.group, self.tag = ranks, _GROUPS[key], tag
+
+    def check(self, message: str | None) -> None:
+        """Agree on an action: ``message`` (this rank's error) goes to the others; raises a peer's error."""
+        me = dist.get_rank()
+        if message is not None:
+            buf = header(FAILED, message=message)
+            for r in self.ranks:
+                if r != me:
+                    with contextlib.suppress(RuntimeError):  # a peer that died: the others still hear of it
+                        comm.post([(r, buf)], [], tag=self.tag, pending=_UNFINISHED)
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in self.ranks]
+        dist.all_gather(flags, torch.tensor([int(message is not None)], dtype=torch.int32), group=self.group)
+        if message is not None:
+            return
+        failed = next((r for r, f in zip(self.ranks, flags, strict=True) if f.item()), None)
+        if failed is not None:
+            buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+            comm.post([], [(failed, buf)], tag=self.tag).wait()
+            raise PipelineError(read_header(buf)[4])
 
 
 def _collect(stages: object) -> list[Stage]:
@@ -280,7 +354,7 @@ class Pipeline(nn.Module):
         found = _collect(stages)
         sets = _rank_sets(found)
         _agree(found, sets, micro_batches=micro_batches, schedule=schedule, loss_reduction=loss_reduction,
-               ignore_index=ignore_index)
+               ignore_index=ignore_index, pipelines_built_before=_BUILT[0])
         p, v = len(sets), len(found) // len(sets)
         if schedule not in schedules.SCHEDULES:
             raise ValueError(f"schedule must be one of {list(schedules.SCHEDULES)}, got {schedule!r}")
@@ -328,10 +402,14 @@ class Pipeline(nn.Module):
                                  "micro-batches as rank sets, or turn pipeline_pairs off (gloo)") from e
         if self.pairs and sets[0].type == "cuda":  # batched transfers use the world's communicator: made here, by all
             dist.all_reduce(torch.zeros(1, device=sets[0].device))
-        self.links = [Link(a, b, base=k * (3 * micro_batches + 1), micro_batches=micro_batches, ahead=not self.pairs)
-                      for k, (a, b) in enumerate(itertools.pairwise(found))]
+        first = _fresh_tags(max(len(found) - 1, 1) * (3 * micro_batches + 1) + 1)  # the last: the guards'
+        guards = [_Guard(pl.flat_ranks, first + max(len(found) - 1, 1) * (3 * micro_batches + 1))
+                  if len(pl.flat_ranks) > 1 else None for pl in sets]  # every rank makes every guard's group
+        self.links = [Link(a, b, base=first + k * (3 * micro_batches + 1), micro_batches=micro_batches,
+                           ahead=not self.pairs) for k, (a, b) in enumerate(itertools.pairwise(found))]
         self.trace: list[tuple[actions.Action, float, float]] = []
         self._failed: str | None = None
+        self._guard = None if self.stage_index is None else guards[self.stage_index]
         self._released = {} if self.stage_index is None else _released(self.table, self.stage_index)
         self._pairs = {} if self.stage_index is None or not self.pairs else \
             replay.pairs(self.table, self.stage_index)
@@ -371,7 +449,8 @@ class Pipeline(nn.Module):
             return None
         if self._failed is not None:
             raise PipelineError(f"an earlier step failed ({self._failed}); its messages may still be in flight, so "
-                                "this pipeline runs no more steps: restart the job")
+                                "this pipeline runs no more steps: build a new Pipeline over the stages (it takes "
+                                "fresh message tags), or restart the job")
         p = len(self.rank_sets)
         mine = range(r, len(self.stages), p)  # this rank set's stages, chunk by chunk
         for k in mine:
@@ -408,9 +487,7 @@ class Pipeline(nn.Module):
             ended.wait()  # taken at once: the neighbours have finished their work and wait for these
             return loss
         except Exception as e:
-            where = "" if self._action is None else f" on {self._action}"
-            message = str(e) if isinstance(e, PipelineError) else (
-                f"stage {self._stage_of(r)} (ranks {self.rank_sets[r].ranks}) failed{where}: {type(e).__name__}: {e}")
+            message = str(e) if isinstance(e, PipelineError) else self._message(r, e)
             self._failed = message
             for pending in sends.values():  # a peer that failed may never take them: kept alive, never waited on
                 _UNFINISHED.works += pending.works
@@ -419,17 +496,27 @@ class Pipeline(nn.Module):
             for k in mine:  # every error header first, then the links that still send to this rank
                 prev, nxt = self._links(k)
                 if prev is not None:
-                    prev.fail(message, "src", _UNFINISHED)
-                if nxt is not None and nxt.fail(message, "dst", _UNFINISHED):
+                    _still(prev.fail, message, "src", _UNFINISHED)
+                if nxt is not None and _still(nxt.fail, message, "dst", _UNFINISHED):
                     drains.append((nxt, outputs[k]))
             for link, outs in drains:
-                link.drain(message, outs, _UNFINISHED)
+                _still(link.drain, message, outs, _UNFINISHED)
             if isinstance(e, PipelineError):
                 raise
             raise PipelineError(message) from e
         finally:
             for k in mine:  # a step that failed (or was interrupted) leaves no leaves behind
                 self.stages[k].close_step(keep=False)
+
+    def _message(self, r: int, e: BaseException) -> str:
+        """Rank set ``r``'s error ``e``, naming its stage, ranks, action and (in a multi-rank stage) rank."""
+        where = "" if self._action is None else f" on {self._action}"
+        return (f"stage {self._stage_of(r)} (ranks {self.rank_sets[r].ranks}) failed{where}{self._which()}: "
+                f"{_cause(e, self.rank_sets[r])}")
+
+    def _which(self) -> str:
+        """Which rank of a multi-rank stage failed (a one-rank stage's ranks say it)."""
+        return f" (rank {dist.get_rank()})" if len(self.rank_sets[self.stage_index].flat_ranks) > 1 else ""
 
     def _stage_of(self, r: int) -> int:
         """The stage rank set ``r`` was at when it failed."""
@@ -496,38 +583,47 @@ class Pipeline(nn.Module):
             i, began, self._action = action.micro_batch, time.perf_counter(), action
             k = action.chunk * p + r
             stage, (prev, nxt), key = self.stages[k], self._links(k), (k, i)
-            if action.kind == "recv_act":
-                received[key] = prev.recv_act(i)
-            elif action.kind == "F":
-                if k == 0:  # the batch's rows: data, the same on every rank, laid out as the stage takes them
-                    received[key] = stage.enter_block(micro_inputs[i])
-                y = self._forward(stage, received[key])
-                if k == n - 1:
-                    loss = self._loss(stage, y, micro_targets[i], items[i], total_items)
-                    total = loss.detach().float() if total is None else total + loss.detach().float()
-                    y = Block(loss, (), ())  # a plain value: its backward starts the stage's
-                outputs[k][i] = y
-            elif action.kind == "send_act":
-                sends[action] = comm.Pending()
-                nxt.send_act(outputs[k][i], i, sends[action], self._paired(r, index, outputs))
-            elif action.kind == "recv_grad":
-                grads[key] = nxt.recv_grad(outputs[k][i], i)
-            elif action.kind == "B":
-                y = outputs[k].pop(i).local
-                if y.requires_grad:  # a frozen stage (or one before it) has nothing to differentiate
-                    if self.split_backward:  # the input's gradient now, the weights' at this micro-batch's W
-                        x = received[key].local if k > 0 else None
-                        later[key] = input_grad(y, grads.pop(key, None), x, stage.weights())
-                    else:
-                        torch.autograd.backward(y, grads.pop(key, None))
-            elif action.kind == "W":
-                if key in later:
-                    later.pop(key).run()
-            elif action.kind == "send_grad":
-                sends[action] = comm.Pending()
-                x = received.pop(key).local
-                grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                prev.send_grad(grad, i, sends[action], self._paired(r, index, outputs))
+            try:
+                if action.kind == "recv_act":
+                    received[key] = prev.recv_act(i)
+                elif action.kind == "F":
+                    if k == 0:  # the batch's rows: data, the same on every rank, laid out as the stage takes them
+                        received[key] = stage.enter_block(micro_inputs[i])
+                    y = self._forward(stage, received[key])
+                    if k == n - 1:
+                        if self._guard is not None:  # every rank computed the output, before its gathering
+                            self._guard.check(None)
+                        loss = self._loss(stage, y, micro_targets[i], items[i], total_items)
+                        total = loss.detach().float() if total is None else total + loss.detach().float()
+                        y = Block(loss, (), ())  # a plain value: its backward starts the stage's
+                    outputs[k][i] = y
+                elif action.kind == "send_act":
+                    sends[action] = comm.Pending()
+                    nxt.send_act(outputs[k][i], i, sends[action], self._paired(r, index, outputs))
+                elif action.kind == "recv_grad":
+                    grads[key] = nxt.recv_grad(outputs[k][i], i)
+                elif action.kind == "B":
+                    y = outputs[k].pop(i).local
+                    if y.requires_grad:  # a frozen stage (or one before it) has nothing to differentiate
+                        if self.split_backward:  # the input's gradient now, the weights' at this micro-batch's W
+                            x = received[key].local if k > 0 else None
+                            later[key] = input_grad(y, grads.pop(key, None), x, stage.weights())
+                        else:
+                            torch.autograd.backward(y, grads.pop(key, None))
+                elif action.kind == "W":
+                    if key in later:
+                        later.pop(key).run()
+                elif action.kind == "send_grad":
+                    sends[action] = comm.Pending()
+                    x = received.pop(key).local
+                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                    prev.send_grad(grad, i, sends[action], self._paired(r, index, outputs))
+            except Exception as e:  # a multi-rank stage's other ranks must not go on without this one
+                if self._guard is not None and action.kind in _COMPUTE and not isinstance(e, PipelineError):
+                    self._guard.check(self._message(r, e))
+                raise
+            if self._guard is not None and action.kind in _COMPUTE:
+                self._guard.check(None)
             if action.kind == "B" and k == 0:
                 received.pop(key, None)
             for taken in self._released.get(action, ()):  # sends this receive proves taken: free their buffers

@@ -45,7 +45,7 @@ from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import Sbp, dual
 
-__all__ = ["Link", "Paired"]
+__all__ = ["Link", "Paired", "PeerDied", "closed_connection"]
 
 
 class Meta(NamedTuple):
@@ -94,6 +94,41 @@ def _ok_header(meta: Meta) -> torch.Tensor:
 def _padded(head: torch.Tensor, nbytes: int) -> torch.Tensor:
     """A steady hand-off's message of ``nbytes`` that carries only its header ``head``: the rest zeros."""
     return torch.cat([head, torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)])
+
+
+def closed_connection(e: BaseException) -> bool:
+    """Whether ``e`` is gloo's word that a peer closed its connection (its process died or exited)."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(w in text for w in ("connection closed", "connection reset",
+                                                                    "broken pipe", "connection refused"))
+
+
+class PeerDied(RuntimeError):
+    """A peer rank closed its connection while this rank waited for its hand-off: its process died or exited."""
+
+
+def _wait(pending: comm.Pending, peers: list[int], sender: int) -> None:
+    """Wait for receives from ``peers`` (ranks of stage ``sender``), one work each; a peer that closed its
+    connection is named."""
+    for j, work in enumerate(pending.works):
+        try:
+            work.wait()
+        except RuntimeError as e:
+            if not closed_connection(e):
+                raise
+            who = f"rank {peers[j]}" if len(peers) == len(pending.works) else f"one of ranks {peers}"
+            raise PeerDied(f"{who} of stage {sender} died or closed its connection: {type(e).__name__}: {e}") from e
+    pending.works, pending.buffers = [], []
+
+
+def _post_each(sends: list[tuple[int, torch.Tensor]], tag: int, pending: comm.Pending) -> None:
+    """A failed step's messages, each on its own: a send to a peer that died raises, and must not stop the
+    others."""
+    for peer, buf in sends:
+        try:
+            comm.post([(peer, buf)], [], tag=tag, pending=pending)
+        except RuntimeError:
+            continue
 
 
 class _PeerFailed(PipelineError):
@@ -162,10 +197,10 @@ class _Channel:
         end of the step (``i = m``)."""
         steady = self._steady(i, sending=True)
         if steady is None:
-            comm.post([(r, buf) for r in self.to.flat_ranks], [], tag=self._tags(i)[0], pending=pending)
+            _post_each([(r, buf) for r in self.to.flat_ranks], self._tags(i)[0], pending)
             return
         peer, _, nbytes = steady
-        comm.post([(peer, _padded(buf, nbytes))], [], tag=self._tags(i)[1], pending=pending)
+        _post_each([(peer, _padded(buf, nbytes))], self._tags(i)[1], pending)
 
     def send_blocks(self, x: torch.Tensor, meta: Meta, i: int, pending: comm.Pending) -> None:
         """Micro-batch ``i``'s blocks (this rank's block ``x`` in the layout ``meta`` names)."""
@@ -204,7 +239,7 @@ class _Channel:
         """Micro-batch ``i``'s header (its receive posted now if it was not); raises a failed sender's error."""
         incoming = self.post(i)
         if incoming.meta is None:
-            incoming.pending.wait()
+            _wait(incoming.pending, [r for r, _ in incoming.headers], sender)
             read = [read_header(b) for _, b in incoming.headers]
             for status, *_, message, _ in read:
                 if status == FAILED:
@@ -246,7 +281,7 @@ class _Channel:
         meta = self.header(i, dst_of, sender)
         self.post_blocks(i, meta)
         pending, local = self.incoming.pop(i).blocks
-        pending.wait()
+        _wait(pending, self.frm.flat_ranks, sender)
         self.remembered[i] = meta
         return local, meta
 
