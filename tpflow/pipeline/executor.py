@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm, config
-from tpflow.comm.wire import FAILED, HEADER_BYTES, header, read_header
+from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import to_global
 from tpflow.global_tensor.blocks import Block
 from tpflow.global_tensor.local import from_block
@@ -103,40 +103,39 @@ def _still(fail: Callable, *args: object) -> object:
 
 
 _COMPUTE = ("F", "B", "W")
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # the ranks of a multi-rank stage: their group for _Guard
 
 
 class _Guard:
     """The ranks of one multi-rank stage agree, after each forward and backward, whether every one of them
-    computed it: a rank that raised sends its error to the others (tag ``tag``) and tells them so in a one-int
-    all-gather on a group of their own, so that none goes on into a hand-off or collective the failed rank never
-    joins. (A rank stuck in a collective of the stage's own module, a tensor-parallel layer's all-reduce that the
-    failed rank never reached, still waits there until the ``timeout`` switch's seconds.)"""
+    computed it: each sends every other a header (tag ``tag``, over the world group: no process group of its own,
+    which every rank would have to make), OK or a failed rank's error, and waits for theirs, so that none goes on
+    into a hand-off or collective the failed rank never joins. Messages between two ranks under one tag arrive in
+    order, so every agreement of every step shares the tag. (A rank stuck in a collective of the stage's own
+    module, a tensor-parallel layer's all-reduce that the failed rank never reached, still waits there until the
+    ``timeout`` switch's seconds.)"""
 
     def __init__(self, ranks: list[int], tag: int) -> None:
-        key = tuple(ranks)
-        if key not in _GROUPS:  # made by every rank, in one order (Pipeline's constructor)
-            _GROUPS[key] = dist.new_group(ranks)
-        self.ranks, self.group, self.tag = ranks, _GROUPS[key], tag
+        self.peers, self.tag = [r for r in ranks if r != dist.get_rank()], tag
+        self.ok = header(OK)
 
     def check(self, message: str | None) -> None:
-        """Agree on an action: ``message`` (this rank's error) goes to the others; raises a peer's error."""
-        me = dist.get_rank()
-        if message is not None:
-            buf = header(FAILED, message=message)
-            for r in self.ranks:
-                if r != me:
-                    with contextlib.suppress(RuntimeError):  # a peer that died: the others still hear of it
-                        comm.post([(r, buf)], [], tag=self.tag, pending=_UNFINISHED)
-        flags = [torch.zeros(1, dtype=torch.int32) for _ in self.ranks]
-        dist.all_gather(flags, torch.tensor([int(message is not None)], dtype=torch.int32), group=self.group)
-        if message is not None:
+        """Agree on an action: ``message`` (this rank's error, None if it computed the action) goes to the others;
+        raises the first peer's error where one failed."""
+        buf = self.ok if message is None else header(FAILED, message=message)
+        bufs = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in self.peers]
+        pending = comm.post([], list(zip(self.peers, bufs, strict=True)), tag=self.tag)
+        for r in self.peers:
+            with contextlib.suppress(RuntimeError):  # a peer that died: the others still hear of it
+                comm.post([(r, buf)], [], tag=self.tag, pending=pending)
+        if message is not None:  # the peers may never take it (one died): kept alive, never waited on
+            _UNFINISHED.works += pending.works
+            _UNFINISHED.buffers += [*pending.buffers, *bufs]
             return
-        failed = next((r for r, f in zip(self.ranks, flags, strict=True) if f.item()), None)
-        if failed is not None:
-            buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-            comm.post([], [(failed, buf)], tag=self.tag).wait()
-            raise PipelineError(read_header(buf)[4])
+        pending.wait()
+        for b in bufs:
+            status, *_, text, _ = read_header(b)
+            if status == FAILED:
+                raise PipelineError(text)
 
 
 def _collect(stages: object) -> list[Stage]:
@@ -404,7 +403,7 @@ class Pipeline(nn.Module):
             dist.all_reduce(torch.zeros(1, device=sets[0].device))
         first = _fresh_tags(max(len(found) - 1, 1) * (3 * micro_batches + 1) + 1)  # the last: the guards'
         guards = [_Guard(pl.flat_ranks, first + max(len(found) - 1, 1) * (3 * micro_batches + 1))
-                  if len(pl.flat_ranks) > 1 else None for pl in sets]  # every rank makes every guard's group
+                  if len(pl.flat_ranks) > 1 else None for pl in sets]
         self.links = [Link(a, b, base=first + k * (3 * micro_batches + 1), micro_batches=micro_batches,
                            ahead=not self.pairs) for k, (a, b) in enumerate(itertools.pairwise(found))]
         self.trace: list[tuple[actions.Action, float, float]] = []
