@@ -68,7 +68,8 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
     """What tpflow sends beyond the layout's minimum:
     - a pipeline's 1 KiB header per hand-off to each receiving rank (between stages of one rank, in front of the
       blocks in their one message once the first step gave the layout), and one at the end of the step each way
-      (torch's pipelining sends none after its first step's shape inference);
+      (torch's pipelining sends none after its first step's shape inference); in a multi-rank stage, a header
+      to each other rank of the stage after each forward and backward, and before the last stage's loss;
     - the all-gather of an 8-byte row count by which a sequence-parallel column layer (or fused group) fed a
       plain input checks that the ranks split dim 0 evenly;
     - with PyTorch's tensor parallelism on the transformer, one collective per column layer where q, k and v
@@ -86,7 +87,11 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
         else:
             stages, receivers, m = world * (2 if "interleaved" in mode else 1), 1, 2 * world
             mine = range(rank, stages, world)
-        return HEADER_BYTES * receivers * sum((m + 1) * ((k < stages - 1) + (k > 0)) for k in mine)
+        handoffs = HEADER_BYTES * receivers * sum((m + 1) * ((k < stages - 1) + (k > 0)) for k in mine)
+        # a multi-rank stage's ranks agree after each forward and backward (and before the last stage's loss)
+        # by a header to each other rank of the stage
+        agreements = sum(2 * m + m * (k == stages - 1) for k in mine) if receivers > 1 else 0
+        return handoffs + HEADER_BYTES * (receivers - 1) * agreements
     columns = {"mlp": 1, "transformer": 2}[row["workload"]] * settings["depth"]  # fused column groups
     if mode.startswith("sequence"):
         extra += 8 * (world - 1) * columns

@@ -97,14 +97,37 @@ def _padded(head: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 def closed_connection(e: BaseException) -> bool:
-    """Whether ``e`` is gloo's word that a peer closed its connection (its process died or exited)."""
+    """Whether ``e`` is gloo's word that a peer closed its connection (its process died or exited).
+
+    Args:
+        e: an exception a transfer or a collective raised.
+
+    Returns:
+        True for a ``RuntimeError`` saying the connection was closed, reset or refused, or the pipe broke.
+
+    Example::
+
+        >>> closed_connection(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+        True
+        >>> closed_connection(ValueError("a wrong shape"))
+        False
+    """
     text = str(e).lower()
     return isinstance(e, RuntimeError) and any(w in text for w in ("connection closed", "connection reset",
                                                                     "broken pipe", "connection refused"))
 
 
 class PeerDied(RuntimeError):
-    """A peer rank closed its connection while this rank waited for its hand-off: its process died or exited."""
+    """A peer rank closed its connection while this rank waited for its hand-off: its process died or exited.
+
+    Args:
+        args: the message, naming the rank and its stage (as ``RuntimeError``'s).
+
+    Example::
+
+        >>> str(PeerDied("rank 2 of stage 1 died or closed its connection"))
+        'rank 2 of stage 1 died or closed its connection'
+    """
 
 
 def _wait(pending: comm.Pending, peers: list[int], sender: int) -> None:
