@@ -77,3 +77,15 @@ class Trio(nn.Module):
 
     def forward(self, x):
         return self.a(x), self.b(x), self.c(x)
+
+
+class BackwardFails(torch.autograd.Function):
+    """The identity whose backward raises: a stage that fails in its backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("a backward that fails")

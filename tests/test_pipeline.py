@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import tpflow as tpf
 from tests import harness
+from tests.models import BackwardFails
 
 B, S0, S1 = tpf.sbp.broadcast, tpf.sbp.split(0), tpf.sbp.split(1)
 
@@ -499,19 +500,9 @@ def test_construction_errors(kind, words):
     assert all(words in text for text in harness.run(2, _construction_error, kind))
 
 
-class _BackwardFails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FloatingPointError("a backward that fails")
-
-
 class _FailsInBackward(nn.Module):
     def forward(self, x):
-        return _BackwardFails.apply(x)
+        return BackwardFails.apply(x)
 
 
 def _timed_step(pipe, x, y):
@@ -571,7 +562,7 @@ class _FailsLater(nn.Module):
         if self.calls == self.fail_at:
             if not self.backward:
                 raise RuntimeError("a forward that fails in the second step")
-            return _BackwardFails.apply(x)
+            return BackwardFails.apply(x)
         return x
 
 
