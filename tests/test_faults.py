@@ -1,15 +1,17 @@
 """Mistakes that used to hang or train on silently, on 2 and 4 ranks: each fails on every rank with its cause named.
 
-Each case runs inside the pool's ranks under pytest.raises, so a rank that hung instead would fail the test by the
-harness's timeout (not a timing assertion), and a rank that raised nothing fails it at once.
+Each case runs inside the pool's ranks under pytest.raises and ``_within``: a rank that raised nothing fails the test
+at once, and a rank still in a case after 30 s prints where it waits and exits, which fails the test (a timeout,
+not a timing assertion).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import faulthandler
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -21,6 +23,17 @@ from tests.checks import all_ranks
 from tests.models import BackwardFails
 
 transformers = pytest.importorskip("transformers")
+
+
+@contextlib.contextmanager
+def _within(seconds: float = 30):
+    """A case that must end (here: fail, as it should, on every rank) within ``seconds``: a rank still in it then
+    prints every thread's stack and exits, which the harness reports as that rank dying."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _tiny_llama() -> transformers.PreTrainedModel:
@@ -40,22 +53,23 @@ def _disagreeing_rank():
     }
     for name, change in plans.values():
         plan = {**tpf.hf_plan(ref), **(change if rank == odd else {})}
-        with pytest.raises(ValueError, match=rf"parallelize: the ranks disagree on the plan entry of '{name}' "
-                                             rf"\(.*rank {odd}: .*\): call parallelize with the same model"):
+        expected = rf"parallelize: the ranks disagree on the plan entry of '{name}' \(.*rank {odd}: .*\): call " \
+                   "parallelize with the same model"
+        with _within(), pytest.raises(ValueError, match=expected):
             tpf.parallelize(copy.deepcopy(ref), placement=P, plan=plan)
     plan = tpf.hf_plan(ref, sequence_parallel=rank == odd)
-    with pytest.raises(ValueError, match="parallelize: the ranks disagree on the plan entry of"):
+    with _within(), pytest.raises(ValueError, match="parallelize: the ranks disagree on the plan entry of"):
         tpf.parallelize(copy.deepcopy(ref), placement=P, plan=plan)
     other = _tiny_llama()
     other.model.layers[0].mlp.up_proj = torch.nn.Linear(32, 64 + 8 * (rank == odd), bias=False)
-    with pytest.raises(ValueError, match=r"the ranks disagree on the model \(.*digest"):
+    with _within(), pytest.raises(ValueError, match=r"the ranks disagree on the model \(.*digest"):
         tpf.parallelize(other, placement=P, plan={"*.mlp.up_proj": "column"})
     # tensor-parallel ranks fed different rows: a sampler over them, or unseeded ids
     model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(int(rank == odd)))
-    with pytest.raises(ValueError, match=rf"the tensor-parallel ranks {re.escape(str(list(range(W))))} were fed "
-                                         rf"different inputs: "
-                                         rf"'model.embed_tokens' read other values on ranks \[{odd}\]"):
+    expected = rf"the tensor-parallel ranks {re.escape(str(list(range(W))))} were fed different inputs: " \
+               rf"'model.embed_tokens' read other values on ranks \[{odd}\]"
+    with _within(), pytest.raises(ValueError, match=expected):
         model(ids, labels=ids)
     same = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
     model(same, labels=same).loss.backward()  # the same rows: it trains
@@ -67,7 +81,8 @@ def _disagreeing_rank():
         row = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank // 2))
         model(row, labels=row)
         bad = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))  # a new shape: checked
-        with pytest.raises(ValueError, match=r"the tensor-parallel ranks \[\d, \d\] were fed different inputs"):
+        expected = r"the tensor-parallel ranks \[\d, \d\] were fed different inputs"
+        with _within(), pytest.raises(ValueError, match=expected):
             model(bad, labels=bad)
 
 
@@ -98,12 +113,12 @@ def _pipeline_mistakes_rank():
     odd = W - 1
     for name, change in (("micro_batches", {"micro_batches": 2 * W}), ("schedule", {"schedule": "gpipe"})):
         arguments = {"micro_batches": W, "schedule": "1f1b", **(change if rank == odd else {})}
-        with pytest.raises(ValueError, match=rf"Pipeline: the ranks disagree on {name} \(.*rank {odd}: .*\): build "
-                                             rf"the Pipeline with the same"):
+        expected = rf"Pipeline: the ranks disagree on {name} \(.*rank {odd}: .*\): build the Pipeline with the same"
+        with _within(), pytest.raises(ValueError, match=expected):
             tpf.Pipeline(stages, loss_fn=torch.nn.functional.mse_loss, **arguments)
     pipe = tpf.Pipeline(stages, micro_batches=W, loss_fn=torch.nn.functional.mse_loss)
     x, y = torch.randn(2 * W, 4), torch.randn(2 * W - 2, 4)  # fewer target rows than input rows
-    with pytest.raises(tpf.PipelineError, match="takes as many target rows as input rows"):
+    with _within(), pytest.raises(tpf.PipelineError, match="takes as many target rows as input rows"):
         pipe.step(x, y)
 
 
@@ -168,16 +183,14 @@ def _multi_rank_stage_fails(backward, schedule):
     pipe = tpf.Pipeline(stages, micro_batches=4, schedule=schedule, loss_fn=torch.nn.functional.mse_loss)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
-    start = time.monotonic()
-    with pytest.raises(tpf.PipelineError) as caught:
+    with _within(), pytest.raises(tpf.PipelineError) as caught:
         pipe.step(x, y)
-    seconds = time.monotonic() - start
     with pytest.raises(tpf.PipelineError, match="an earlier step failed .*build a new Pipeline over the stages"):
         pipe.step(x, y)
     failing.armed = False  # the cause is fixed: a new pipeline over the same stages runs as one device
     _one_device_check(tpf.Pipeline(stages, micro_batches=4, schedule=schedule,
                                    loss_fn=torch.nn.functional.mse_loss), ref, x, y)
-    return str(caught.value), seconds
+    return str(caught.value)
 
 
 @pytest.mark.parametrize("world, backward, schedule", [(3, False, "1f1b"), (3, True, "zb-h1"), (4, False, "gpipe"),
@@ -191,9 +204,8 @@ def test_one_rank_of_a_multi_rank_stage_fails(world, backward, schedule):
     ranks = [1, 2] if world == 3 else [0, 1]
     action = "B0" if backward else "F0"
     error = "FloatingPointError: a backward that fails" if backward else "RuntimeError: a forward that fails"
-    for rank, (text, seconds) in enumerate(results):
+    for text in results:
         assert f"stage {stage} (ranks {ranks}) failed on {action} (rank {odd}): {error}" in text, text
-        assert seconds < 10, f"the error took {seconds:.1f} s to reach rank {rank}"
 
 
 class _Dies(torch.nn.Module):
@@ -221,10 +233,9 @@ def _a_rank_dies(sets, dead):
     pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=torch.nn.functional.mse_loss)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     pipe.step(x, y)
-    start = time.monotonic()
-    with pytest.raises(tpf.PipelineError) as caught:
+    with _within(), pytest.raises(tpf.PipelineError) as caught:
         pipe.step(x, y)
-    raise RuntimeError(f"survived: {time.monotonic() - start:.1f} s: {caught.value}")  # the harness reports it
+    raise RuntimeError(f"survived: {caught.value}")  # the harness reports it
 
 
 @pytest.mark.parametrize("sets, dead", [([[0], [1], [2]], 1), ([[0], [1, 2]], 2)], ids=["one-rank", "two-rank"])
@@ -241,8 +252,7 @@ def test_a_rank_that_dies_is_named_on_every_other_rank(sets, dead):
         if rank == dead:
             continue
         part = report.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
-        found = re.search(r"survived: ([\d.]+) s: stage \d \(ranks \[[\d, ]+\]\) failed on \w+\d( \(rank \d\))?: "
+        found = re.search(r"survived: stage \d \(ranks \[[\d, ]+\]\) failed on \w+\d( \(rank \d\))?: "
                           r"(PeerDied: rank \d of stage \d died or closed its connection|a peer rank died or closed "
                           r"its connection)", part)
         assert found, part
-        assert float(found.group(1)) < 10, part

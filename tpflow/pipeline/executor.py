@@ -117,10 +117,18 @@ class _Guard:
     def __init__(self, ranks: list[int], tag: int) -> None:
         self.peers, self.tag = [r for r in ranks if r != dist.get_rank()], tag
         self.ok = header(OK)
+        self.seconds = 0.0  # spent agreeing, this step
 
     def check(self, message: str | None) -> None:
         """Agree on an action: ``message`` (this rank's error, None if it computed the action) goes to the others;
         raises the first peer's error where one failed."""
+        start = time.perf_counter()
+        try:
+            self._exchange(message)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _exchange(self, message: str | None) -> None:
         buf = self.ok if message is None else header(FAILED, message=message)
         bufs = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in self.peers]
         pending = comm.post([], list(zip(self.peers, bufs, strict=True)), tag=self.tag)
@@ -272,7 +280,8 @@ class Pipeline(nn.Module):
     ``step(inputs, targets)`` runs forward and backward of one batch and returns its loss (on the last
     stage's ranks; None elsewhere), leaving every parameter's gradient as one device would on the whole
     batch. ``pipe(x)`` runs the stages in order eagerly, on every rank. ``trace`` holds the last step's
-    actions on this rank with their start and end times (seconds from the step's start).
+    actions on this rank with their start and end times (seconds from the step's start); ``agreement_seconds``
+    the time its last step spent on a multi-rank stage's agreement (0.0 on a one-rank stage).
 
     Every rank builds the same ``Pipeline`` (one SPMD script) and calls ``step`` with the whole batch, as one
     device would: the batch's rows (dim 0) are cut into ``micro_batches`` by ``torch.tensor_split``. Each
@@ -413,6 +422,12 @@ class Pipeline(nn.Module):
         self._pairs = {} if self.stage_index is None or not self.pairs else \
             replay.pairs(self.table, self.stage_index)
 
+    @property
+    def agreement_seconds(self) -> float:
+        """The seconds this rank's last step spent on its multi-rank stage's agreement (sending its word and
+        waiting for its peers'); 0.0 on a one-rank stage."""
+        return 0.0 if self._guard is None else self._guard.seconds
+
     def schedule_table(self) -> str:
         """The step as a grid of rank sets by time steps (unit time per forward, per backward and per weight
         gradient), under a line with the schedule's bubble by its formula."""
@@ -461,6 +476,8 @@ class Pipeline(nn.Module):
         sends: dict[actions.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
         outputs: dict[int, dict[int, Block]] = {k: {} for k in mine}  # per stage, outputs until their backward
         self.trace, self._action = [], None
+        if self._guard is not None:
+            self._guard.seconds = 0.0
         for k in mine:
             self.stages[k].open_step()
         try:
