@@ -10,7 +10,9 @@ behind the same bug in the checker. Test files import helpers from here, from ``
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import faulthandler
 import itertools
 
 import torch
@@ -23,6 +25,18 @@ from tpflow.sbp import Broadcast, PartialSum, chunk_bounds, local_region
 
 S0, S1, B, P = tpf.sbp.split(0), tpf.sbp.split(1), tpf.sbp.broadcast, tpf.sbp.partial_sum
 SBPS_2D = (S0, S1, B, P)
+
+
+@contextlib.contextmanager
+def within(seconds: float = 30):
+    """A case that must end (a failure case: fail, as it should, on every rank) within ``seconds``: a rank still in it
+    then prints every thread's stack and exits, which the harness reports as that rank dying (a timeout, not a
+    timing assertion)."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def ints(shape, seed: int) -> torch.Tensor:

@@ -17,3 +17,66 @@ from tests import harness
 def _process_pools():
     yield
     harness.shutdown()
+
+
+EXAMPLES = {  # each seed scenario and the ranks it runs on under the launcher
+    "data_parallel.py": 2,
+    "model_parallel.py": 2,
+    "pipeline_two_stage.py": 2,
+    "hybrid_module_model.py": 4,
+    "data_parallel_training.py": 2,
+    "hybrid_mlp_digits.py": 2,
+    "pipeline_lenet.py": 2,
+    "pipeline_module_model.py": 4,
+}
+PIPELINES = {"pipeline_lenet.py", "pipeline_module_model.py"}  # a rank per stage: no one-process run
+FINETUNE = "examples/finetune_hf.py"  # compares its runs with each other
+
+
+class Launches:
+    """The suite's few runs of many scripts (``harness.run_scripts``): the examples and benchmark scripts as one
+    plain process, then on 2 and on 4 ranks, each run once, when a test first asks for it. A command's own
+    temporary folders come from ``folder``."""
+
+    def __init__(self, tmp) -> None:
+        self.tmp, self.runs = tmp, {}
+
+    def folder(self, name: str):
+        return self.tmp / name
+
+    def commands(self, nproc: int | None) -> list[str]:
+        examples = [f"examples/{name}" for name, n in EXAMPLES.items() if n == nproc]
+        if nproc is None:
+            return [f"benchmarks/loading_cpu.py --prepare {self.folder('model')} --vocab 64 --hidden 128 --ffn 64 "
+                    "--layers 1", *(f"examples/{name}" for name in EXAMPLES if name not in PIPELINES),
+                    *(f"examples/{name}" for name in sorted(PIPELINES)), FINETUNE]
+        if nproc == 2:
+            return [*examples,
+                    f"benchmarks/layers_cpu.py --dim 32 --hidden 64 --tokens 16 --reps 1 --out {self.folder('layers')}",
+                    f"benchmarks/collective_cpu.py gloo --size 64 --reps 1 --out {self.folder('collectives')}",
+                    f"benchmarks/vocab_cpu.py --vocab 101 --tokens 16 --hidden 8 --chunk 4 --reps 1 --out "
+                    f"{self.folder('vocab')}",
+                    f"benchmarks/loading_cpu.py --dir {self.folder('model')} --out {self.folder('loading')}",
+                    f"{FINETUNE} --checkpoint {self.folder('checkpoint')}"]
+        return [*examples,
+                f"benchmarks/pipeline_cpu.py --reps 1 --forward-ms 1 --dim 8 --rows 2 --out {self.folder('pipeline')}",
+                f"benchmarks/checks_cpu.py --hidden 32 --layers 2 --vocab 64 --seq 8 --reps 1 --out "
+                f"{self.folder('checks')}"]
+
+    def get(self, nproc: int | None) -> tuple[dict, str]:
+        """Each command's ``harness.Ran`` and the run's stderr, for the plain process (None) or ``nproc`` ranks."""
+        if nproc == 2:
+            self.get(None)  # the loading benchmark's model is prepared there
+        if nproc not in self.runs:
+            try:
+                self.runs[nproc] = harness.run_scripts(self.commands(nproc), nproc)
+            except AssertionError as e:  # every test that asks again fails at once, with the run's error
+                self.runs[nproc] = e
+        if isinstance(self.runs[nproc], AssertionError):
+            raise self.runs[nproc]
+        return self.runs[nproc]
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("launches"))

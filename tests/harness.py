@@ -4,7 +4,8 @@
 results. A rank that raises fails the test with its traceback; a pool whose ranks stop
 answering (a hang) is killed after the timeout and replaced, so one bad test cannot stall
 the rest of the suite. ``run_python(args)`` runs a fresh Python process from the repository
-root, for what must run as a user runs it (the launcher, the examples, the benchmark scripts).
+root, for what must run as a user runs it (the launcher, the examples, the benchmark scripts);
+``run_scripts(commands, nproc)`` runs several scripts in one launch (``tests/scripts.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -135,6 +137,34 @@ def shutdown() -> None:
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+class Ran(NamedTuple):
+    """One script of ``run_scripts``: its exit code and its output (every rank's)."""
+
+    code: int
+    stdout: str
+
+
+def run_scripts(commands: list[str], nproc: int | None = None, timeout: float = 600) -> tuple[dict[str, Ran], str]:
+    """``commands`` (each ``"path args..."``, from the repository root) run in turn by ``tests/scripts.py``: under the
+    launcher on ``nproc`` ranks, or in one plain process (None). Returns each command's exit code and output, and the
+    run's stderr; a run that fails (a script raised) raises with its stderr."""
+    launch = [] if nproc is None else ["-m", "tpflow.launch", "--nproc_per_node", str(nproc)]
+    proc = run_python([*launch, "tests/scripts.py", *commands], timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"tests/scripts.py on {nproc or 'one'} process(es) failed:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    ran, command, lines = {}, None, []
+    for line in proc.stdout.splitlines():
+        if line.startswith(">>> ") and line[4:] in commands:
+            command, lines = line[4:], []
+        elif command is not None and line.startswith(f"<<< {command} exit "):
+            ran[command], command = Ran(int(line.rsplit(" ", 1)[1]), "\n".join(lines)), None
+        elif command is not None:
+            lines.append(line)
+    assert list(ran) == commands, proc.stdout[-3000:]
+    return ran, proc.stderr
 
 
 def run_python(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -5,45 +5,32 @@ from __future__ import annotations
 
 import pytest
 
-from tests import harness
-from tests.harness import ROOT
-
-EXAMPLES = {  # ranks under the launcher
-    "data_parallel.py": 2,
-    "model_parallel.py": 2,
-    "pipeline_two_stage.py": 2,
-    "hybrid_module_model.py": 4,
-    "data_parallel_training.py": 2,
-    "hybrid_mlp_digits.py": 2,
-    "pipeline_lenet.py": 2,
-    "pipeline_module_model.py": 4,
-}
-PIPELINES = {"pipeline_lenet.py", "pipeline_module_model.py"}  # a rank per stage: no one-process run
-FINETUNE = "finetune_hf.py"  # compares its runs with each other (test_finetune_hf_matches_one_device)
+from tests.conftest import EXAMPLES, FINETUNE, PIPELINES
+from tests.harness import ROOT, run_python
 
 
 def test_every_example_is_listed():
-    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted([*EXAMPLES, FINETUNE])
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted([*EXAMPLES, FINETUNE.split("/")[1]])
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_example_under_launcher(name):
+def test_example_under_launcher(name, launches):
     nproc = EXAMPLES[name]
-    proc = harness.run_python(["-m", "tpflow.launch", "--nproc_per_node", str(nproc), f"examples/{name}"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("matches one device") + proc.stdout.count("w = [") >= nproc, proc.stdout
+    ran = launches.get(nproc)[0][f"examples/{name}"]
+    assert ran.code == 0, ran.stdout[-4000:]
+    assert ran.stdout.count("matches one device") + ran.stdout.count("w = [") >= nproc, ran.stdout
 
 
 @pytest.mark.parametrize("name", sorted(set(EXAMPLES) - PIPELINES))
-def test_example_as_one_process(name):
-    proc = harness.run_python([f"examples/{name}"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_example_as_one_process(name, launches):
+    assert launches.get(None)[0][f"examples/{name}"].code == 0
 
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
-def test_pipeline_example_says_how_to_launch_it(name):
-    proc = harness.run_python([f"examples/{name}"])
-    assert proc.returncode == 1 and f"python -m tpflow.launch --nproc_per_node {EXAMPLES[name]}" in proc.stderr
+def test_pipeline_example_says_how_to_launch_it(name, launches):
+    runs, stderr = launches.get(None)
+    assert runs[f"examples/{name}"].code == 1
+    assert f"python -m tpflow.launch --nproc_per_node {EXAMPLES[name]}" in stderr
 
 
 def _losses(stdout: str) -> dict[int, float]:
@@ -54,25 +41,21 @@ def _generated(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("generated "))
 
 
-def test_finetune_hf_matches_one_device(tmp_path):
+def test_finetune_hf_matches_one_device(launches):
     """A Hugging Face model by its own plan on 2 ranks, saved halfway and resumed: one device's losses and tokens;
     and the 2-rank checkpoint resumed on one rank (resharded on load) goes on as the others do. Each run exports
     the trained model with save_pretrained and loads it back on one device (the example checks the logits)."""
-    pytest.importorskip("transformers")
-    two = harness.run_python(["-m", "tpflow.launch", "--nproc_per_node", "2", f"examples/{FINETUNE}", "--checkpoint",
-                str(tmp_path / "ckpt")])
-    assert two.returncode == 0, two.stderr[-4000:]
-    one = harness.run_python([f"examples/{FINETUNE}"])
-    assert one.returncode == 0, one.stderr[-4000:]
-    resumed = harness.run_python([f"examples/{FINETUNE}", "--resume", str(tmp_path / "ckpt")])
+    two = launches.get(2)[0][f"{FINETUNE} --checkpoint {launches.folder('checkpoint')}"]
+    one = launches.get(None)[0][FINETUNE]
+    resumed = run_python([FINETUNE, "--resume", str(launches.folder("checkpoint"))])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     want = _losses(one.stdout)
     assert sorted(want) == list(range(6)) and want[5] < want[0], one.stdout
-    for run, steps in ((two, range(6)), (resumed, range(3, 6))):
-        got = _losses(run.stdout)
-        assert sorted(got) == list(steps), run.stdout
+    for stdout, steps in ((two.stdout, range(6)), (resumed.stdout, range(3, 6))):
+        got = _losses(stdout)
+        assert sorted(got) == list(steps), stdout
         for step in steps:
-            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), (step, run.stdout, one.stdout)
-        assert _generated(run.stdout) == _generated(one.stdout)
-    for run in (two, one, resumed):
-        assert "from_pretrained on one device: logits within" in run.stdout, run.stdout
+            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), (step, stdout, one.stdout)
+        assert _generated(stdout) == _generated(one.stdout)
+    for stdout in (two.stdout, one.stdout, resumed.stdout):
+        assert "from_pretrained on one device: logits within" in stdout, stdout

@@ -1,15 +1,13 @@
 """Mistakes that used to hang or train on silently, on 2 and 4 ranks: each fails on every rank with its cause named.
 
-Each case runs inside the pool's ranks under pytest.raises and ``_within``: a rank that raised nothing fails the test
-at once, and a rank still in a case after 30 s prints where it waits and exits, which fails the test (a timeout,
-not a timing assertion).
+Each case runs inside the pool's ranks under pytest.raises and ``tests.checks.within``: a rank that raised nothing
+fails the test at once, and a rank still in a case after 30 s prints where it waits and exits, which fails the test
+(a timeout, not a timing assertion).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import faulthandler
 import os
 import re
 
@@ -19,21 +17,10 @@ import torch.distributed as dist
 
 import tpflow as tpf
 from tests import harness
-from tests.checks import all_ranks
+from tests.checks import all_ranks, within
 from tests.models import BackwardFails
 
 transformers = pytest.importorskip("transformers")
-
-
-@contextlib.contextmanager
-def _within(seconds: float = 30):
-    """A case that must end (here: fail, as it should, on every rank) within ``seconds``: a rank still in it then
-    prints every thread's stack and exits, which the harness reports as that rank dying."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 def _tiny_llama() -> transformers.PreTrainedModel:
@@ -55,21 +42,21 @@ def _disagreeing_rank():
         plan = {**tpf.hf_plan(ref), **(change if rank == odd else {})}
         expected = rf"parallelize: the ranks disagree on the plan entry of '{name}' \(.*rank {odd}: .*\): call " \
                    "parallelize with the same model"
-        with _within(), pytest.raises(ValueError, match=expected):
+        with within(), pytest.raises(ValueError, match=expected):
             tpf.parallelize(copy.deepcopy(ref), placement=P, plan=plan)
     plan = tpf.hf_plan(ref, sequence_parallel=rank == odd)
-    with _within(), pytest.raises(ValueError, match="parallelize: the ranks disagree on the plan entry of"):
+    with within(), pytest.raises(ValueError, match="parallelize: the ranks disagree on the plan entry of"):
         tpf.parallelize(copy.deepcopy(ref), placement=P, plan=plan)
     other = _tiny_llama()
     other.model.layers[0].mlp.up_proj = torch.nn.Linear(32, 64 + 8 * (rank == odd), bias=False)
-    with _within(), pytest.raises(ValueError, match=r"the ranks disagree on the model \(.*digest"):
+    with within(), pytest.raises(ValueError, match=r"the ranks disagree on the model \(.*digest"):
         tpf.parallelize(other, placement=P, plan={"*.mlp.up_proj": "column"})
     # tensor-parallel ranks fed different rows: a sampler over them, or unseeded ids
     model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(int(rank == odd)))
     expected = rf"the tensor-parallel ranks {re.escape(str(list(range(W))))} were fed different inputs: " \
                rf"'model.embed_tokens' read other values on ranks \[{odd}\]"
-    with _within(), pytest.raises(ValueError, match=expected):
+    with within(), pytest.raises(ValueError, match=expected):
         model(ids, labels=ids)
     same = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
     model(same, labels=same).loss.backward()  # the same rows: it trains
@@ -82,7 +69,7 @@ def _disagreeing_rank():
         model(row, labels=row)
         bad = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))  # a new shape: checked
         expected = r"the tensor-parallel ranks \[\d, \d\] were fed different inputs"
-        with _within(), pytest.raises(ValueError, match=expected):
+        with within(), pytest.raises(ValueError, match=expected):
             model(bad, labels=bad)
 
 
@@ -114,11 +101,11 @@ def _pipeline_mistakes_rank():
     for name, change in (("micro_batches", {"micro_batches": 2 * W}), ("schedule", {"schedule": "gpipe"})):
         arguments = {"micro_batches": W, "schedule": "1f1b", **(change if rank == odd else {})}
         expected = rf"Pipeline: the ranks disagree on {name} \(.*rank {odd}: .*\): build the Pipeline with the same"
-        with _within(), pytest.raises(ValueError, match=expected):
+        with within(), pytest.raises(ValueError, match=expected):
             tpf.Pipeline(stages, loss_fn=torch.nn.functional.mse_loss, **arguments)
     pipe = tpf.Pipeline(stages, micro_batches=W, loss_fn=torch.nn.functional.mse_loss)
     x, y = torch.randn(2 * W, 4), torch.randn(2 * W - 2, 4)  # fewer target rows than input rows
-    with _within(), pytest.raises(tpf.PipelineError, match="takes as many target rows as input rows"):
+    with within(), pytest.raises(tpf.PipelineError, match="takes as many target rows as input rows"):
         pipe.step(x, y)
 
 
@@ -183,7 +170,7 @@ def _multi_rank_stage_fails(backward, schedule):
     pipe = tpf.Pipeline(stages, micro_batches=4, schedule=schedule, loss_fn=torch.nn.functional.mse_loss)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
-    with _within(), pytest.raises(tpf.PipelineError) as caught:
+    with within(), pytest.raises(tpf.PipelineError) as caught:
         pipe.step(x, y)
     with pytest.raises(tpf.PipelineError, match="an earlier step failed .*build a new Pipeline over the stages"):
         pipe.step(x, y)
@@ -193,19 +180,24 @@ def _multi_rank_stage_fails(backward, schedule):
     return str(caught.value)
 
 
-@pytest.mark.parametrize("world, backward, schedule", [(3, False, "1f1b"), (3, True, "zb-h1"), (4, False, "gpipe"),
-                                                       (4, True, "1f1b")])
-def test_one_rank_of_a_multi_rank_stage_fails(world, backward, schedule):
+def _multi_rank_stage_cases(cases):
+    return [_multi_rank_stage_fails(backward, schedule) for backward, schedule in cases]
+
+
+@pytest.mark.parametrize("world, cases", [(3, [(False, "1f1b"), (True, "zb-h1")]),
+                                          (4, [(False, "gpipe"), (True, "1f1b")])])
+def test_one_rank_of_a_multi_rank_stage_fails(world, cases):
     try:
-        results = harness.run(world, _multi_rank_stage_fails, backward, schedule, timeout=60)
+        results = harness.run(world, _multi_rank_stage_cases, cases, timeout=120)
     finally:
         harness.discard(world)
     stage, odd = (1, 2) if world == 3 else (0, 1)
     ranks = [1, 2] if world == 3 else [0, 1]
-    action = "B0" if backward else "F0"
-    error = "FloatingPointError: a backward that fails" if backward else "RuntimeError: a forward that fails"
-    for text in results:
-        assert f"stage {stage} (ranks {ranks}) failed on {action} (rank {odd}): {error}" in text, text
+    for texts in results:
+        for (backward, _), text in zip(cases, texts, strict=True):
+            action = "B0" if backward else "F0"
+            error = "FloatingPointError: a backward that fails" if backward else "RuntimeError: a forward that fails"
+            assert f"stage {stage} (ranks {ranks}) failed on {action} (rank {odd}): {error}" in text, text
 
 
 class _Dies(torch.nn.Module):
@@ -233,7 +225,7 @@ def _a_rank_dies(sets, dead):
     pipe = tpf.Pipeline(stages, micro_batches=4, loss_fn=torch.nn.functional.mse_loss)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     pipe.step(x, y)
-    with _within(), pytest.raises(tpf.PipelineError) as caught:
+    with within(), pytest.raises(tpf.PipelineError) as caught:
         pipe.step(x, y)
     raise RuntimeError(f"survived: {caught.value}")  # the harness reports it
 
