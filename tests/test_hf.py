@@ -18,20 +18,12 @@ from torch.distributed.tensor import DTensor
 import tpflow as tpf
 from tests import harness
 from tests.checks import all_ranks
+from tests.models import VOCAB
+from tests.models import tiny_lm as tiny
 
 transformers = pytest.importorskip("transformers")
 
 MODELS = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
-VOCAB = 101  # uneven blocks of the head over 2 and 4 ranks
-
-
-def tiny(kind: str, kv_heads: int = 2, layers: int = 2, **extra) -> transformers.PreTrainedModel:
-    """A model of ``kind`` with 4 query heads, ``kv_heads`` key/value heads and uneven MLP blocks."""
-    config = transformers.AutoConfig.for_model(
-        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, **extra)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).double()  # AdamW magnifies fp32 rounding
 
 
 def _train(model, ids, steps=2):

@@ -22,6 +22,7 @@ from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
 from tpflow.layers.vocab import ranks_without_rows
 from tpflow.placement import Placement
+from tpflow.plans.fsdp import expect_fsdp, leaves_data_axes, tensor_slice
 from tpflow.plans.heads import attention_heads, check, keep_columns
 from tpflow.plans.hf import hf_plan
 from tpflow.plans.inputs import check_inputs
@@ -70,7 +71,11 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     Args:
         model: the model to change, in place.
         placement: the ranks its parallel layers live on (``tpf.placement``); on a 2-D placement the last
-            axis is tensor parallel and the others data parallel.
+            axis is tensor parallel and the others data parallel: tpflow's own (SBP) data parallelism on an
+            unnamed placement; on a named one (``names=("dp", "tp")``) the layers live on the last axis' slice
+            (``placement["tp"]``) and the data axes are left to PyTorch's FSDP2, ``fully_shard(block,
+            mesh=placement.mesh["dp"])`` on each block and on the model, which the first forward checks (column
+            layers are not fused there: FSDP2 owns the weights, gathering and freeing them around each forward).
         plan: ``"auto"``: a Hugging Face model's own plan (``tpf.hf_plan(model)``); or ``fnmatch`` patterns over
             module names, each mapped to its entry: ``"column"`` (W split(1)), ``"row"`` (W split(0)),
             ``"vocab"`` (an embedding or a head split over the vocabulary), Hugging Face's names (``"colwise"``,
@@ -108,12 +113,15 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen = _match(model, modules, plan)
     _agree(model, placement, chosen)
+    named, placement = placement, tensor_slice(placement)  # a named placement's data axes: FSDP2's
     kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
     linears = {name: entry for name, entry in chosen.items()
                if isinstance(entry[1], (ColumnParallel, RowParallel, VocabParallel))}
     ties = _ties(model, modules, linears)
     _check_vocabularies(modules, linears, placement.hierarchy[-1])
     fused = _fused_groups(modules, linears)
+    if leaves_data_axes(named):  # FSDP2's parameters are not tpflow's to join (fsdp.py): each layer on its own
+        fused = {}
     built: dict[int, nn.Module] = {}
     styles: dict[int, tuple[str, object]] = {}
     for name, (pattern, style) in linears.items():  # a shared module is one layer: its names must agree
@@ -160,6 +168,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     first = next((name for name in modules if name in linears and _reads_whole(modules[name], linears[name][1])), None)
     if first is not None:  # the first layer that must read the same data on every tensor-parallel rank
         check_inputs(model.get_submodule(first), first, placement)
+    expect_fsdp(model, named)
     return model
 
 

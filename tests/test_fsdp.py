@@ -1,0 +1,87 @@
+"""Tensor parallelism under PyTorch's FSDP2 on named placements: a Hugging Face Llama and a tied Qwen3 parallelized by
+their own plans on dp x tp = 2 x 2 and on HSDP (replicate x shard x tensor = 1 x 2 x 2), then ``fully_shard`` per
+decoder layer and on the model over the data axes, train AdamW steps with torch's clipping to one device's loss,
+norms and every parameter; each rank holds a quarter of the parameters; a model left without FSDP2 stops at its
+first forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import tpflow as tpf
+from tests import harness
+from tests.models import VOCAB, tiny_lm
+
+pytest.importorskip("transformers")
+
+LAYOUTS = {  # the placement's ranks and names, and the names FSDP2 shards over
+    "dp x tp": ([[0, 1], [2, 3]], ("dp", "tp"), "dp"),
+    "hsdp": ([[[0, 1], [2, 3]]], ("replicate", "shard", "tp"), ("replicate", "shard")),
+}
+
+
+def _train(model, batches, steps=3):
+    """AdamW steps with clipping that bites; each step's loss and norm before clipping."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)  # eps: see test_hf
+    losses, norms = [], []
+    for _ in range(steps):
+        loss = model(batches, labels=batches).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return torch.stack(losses), torch.stack(norms)
+
+
+def _fsdp_matches_one_device(kind, layout):
+    ranks, names, data = LAYOUTS[layout]
+    P = tpf.placement("cpu", ranks, names=names)
+    ref = tiny_lm(kind, **({"tie_word_embeddings": True} if kind == "qwen3" else {}))
+    model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=P.mesh[data])
+    fully_shard(model, mesh=P.mesh[data])
+    ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(1))
+    shard = P[data].coordinate()
+    row = shard[0] * (P[data].hierarchy[1] if len(shard) > 1 else 1) + (shard[1] if len(shard) > 1 else 0)
+    rows = len(P[data].flat_ranks)
+    mine = ids.tensor_split(rows)[row]  # each data-parallel rank its own rows, the tensor-parallel ranks the same
+    losses, norms = _train(model, mine)
+    ref_losses, ref_norms = _train(ref, ids)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    mean = torch.stack([every[r] for r in P[data].flat_ranks]).mean(0)  # equal rows: the batch's mean
+    torch.testing.assert_close(mean, ref_losses, rtol=1e-6, atol=1e-6, msg=f"{kind} {layout}: losses")
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-6, atol=1e-6, msg=f"{kind} {layout}: norms")
+    held = 0
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        held += p.to_local().numel()
+        torch.testing.assert_close(p.full_tensor(), p_ref.detach(), rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{kind} {layout}: {name} after AdamW: {m}")
+    total = sum(p.numel() for p in ref.parameters())
+    assert held <= 1.1 * total / 4, (held, total)  # parameters, and so gradients and AdamW's state, a quarter
+
+
+def _without_fsdp():
+    P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
+    model = tpf.parallelize(tiny_lm("llama"), placement=P, plan="auto")
+    with pytest.raises(RuntimeError, match=r"leaves the data axes \('dp',\) to FSDP2, but it is not sharded by FSDP2: "
+                                           r"call torch.distributed.fsdp.fully_shard\(block, mesh=P.mesh\[\"dp\"\]\)"):
+        model(torch.zeros(2, 4, dtype=torch.long))
+
+
+def _cases():
+    for kind, layout in (("llama", "dp x tp"), ("qwen3", "dp x tp"), ("llama", "hsdp")):
+        _fsdp_matches_one_device(kind, layout)
+    _without_fsdp()
+
+
+def test_fsdp2_over_tensor_parallelism_matches_one_device():
+    harness.run(4, _cases, timeout=300)
