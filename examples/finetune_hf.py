@@ -3,6 +3,7 @@
     python -m tpflow.launch --nproc_per_node 2 examples/finetune_hf.py            # a tiny Qwen3, random weights
     python -m tpflow.launch --nproc_per_node 2 examples/finetune_hf.py --model ./my-llama   # a local HF directory
     python examples/finetune_hf.py                                                 # the same run on one device
+    python -m tpflow.launch --nproc_per_node 4 examples/finetune_hf.py --dp 2 --tp 2 --fsdp   # FSDP2 x tensor
 
 The text is the source of Python's own standard library, read from disk and cut into byte windows (a
 local model directory brings its tokenizer instead). ``tpf.parallelize(model, plan="auto")`` shards the
@@ -14,6 +15,13 @@ checkpoint saved by a run on any number of ranks (it is resharded on load). At t
 exported with its own ``save_pretrained`` (called on every rank; rank 0 writes whole tensors) and loaded back
 on one device with ``from_pretrained``, whose logits are the parallel model's. Folders not named by
 ``--checkpoint`` / ``--export`` are temporary and removed at the end.
+
+The layout comes from ``--dp`` and ``--tp`` (their product the number of ranks; by default every rank is tensor
+parallel). With ``--dp`` above 1 the placement is named and PyTorch's FSDP2 takes its data axes
+(``fully_shard`` on each decoder layer and on the model): with ``--fsdp`` it shards the parameters, gradients and
+optimizer state over the ``--dp`` ranks (``names=("dp", "tp")``); without, each of them keeps a whole replica
+(``("replicate", "shard", "tp")`` with one rank a shard). Each data-parallel rank trains on its own rows of the
+batch, and the printed loss is the batch's. The checkpoint resumes on any layout.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -43,7 +52,28 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--checkpoint", help="where the halfway checkpoint goes (default: a temporary directory)")
     parser.add_argument("--resume", help="a checkpoint directory to start from, saved after --steps // 2 steps")
     parser.add_argument("--export", help="where save_pretrained writes the trained model (default: a temporary one)")
-    return parser.parse_args()
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel ranks (default: the ranks / --dp)")
+    parser.add_argument("--fsdp", action="store_true", help="shard the data-parallel replicas with FSDP2")
+    args = parser.parse_args()
+    world = tpf.get_world_size()
+    args.tp = args.tp or world // args.dp
+    if args.dp * args.tp != world or args.batch % args.dp:
+        parser.error(f"--dp {args.dp} x --tp {args.tp} must be the {world} ranks, and --dp divide --batch "
+                     f"{args.batch}")
+    return args
+
+
+def layout(args) -> tuple[tpf.placement, object]:
+    """The placement, and the names of its data axes that FSDP2 shards over (None: tensor parallel only)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    grid = torch.arange(args.dp * args.tp).reshape(args.dp, args.tp)
+    if args.dp == 1:
+        return tpf.placement(device, ranks=grid[0].tolist()), None
+    if args.fsdp:
+        return tpf.placement(device, ranks=grid.tolist(), names=("dp", "tp")), "dp"
+    return tpf.placement(device, ranks=grid[:, None].tolist(), names=("replicate", "shard", "tp")), \
+        ("replicate", "shard")
 
 
 def build(path: str | None):
@@ -74,19 +104,35 @@ def batches(ids: torch.Tensor, steps: int, batch: int, seq: int) -> list[torch.T
     return [torch.stack([ids[s:s + seq] for s in row]) for row in starts]
 
 
-def fresh(args, placement):
+def fresh(args, placement, data):
+    """The model parallelized on ``placement`` (and sharded by FSDP2 over its ``data`` axes), and its AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
     model, tokenizer = build(args.model)
     model = tpf.parallelize(model, placement=placement, plan="auto")
+    if data is not None:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=placement.mesh[data])
+        fully_shard(model, mesh=placement.mesh[data])
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01), tokenizer
 
 
-def train(model, opt, windows, first: int) -> None:
+def train(model, opt, windows, first: int, placement, data) -> None:
+    """Each data-parallel rank on its own rows of each batch; the printed loss is the batch's (equal rows)."""
+    # the data-parallel ranks: the "dp" axis, or the "replicate" one (its shards are one rank each)
+    group = None if data is None else placement.mesh[data if isinstance(data, str) else data[0]].get_group()
     for step, ids in enumerate(windows, start=first):
+        if group is not None:
+            ids = ids.tensor_split(dist.get_world_size(group))[dist.get_rank(group)]
         loss = model(ids, labels=ids).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        loss = loss.detach()
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+            loss /= dist.get_world_size(group)
         if tpf.get_rank() == 0:
             print(f"step {step} loss {loss.item():.6f} grad norm {norm.full_tensor().item():.6f}", flush=True)
 
@@ -117,26 +163,26 @@ def export(model, folder: str, prompt: torch.Tensor) -> None:
 
 def main() -> None:
     args = arguments()
-    P = tpf.placement("cuda" if torch.cuda.is_available() else "cpu", ranks=list(range(tpf.get_world_size())))
-    model, opt, tokenizer = fresh(args, P)
+    P, data = layout(args)
+    model, opt, tokenizer = fresh(args, P, data)
     windows = batches(corpus(tokenizer), args.steps, args.batch, args.seq)
     half = args.steps // 2
     with contextlib.ExitStack() as temporary:
         if args.resume:
             directory = args.resume
         else:
-            train(model, opt, windows[:half], 0)
+            train(model, opt, windows[:half], 0, P, data)
             directory = shared_folder(args.checkpoint, temporary)
             model_state, opt_state = get_state_dict(model, opt)
             dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=directory)
             if tpf.get_rank() == 0:
                 print(f"saved to {directory}", flush=True)
-        model, opt, tokenizer = fresh(args, P)  # a new model and optimizer, filled from the checkpoint
+        model, opt, tokenizer = fresh(args, P, data)  # a new model and optimizer, filled from the checkpoint
         model_state, opt_state = get_state_dict(model, opt)
         state = {"model": model_state, "optim": opt_state}
         dcp.load(state, checkpoint_id=directory)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        train(model, opt, windows[half:], half)
+        train(model, opt, windows[half:], half, P, data)
         model.eval()
         prompt = windows[0][:1, :16]
         out = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0,

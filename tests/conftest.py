@@ -58,7 +58,8 @@ class Launches:
                     f"{self.folder('vocab')}",
                     f"benchmarks/loading_cpu.py --dir {self.folder('model')} --out {self.folder('loading')}",
                     f"{FINETUNE} --checkpoint {self.folder('checkpoint')}"]
-        return [*examples,
+        return [*examples, f"{FINETUNE} --dp 2 --tp 2 --fsdp --checkpoint {self.folder('checkpoint-fsdp')}",
+                f"{FINETUNE} --dp 2 --resume {self.folder('checkpoint')}",
                 f"benchmarks/pipeline_cpu.py --reps 1 --forward-ms 1 --dim 8 --rows 2 --out {self.folder('pipeline')}",
                 f"benchmarks/checks_cpu.py --hidden 32 --layers 2 --vocab 64 --seq 8 --reps 1 --out "
                 f"{self.folder('checks')}"]
@@ -67,6 +68,8 @@ class Launches:
         """Each command's ``harness.Ran`` and the run's stderr, for the plain process (None) or ``nproc`` ranks."""
         if nproc == 2:
             self.get(None)  # the loading benchmark's model is prepared there
+        if nproc == 4:
+            self.get(2)  # the 2-rank fine-tune's checkpoint resumes on 4 ranks
         if nproc not in self.runs:
             try:
                 self.runs[nproc] = harness.run_scripts(self.commands(nproc), nproc)

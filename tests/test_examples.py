@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import EXAMPLES, FINETUNE, PIPELINES
-from tests.harness import ROOT, run_python
+from tests.harness import ROOT, run_scripts
 
 
 def test_every_example_is_listed():
@@ -43,19 +43,26 @@ def _generated(stdout: str) -> str:
 
 def test_finetune_hf_matches_one_device(launches):
     """A Hugging Face model by its own plan on 2 ranks, saved halfway and resumed: one device's losses and tokens;
-    and the 2-rank checkpoint resumed on one rank (resharded on load) goes on as the others do. Each run exports
-    the trained model with save_pretrained and loads it back on one device (the example checks the logits)."""
-    two = launches.get(2)[0][f"{FINETUNE} --checkpoint {launches.folder('checkpoint')}"]
+    and on 4 ranks, FSDP2 over dp x tp = 2 x 2. Each checkpoint resumes on another layout (resharded on load) and
+    goes on as the others do: the 2-rank one on one device and on 2 replicas x 2 tensor-parallel ranks, the FSDP2
+    one on one device. Each run exports the trained model with save_pretrained and loads it back on one device (the
+    example checks the logits)."""
+    checkpoint, sharded = launches.folder("checkpoint"), launches.folder("checkpoint-fsdp")
+    runs = {"2 ranks": launches.get(2)[0][f"{FINETUNE} --checkpoint {checkpoint}"],
+            "fsdp x tp": launches.get(4)[0][f"{FINETUNE} --dp 2 --tp 2 --fsdp --checkpoint {sharded}"]}
     one = launches.get(None)[0][FINETUNE]
-    resumed = run_python([FINETUNE, "--resume", str(launches.folder("checkpoint"))])
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    resumed = {"2 ranks on one device": f"{FINETUNE} --resume {checkpoint}",
+               "fsdp x tp on one device": f"{FINETUNE} --resume {sharded}"}
+    plain = run_scripts(list(resumed.values()))[0]
+    runs.update({name: plain[command] for name, command in resumed.items()})
+    runs["2 ranks on replicas x tp"] = launches.get(4)[0][f"{FINETUNE} --dp 2 --resume {checkpoint}"]
     want = _losses(one.stdout)
     assert sorted(want) == list(range(6)) and want[5] < want[0], one.stdout
-    for stdout, steps in ((two.stdout, range(6)), (resumed.stdout, range(3, 6))):
-        got = _losses(stdout)
-        assert sorted(got) == list(steps), stdout
+    for name, run in runs.items():
+        got, steps = _losses(run.stdout), range(6) if name in ("2 ranks", "fsdp x tp") else range(3, 6)
+        assert sorted(got) == list(steps), (name, run.stdout)
         for step in steps:
-            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), (step, stdout, one.stdout)
-        assert _generated(stdout) == _generated(one.stdout)
-    for stdout in (two.stdout, one.stdout, resumed.stdout):
-        assert "from_pretrained on one device: logits within" in stdout, stdout
+            assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-5), (name, step, run.stdout, one.stdout)
+        assert _generated(run.stdout) == _generated(one.stdout), name
+    for run in (*runs.values(), one):
+        assert "from_pretrained on one device: logits within" in run.stdout, run.stdout
