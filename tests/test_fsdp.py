@@ -1,17 +1,20 @@
 """Tensor parallelism under PyTorch's FSDP2 on named placements: a Hugging Face Llama and a tied Qwen3 parallelized by
 their own plans on dp x tp = 2 x 2 and on HSDP (replicate x shard x tensor = 1 x 2 x 2), then ``fully_shard`` per
 decoder layer and on the model over the data axes, train AdamW steps with torch's clipping to one device's loss,
-norms and every parameter; each rank holds a quarter of the parameters; a model left without FSDP2 stops at its
-first forward."""
+norms and every parameter; each rank holds a quarter of the parameters. The training loop's other pieces: gradient
+accumulation without syncs, a bf16 MixedPrecisionPolicy, activation checkpointing, and the export of whole tensors.
+A model left without FSDP2 stops at its first forward."""
 
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tpflow as tpf
 from tests import harness
@@ -69,6 +72,56 @@ def _fsdp_matches_one_device(kind, layout):
     assert held <= 1.1 * total / 4, (held, total)  # parameters, and so gradients and AdamW's state, a quarter
 
 
+def _sharded(ref, policy=None, checkpointing=False):
+    P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
+    model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    for layer in [*model.model.layers, model]:
+        fully_shard(layer, mesh=P.mesh["dp"], **({} if policy is None else {"mp_policy": policy}))
+    return model, P.coordinate()[0]
+
+
+def _grads(model):
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+def _training_loop():
+    """Each piece of a training loop under FSDP2 x TP against one device's gradients on the whole batch."""
+    ref = tiny_lm("llama")
+    ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(2))
+    ref(ids, labels=ids).loss.backward()
+    want = [p.grad for p in ref.parameters()]
+    model, row = _sharded(ref)
+    for k, part in enumerate(ids.tensor_split(2)[row].split(1)):  # 2 micro-batches, the gradients synced once
+        model.set_requires_gradient_sync(k == 1)
+        (model(part, labels=part).loss / 2).backward()
+    for got, expected in zip(_grads(model), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg="accumulated")
+    model, row = _sharded(ref, checkpointing=True)
+    mine = ids.tensor_split(2)[row]
+    model(mine, labels=mine).loss.backward()
+    for got, expected in zip(_grads(model), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg="activation checkpointing")
+    model, _ = _sharded(ref, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model(mine, labels=mine).loss.backward()
+    norm, ref_norm = (torch.linalg.vector_norm(torch.stack([g.norm() for g in gs])) for gs in (_grads(model), want))
+    torch.testing.assert_close(norm, ref_norm.to(norm.dtype), rtol=2e-2, atol=0, msg="bf16 parameters")
+    whole = tpf.full_state_dict(model)  # whole tensors on the first rank, as save_pretrained writes them
+    if dist.get_rank() == 0:
+        assert all(torch.equal(whole[name], value) for name, value in ref.state_dict().items())
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    model.save_pretrained(folder[0])
+    if dist.get_rank() == 0:
+        import transformers
+
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder[0], dtype=torch.float64)
+        shutil.rmtree(folder[0])
+        assert all(torch.equal(loaded.state_dict()[name], value) for name, value in ref.state_dict().items())
+
+
 def _without_fsdp():
     P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
     model = tpf.parallelize(tiny_lm("llama"), placement=P, plan="auto")
@@ -80,6 +133,7 @@ def _without_fsdp():
 def _cases():
     for kind, layout in (("llama", "dp x tp"), ("qwen3", "dp x tp"), ("llama", "hsdp")):
         _fsdp_matches_one_device(kind, layout)
+    _training_loop()
     _without_fsdp()
 
 
