@@ -270,7 +270,10 @@ class Placement:
         self._index()
 
     def _index(self) -> None:
-        """rank -> mesh coordinate, row-major: asked on every boxing and matmul, so computed once."""
+        """rank -> mesh coordinate, row-major, and the identity placements compare by: asked on every boxing and
+        matmul, so computed once."""
+        self._key = (self._type, self._ranks, self._names, None if self._root is None else self._root._key)
+        self._hash = hash(self._key)
         strides = [1] * self.ndim
         for axis in range(self.ndim - 2, -1, -1):
             strides[axis] = strides[axis + 1] * self.hierarchy[axis + 1]
@@ -398,17 +401,14 @@ class Placement:
             self._slices[key] = found
         return found
 
-    def _key(self) -> tuple:
-        return self._type, self._ranks, self._names, None if self._root is None else self._root._key()
-
     def __contains__(self, rank: int) -> bool:
         return rank in self._coords
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Placement) and self._key() == other._key()
+        return isinstance(other, Placement) and (self is other or self._key == other._key)
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._hash
 
     def __repr__(self) -> str:
         names = "" if self._names is None else f", names={self._names!r}".replace("'", '"')
