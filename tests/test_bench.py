@@ -10,6 +10,7 @@ import pytest
 
 from tests.harness import ROOT, run_python
 from tpflow.bench import report
+from tpflow.bench.modes import HF_ONLY
 from tpflow.comm.wire import HEADER_BYTES
 
 TWO_D = {"data x tensor", "pipeline x tensor"}
@@ -53,7 +54,7 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
     base = {r["workload"]: r["step_ms"] for r in data["rows"] if r["mode"] == "one device"}
     for row in data["rows"]:
         if row["skipped"]:
-            assert (world == 2 and row["mode"] in TWO_D) or row["mode"] == "tensor, transformers" or \
+            assert (world == 2 and row["mode"] in TWO_D) or row["mode"] in HF_ONLY or \
                 (world == 4 and row["mode"].startswith("pipeline, interleaved")), row  # 8 stages, 4 blocks
             continue
         assert len(row["losses"]) == data["meta"]["settings"]["warmup"] + 2 + data["meta"]["settings"]["reps"]
@@ -145,6 +146,33 @@ def test_hf_workload_beside_transformers_own_tensor_parallelism(tmp_path):
         assert row["loss_rel_diff"] < 1e-5 and row["losses"][-1] < row["losses"][0], row
     tpflow = rows["tensor, tpflow"]
     assert tpflow["sent_per_rank"] == tpflow["minimum_per_rank"]
+
+
+def test_fsdp_x_tensor_beside_transformers_own(tmp_path):
+    """FSDP2 over tensor parallelism on 4 ranks (2 x 2), tpflow's sharded and replicated beside transformers' own
+    (DistributedConfig) from the same checkpoint: each step's loss one device's; FSDP2's all-gathers and
+    reduce-scatters counted, so tpflow sends its layout's minimum plus, per block, the column layers' input gradients
+    FSDP2 leaves unfused (q, k, v and gate, up: 3 more all-reduces); each rank holds a quarter of the parameters
+    when sharded, a half as a replica."""
+    pytest.importorskip("transformers")
+    proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "4", "--tiny", "--workload", "hf", "--out",
+                       str(tmp_path), "--modes", "one-device", "fsdp-x-tensor", "ddp-x-tensor",
+                       "fsdp-x-tensor-transformers"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    s, rows = data["meta"]["settings"], {row["mode"]: row for row in data["rows"]}
+    unfused = 3 * s["depth"] * 2 * (2 - 1) * (s["tokens"] // 2) * s["dim"] * FP32 // 2  # tp 2, each half's tokens
+    whole = rows["one device"]["param_bytes"]
+    for mode in ("fsdp x tensor", "ddp x tensor", "fsdp x tensor, transformers"):
+        row = rows[mode]
+        assert not row["skipped"], row
+        assert row["loss_rel_diff"] < 1e-5 and row["losses"][-1] < row["losses"][0], row
+        if mode.endswith("transformers"):
+            assert all(sent >= m > 0 for sent, m in zip(row["sent_per_rank"], row["minimum_per_rank"])), row
+        else:
+            assert row["sent_per_rank"] == [m + unfused for m in row["minimum_per_rank"]], mode
+        share = 2 if mode == "ddp x tensor" else 4
+        assert row["param_bytes"] <= 1.1 * whole / share, (mode, row["param_bytes"], whole)
 
 
 @pytest.mark.parametrize("width", [80, 120, 200])

@@ -103,7 +103,7 @@ def measure(trainers: dict[str, Trainer], cfg: dict, ctx: Context, progress: rep
             m = found[n]
             dist.barrier()
             if i == counted:
-                with counting() as stats:
+                with counting(trainer.torch_groups) as stats:
                     share = trainer.step()
                     sync()
                 m.sent = stats.bytes_sent

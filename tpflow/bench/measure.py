@@ -2,10 +2,12 @@
 
 Bytes: tpflow counts its own transfers (``tpflow.comm.stats``: point-to-point sends as sent);
 ``counting()`` adds torch's functional collectives (DTensor's redistributes, ``parallelize_module``)
-by watching the dispatcher, and ``count_ddp`` adds DDP's bucket all-reduces through a comm hook (a
-Python call per bucket around DDP's own all-reduce hook). A collective is counted as what the ring
-algorithm implementing it sends: (W-1)/W of the tensor per pass, two passes for an all-reduce, and
-two for gloo's reduce-scatter (an all-reduce underneath); NCCL may pick a tree, sending no more.
+by watching the dispatcher, and the c10d collectives on the process groups it is given (FSDP2's all-gathers,
+reduce-scatters and replicas' all-reduces, on its data-parallel groups); ``count_ddp`` adds DDP's bucket
+all-reduces through a comm hook (a Python call per bucket around DDP's own all-reduce hook). A collective
+is counted as what the ring algorithm implementing it sends: (W-1)/W of the tensor per pass, two passes
+for an all-reduce, and two for gloo's reduce-scatter (an all-reduce underneath); NCCL may pick a tree,
+sending no more.
 """
 
 from __future__ import annotations
@@ -217,14 +219,25 @@ def _ring_passes(op: str, t: torch.Tensor) -> int:
 _NOT_TRANSFERS = ("wait_tensor", "_wrap_tensor_autograd")
 
 
-class _FunctionalCollectives(TorchDispatchMode):
-    """Counts torch's functional collectives into ``comm.stats``; an unknown one is an error, not a zero."""
+# c10d ops torch's own code (FSDP2) issues: where the tensor each ring pass walks is, and the passes
+_C10D = {"_allgather_base_": (0, 1), "_reduce_scatter_base_": (1, 1), "allreduce_": (0, 2)}
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts torch's functional collectives into ``comm.stats``, and the c10d ones on ``groups``; an unknown one
+    is an error, not a zero."""
+
+    def __init__(self, groups: list[dist.ProcessGroup]) -> None:
+        super().__init__()
+        self.groups = groups
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:  # modes run before subclasses: let DTensor lower the op to collectives on its blocks
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         op = func.overloadpacket.__name__
+        if func.namespace == "c10d" and self.groups:
+            self._c10d(func, op, args)
         if func.namespace != "_c10d_functional" or op in _NOT_TRANSFERS:
             return out
         if op not in ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor"):
@@ -235,15 +248,34 @@ class _FunctionalCollectives(TorchDispatchMode):
         comm.count_ring(counted, dist.get_world_size(group), _ring_passes(op, args[0]))
         return out
 
+    def _c10d(self, func, op: str, args: tuple) -> None:
+        """A c10d collective, counted where it runs on one of ``groups`` (its first script object: the group)."""
+        boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+        group = None if boxed is None else dist.ProcessGroup.unbox(boxed)
+        if not any(group is g for g in self.groups):
+            return
+        if op not in _C10D:
+            raise RuntimeError(f"the harness cannot count the bytes of {func}: add its ring cost to "
+                               "tpflow.bench.measure")
+        where, passes = _C10D[op]
+        tensor = args[where][0] if isinstance(args[where], list) else args[where]
+        gloo = op == "_reduce_scatter_base_" and not tensor.is_cuda  # an all-reduce underneath
+        comm.count_ring(tensor, group.size(), 2 if gloo else passes)
+
 
 @contextmanager
-def counting() -> Iterator[comm.CommStats]:
+def counting(groups: list[dist.ProcessGroup] | tuple = ()) -> Iterator[comm.CommStats]:
     """Count every byte this rank sends inside the block, tpflow's and torch's collectives alike.
 
     Resets ``tpflow.comm.stats`` on entry. Besides the transfers tpflow counts itself, torch's functional
     collectives (DTensor's redistributes, ``parallelize_module``'s layers) are counted by watching the
-    dispatcher, each as the ring algorithm's bytes; one whose ring cost the harness does not know raises
+    dispatcher, each as the ring algorithm's bytes, and so are the c10d collectives (all-gathers,
+    reduce-scatters, all-reduces) on ``groups``: FSDP2's on its data-parallel groups, which tpflow does not count
+    itself (its own collectives run on other groups). One whose ring cost the harness does not know raises
     RuntimeError rather than counting as zero. DDP's all-reduces also need :func:`count_ddp`.
+
+    Args:
+        groups: process groups whose c10d collectives torch's own code issues (FSDP2's); default none.
 
     Returns:
         A context manager that yields ``tpflow.comm.stats``; its ``bytes_sent`` and ``messages_sent`` hold
@@ -260,7 +292,7 @@ def counting() -> Iterator[comm.CommStats]:
         (2048, 1)
     """
     comm.stats.reset()
-    with _FunctionalCollectives():
+    with _Collectives(list(groups)):
         yield comm.stats
 
 

@@ -19,6 +19,10 @@
                         schedule of the same name (", torch")
     data x tensor       2-D placement: data parallel over axis 0, tensor parallel over axis 1
     pipeline x tensor   2 stages, each tensor parallel over half the ranks, 1F1B
+    fsdp x tensor       the hf workload only: tensor parallel over half the ranks (a named placement), FSDP2's
+                        fully_shard over the two halves on each decoder layer and the model, each half its rows
+    ddp x tensor        the same with each half a whole replica (FSDP2's HSDP, one rank a shard): DDP's layout
+    fsdp x tensor, transformers  transformers' own (DistributedConfig(tp_size=, fsdp_size=)), same checkpoint
 
 Every mode trains the same model from the same values on the same batch with SGD, so each step's
 loss must equal one device's. A mode returns this rank's share of the loss (the shares sum to the
@@ -158,13 +162,13 @@ def _tpflow_plan(w: Workload, sequence_parallel: bool = False, algo: str = "auto
     return {pattern: styles[kind] for pattern, kind in w.plan.items()}
 
 
-def _head_bytes(w: Workload, tp: int, vocab_parallel: bool) -> int:
+def _head_bytes(w: Workload, tp: int, vocab_parallel: bool, tokens: int | None = None) -> int:
     """The hf workload's layers beyond the plan's: the vocabulary-parallel embedding's output all-reduced, the
     column-parallel head's input gradient all-reduced, and its logits gathered (transformers' own plan,
     ``colwise_gather_output``) or, ``vocab_parallel``, only each token's four loss statistics all-gathered in fp32
-    (tpflow's, ``tpflow.ops.cross_entropy``)."""
+    (tpflow's, ``tpflow.ops.cross_entropy``); ``tokens``: a data-parallel row's (default: the whole batch's)."""
     lm = w.model.lm
-    tokens, dim, vocab = w.tokens, lm.config.hidden_size, lm.config.vocab_size
+    tokens, dim, vocab = tokens or w.tokens, lm.config.hidden_size, lm.config.vocab_size
     elem = next(lm.parameters()).element_size()
     total = 2 * ring_bytes(tokens * dim * elem, tp, 2)
     if vocab_parallel:  # HF's loss takes logits.float(): the statistics are fp32 (fp64 for an fp64 model)
@@ -271,6 +275,119 @@ def pipeline_x_tensor(w: Workload, ctx: Context) -> Trainer:
     return pipelines.pipeline_x_tensor(w, ctx, _tpflow_plan(w), layers)
 
 
+def _fsdp_bytes(groups: list[list[torch.Tensor]], dp: int, shard: bool, cuda: bool) -> int:
+    """FSDP2's bytes per rank for its parameter ``groups`` (each decoder layer's, then the root's: the rest) over
+    ``dp`` data-parallel ranks. Sharded (``shard``): each group's blocks, dim 0 padded to a multiple of dp, all-gathered
+    before the forward and again before the backward (the root's only once: FSDP2 keeps the root's gathered for the
+    backward), and their gradients reduce-scattered (gloo's reduce-scatter is an all-reduce underneath: two passes).
+    Replicated (one rank a shard): only the gradients all-reduced over the replicas."""
+    total = 0
+    for k, params in enumerate(groups):
+        padded = sum(-(-p.shape[0] // dp) * dp * p[:1].numel() * p.element_size() for p in params)
+        if not shard:
+            total += ring_bytes(padded, dp, 2)
+            continue
+        gathers = 1 if k == len(groups) - 1 else 2
+        total += ring_bytes(padded, dp, 1) * gathers + ring_bytes(padded, dp, 1 if cuda else 2)
+    return total
+
+
+def _data_x_tensor_fsdp(w: Workload, ctx: Context, shard: bool) -> Trainer:
+    """tpflow's tensor parallelism over half the ranks, FSDP2 over the two halves: sharded, or each half a whole
+    replica (HSDP with one rank a shard: DDP's layout)."""
+    from torch.distributed.fsdp import fully_shard
+
+    ranks = _halves(ctx)
+    tp, dp = len(ranks[0]), len(ranks)
+    _check_heads(w, tp)
+    if w.samples % dp:
+        raise Skip(f"each data-parallel half trains on its own rows: {w.samples} samples do not split in {dp}")
+    names, data = (("dp", "tp"), "dp") if shard else (("replicate", "shard", "tp"), ("replicate", "shard"))
+    P = ctx.placement(ranks if shard else [[row] for row in ranks], names=names)
+    coord = P.coordinate()
+    rows = _rows(w.samples, dp, coord[0])
+    x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
+    tokens = x.numel()
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, tokens, tp) + _head_bytes(w, tp, True, tokens)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=P, plan="auto")
+    layers = list(model.lm.model.layers)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    groups = [[p.to_local() for p in layer.parameters()] for layer in layers]
+    groups.append([p.to_local() for p in model.parameters() if id(p) not in in_layers])
+    minimum += _fsdp_bytes(groups, dp, shard, ctx.device.type == "cuda")
+    for block in [*layers, model]:
+        fully_shard(block, mesh=P.mesh[data])
+    step = forward_backward(model, x, y, w.loss_fn, weight=1 / dp if coord[-1] == 0 else 0.0)  # equal rows
+    trainer = make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
+    trainer.torch_groups = [P.mesh[name].get_group() for name in names[:-1]]
+    return trainer
+
+
+def _tp_block(p: torch.Tensor, tp_axis: int, tp: int, coord: int) -> torch.Size:
+    """The tensor-parallel block of a DTensor parameter ``p`` (its shape before the data axes shard it): its global
+    shape cut where its placement on mesh axis ``tp_axis`` splits it."""
+    shape = list(p.shape)
+    placements = getattr(p, "placements", ())
+    if tp_axis < len(placements) and placements[tp_axis].is_shard():
+        dim = placements[tp_axis].dim
+        start, end = chunk_bounds(shape[dim], tp)[coord]
+        shape[dim] = end - start
+    return torch.Size(shape)
+
+
+def fsdp_x_tensor_transformers(w: Workload, ctx: Context) -> Trainer:
+    """transformers' own FSDP2 x tensor parallelism (``from_pretrained(path, distributed_config=
+    DistributedConfig(tp_size=, fsdp_size=))``) on the workload's checkpoint, each data-parallel half its rows; the
+    layout's minimum as for tpflow's (its own plan's head: logits gathered)."""
+    ranks = _halves(ctx)
+    tp, dp = len(ranks[0]), len(ranks)
+    _check_heads(w, tp)
+    if w.samples % dp:
+        raise Skip(f"each data-parallel half trains on its own rows: {w.samples} samples do not split in {dp}")
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError as e:
+        raise Skip(f"needs transformers with DistributedConfig: {e}") from e
+    holder = [tempfile.mkdtemp(prefix="tpflow-bench-hf-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    if ctx.rank == 0:
+        w.model.lm.save_pretrained(holder[0])
+    dist.barrier()
+    dtype = next(w.model.parameters()).dtype
+    lm = AutoModelForCausalLM.from_pretrained(holder[0], dtype=dtype,
+                                              distributed_config=DistributedConfig(tp_size=tp, fsdp_size=dp))
+    model = CausalLMLoss(lm)
+    mesh = next(p for p in lm.parameters() if p.device_mesh.ndim == 2).device_mesh
+    data = mesh.mesh_dim_names[0]  # ("fsdp", "tp")
+    i, j = mesh.get_coordinate()
+    rows = _rows(w.samples, dp, i)
+    x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
+    tokens = x.numel()
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, tokens, tp) + _head_bytes(w, tp, False, tokens)
+    layers = list(lm.model.layers)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+
+    def blocks(params):
+        return [torch.empty(_tp_block(p, p.device_mesh.ndim - 1 if p.device_mesh.ndim == 2 else 99, tp, j),
+                            dtype=p.dtype, device="meta") for p in params]
+    groups = [blocks(layer.parameters()) for layer in layers]
+    groups.append(blocks(p for p in lm.parameters() if id(p) not in in_layers))
+    minimum += _fsdp_bytes(groups, dp, True, ctx.device.type == "cuda")
+    step = forward_backward(model, x, y, w.loss_fn, weight=1 / dp if j == 0 else 0.0)
+    trainer = make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
+    trainer.torch_groups = [mesh[data].get_group()]
+    return trainer
+
+
+def fsdp_x_tensor(w: Workload, ctx: Context) -> Trainer:
+    return _data_x_tensor_fsdp(w, ctx, shard=True)
+
+
+def ddp_x_tensor(w: Workload, ctx: Context) -> Trainer:
+    return _data_x_tensor_fsdp(w, ctx, shard=False)
+
+
 MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
     "one device": one_device,
     "data, tpflow SBP": data_sbp,
@@ -285,11 +402,14 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
        for peer, build in (("", pipelines.pipeline_mode), (", torch", pipelines.torch_pipeline_mode))},
     "data x tensor": data_x_tensor,
     "pipeline x tensor": pipeline_x_tensor,
+    "fsdp x tensor": fsdp_x_tensor,
+    "ddp x tensor": ddp_x_tensor,
+    "fsdp x tensor, transformers": fsdp_x_tensor_transformers,
 }
 
 
-HF_ONLY = ("tensor, transformers",)
-HF_MODES = ("one device", "tensor, tpflow", "tensor, torch", "tensor, transformers")
+HF_ONLY = ("tensor, transformers", "fsdp x tensor", "ddp x tensor", "fsdp x tensor, transformers")
+HF_MODES = ("one device", "tensor, tpflow", "tensor, torch", *HF_ONLY)
 
 
 def slug(mode: str) -> str:
@@ -343,7 +463,8 @@ def build(name: str, w: Workload, ctx: Context) -> Trainer:
         tensor(2.3699)
     """
     if name in HF_ONLY and w.name != "hf":
-        raise Skip("transformers' own tensor parallelism runs the hf workload only")
+        raise Skip("transformers' own tensor parallelism runs the hf workload only" if name.endswith("transformers")
+                   else "FSDP2 wraps the hf workload's decoder layers: it runs the hf workload only")
     if w.name == "hf" and name not in HF_MODES:
         raise Skip("the hf workload runs one device and the tensor modes only")
     fresh = dataclasses.replace(w, model=copy.deepcopy(w.model))

@@ -65,8 +65,8 @@ class Context:
     device: torch.device
     micro_batches: int | None = None  # per pipeline; None: 2 per stage
 
-    def placement(self, ranks: Sequence) -> tpf.Placement:
-        return tpf.placement(self.device.type, list(ranks))
+    def placement(self, ranks: Sequence, names: Sequence[str] | None = None) -> tpf.Placement:
+        return tpf.placement(self.device.type, list(ranks), names=names)
 
 
 def block_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -104,6 +104,8 @@ class Trainer:
         minimum: the fewest bytes this rank must send per step for the mode's layout.
         ranks: the ranks the mode runs on.
         state_bytes: the bytes kept between steps besides the parameters (DDP's buckets); 0 for the others.
+        torch_groups: the process groups on which torch's own code (FSDP2) runs collectives the harness counts
+            (``tpflow.bench.measure.counting``); none for the others.
 
     Example::
 
@@ -125,6 +127,7 @@ class Trainer:
     minimum: int
     ranks: list[int] = field(default_factory=list)
     state_bytes: int = 0
+    torch_groups: list = field(default_factory=list)
 
     def param_bytes(self) -> int:
         return block_bytes(self.params)
