@@ -104,3 +104,20 @@ def tiny_lm(kind: str, kv_heads: int = 2, layers: int = 2, **extra) -> nn.Module
         num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+def train_lm(model: nn.Module, ids: torch.Tensor, steps: int = 2) -> tuple[list[float], list[float]]:
+    """AdamW steps of a causal LM's ``labels=`` loss with clipping that bites (max norm 0.5); each step's loss and
+    norm before clipping."""
+    # eps: a near-zero gradient's rounding (the norms compute in fp32) must not become a whole lr-sized step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    losses, norms = [], []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+    return losses, norms

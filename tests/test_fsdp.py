@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tpflow as tpf
 from tests import harness
-from tests.models import VOCAB, tiny_lm
+from tests.models import VOCAB, tiny_lm, train_lm
 
 pytest.importorskip("transformers")
 
@@ -26,21 +26,6 @@ LAYOUTS = {  # the placement's ranks and names, and the names FSDP2 shards over
     "dp x tp": ([[0, 1], [2, 3]], ("dp", "tp"), "dp"),
     "hsdp": ([[[0, 1], [2, 3]]], ("replicate", "shard", "tp"), ("replicate", "shard")),
 }
-
-
-def _train(model, batches, steps=3):
-    """AdamW steps with clipping that bites; each step's loss and norm before clipping."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)  # eps: see test_hf
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = model(batches, labels=batches).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    return torch.stack(losses), torch.stack(norms)
 
 
 def _fsdp_matches_one_device(kind, layout):
@@ -56,8 +41,8 @@ def _fsdp_matches_one_device(kind, layout):
     row = shard[0] * (P[data].hierarchy[1] if len(shard) > 1 else 1) + (shard[1] if len(shard) > 1 else 0)
     rows = len(P[data].flat_ranks)
     mine = ids.tensor_split(rows)[row]  # each data-parallel rank its own rows, the tensor-parallel ranks the same
-    losses, norms = _train(model, mine)
-    ref_losses, ref_norms = _train(ref, ids)
+    losses, norms = (torch.tensor(v, dtype=torch.float64) for v in train_lm(model, mine, steps=3))
+    ref_losses, ref_norms = (torch.tensor(v, dtype=torch.float64) for v in train_lm(ref, ids, steps=3))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, losses)
     mean = torch.stack([every[r] for r in P[data].flat_ranks]).mean(0)  # equal rows: the batch's mean

@@ -18,28 +18,12 @@ from torch.distributed.tensor import DTensor
 import tpflow as tpf
 from tests import harness
 from tests.checks import all_ranks
-from tests.models import VOCAB
+from tests.models import VOCAB, train_lm
 from tests.models import tiny_lm as tiny
 
 transformers = pytest.importorskip("transformers")
 
 MODELS = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
-
-
-def _train(model, ids, steps=2):
-    """AdamW steps with clipping that bites (max norm 0.5); the losses and the norms before clipping."""
-    # eps: a near-zero gradient's rounding (the norms compute in fp32) must not become a whole lr-sized step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-    return losses, norms
 
 
 def _same_copies(model, what):
@@ -62,7 +46,7 @@ def _check(kind, ref, model, ids, generate=True):
     # HF's loss takes logits.float(): fp32 for these fp64 models, where tpflow's vocabulary-parallel kernels and
     # torch's log_softmax round differently (~1e-8 in the gradients)
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-6, atol=1e-6, msg=f"{kind}: loss")
-    (losses, norms), (losses_ref, norms_ref) = _train(model, ids), _train(ref, ids)
+    (losses, norms), (losses_ref, norms_ref) = train_lm(model, ids), train_lm(ref, ids)
     assert min(norms_ref) > 0.5, f"{kind}: clipping should bite"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-6, atol=1e-6,
                                msg=f"{kind}: losses")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import shutil
 import tempfile
 from collections.abc import Callable
 
@@ -176,6 +177,21 @@ def _head_bytes(w: Workload, tp: int, vocab_parallel: bool, tokens: int | None =
     return total + ring_bytes(tokens * vocab * elem, tp, 1)
 
 
+def _from_checkpoint(w: Workload, ctx: Context, auto: type, **parallel: object) -> nn.Module:
+    """transformers' own parallel model: the workload's model saved by rank 0 to a temporary folder (removed once
+    every rank has loaded it), loaded by ``auto.from_pretrained`` with the ``parallel`` arguments."""
+    holder = [tempfile.mkdtemp(prefix="tpflow-bench-hf-") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    if ctx.rank == 0:
+        w.model.lm.save_pretrained(holder[0])
+    dist.barrier()
+    lm = auto.from_pretrained(holder[0], dtype=next(w.model.parameters()).dtype, **parallel)
+    dist.barrier()
+    if ctx.rank == 0:
+        shutil.rmtree(holder[0])
+    return lm
+
+
 def tensor_transformers(w: Workload, ctx: Context) -> Trainer:
     """transformers' own tensor parallelism (``from_pretrained(path, tp_plan="auto")``, which needs accelerate) on
     the checkpoint of the workload's model, saved by rank 0 to a temporary directory."""
@@ -185,14 +201,7 @@ def tensor_transformers(w: Workload, ctx: Context) -> Trainer:
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise Skip(f"transformers' tensor parallelism needs transformers and accelerate: {e}") from e
-    holder = [tempfile.mkdtemp(prefix="tpflow-bench-hf-") if ctx.rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    if ctx.rank == 0:
-        w.model.lm.save_pretrained(holder[0])
-    dist.barrier()
-    dtype = next(w.model.parameters()).dtype
-    lm = AutoModelForCausalLM.from_pretrained(holder[0], tp_plan="auto", dtype=dtype)
-    model = CausalLMLoss(lm)
+    model = CausalLMLoss(_from_checkpoint(w, ctx, AutoModelForCausalLM, tp_plan="auto"))
     minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _head_bytes(w, ctx.world, False)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
     step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
@@ -292,16 +301,22 @@ def _fsdp_bytes(groups: list[list[torch.Tensor]], dp: int, shard: bool, cuda: bo
     return total
 
 
-def _data_x_tensor_fsdp(w: Workload, ctx: Context, shard: bool) -> Trainer:
-    """tpflow's tensor parallelism over half the ranks, FSDP2 over the two halves: sharded, or each half a whole
-    replica (HSDP with one rank a shard: DDP's layout)."""
-    from torch.distributed.fsdp import fully_shard
-
+def _data_halves(w: Workload, ctx: Context) -> tuple[list[list[int]], int, int]:
+    """Two data-parallel halves of tensor-parallel ranks, each training on its own rows: the halves, tp and dp."""
     ranks = _halves(ctx)
     tp, dp = len(ranks[0]), len(ranks)
     _check_heads(w, tp)
     if w.samples % dp:
         raise Skip(f"each data-parallel half trains on its own rows: {w.samples} samples do not split in {dp}")
+    return ranks, tp, dp
+
+
+def _data_x_tensor_fsdp(w: Workload, ctx: Context, shard: bool) -> Trainer:
+    """tpflow's tensor parallelism over half the ranks, FSDP2 over the two halves: sharded, or each half a whole
+    replica (HSDP with one rank a shard: DDP's layout)."""
+    from torch.distributed.fsdp import fully_shard
+
+    ranks, tp, dp = _data_halves(w, ctx)
     names, data = (("dp", "tp"), "dp") if shard else (("replicate", "shard", "tp"), ("replicate", "shard"))
     P = ctx.placement(ranks if shard else [[row] for row in ranks], names=names)
     coord = P.coordinate()
@@ -339,24 +354,13 @@ def fsdp_x_tensor_transformers(w: Workload, ctx: Context) -> Trainer:
     """transformers' own FSDP2 x tensor parallelism (``from_pretrained(path, distributed_config=
     DistributedConfig(tp_size=, fsdp_size=))``) on the workload's checkpoint, each data-parallel half its rows; the
     layout's minimum as for tpflow's (its own plan's head: logits gathered)."""
-    ranks = _halves(ctx)
-    tp, dp = len(ranks[0]), len(ranks)
-    _check_heads(w, tp)
-    if w.samples % dp:
-        raise Skip(f"each data-parallel half trains on its own rows: {w.samples} samples do not split in {dp}")
+    _, tp, dp = _data_halves(w, ctx)
     try:
         from transformers import AutoModelForCausalLM
         from transformers.distributed.configuration_utils import DistributedConfig
     except ImportError as e:
         raise Skip(f"needs transformers with DistributedConfig: {e}") from e
-    holder = [tempfile.mkdtemp(prefix="tpflow-bench-hf-") if ctx.rank == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    if ctx.rank == 0:
-        w.model.lm.save_pretrained(holder[0])
-    dist.barrier()
-    dtype = next(w.model.parameters()).dtype
-    lm = AutoModelForCausalLM.from_pretrained(holder[0], dtype=dtype,
-                                              distributed_config=DistributedConfig(tp_size=tp, fsdp_size=dp))
+    lm = _from_checkpoint(w, ctx, AutoModelForCausalLM, distributed_config=DistributedConfig(tp_size=tp, fsdp_size=dp))
     model = CausalLMLoss(lm)
     mesh = next(p for p in lm.parameters() if p.device_mesh.ndim == 2).device_mesh
     data = mesh.mesh_dim_names[0]  # ("fsdp", "tp")
