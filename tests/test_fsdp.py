@@ -3,7 +3,7 @@ their own plans on dp x tp = 2 x 2 and on HSDP (replicate x shard x tensor = 1 x
 decoder layer and on the model over the data axes, train AdamW steps with torch's clipping to one device's loss,
 norms and every parameter; each rank holds a quarter of the parameters. The training loop's other pieces: gradient
 accumulation without syncs, a bf16 MixedPrecisionPolicy, activation checkpointing, and the export of whole tensors.
-A model left without FSDP2 stops at its first forward."""
+A model left without FSDP2, or sharded over another placement's axes, stops at its first forward."""
 
 from __future__ import annotations
 
@@ -107,11 +107,18 @@ def _training_loop():
         assert all(torch.equal(loaded.state_dict()[name], value) for name, value in ref.state_dict().items())
 
 
-def _without_fsdp():
+def _mistakes():
+    """A model left without FSDP2, or sharded over another placement's axis (torch joins the meshes of two roots
+    without a word): each stops at its first forward, on every rank, naming the call to make."""
     P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
     model = tpf.parallelize(tiny_lm("llama"), placement=P, plan="auto")
     with pytest.raises(RuntimeError, match=r"leaves the data axes \('dp',\) to FSDP2, but it is not sharded by FSDP2: "
                                            r"call torch.distributed.fsdp.fully_shard\(block, mesh=P.mesh\[\"dp\"\]\)"):
+        model(torch.zeros(2, 4, dtype=torch.long))
+    other = tpf.placement("cpu", [[0, 1], [2, 3]], names=("data", "model"))  # the same ranks, another root
+    for block in [*model.model.layers, model]:
+        fully_shard(block, mesh=other.mesh["data"])
+    with pytest.raises(RuntimeError, match=r"sharded by FSDP2 over other axes than \('dp',\) \(meshes .*'data'"):
         model(torch.zeros(2, 4, dtype=torch.long))
 
 
@@ -119,7 +126,7 @@ def _cases():
     for kind, layout in (("llama", "dp x tp"), ("qwen3", "dp x tp"), ("llama", "hsdp")):
         _fsdp_matches_one_device(kind, layout)
     _training_loop()
-    _without_fsdp()
+    _mistakes()
 
 
 def test_fsdp2_over_tensor_parallelism_matches_one_device():
