@@ -173,6 +173,11 @@ def test_fsdp_x_tensor_beside_transformers_own(tmp_path):
             assert row["sent_per_rank"] == [m + unfused for m in row["minimum_per_rank"]], mode
         share = 2 if mode == "ddp x tensor" else 4
         assert row["param_bytes"] <= 1.1 * whole / share, (mode, row["param_bytes"], whole)
+        # the gradients sharded as the parameters (FSDP2's reduce-scatter keeps only the shard), AdamW's state twice
+        assert 0 < row["grad_bytes"] <= 1.1 * whole / share and row["adamw_bytes"] == 2 * row["param_bytes"], row
+        assert row["activation_bytes"] > 0, row
+    table = next(tmp_path.glob("*.md")).read_text()
+    assert "| mode | parameters | gradients | AdamW state | activations and buffers |" in table
 
 
 @pytest.mark.parametrize("width", [80, 120, 200])

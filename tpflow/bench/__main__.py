@@ -128,7 +128,9 @@ def summarize(workload: str, samples: int, trainers: dict[str, Trainer], found: 
     reference = every_rank(found["one device"].shares).sum(0).tolist()
     for n, t in trainers.items():
         m = found[n]
-        per_rank = every_rank([m.sent, t.minimum, m.peak + t.state_bytes + t.param_bytes(), t.param_bytes()])
+        grads = t.grad_bytes or 0
+        per_rank = every_rank([m.sent, t.minimum, m.peak + t.state_bytes + t.param_bytes(), t.param_bytes(), grads,
+                               max(m.peak - grads, 0)])
         losses = every_rank(m.shares).sum(0).tolist()
         slowest = step_times(m.times)
         median, p20, p80 = quantiles(slowest)
@@ -137,6 +139,8 @@ def summarize(workload: str, samples: int, trainers: dict[str, Trainer], found: 
             step_ms=median * 1e3, step_ms_p20=p20 * 1e3, step_ms_p80=p80 * 1e3, samples_per_s=samples / median,
             time_vs_one_device=median / base,
             peak_bytes=int(per_rank[:, 2].max()), param_bytes=int(per_rank[:, 3].max()),
+            grad_bytes=int(per_rank[:, 4].max()), adamw_bytes=2 * int(per_rank[:, 3].max()),
+            activation_bytes=int(per_rank[:, 5].max()),
             sent_bytes=int(per_rank[:, 0].max()), minimum_bytes=int(per_rank[:, 1].max()),
             sent_per_rank=[int(v) for v in per_rank[:, 0]], minimum_per_rank=[int(v) for v in per_rank[:, 1]],
             losses=losses, loss_rel_diff=max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)),

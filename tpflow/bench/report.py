@@ -15,8 +15,8 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 
-__all__ = ["COLUMNS", "NARROWER", "Progress", "implementation", "legend", "markdown", "markdown_table", "show",
-           "skipped_line", "time_ratios", "write"]
+__all__ = ["COLUMNS", "NARROWER", "Progress", "implementation", "legend", "markdown", "markdown_table", "memory_table",
+           "show", "skipped_line", "time_ratios", "write"]
 
 try:
     import rich.box
@@ -380,6 +380,35 @@ def markdown(rows: list[dict], columns: dict[str, Cell] | None = None) -> list[s
     return lines + ["", skipped] if skipped else lines
 
 
+def memory_table(rows: list[dict]) -> list[str]:
+    """A workload's memory per rank split up (the most on any rank, MiB): parameters, their gradients after the
+    backward, AdamW's two moments (twice the parameters: the harness steps with SGD, so this is computed), and the
+    step's activations and buffers (its peak above its start, less the gradients). Rows without the split (results
+    written before it) are left out.
+
+    Args:
+        rows: result rows of one workload.
+
+    Returns:
+        A line saying what the columns are, then the table's lines (none where no row has the split).
+
+    Example::
+
+        >>> memory_table([{"mode": "one device", "param_bytes": 2**20, "grad_bytes": 2**20, "adamw_bytes": 2**21,
+        ...                "activation_bytes": 3 * 2**20}])[2:]
+        ['| mode | parameters | gradients | AdamW state | activations and buffers |', '|---|---:|---:|---:|---:|', \
+'| one device | 1.0 | 1.0 | 2.0 | 3.0 |']
+    """
+    split = [r for r in rows if not r.get("skipped") and "grad_bytes" in r]
+    if not split:
+        return []
+    keys = ("param_bytes", "grad_bytes", "adamw_bytes", "activation_bytes")
+    return ["Memory per rank, MiB (AdamW state: two moments per parameter, computed; the step itself uses SGD):",
+            "", *markdown_table(["mode", "parameters", "gradients", "AdamW state", "activations and buffers"],
+                                [[r["mode"], *(f"{r[k] / 2**20:.1f}" for k in keys)] for r in split],
+                                numbers=True)]
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
 
@@ -431,6 +460,6 @@ def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
              "(torch's collectives included), the most on any rank.", "",
              *(f"- {line}" for line in legend(meta, rows=[r for r in rows if not r.get("skipped")]))]
     for title, part in _by_workload(rows, meta):
-        lines += ["", f"## {title}", "", *markdown(part)]
+        lines += ["", f"## {title}", "", *markdown(part), "", *memory_table(part)]
     paths["table"].write_text("\n".join(lines) + "\n")
     return paths

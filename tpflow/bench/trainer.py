@@ -106,6 +106,8 @@ class Trainer:
         state_bytes: the bytes kept between steps besides the parameters (DDP's buckets); 0 for the others.
         torch_groups: the process groups on which torch's own code (FSDP2) runs collectives the harness counts
             (``tpflow.bench.measure.counting``); none for the others.
+        grad_bytes: the bytes of this rank's gradient blocks after a step's backward (``make_trainer``'s step
+            records them on its first step); None before.
 
     Example::
 
@@ -128,6 +130,7 @@ class Trainer:
     ranks: list[int] = field(default_factory=list)
     state_bytes: int = 0
     torch_groups: list = field(default_factory=list)
+    grad_bytes: int | None = None
 
     def param_bytes(self) -> int:
         return block_bytes(self.params)
@@ -165,10 +168,13 @@ def make_trainer(params: list[torch.Tensor], forward_backward: Callable[[], torc
         share = forward_backward()
         if after_backward is not None:
             after_backward()
+        if trainer.grad_bytes is None:  # the same every step: once
+            trainer.grad_bytes = block_bytes(p.grad for p in params if p.grad is not None)
         opt.step()
         opt.zero_grad()
         return share
-    return Trainer(step, params, minimum, list(ranks))
+    trainer = Trainer(step, params, minimum, list(ranks))
+    return trainer
 
 
 def rows_share(total: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
