@@ -30,7 +30,8 @@ def tensor_slice(placement: Placement) -> Placement:
 
 def expect_fsdp(model: nn.Module, placement: Placement) -> None:
     """On a named placement of several axes, ``model``'s first forward checks that FSDP2 shards it over the data
-    axes (every parameter's mesh has their names), and raises naming the call to make where it does not."""
+    axes (``model`` is an ``FSDPModule``, and every parameter mesh of two or more axes has their names: not another
+    root's), and raises naming the call to make where it does not."""
     if not leaves_data_axes(placement):
         return
     data = placement.names[:-1]
