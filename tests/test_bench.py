@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -37,7 +38,8 @@ def test_every_file_is_written_and_named_in_the_output(run):
     assert set(files) == {".json", ".csv", ".md"}
     for path in files.values():
         assert str(path) in stdout
-        assert f"w{world}" in path.name and data["meta"]["device"].split()[0] in path.name.replace("-", " ")
+        device = re.split(r"[^A-Za-z0-9]+", data["meta"]["device"])[0]  # "Intel(R) Xeon(R) ...": "Intel"
+        assert f"w{world}" in path.name and f"bench_{device}" in path.name
     rows = list(csv.DictReader(files[".csv"].open()))
     assert [r["mode"] for r in rows] == [r["mode"] for r in data["rows"]]
     assert {r["device"] for r in rows} == {data["meta"]["device"]}
