@@ -112,9 +112,17 @@ def _mistakes():
     without a word): each stops at its first forward, on every rank, naming the call to make."""
     P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
     model = tpf.parallelize(tiny_lm("llama"), placement=P, plan="auto")
-    with pytest.raises(RuntimeError, match=r"leaves the data axes \('dp',\) to FSDP2, but it is not sharded by FSDP2: "
-                                           r"call torch.distributed.fsdp.fully_shard\(block, mesh=P.mesh\[\"dp\"\]\)"):
+    call = r"call torch.distributed.fsdp.fully_shard\(block, mesh=P.mesh\[\"dp\"\]\) on each block and then on the " \
+           r"model"
+    with pytest.raises(RuntimeError, match=r"leaves the data axes \('dp',\) to FSDP2, but its parameters "
+                                           r"model.embed_tokens.weight, .* are not sharded by FSDP2: " + call):
         model(torch.zeros(2, 4, dtype=torch.long))
+    for layer in model.model.layers:  # the blocks only: the root's parameters would train apart
+        fully_shard(layer, mesh=P.mesh["dp"])
+    with pytest.raises(RuntimeError, match=r"its parameters model.embed_tokens.weight, model.norm.weight, "
+                                           r"lm_head.weight are not sharded by FSDP2: " + call):
+        model(torch.zeros(2, 4, dtype=torch.long))
+    model = tpf.parallelize(tiny_lm("llama"), placement=P, plan="auto")
     other = tpf.placement("cpu", [[0, 1], [2, 3]], names=("data", "model"))  # the same ranks, another root
     for block in [*model.model.layers, model]:
         fully_shard(block, mesh=other.mesh["data"])
@@ -122,12 +130,97 @@ def _mistakes():
         model(torch.zeros(2, 4, dtype=torch.long))
 
 
+def _fsdp_stages(v, tp):
+    """A Llama of 2 x ``v`` layers cut into 2 x ``v`` stages on two rank sets of the world's halves, each a named
+    dp x tp placement, each rank's stages sharded by FSDP2 as torchtitan shards a pipeline's model parts: one device's
+    model, the stages and this rank's own."""
+    half = dist.get_world_size() // 2
+    P0, P1 = (tpf.placement("cpu", [[r + i, r + i + 1][:tp] for i in range(0, half, tp)], names=("dp", "tp"))
+              for r in (0, half))
+    ref = tiny_lm("llama", layers=2 * v)
+    stages = tpf.pipeline.cut(copy.deepcopy(ref), [P0, P1] * v, plan="auto")  # split(0) over "dp" by default
+    mine = [st for st in stages if st.placement.coordinate() is not None]
+    for st in mine:
+        for layer in st.module.layers:
+            fully_shard(layer, mesh=st.placement.mesh["dp"])
+        fully_shard(st.module, mesh=st.placement.mesh["dp"])
+    return ref, stages, mine
+
+
+def _pipeline_of_fsdp_stages(tp, schedule):
+    """Pipeline x FSDP2 (x tensor): prompt-masked labels, 3 AdamW steps with clipping over every stage, against one
+    device's losses, norms and every parameter; each data-parallel rank computes its own rows, and holds its share
+    of its stages' parameters."""
+    v = 2 if schedule == "interleaved" else 1
+    ref, stages, mine = _fsdp_stages(v, tp)
+    rows = []
+    for st in mine:
+        st.module.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    pipe = tpf.Pipeline(stages, micro_batches=2, loss_fn=tpf.pipeline.causal_lm_loss(ref), schedule=schedule)
+    ids = torch.randint(0, VOCAB, (8, 10), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :6] = labels[3, :2] = labels[5, :4] = -100  # prompts of different lengths
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4) for m in (pipe, ref))
+    for _ in range(3):
+        loss = pipe.step(ids, labels)
+        norm = tpf.clip_grad_norm_(pipe.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(ids, labels=labels).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(norm.double(), ref_norm.double(), rtol=1e-6, atol=1e-6, msg=f"{schedule}: norm")
+        if loss is not None:
+            torch.testing.assert_close(loss.double(), ref_loss.detach().double(), rtol=1e-6, atol=1e-6,
+                                       msg=f"{schedule}: loss")
+    dp = len(mine[0].placement.flat_ranks) // tp
+    assert set(rows) == {4 // dp}, rows  # micro-batches of 4 rows, each data-parallel rank its share
+    want = dict(ref.named_parameters())
+    held = whole = 0
+    for name, p in (x for st in mine for x in st.module.model.named_parameters()):
+        held, whole = held + p.to_local().numel(), whole + p.numel()
+        torch.testing.assert_close(p.full_tensor(), want[name].detach(), rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{schedule}: {name} after AdamW: {m}")
+    assert held <= 1.1 * whole / (dp * tp), (held, whole)
+
+
+def _fsdp_stage_mistakes():
+    """A zero-bubble schedule (FSDP2 reduces before the weights' gradients exist) and FSDP2 over a stage itself
+    (a pipeline never runs the stage's forward): a PipelineError on every rank at the first step."""
+    ref, stages, mine = _fsdp_stages(1, 1)
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(4))
+    pipe = tpf.Pipeline(stages, micro_batches=2, loss_fn=tpf.pipeline.causal_lm_loss(ref), schedule="zb-h1")
+    with pytest.raises(tpf.PipelineError, match="schedule='zb-h1' splits each backward .* use '1f1b', 'gpipe'"):
+        pipe.step(ids, ids)
+    ref, stages, mine = _fsdp_stages(1, 1)
+    fully_shard(mine[0], mesh=mine[0].placement.mesh["dp"])
+    pipe = tpf.Pipeline(stages, micro_batches=2, loss_fn=tpf.pipeline.causal_lm_loss(ref))
+    with pytest.raises(tpf.PipelineError, match="stage 0 itself is sharded by FSDP2, .* on stage.module"):
+        pipe.step(ids, ids)
+
+
 def _cases():
     for kind, layout in (("llama", "dp x tp"), ("qwen3", "dp x tp"), ("llama", "hsdp")):
         _fsdp_matches_one_device(kind, layout)
     _training_loop()
     _mistakes()
+    for schedule in ("1f1b", "interleaved"):
+        _pipeline_of_fsdp_stages(1, schedule)
+    _fsdp_stage_mistakes()
 
 
 def test_fsdp2_over_tensor_parallelism_matches_one_device():
-    harness.run(4, _cases, timeout=300)
+    try:
+        harness.run(4, _cases, timeout=300)
+    finally:
+        harness.discard(4)  # the failed pipelines' messages stay with their processes
+
+
+def test_pipeline_of_fsdp_x_tensor_stages_matches_one_device():
+    """3-D: pipeline x data x tensor = 2 x 2 x 2 on 8 ranks."""
+    try:
+        harness.run(8, _pipeline_of_fsdp_stages, 2, "1f1b", timeout=300)
+    finally:
+        harness.discard(8)

@@ -8,7 +8,8 @@
                     ``logits``) says what flows between the parts
 
 With ``plan`` each stage is ``parallelize``d on its own placement first (pipeline x tensor): ``"auto"`` takes a
-Hugging Face model's own plan, the head gathering its logits (the pipeline's loss takes them whole).
+Hugging Face model's own plan, the embedding split over the vocabulary and the head gathering its logits (the
+pipeline's loss takes them whole).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class CausalLMStage(nn.Module):
 
     Args:
         model: the stage's copy of the model (its ``layers`` cut down, its config saying so).
-        layers: the stage's decoder layers, in order.
+        layers: the stage's decoder layers, in order (``layers`` then lists them: the blocks to ``fully_shard``).
         first, last: whether the stage is the pipeline's first (takes token ids) and last (gives logits).
 
     Example::
@@ -130,6 +131,7 @@ class CausalLMStage(nn.Module):
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], first: bool, last: bool) -> None:
         super().__init__()
         self.model, self.first, self.last = model, first, last
+        self.layers = list(layers)  # a list, not a ModuleList: their names stay the model's own
         self._given: torch.Tensor | None = None  # the incoming hidden states, during a call
         self._made: torch.Tensor | None = None  # the last layer's output, during a call
         if not first:
@@ -148,7 +150,10 @@ class CausalLMStage(nn.Module):
         self._made = output[0] if isinstance(output, tuple) else output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.model, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
+        checkpointing = getattr(self.model, "is_activation_checkpointing", None)  # transformers 5 renamed it
+        if checkpointing is None:
+            checkpointing = getattr(self.model, "is_gradient_checkpointing", False)
+        if checkpointing and torch.is_grad_enabled():
             raise ValueError("a cut causal LM hands its first layer the incoming hidden states by a hook, which a "
                              "checkpointed layer's recompute in the backward would not see: call "
                              "model.gradient_checkpointing_disable() before tpf.pipeline.cut")
@@ -210,8 +215,8 @@ def _causal_lm_stages(model: nn.Module, placements: Sequence[Placement], at: Seq
     base_name = layers_name.rpartition(".")[0]
     base = model.get_submodule(base_name)
     head_weight = getattr(model.get_submodule(head), "weight", None)
-    if head_weight is not None and head_weight is getattr(model.get_submodule(embedding), "weight", None) \
-            and len(placements) > 1:
+    tied = head_weight is not None and head_weight is getattr(model.get_submodule(embedding), "weight", None)
+    if tied and len(placements) > 1:
         raise ValueError(f"{type(model).__name__} ties its head to its input embedding, which would live on two "
                          "stages: untie them first (model.config.tie_word_embeddings = False and "
                          f"model.{head}.weight = nn.Parameter(model.{head}.weight.detach().clone()))")
@@ -239,6 +244,8 @@ def _causal_lm_stages(model: nn.Module, placements: Sequence[Placement], at: Seq
         top.config = config
         if plan is not None:
             entries = hf_plan(top, vocab_parallel=False) if plan == "auto" else plan
+            if plan == "auto" and first and not tied:  # its rows split over the vocabulary, its output summed whole
+                entries = {**entries, embedding: VocabParallel()}
             top = parallelize(top, placement=pl, plan=_matching(top, entries))
         stages.append(Stage(CausalLMStage(top, list(own), first, last), k, pl, sbp))
         stages[-1].part_of = ("module.model.", whole)  # the whole model's checkpoint loads into it
@@ -262,8 +269,9 @@ def cut(model: nn.Module, placements: Sequence[Placement], *, at: Sequence[str] 
         at: where stages 1, 2, ... begin: child names of the ``nn.Sequential`` (``"3"``), or decoder layer names
             of the causal LM (``"model.layers.4"``). Default: runs of equal length (the first ones one longer).
         plan: ``parallelize`` each stage on its placement: a plan dict (each stage takes the entries that match
-            its modules) or, for a causal LM, ``"auto"`` (its own plan; the head gathers the logits). Default
-            None: stages as they are (one rank each, or data parallel with ``sbp``).
+            its modules) or, for a causal LM, ``"auto"`` (its own plan; the embedding split over the vocabulary, the
+            head gathering the logits). Default None: stages as they are (one rank each, or data parallel with
+            ``sbp``).
         sbp: every stage's input layout (``tpf.stage``'s ``sbp``), e.g. ``tpf.sbp.split(0)`` for data-parallel
             stages.
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm, config
@@ -584,9 +585,25 @@ class Pipeline(nn.Module):
             return local.reshape(-1)[:0].sum()
         return self.loss_fn(local, target) * (items / total)
 
+    def _check_fsdp(self, r: int) -> None:
+        """FSDP2 over rank set ``r``'s stages: each stage's module is its root, and the whole backward runs at once
+        (FSDP2 reduces a module's gradients when its input's gradient is computed, which a zero-bubble ``B`` does
+        before its ``W`` computes the weights')."""
+        if isinstance(self, FSDPModule):
+            raise TypeError("the Pipeline itself is sharded by FSDP2, but its step runs each stage's module, never the "
+                            "Pipeline's forward: call fully_shard on the stages' blocks and on each stage.module")
+        fsdp = any(isinstance(m, FSDPModule) for k in range(r, len(self.stages), len(self.rank_sets))
+                   for m in self.stages[k].modules())
+        if fsdp and self.split_backward:
+            raise ValueError(f"schedule={self.schedule!r} splits each backward into the input's gradient and the "
+                             "weights', but FSDP2 reduces a module's gradients as soon as its input's gradient is "
+                             "computed, before the weights' exist: use '1f1b', 'gpipe' or 'interleaved' with FSDP2 "
+                             "stages")
+
     def _run(self, r: int, inputs: object, targets: object, sends: dict[actions.Action, comm.Pending],
              outputs: dict[int, dict[int, Block]]) -> torch.Tensor | None:
         p, n = len(self.rank_sets), len(self.stages)
+        self._check_fsdp(r)
         micro_inputs = self._micro(inputs, "inputs") if r == 0 else None
         micro_targets = self._micro(targets, "targets") if r == (n - 1) % p else None
         items, total_items = self._items(micro_targets, targets) if micro_targets is not None else ([], 0)

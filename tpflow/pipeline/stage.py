@@ -23,6 +23,11 @@ does its own collectives, and the output must come back whole over the tensor-pa
 stage with a row layer, or a column layer with ``gather_output``). Plain-tensor code inside it (an
 attention's rotary positions, a Hugging Face model's masks) then works as on one device. A module built
 from global parameters and tpflow's ops runs on global tensors.
+
+On a named placement of several axes, ``parallelize`` leaves the data axes to PyTorch's FSDP2 (``fully_shard`` on
+the module's blocks and on the module): the input is split(0) over those axes by default, and since FSDP2 averages
+the gradients over its ranks where the stage's rows (one batch, as on one device) want them summed, the module's
+output gradient is taken as many times as the rows are split (and its input's divided back).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm
@@ -42,6 +48,7 @@ from tpflow.layers.blocks import LocalBlocks
 from tpflow.layers.regions import is_split
 from tpflow.layers.replicated import replicated_grads
 from tpflow.placement import Placement
+from tpflow.plans.fsdp import leaves_data_axes, tensor_slice
 from tpflow.sbp import Broadcast, Sbp, Split, broadcast, normalize
 
 __all__ = ["PipelineError", "Stage", "stage"]
@@ -78,7 +85,8 @@ class PipelineError(RuntimeError):
 
 class Stage(nn.Module):
     """``module`` as stage ``stage_id`` of a pipeline, on ``placement``; ``sbp`` is its input's layout there
-    (None: the incoming SBP where the placements have the same shape, else broadcast).
+    (None: the incoming SBP where the placements have the same shape, else broadcast; on a named placement of
+    several axes, each data-parallel row its own rows).
 
     ``tpf.stage`` builds one (the same, with keyword arguments). The module's plain parameters and buffers are
     converted in place to global ones broadcast on ``placement`` (global ones keep their SBP), so they live
@@ -96,7 +104,8 @@ class Stage(nn.Module):
             be in two stages.
         sbp: the input's layout on ``placement``: one SBP for a 1-D placement, else one per placement axis
             (``tpf.sbp.split(0)`` runs a plain module data parallel on the ranks' own rows). Default None: the
-            incoming SBP where the placements have the same shape, else broadcast.
+            incoming SBP where the placements have the same shape, else broadcast; on a named placement of several
+            axes (data axes for FSDP2), split(0) over the data axes and broadcast over the last.
 
     Example::
 
@@ -139,6 +148,8 @@ class Stage(nn.Module):
         """The layout this stage computes on, for an input of ``ndim`` dims laid out as ``src_sbps`` on ``src``."""
         if self.sbp is not None:
             return normalize(self.sbp, self.placement.ndim, ndim)
+        if self.placement.names is not None and self.placement.ndim > 1 and ndim > 0:  # data axes: their own rows
+            return (Split(0),) * (self.placement.ndim - 1) + (broadcast,)
         if src.hierarchy == self.placement.hierarchy:
             return src_sbps
         return (broadcast,) * self.placement.ndim
@@ -210,7 +221,12 @@ class Stage(nn.Module):
             out = sbps
         elif self.parallel and isinstance(sbps[-1], Broadcast) and \
                 all(s == Split(0) or n == 1 for s, n in zip(sbps[:-1], hierarchy)):
+            rows = self._fsdp_rows(sbps)
+            if rows > 1 and local.requires_grad:
+                local = _GradTimes.apply(local, 1 / rows)
             y = self.module(local)
+            if rows > 1 and isinstance(y, torch.Tensor) and y.requires_grad:
+                y = _GradTimes.apply(y, rows)
             if hierarchy[-1] > 1 and isinstance(y, torch.Tensor) and is_split([y]):
                 raise ValueError(f"stage {self.stage_id} returns this rank's block of a column layer's features: end "
                                  "the stage with a row layer, or give its last column layer gather_output=True")
@@ -223,6 +239,20 @@ class Stage(nn.Module):
             raise ValueError(f"stage {self.stage_id} runs data parallel on split(0) rows, so its module must keep "
                              f"one output row per input row: {tuple(local.shape)} -> {tuple(y.shape)}")
         return Block(y, out, (shape[0], *y.shape[1:]) if any(split) else tuple(y.shape))
+
+    def _fsdp_rows(self, sbps: tuple[Sbp, ...]) -> int:
+        """Over how many data-parallel ranks the rows are split where FSDP2 shards the module (1 elsewhere): FSDP2
+        averages the gradients over its ranks, where the stage's split rows, one batch as on one device, want them
+        summed, so the module's output gradient is taken that many times and its input's divided back."""
+        if not leaves_data_axes(self.placement):
+            return 1
+        if isinstance(self, FSDPModule):
+            raise TypeError(f"stage {self.stage_id} itself is sharded by FSDP2, but a pipeline runs its module, never "
+                            "the stage's own forward: call fully_shard on the stage's blocks and on stage.module")
+        rows = 1
+        for s, n in zip(sbps[:-1], self.placement.hierarchy[:-1]):
+            rows *= n if s == Split(0) else 1
+        return rows
 
     def open_step(self) -> None:
         """A pipeline's step begins. Until ``close_step``, the plain path reads each parameter's block as a plain
@@ -297,6 +327,19 @@ class Stage(nn.Module):
         return f"stage_id={self.stage_id}, placement={self.placement.type}:{self.placement.ranks}{sbp}"
 
 
+class _GradTimes(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
 def _grad_placements(split: tuple[bool, ...]) -> tuple:
     """A plain stage's parameter gradient layout: partial over the axes its rows are split on."""
     return tuple(Partial() if on else Replicate() for on in split)
@@ -304,14 +347,15 @@ def _grad_placements(split: tuple[bool, ...]) -> tuple:
 
 def _parallelized(module: nn.Module, placement: Placement) -> bool:
     """Whether every parameter of ``module`` is in a tpflow parallel layer or a replicated module on ``placement``
-    (``parallelize``'s work there), and there is at least one."""
-    found = False
+    (``parallelize``'s work there: on a named placement, on its tensor axis' slice until FSDP2 shards them over the
+    whole placement), and there is at least one."""
+    found, places = False, (placement, tensor_slice(placement))
     for m in module.modules():
         own = list(m.parameters(recurse=False))
         if not own:
             continue
         if not (isinstance(m, ShardedModule) or replicated_grads(m) is not None) or \
-                any(not isinstance(p, DTensor) or get_placement(p) != placement for p in own):
+                any(not isinstance(p, DTensor) or get_placement(p) not in places for p in own):
             return False
         found = True
     return found
@@ -335,7 +379,8 @@ def stage(module: nn.Module, *, stage_id: int, placement: Placement, sbp: object
         placement: the ranks that run it (``tpf.placement``), 1-D or 2-D; in a ``tpf.Pipeline`` no rank may
             be in two stages.
         sbp: the input's layout on ``placement``: one SBP for a 1-D placement, else one per placement axis.
-            Default None: the incoming SBP where the placements have the same shape, else broadcast.
+            Default None: the incoming SBP where the placements have the same shape, else broadcast; on a named
+            placement of several axes (data axes for FSDP2), split(0) over the data axes and broadcast over the last.
 
     Returns:
         The ``Stage`` module, which holds ``module`` as its ``module``.

@@ -10,8 +10,9 @@ Each column layer then computes on its own, as PyTorch's and transformers' tenso
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from tpflow.placement import Placement
 
@@ -30,27 +31,32 @@ def tensor_slice(placement: Placement) -> Placement:
 
 def expect_fsdp(model: nn.Module, placement: Placement) -> None:
     """On a named placement of several axes, ``model``'s first forward checks that FSDP2 shards it over the data
-    axes (``model`` is an ``FSDPModule``, and every parameter mesh of two or more axes has their names: not another
-    root's), and raises naming the call to make where it does not."""
+    axes (``fully_shard`` on the model or on a module holding it, a pipeline stage's, replaced every parameter it
+    had here; every parameter mesh of two or more axes has their names: not another root's), and raises naming
+    the call to make where it does not."""
     if not leaves_data_axes(placement):
         return
     data = placement.names[:-1]
     mesh = f'P.mesh["{data[0]}"]' if len(data) == 1 else f"P.mesh[{data!r}]"
+    # FSDP2 swaps each parameter it manages for its own (sharded, and gathered around each forward): one still
+    # here at the first forward was left out. Weak references, so that the replaced ones are freed.
+    given = {name: weakref.ref(p) for name, p in model.named_parameters()}
 
     def check(module: nn.Module, args: object) -> None:
-        # FSDP2's own pre-forward hook ran first and gathered the root's parameters, so only the blocks' still show
-        # their meshes: those must span the data axes
+        left = [name for name, p in module.named_parameters() if name in given and given[name]() is p]
+        # the blocks' sharded parameters show their meshes (the root's are gathered by now): they span the data axes
         meshes = {getattr(p, "device_mesh", None) for p in module.parameters()}
         names = {m.mesh_dim_names for m in meshes if m is not None and m.ndim > 1}
-        if not isinstance(module, FSDPModule) or any(not set(data) <= set(n or ()) for n in names):
-            what = "is not sharded by FSDP2" if not isinstance(module, FSDPModule) else \
-                f"is sharded by FSDP2 over other axes than {data} (meshes {sorted(map(str, names))})"
+        if left or any(not set(data) <= set(n or ()) for n in names):
+            what = f"its parameters {', '.join(left[:3])}{', ...' if len(left) > 3 else ''} are not sharded by " \
+                   "FSDP2" if left else f"it is sharded by FSDP2 over other axes than {data} (meshes " \
+                   f"{sorted(map(str, names))})"
             raise RuntimeError(
                 f"{type(module).__name__} was parallelized on {placement!r}, which splits it over its last axis "
-                f"{placement.names[-1]!r} and leaves the data axes {data} to FSDP2, but it {what}: call "
-                f"torch.distributed.fsdp.fully_shard(block, mesh={mesh}) on each block and then on the model before "
-                f"its first step (P the placement), or parallelize on an unnamed placement for tpflow's own data "
-                f"parallelism")
+                f"{placement.names[-1]!r} and leaves the data axes {data} to FSDP2, but {what}: call "
+                f"torch.distributed.fsdp.fully_shard(block, mesh={mesh}) on each block and then on the model (or on a "
+                f"pipeline stage's module) before its first step (P the placement), or parallelize on an unnamed "
+                f"placement for tpflow's own data parallelism")
         handle.remove()
 
     handle = model.register_forward_pre_hook(check)
