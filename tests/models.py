@@ -11,7 +11,7 @@ from torch import nn
 from tests.checks import ints
 from tpflow.bench.workloads import LLAMA_PLAN, DecoderLayer, RMSNorm
 
-__all__ = ["LLAMA_PLAN", "MLP", "WIDTHS", "DecoderLayer", "Stack", "TinyLlama", "Trio", "int_linear"]
+__all__ = ["LLAMA_PLAN", "MLP", "MOE_KINDS", "WIDTHS", "DecoderLayer", "Stack", "TinyLlama", "Trio", "int_linear"]
 
 
 class TinyLlama(nn.Module):
@@ -104,6 +104,30 @@ def tiny_lm(kind: str, kv_heads: int = 2, layers: int = 2, **extra) -> nn.Module
         num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+MOE_KINDS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
+_MOE_EXTRA = {  # what each family needs besides the shared sizes (OLMoE plans k / v gathered: a head per rank)
+    "olmoe": {"num_key_value_heads": 4},
+    "deepseek_v3": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+}
+
+
+def tiny_moe(kind: str, experts: str = "eager", dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A Hugging Face mixture-of-experts causal LM of ``kind`` (random weights; 2 layers, 4 experts, top-2, the
+    router's auxiliary loss in ``labels=``): ``experts`` is its experts implementation (``"eager"``: a loop, which
+    runs in fp64; ``"grouped_mm"``: ``torch._grouped_mm``, fp32 and lower)."""
+    import transformers
+
+    sizes = {"num_key_value_heads": 2, "head_dim": 16, **_MOE_EXTRA.get(kind, {})}
+    config = transformers.AutoConfig.for_model(
+        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+        num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1, **sizes)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, experts_implementation=experts).to(dtype)
 
 
 def train_lm(model: nn.Module, ids: torch.Tensor, steps: int = 2) -> tuple[list[float], list[float]]:

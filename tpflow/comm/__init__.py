@@ -26,11 +26,12 @@ from tpflow.comm.pairs import (
     all_reduce_identity,
     all_to_all_mirror,
     chunk_all_gather,
+    identity_all_reduce,
     reduce_scatter_all_gather,
 )
 from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 
 __all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "agree",
            "all_gather", "all_gather_chunk", "all_reduce", "all_reduce_identity", "all_to_all", "all_to_all_mirror",
-           "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts", "post", "reduce_scatter",
-           "reduce_scatter_all_gather", "ring_bytes", "stats", "wire"]
+           "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts", "identity_all_reduce", "post",
+           "reduce_scatter", "reduce_scatter_all_gather", "ring_bytes", "stats", "wire"]

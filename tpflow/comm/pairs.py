@@ -4,14 +4,16 @@ degree of parallelism.
 
     name                        forward                           backward
     all_reduce_identity         all-reduce: partial sums -> sum   identity
+    identity_all_reduce         identity                          all-reduce of the gradient
     all_gather_chunk            all-gather along a dim            this rank's chunk of the gradient
     chunk_all_gather            this rank's chunk (no transfer)   all-gather of the gradient
     reduce_scatter_all_gather   reduce-scatter along a dim        all-gather of the gradient
     all_to_all_mirror           rows to ranks by counts           the mirror all-to-all (counts swapped)
 
-Chunks follow ``torch.chunk``'s rule (``tpf.sbp.chunk_bounds``). Identity forward / all-reduce backward is
-``kernels.linear``'s ``dgrad_hook``, so that it overlaps the weight gradient; the all-gather / reduce-scatter
-pairs fused with a matmul are the rings of ``tpflow.ops``.
+Chunks follow ``torch.chunk``'s rule (``tpf.sbp.chunk_bounds``). A column layer's identity forward / all-reduce
+backward is ``kernels.linear``'s ``dgrad_hook``, so that it overlaps the weight gradient; ``identity_all_reduce`` is
+the same pair for inputs that do not enter a linear layer (an expert split's tokens and routing weights). The
+all-gather / reduce-scatter pairs fused with a matmul are the rings of ``tpflow.ops``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, checked_counts, reduce_scatter
 from tpflow.sbp import chunk_bounds
 
-__all__ = ["all_gather_chunk", "all_reduce_identity", "all_to_all_mirror", "chunk_all_gather",
+__all__ = ["all_gather_chunk", "all_reduce_identity", "all_to_all_mirror", "chunk_all_gather", "identity_all_reduce",
            "reduce_scatter_all_gather"]
 
 
@@ -49,6 +51,19 @@ class _AllReduceIdentity(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        return dy, None
+
+
+class _IdentityAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.clone(memory_format=torch.contiguous_format)
+        all_reduce(dy, ctx.group)
         return dy, None
 
 
@@ -125,6 +140,28 @@ def all_reduce_identity(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
         tensor([1., 1.])
     """
     return x if _single(group) else _AllReduceIdentity.apply(x, group)
+
+
+def identity_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Identity forward, all-reduce backward: a value every rank holds whole, read by computations whose gradients
+    are this rank's partial sums (the tokens and routing weights an expert split's slices read).
+
+    Args:
+        x: the value, the same on every rank of ``group``.
+        group: the process group to sum the gradient over; None: no parallelism.
+
+    Returns:
+        ``x`` (a view of it, whose gradient is summed over ``group``).
+
+    Example::
+
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = tpf.comm.identity_all_reduce(x, torch.distributed.group.WORLD)
+        >>> (y * 3).sum().backward()
+        >>> x.grad                                      # on 2 ranks: both ranks' partial gradients
+        tensor([6., 6.])
+    """
+    return x if _single(group) else _IdentityAllReduce.apply(x, group)
 
 
 def all_gather_chunk(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:

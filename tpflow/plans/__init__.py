@@ -14,7 +14,15 @@ from __future__ import annotations
 
 from tpflow.plans.hf import hf_plan
 from tpflow.plans.parallelize import parallelize
-from tpflow.plans.styles import ColumnParallel, GatherSequence, Replicated, RowParallel, SequenceParallel, VocabParallel
+from tpflow.plans.styles import (
+    ColumnParallel,
+    ExpertTensorParallel,
+    GatherSequence,
+    Replicated,
+    RowParallel,
+    SequenceParallel,
+    VocabParallel,
+)
 
-__all__ = ["ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "VocabParallel",
-           "hf_plan", "parallelize"]
+__all__ = ["ColumnParallel", "ExpertTensorParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel",
+           "VocabParallel", "hf_plan", "parallelize"]

@@ -116,9 +116,13 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
                          f"_tp_plan): pass plan={{pattern: style}} to parallelize")
     plan: dict[str, Entry] = {}
     embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
+    names = [name for name, _ in model.named_modules()]
+    experts = [pattern for pattern, style in own.items() if style == "moe_tp_experts"]
     for pattern, style in own.items():
         if pattern == head or (style == "embedding_rowwise" and not vocab_parallel):
             continue  # the head is planned below; without vocab_parallel an embedding stays whole
+        if pattern.rpartition(".")[0] in experts or not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            continue  # an experts module's parameters (the module's entry splits them); a dense MLP in an MoE model
         if style == "embedding_rowwise":  # HF's name for the vocabulary-parallel embedding, without options
             pattern = embedding or pattern
         entry = style_of(pattern, style)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tpflow import comm
 from tpflow.layers import ColumnGroup, VocabParallelEmbedding
+from tpflow.layers.experts import check_experts, split_experts
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
 from tpflow.layers.vocab import ranks_without_rows
@@ -30,6 +31,7 @@ from tpflow.plans.logits import route_loss
 from tpflow.plans.pretrained import export_whole
 from tpflow.plans.styles import (
     ColumnParallel,
+    ExpertTensorParallel,
     GatherSequence,
     Replicated,
     RowParallel,
@@ -114,6 +116,9 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     chosen = _match(model, modules, plan)
     _agree(model, placement, chosen)
     named, placement = placement, tensor_slice(placement)  # a named placement's data axes: FSDP2's
+    experts = [name for name, (_, style) in chosen.items() if isinstance(style, ExpertTensorParallel)]
+    for name in experts:
+        check_experts(name, modules[name], placement.hierarchy[-1])
     kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
     linears = {name: entry for name, entry in chosen.items()
                if isinstance(entry[1], (ColumnParallel, RowParallel, VocabParallel))}
@@ -148,6 +153,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         route_loss(model, heads)
     for parent, names in fused.items():
         ColumnGroup([built[id(modules[name])] for name in names], model.get_submodule(parent))
+    for name in experts:
+        split_experts(modules[name], placement)
     grads = {}
     for name, (_, style) in chosen.items():
         if isinstance(style, SequenceParallel):

@@ -7,6 +7,7 @@
     SequenceParallel(split_input=True)    runs on this rank's tokens
     GatherSequence()                      runs on every token, gathered from the ranks' own
     "vocab"                               VocabParallel(): an embedding or an output head split over the vocabulary
+    "moe_tp_experts"                      ExpertTensorParallel(): every expert split over the ranks
 
 Hugging Face's style names (``config.base_model_tp_plan``) name the same entries: ``STYLES``.
 """
@@ -20,8 +21,8 @@ from torch import nn
 from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear, ShardedModule, VocabParallelEmbedding
 from tpflow.placement import Placement
 
-__all__ = ["STYLES", "ColumnParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel", "Style",
-           "VocabParallel", "style_of"]
+__all__ = ["STYLES", "ColumnParallel", "ExpertTensorParallel", "GatherSequence", "Replicated", "RowParallel",
+           "SequenceParallel", "Style", "VocabParallel", "style_of"]
 
 
 class Style:
@@ -309,7 +310,32 @@ class VocabParallel:
                                                 **dataclasses.asdict(self))
 
 
-Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence | VocabParallel
+@dataclasses.dataclass(frozen=True)
+class ExpertTensorParallel:
+    """Plan entry for a mixture of experts' experts module (Hugging Face's ``"moe_tp_experts"``): every expert split
+    over the tensor-parallel ranks along its intermediate dim, each rank running its slice of every expert on every
+    routed token, the output summed once (``tpflow.layers.experts``). The router stays whole on every rank, with one
+    device's gradient.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, moe_intermediate_size=8,
+        ...     num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+        ...     num_key_value_heads=2, head_dim=4))
+        >>> tpf.hf_plan(model)["model.layers.*.mlp.experts"]
+        ExpertTensorParallel()
+        >>> model = tpf.parallelize(model, placement=P, plan="auto")
+        >>> model.model.layers[0].mlp.experts.down_proj.to_local().shape      # [experts, hidden, this rank's 4 of 8]
+        torch.Size([4, 16, 4])
+    """
+
+
+Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence | VocabParallel | \
+    ExpertTensorParallel
 
 # Hugging Face's style names (transformers' ALL_PARALLEL_STYLES) and tpflow's own, as entries
 STYLES: dict[str, Entry] = {
@@ -326,6 +352,7 @@ STYLES: dict[str, Entry] = {
     "sequence_parallel": SequenceParallel(),
     "vocab": VocabParallel(),
     "embedding_rowwise": VocabParallel(),
+    "moe_tp_experts": ExpertTensorParallel(),
 }
 
 
@@ -353,11 +380,12 @@ def style_of(pattern: str, style: object) -> Entry:
         >>> style_of("*.fc2", tpf.RowParallel(sequence_parallel=True))
         RowParallel(input_is_parallel=True, sequence_parallel=True, algo='auto', sequence_dim=0)
     """
-    if isinstance(style, (ColumnParallel, RowParallel, Replicated, SequenceParallel, GatherSequence, VocabParallel)):
+    if isinstance(style, (ColumnParallel, RowParallel, Replicated, SequenceParallel, GatherSequence, VocabParallel,
+                          ExpertTensorParallel)):
         return style
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]
     names = ", ".join(repr(n) for n in STYLES)
     raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style tpflow knows: use one of {names}, or "
                      f"tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.Replicated(...), tpf.SequenceParallel(...), "
-                     f"tpf.VocabParallel(...)")
+                     f"tpf.VocabParallel(...), tpf.ExpertTensorParallel()")

@@ -1,0 +1,183 @@
+"""A mixture of experts split over the tensor-parallel ranks: every rank runs its slice of every expert on every routed
+token, and one sum makes the output whole.
+
+Hugging Face's MoE models keep their experts in one module of fused 3-D parameters: ``gate_up_proj`` (the gate and
+up projections of every expert, ``[E, 2I, H]``, or ``[E, H, 2I]`` where the model stores them transposed) and
+``down_proj`` (``[E, H, I]``, or ``[E, I, H]``), called as ``experts(hidden_states, top_k_index, top_k_weights)``
+after the router. ``split_experts`` splits each expert's intermediate dim ``I`` over the ranks, as a column layer
+followed by a row layer, and leaves the module's own forward (its grouped GEMM, or its loop) unchanged:
+
+    gate_up_proj   rank r keeps rows r of the gate half and rows r of the up half (one product gives this rank's
+                   gate and up, matching): DTensor's ``_StridedShard(dim, split_factor=2)``; interleaved gate / up
+                   columns (``g0 u0 g1 u1 ...``) keep their pairs in one block: ``Shard``
+    down_proj      rank r keeps the columns of its rows: ``Shard`` over ``I``
+
+Around each call the module reads its parameters as local blocks; the tokens and routing weights it takes are whole
+on every rank, and their gradients (this rank's slices' partial sums) are summed in the backward, so the router
+upstream, replicated on every rank, gets one device's gradient (the bug peers had: routers trained apart). The
+output, a partial sum, is all-reduced once.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from tpflow import comm
+from tpflow.global_tensor import gradients
+from tpflow.layers.blocks import LocalBlocks
+from tpflow.placement import Placement
+
+__all__ = ["check_experts", "split_experts"]
+
+_NAMES = ("gate_up_proj", "down_proj")
+_STATE = "_tpflow_experts"
+
+
+def _layout(module: nn.Module) -> tuple[int, int, bool]:
+    """(the dim of ``gate_up_proj`` holding the 2I gate and up features, the dim of ``down_proj`` holding I, whether
+    gate and up are concatenated halves rather than interleaved), read off transformers' experts attributes."""
+    concatenated = bool(getattr(module, "is_concatenated", True))
+    return (2, 1, concatenated) if getattr(module, "is_transposed", False) else (1, 2, concatenated)
+
+
+def check_experts(name: str, module: nn.Module, ranks: int) -> None:
+    """Raise, naming the module and what to change, unless ``split_experts`` can split ``module`` over ``ranks``:
+    3-D ``gate_up_proj`` and ``down_proj`` of one expert count and one intermediate size divisible by ``ranks``, no
+    biases.
+
+    Args:
+        name: the module's name in the model, for the error.
+        module: the experts module.
+        ranks: the tensor-parallel ranks.
+
+    Example::
+
+        >>> from tpflow.layers.experts import check_experts
+        >>> experts = torch.nn.Module()
+        >>> experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 2 * 6, 8))
+        >>> experts.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 6))
+        >>> check_experts("mlp.experts", experts, 4)   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: mlp.experts: its intermediate size 6 does not split over 4 tensor-parallel ranks: use 1, 2, 3 ...
+    """
+    params = {n: getattr(module, n, None) for n in _NAMES}
+    if any(not isinstance(p, nn.Parameter) or p.ndim != 3 or isinstance(p, DTensor) for p in params.values()):
+        raise ValueError(f"{name} ({type(module).__name__}) is not a layout tpflow knows for experts: it needs 3-D "
+                         f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters (transposed where the module's "
+                         f"is_transposed says so), called as experts(hidden_states, top_k_index, top_k_weights); leave "
+                         f"it out of the plan (it stays whole on every rank), or plan its parts as nn.Linear modules")
+    extra = [n for n, p in module.named_parameters(recurse=False) if n not in _NAMES]
+    if extra:
+        raise ValueError(f"{name} ({type(module).__name__}) has parameters {extra} besides gate_up_proj and down_proj "
+                         "(per-expert biases), which tpflow does not split yet: leave it out of the plan (it stays "
+                         "whole on every rank)")
+    features, inner, _ = _layout(module)
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    size = down.shape[inner]
+    if gate_up.shape[0] != down.shape[0] or gate_up.shape[features] != 2 * size:
+        raise ValueError(f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not "
+                         f"hold one expert count and one intermediate size (gate_up_proj's dim {features} is twice "
+                         f"down_proj's dim {inner})")
+    if size % ranks:
+        fits = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
+        raise ValueError(f"{name}: its intermediate size {size} does not split over {ranks} tensor-parallel ranks: "
+                         f"use {', '.join(map(str, fits[:-1]))} or {fits[-1]} ranks, or expert parallelism")
+
+
+def _slice(full: torch.Tensor, dim: int, packed: bool, rank: int, ranks: int) -> torch.Tensor:
+    """This rank's block of ``full`` along ``dim``: its chunk of each half where ``packed`` (gate and up)."""
+    if full.is_meta:
+        shape = list(full.shape)
+        shape[dim] //= ranks
+        return torch.empty(shape, dtype=full.dtype)
+    halves = full.detach().chunk(2, dim) if packed else (full.detach(),)
+    return torch.cat([h.chunk(ranks, dim)[rank] for h in halves], dim)
+
+
+class _Slices:
+    """The hooks of one split experts module: local blocks in, the routing inputs' gradients summed, the output
+    summed."""
+
+    def __init__(self, module: nn.Module, placement: Placement) -> None:
+        self.data_axes = placement.ndim - 1
+        self.group = placement.mesh.get_group(self.data_axes) if placement.hierarchy[-1] > 1 else None
+        self.blocks = LocalBlocks()
+        self.inputs = list(inspect.signature(module.forward).parameters)[:3]  # tokens, expert ids, weights
+        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        module.register_forward_hook(self.after, always_call=True)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        params = [module._parameters[n] for n in _NAMES]
+        views = self.blocks(params, key=None,
+                            grad_placements=lambda p: (Partial(),) * self.data_axes + (p.placements[-1],))
+        for name, view in zip(_NAMES, views):
+            module.__dict__[name] = view  # found before nn.Module.__getattr__ looks in _parameters
+        args, kwargs = list(args), dict(kwargs)
+        for i in (0, 2):  # the tokens and the routing weights: whole here, their gradients partial sums
+            if i < len(args):
+                args[i] = comm.identity_all_reduce(args[i], self.group)
+            elif self.inputs[i] in kwargs:
+                kwargs[self.inputs[i]] = comm.identity_all_reduce(kwargs[self.inputs[i]], self.group)
+        return tuple(args), kwargs
+
+    def after(self, module: nn.Module, args: tuple, output: object) -> object:
+        for name in _NAMES:
+            module.__dict__.pop(name, None)
+        if not isinstance(output, torch.Tensor):  # the forward raised (this hook runs anyway)
+            return output
+        return comm.all_reduce_identity(output, self.group)
+
+
+def split_experts(module: nn.Module, placement: Placement) -> nn.Module:
+    """Split ``module``'s experts over the last axis of ``placement`` (each rank its slice of every expert's
+    intermediate dim), in place; its forward is left as it is. ``check_experts`` says which modules it takes.
+
+    The parameters become global tensors (whole over the data-parallel axes of a 2-D placement), so the optimizer,
+    ``clip_grad_norm_`` and ``full_tensor()`` take them as any other.
+
+    Args:
+        module: a Hugging Face experts module (``Qwen3MoeExperts``, ``MixtralExperts``, ...), the same on every
+            rank.
+        placement: the ranks; the last axis is the tensor-parallel one.
+
+    Returns:
+        ``module`` itself.
+
+    Example::
+
+        >>> from tpflow.layers.experts import split_experts
+        >>> from transformers import Qwen3MoeConfig
+        >>> from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+        >>> _ = torch.manual_seed(0)
+        >>> experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=6, num_experts=4))
+        >>> torch.nn.init.normal_(experts.gate_up_proj); torch.nn.init.normal_(experts.down_proj)
+        >>> x, ids, w = torch.randn(5, 8), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+        >>> expected = experts(x, ids, w)
+        >>> split_experts(experts, tpf.placement("cpu", ranks=[0, 1])).gate_up_proj.to_local().shape
+        torch.Size([4, 6, 8])
+        >>> torch.allclose(experts(x, ids, w), expected, atol=1e-5)
+        True
+    """
+    pl = placement
+    ranks, coord = pl.hierarchy[-1], pl.coordinate()
+    check_experts(type(module).__name__, module, ranks)
+    features, inner, packed = _layout(module)
+    splits = {"gate_up_proj": _StridedShard(features, split_factor=2) if packed else Shard(features),
+              "down_proj": Shard(inner)}
+    dims = {"gate_up_proj": (features, packed), "down_proj": (inner, False)}
+    for name in _NAMES:
+        full = module._parameters[name]
+        dim, halves = dims[name]
+        local = torch.empty(0, dtype=full.dtype) if coord is None else _slice(full, dim, halves, coord[-1], ranks)
+        value = DTensor.from_local(local.to(pl.device), pl.mesh, (Replicate(),) * (pl.ndim - 1) + (splits[name],),
+                                   run_check=False, shape=full.shape, stride=full.stride())
+        setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
+    if coord is not None:
+        setattr(module, _STATE, _Slices(module, pl))
+    return module
+
