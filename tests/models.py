@@ -109,6 +109,7 @@ def tiny_lm(kind: str, kv_heads: int = 2, layers: int = 2, **extra) -> nn.Module
 MOE_KINDS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
 _MOE_EXTRA = {  # what each family needs besides the shared sizes (OLMoE plans k / v gathered: a head per rank)
     "olmoe": {"num_key_value_heads": 4},
+    "qwen2_moe": {"shared_expert_intermediate_size": 80},
     "deepseek_v3": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
                     "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1,
                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},

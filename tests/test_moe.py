@@ -1,8 +1,8 @@
 """Mixtures of experts split over the tensor-parallel ranks by their own plans (``plan="auto"``): Qwen3-MoE, Mixtral,
 OLMoE, Qwen2-MoE and DeepSeek-V3 on 1, 2 and 4 ranks against one device: the logits, the ``labels=`` loss with the
 router's auxiliary loss, 3 AdamW steps with clipping that bites (every parameter after them, the routers included),
-greedy and sampled decoding; each rank holds 1/W of every expert. The default experts implementation (``torch._grouped_mm``)
-in fp32 too, and the mistakes: experts that do not split, a layout tpflow does not know."""
+greedy and sampled decoding; each rank holds 1/W of every expert. The default experts implementation
+(``torch._grouped_mm``) in fp32 too, and the mistakes: experts that do not split, a layout tpflow does not know."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def _matches_one_device(kind):
     P = tpf.placement("cpu", list(range(dist.get_world_size())))
     ref = tiny_moe(kind)
     model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
+    # Qwen2-MoE's shared expert, which its own plan leaves whole, is split too
+    shared = [m for name, m in model.named_modules() if name.endswith("shared_expert.gate_proj")]
+    assert all(isinstance(m, tpf.ColumnParallelLinear) for m in shared), kind
     for experts in _experts(model):  # each rank its slice of every expert
         for p in (experts.gate_up_proj, experts.down_proj):
             assert p.to_local().numel() * dist.get_world_size() == p.numel(), (kind, p.shape)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 
 from torch import nn
 
@@ -75,6 +76,22 @@ def _name_of(model: nn.Module, getter: str) -> str | None:
     return next((name for name, m in model.named_modules() if m is found and name), None)
 
 
+def _shared_experts(model: nn.Module, plan: dict[str, object]) -> dict[str, str]:
+    """Column / row entries for a mixture's shared experts (an MLP beside the routed experts, run on every token)
+    that the model's own plan leaves whole: Qwen2-MoE's ``shared_expert``."""
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] not in ("shared_expert", "shared_experts"):
+            continue
+        pattern = re.sub(r"\.\d+\.", ".*.", name)  # every layer's
+        for child, style in (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise")):
+            if not isinstance(getattr(module, child, None), nn.Linear):
+                break
+            if not any(fnmatch.fnmatchcase(f"{name}.{child}", p) for p in plan):
+                found[f"{pattern}.{child}"] = style
+    return found
+
+
 def _tied(model: nn.Module, name: str) -> bool:
     weight = getattr(model.get_submodule(name), "weight", None)
     return weight is not None and any(p is weight for n, p in model.named_parameters(remove_duplicate=False)
@@ -117,6 +134,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     plan: dict[str, Entry] = {}
     embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
     names = [name for name, _ in model.named_modules()]
+    own.update(_shared_experts(model, own))
     experts = [pattern for pattern, style in own.items() if style == "moe_tp_experts"]
     for pattern, style in own.items():
         if pattern == head or (style == "embedding_rowwise" and not vocab_parallel):
