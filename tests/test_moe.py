@@ -1,8 +1,10 @@
-"""Mixtures of experts split over the tensor-parallel ranks by their own plans (``plan="auto"``): Qwen3-MoE, Mixtral,
-OLMoE, Qwen2-MoE and DeepSeek-V3 on 1, 2 and 4 ranks against one device: the logits, the ``labels=`` loss with the
-router's auxiliary loss, 3 AdamW steps with clipping that bites (every parameter after them, the routers included),
-greedy and sampled decoding; each rank holds 1/W of every expert. The default experts implementation
-(``torch._grouped_mm``) in fp32 too, and the mistakes: experts that do not split, a layout tpflow does not know."""
+"""Mixtures of experts on the tensor-parallel ranks by their own plans: each expert split over the ranks
+(``plan="auto"``) or the experts shared out whole (``hf_plan(model, expert_parallel=True)``). Qwen3-MoE, Mixtral,
+OLMoE, Qwen2-MoE and DeepSeek-V3 against one device: the logits, the ``labels=`` loss with the router's auxiliary
+loss, 2 AdamW steps with clipping that bites (every parameter after them, the routers included), greedy and sampled
+decoding; each rank holds 1/W of every expert's parameters. The default experts implementation
+(``torch._grouped_mm``) in fp32 too, a rank whose experts get no token, and the mistakes: experts that do not split,
+an expert id out of range, a layout tpflow does not know."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import tpflow as tpf
 from tests import harness
 from tests.models import MOE_KINDS, VOCAB, tiny_moe, train_lm
-from tpflow.layers.experts import check_experts
+from tpflow.layers.experts import check_experts, split_experts
 
 pytest.importorskip("transformers")
 
@@ -24,22 +27,24 @@ def _experts(model):
     return [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
 
 
-def _matches_one_device(kind):
+def _matches_one_device(kind, expert_parallel):
     P = tpf.placement("cpu", list(range(dist.get_world_size())))
     ref = tiny_moe(kind)
-    model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
+    model = copy.deepcopy(ref)
+    model = tpf.parallelize(model, placement=P, plan=tpf.hf_plan(model, expert_parallel=expert_parallel))
     # Qwen2-MoE's shared expert, which its own plan leaves whole, is split too
     shared = [m for name, m in model.named_modules() if name.endswith("shared_expert.gate_proj")]
     assert all(isinstance(m, tpf.ColumnParallelLinear) for m in shared), kind
-    for experts in _experts(model):  # each rank its slice of every expert
+    for experts in _experts(model):  # each rank its slice of every expert, or E / W whole experts
         for p in (experts.gate_up_proj, experts.down_proj):
             assert p.to_local().numel() * dist.get_world_size() == p.numel(), (kind, p.shape)
+            assert p.to_local().shape[0] == p.shape[0] // (dist.get_world_size() if expert_parallel else 1)
     ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, want = model(ids).logits, ref(ids).logits
     torch.testing.assert_close(logits.full_tensor(), want, rtol=1e-6, atol=1e-6, msg=f"{kind}: logits")
-    losses, norms = train_lm(model, ids, steps=3)
-    ref_losses, ref_norms = train_lm(ref, ids, steps=3)
+    losses, norms = train_lm(model, ids, steps=2)
+    ref_losses, ref_norms = train_lm(ref, ids, steps=2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-6,
                                msg=f"{kind}: losses")
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-6, atol=1e-6,
@@ -71,15 +76,44 @@ def _grouped_mm():
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def _cases(kinds):
+def _no_tokens_on_a_rank():
+    """Expert parallel, every token routed to expert 0: the other ranks' experts get none. One device's output and
+    gradients; an expert id out of range is an error on every rank, not a token silently dropped."""
+    P = tpf.placement("cpu", list(range(dist.get_world_size())))
+    ref = _experts(tiny_moe("qwen3_moe"))[0]
+    experts = split_experts(copy.deepcopy(ref), P, by="experts")
+    x = torch.randn(6, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    weights = torch.rand(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ids = torch.zeros(6, 2, dtype=torch.long)
+    ids[:, 1] = 1 if dist.get_world_size() < 4 else 0
+    inputs = [x.clone().requires_grad_(), weights.clone().requires_grad_()]
+    ref_inputs = [x.clone().requires_grad_(), weights.clone().requires_grad_()]
+    out, want = experts(inputs[0], ids, inputs[1]), ref(ref_inputs[0], ids, ref_inputs[1])
+    torch.testing.assert_close(out, want)
+    (out * want.detach()).sum().backward()
+    (want * want.detach()).sum().backward()
+    for a, b in zip([*inputs, experts.gate_up_proj, experts.down_proj], [*ref_inputs, ref.gate_up_proj, ref.down_proj]):
+        got = a.grad.full_tensor() if isinstance(a.grad, DTensor) else a.grad
+        torch.testing.assert_close(got, b.grad)
+    ids[0, 0] = 4
+    with pytest.raises(ValueError, match="the router chose expert 4 .* there are 4 experts"):
+        experts(x, ids, weights)
+
+
+def _cases(kinds, modes):
     for kind in kinds:
-        _matches_one_device(kind)
+        for expert_parallel in modes:
+            _matches_one_device(kind, expert_parallel)
     _grouped_mm()
+    _no_tokens_on_a_rank()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_experts_split_over_tensor_ranks_match_one_device(world):
-    harness.run(world, _cases, MOE_KINDS if world > 1 else MOE_KINDS[:2], timeout=300)
+def test_experts_split_or_shared_out_over_tensor_ranks_match_one_device(world):
+    """Every family on 2 ranks; on 1 (nothing split) and 4 (one expert a rank) the two whose layouts differ most."""
+    kinds = MOE_KINDS if world == 2 else ("qwen3_moe", "deepseek_v3")
+    harness.run(world, _cases, kinds[:1] if world == 1 else kinds, (False,) if world == 1 else (False, True),
+                timeout=300)
 
 
 def test_experts_that_do_not_split_are_refused():
@@ -87,8 +121,11 @@ def test_experts_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match=r"intermediate size 48 does not split over 5 tensor-parallel ranks: use 1, 2, "
                                          r"3, 4, 6, 8, 12, 16, 24 or 48 ranks, or expert parallelism"):
         check_experts("model.layers.0.mlp.experts", experts, 5)
+    with pytest.raises(ValueError, match=r"its 4 experts do not split over 3 ranks: use 1, 2 or 4 ranks"):
+        check_experts("model.layers.0.mlp.experts", experts, 3, by="experts")
     experts.extra_bias = torch.nn.Parameter(torch.zeros(4, 64))
     with pytest.raises(ValueError, match=r"has parameters \['extra_bias'\] besides gate_up_proj and down_proj"):
         check_experts("model.layers.0.mlp.experts", experts, 2)
+    check_experts("model.layers.0.mlp.experts", experts, 2, by="experts")  # per expert: shared out with the others
     with pytest.raises(ValueError, match=r"is not a layout tpflow knows for experts: it needs 3-D gate_up_proj"):
         check_experts("model.layers.0.mlp", torch.nn.Linear(4, 4), 2)

@@ -45,15 +45,16 @@ def _layout(module: nn.Module) -> tuple[int, int, bool]:
     return (2, 1, concatenated) if getattr(module, "is_transposed", False) else (1, 2, concatenated)
 
 
-def check_experts(name: str, module: nn.Module, ranks: int) -> None:
+def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermediate") -> None:
     """Raise, naming the module and what to change, unless ``split_experts`` can split ``module`` over ``ranks``:
-    3-D ``gate_up_proj`` and ``down_proj`` of one expert count and one intermediate size divisible by ``ranks``, no
-    biases.
+    3-D ``gate_up_proj`` and ``down_proj`` of one expert count and one intermediate size; by ``"intermediate"`` no
+    biases and a size that ``ranks`` divides, by ``"experts"`` an expert count that ``ranks`` divides.
 
     Args:
         name: the module's name in the model, for the error.
         module: the experts module.
         ranks: the tensor-parallel ranks.
+        by: how it is split (``split_experts``).
 
     Example::
 
@@ -71,18 +72,28 @@ def check_experts(name: str, module: nn.Module, ranks: int) -> None:
                          f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters (transposed where the module's "
                          f"is_transposed says so), called as experts(hidden_states, top_k_index, top_k_weights); leave "
                          f"it out of the plan (it stays whole on every rank), or plan its parts as nn.Linear modules")
-    extra = [n for n, p in module.named_parameters(recurse=False) if n not in _NAMES]
-    if extra:
-        raise ValueError(f"{name} ({type(module).__name__}) has parameters {extra} besides gate_up_proj and down_proj "
-                         "(per-expert biases), which tpflow does not split yet: leave it out of the plan (it stays "
-                         "whole on every rank)")
     features, inner, _ = _layout(module)
     gate_up, down = params["gate_up_proj"], params["down_proj"]
-    size = down.shape[inner]
-    if gate_up.shape[0] != down.shape[0] or gate_up.shape[features] != 2 * size:
+    size, total = down.shape[inner], down.shape[0]
+    if gate_up.shape[0] != total or gate_up.shape[features] != 2 * size:
         raise ValueError(f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not "
                          f"hold one expert count and one intermediate size (gate_up_proj's dim {features} is twice "
                          f"down_proj's dim {inner})")
+    if by == "experts":
+        others = [n for n, p in module.named_parameters(recurse=False) if p.shape[:1] != (total,)]
+        if others:
+            raise ValueError(f"{name} ({type(module).__name__}) has parameters {others} that are not per expert "
+                             f"(a first dim of {total}): expert parallelism cannot split them")
+        if total % ranks:
+            fits = [d for d in range(1, min(total, 64) + 1) if total % d == 0]
+            raise ValueError(f"{name}: its {total} experts do not split over {ranks} ranks: use "
+                             f"{', '.join(map(str, fits[:-1]))} or {fits[-1]} ranks")
+        return
+    extra = [n for n, p in module.named_parameters(recurse=False) if n not in _NAMES]
+    if extra:
+        raise ValueError(f"{name} ({type(module).__name__}) has parameters {extra} besides gate_up_proj and down_proj "
+                         "(per-expert biases), which tpflow does not split over the intermediate dim yet: use expert "
+                         "parallelism, or leave it out of the plan (it stays whole on every rank)")
     if size % ranks:
         fits = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
         raise ValueError(f"{name}: its intermediate size {size} does not split over {ranks} tensor-parallel ranks: "
@@ -101,41 +112,62 @@ def _slice(full: torch.Tensor, dim: int, packed: bool, rank: int, ranks: int) ->
 
 class _Slices:
     """The hooks of one split experts module: local blocks in, the routing inputs' gradients summed, the output
-    summed."""
+    summed. Split by experts (``experts``: this rank's first expert, its count and the whole count), the expert ids
+    become this rank's (``count``, past its last, for another rank's: the sentinel transformers' experts code skips)
+    and the weights of other ranks' experts are zero here."""
 
-    def __init__(self, module: nn.Module, placement: Placement) -> None:
+    def __init__(self, module: nn.Module, placement: Placement, experts: tuple[int, int, int] | None) -> None:
         self.data_axes = placement.ndim - 1
         self.group = placement.mesh.get_group(self.data_axes) if placement.hierarchy[-1] > 1 else None
+        self.names = [n for n, _ in module.named_parameters(recurse=False)]
+        self.experts = experts
+        self.routing: tuple[torch.Tensor, ...] | None = None  # the tokens, weights and parameters, during a call
         self.blocks = LocalBlocks()
         self.inputs = list(inspect.signature(module.forward).parameters)[:3]  # tokens, expert ids, weights
         module.register_forward_pre_hook(self.before, with_kwargs=True)
         module.register_forward_hook(self.after, always_call=True)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        params = [module._parameters[n] for n in _NAMES]
+        params = [module._parameters[n] for n in self.names]
         views = self.blocks(params, key=None,
                             grad_placements=lambda p: (Partial(),) * self.data_axes + (p.placements[-1],))
-        for name, view in zip(_NAMES, views):
+        for name, view in zip(self.names, views):
             module.__dict__[name] = view  # found before nn.Module.__getattr__ looks in _parameters
-        args, kwargs = list(args), dict(kwargs)
-        for i in (0, 2):  # the tokens and the routing weights: whole here, their gradients partial sums
-            if i < len(args):
-                args[i] = comm.identity_all_reduce(args[i], self.group)
-            elif self.inputs[i] in kwargs:
-                kwargs[self.inputs[i]] = comm.identity_all_reduce(kwargs[self.inputs[i]], self.group)
-        return tuple(args), kwargs
+        given = {**dict(zip(self.inputs, args)), **kwargs}
+        tokens, ids, weights = (given[n] for n in self.inputs)
+        # the tokens and the routing weights: whole here, their gradients this rank's partial sums
+        tokens, weights = (comm.identity_all_reduce(t, self.group) for t in (tokens, weights))
+        self.routing = (tokens, weights, *views)
+        if self.experts is not None:
+            start, count, total = self.experts
+            if bool(((ids < 0) | (ids >= total)).any()):
+                raise ValueError(f"{type(module).__name__}: the router chose expert {int(ids.max())} (or a negative "
+                                 f"one), but there are {total} experts (ids 0 to {total - 1})")
+            ids = ids - start
+            other = (ids < 0) | (ids >= count)
+            ids, weights = ids.masked_fill(other, count), weights.masked_fill(other, 0)
+        return (tokens, ids, weights), {k: v for k, v in kwargs.items() if k not in self.inputs}
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
-        for name in _NAMES:
+        for name in self.names:
             module.__dict__.pop(name, None)
+        routing, self.routing = self.routing, None
         if not isinstance(output, torch.Tensor):  # the forward raised (this hook runs anyway)
             return output
+        if not output.requires_grad and any(t.requires_grad for t in routing):
+            # no token reached this rank's experts, so nothing here leads back to the routing inputs, whose gradients
+            # the other ranks sum with this one, nor to the experts (whose gradients one device has, zeros): an empty
+            # sum of each keeps this rank in the backward and gives its experts zero gradients
+            output = output + sum(t.reshape(-1)[:0].sum() for t in routing)
         return comm.all_reduce_identity(output, self.group)
 
 
-def split_experts(module: nn.Module, placement: Placement) -> nn.Module:
-    """Split ``module``'s experts over the last axis of ``placement`` (each rank its slice of every expert's
-    intermediate dim), in place; its forward is left as it is. ``check_experts`` says which modules it takes.
+def split_experts(module: nn.Module, placement: Placement, by: str = "intermediate") -> nn.Module:
+    """Split ``module``'s experts over the last axis of ``placement``, in place; its forward is left as it is.
+
+    ``by="intermediate"``: each rank its slice of every expert's intermediate dim (``check_experts`` says which
+    modules it takes). ``by="experts"``: each rank ``E / W`` whole experts (biases too), running them on the tokens
+    routed to them; the ranks hold every token (the tensor-parallel ranks), and one sum combines the outputs.
 
     The parameters become global tensors (whole over the data-parallel axes of a 2-D placement), so the optimizer,
     ``clip_grad_norm_`` and ``full_tensor()`` take them as any other.
@@ -144,6 +176,7 @@ def split_experts(module: nn.Module, placement: Placement) -> nn.Module:
         module: a Hugging Face experts module (``Qwen3MoeExperts``, ``MixtralExperts``, ...), the same on every
             rank.
         placement: the ranks; the last axis is the tensor-parallel one.
+        by: ``"intermediate"`` (tensor parallel experts) or ``"experts"`` (expert parallel).
 
     Returns:
         ``module`` itself.
@@ -154,30 +187,46 @@ def split_experts(module: nn.Module, placement: Placement) -> nn.Module:
         >>> from transformers import Qwen3MoeConfig
         >>> from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
         >>> _ = torch.manual_seed(0)
-        >>> experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=6, num_experts=4))
-        >>> torch.nn.init.normal_(experts.gate_up_proj); torch.nn.init.normal_(experts.down_proj)
+        >>> config = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=6, num_experts=4)
+        >>> tp, ep = Qwen3MoeExperts(config), Qwen3MoeExperts(config)
+        >>> for p in [*tp.parameters(), *ep.parameters()]:
+        ...     _ = torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(1))
         >>> x, ids, w = torch.randn(5, 8), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
-        >>> expected = experts(x, ids, w)
-        >>> split_experts(experts, tpf.placement("cpu", ranks=[0, 1])).gate_up_proj.to_local().shape
+        >>> expected = tp(x, ids, w)
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> split_experts(tp, P).gate_up_proj.to_local().shape                  # 3 of 6 gate rows, 3 of 6 up rows
         torch.Size([4, 6, 8])
-        >>> torch.allclose(experts(x, ids, w), expected, atol=1e-5)
-        True
+        >>> split_experts(ep, P, by="experts").gate_up_proj.to_local().shape    # 2 of 4 experts
+        torch.Size([2, 12, 8])
+        >>> torch.allclose(tp(x, ids, w), expected, atol=1e-5), torch.allclose(ep(x, ids, w), expected, atol=1e-5)
+        (True, True)
     """
+    if by not in ("intermediate", "experts"):
+        raise ValueError(f"by must be 'intermediate' or 'experts', got {by!r}")
     pl = placement
     ranks, coord = pl.hierarchy[-1], pl.coordinate()
-    check_experts(type(module).__name__, module, ranks)
+    check_experts(type(module).__name__, module, ranks, by)
     features, inner, packed = _layout(module)
-    splits = {"gate_up_proj": _StridedShard(features, split_factor=2) if packed else Shard(features),
-              "down_proj": Shard(inner)}
-    dims = {"gate_up_proj": (features, packed), "down_proj": (inner, False)}
-    for name in _NAMES:
-        full = module._parameters[name]
-        dim, halves = dims[name]
+    total = module._parameters["down_proj"].shape[0]
+    for name, full in list(module.named_parameters(recurse=False)):
+        if by == "experts":
+            dim, halves, split = 0, False, Shard(0)
+        elif name == "gate_up_proj":
+            dim, halves = features, packed
+            split = _StridedShard(features, split_factor=2) if packed else Shard(features)
+        else:
+            dim, halves, split = inner, False, Shard(inner)
         local = torch.empty(0, dtype=full.dtype) if coord is None else _slice(full, dim, halves, coord[-1], ranks)
-        value = DTensor.from_local(local.to(pl.device), pl.mesh, (Replicate(),) * (pl.ndim - 1) + (splits[name],),
+        value = DTensor.from_local(local.to(pl.device), pl.mesh, (Replicate(),) * (pl.ndim - 1) + (split,),
                                    run_check=False, shape=full.shape, stride=full.stride())
         setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
-    if coord is not None:
-        setattr(module, _STATE, _Slices(module, pl))
+    if coord is None:
+        return module
+    experts = None
+    if by == "experts":
+        count = total // ranks
+        experts = (coord[-1] * count, count, total)
+        module.num_experts = count  # transformers' experts code: its local experts, and ids past them skipped
+        module._is_expert_parallel = True
+    setattr(module, _STATE, _Slices(module, pl, experts))
     return module
-

@@ -16,6 +16,7 @@ from tpflow.plans.hf import hf_plan
 from tpflow.plans.parallelize import parallelize
 from tpflow.plans.styles import (
     ColumnParallel,
+    ExpertParallel,
     ExpertTensorParallel,
     GatherSequence,
     Replicated,
@@ -24,5 +25,5 @@ from tpflow.plans.styles import (
     VocabParallel,
 )
 
-__all__ = ["ColumnParallel", "ExpertTensorParallel", "GatherSequence", "Replicated", "RowParallel", "SequenceParallel",
-           "VocabParallel", "hf_plan", "parallelize"]
+__all__ = ["ColumnParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence", "Replicated", "RowParallel",
+           "SequenceParallel", "VocabParallel", "hf_plan", "parallelize"]

@@ -99,7 +99,7 @@ def _tied(model: nn.Module, name: str) -> bool:
 
 
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
-            vocab_parallel: bool = True) -> dict[str, Entry]:
+            vocab_parallel: bool = True, expert_parallel: bool = False) -> dict[str, Entry]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries.
 
     Args:
@@ -112,6 +112,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             a global tensor split over the vocabulary (``.full_tensor()`` gives it whole), the ``labels=`` loss is
             computed without gathering it, and ``generate`` decodes from whole logits. False: the head gathers the
             whole logits onto every rank, and the embedding (and a head tied to it) stays whole.
+        expert_parallel: a mixture of experts' experts shared out over the ranks whole (``tpf.ExpertParallel()``)
+            instead of each split over them (``tpf.ExpertTensorParallel()``, the model's own plan).
 
     Returns:
         Module-name patterns mapped to entries (``tpf.ColumnParallel``, ``tpf.RowParallel``, ...), which
@@ -143,7 +145,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             continue  # an experts module's parameters (the module's entry splits them); a dense MLP in an MoE model
         if style == "embedding_rowwise":  # HF's name for the vocabulary-parallel embedding, without options
             pattern = embedding or pattern
-        entry = style_of(pattern, style)
+        entry = style_of(pattern, "ep_dispatch_experts" if expert_parallel and style == "moe_tp_experts" else style)
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
         if sequence_parallel and isinstance(entry, (ColumnParallel, RowParallel)):

@@ -31,6 +31,7 @@ from tpflow.plans.logits import route_loss
 from tpflow.plans.pretrained import export_whole
 from tpflow.plans.styles import (
     ColumnParallel,
+    ExpertParallel,
     ExpertTensorParallel,
     GatherSequence,
     Replicated,
@@ -116,9 +117,10 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     chosen = _match(model, modules, plan)
     _agree(model, placement, chosen)
     named, placement = placement, tensor_slice(placement)  # a named placement's data axes: FSDP2's
-    experts = [name for name, (_, style) in chosen.items() if isinstance(style, ExpertTensorParallel)]
-    for name in experts:
-        check_experts(name, modules[name], placement.hierarchy[-1])
+    experts = {name: "experts" if isinstance(style, ExpertParallel) else "intermediate"
+               for name, (_, style) in chosen.items() if isinstance(style, (ExpertTensorParallel, ExpertParallel))}
+    for name, by in experts.items():
+        check_experts(name, modules[name], placement.hierarchy[-1], by)
     kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
     linears = {name: entry for name, entry in chosen.items()
                if isinstance(entry[1], (ColumnParallel, RowParallel, VocabParallel))}
@@ -153,8 +155,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         route_loss(model, heads)
     for parent, names in fused.items():
         ColumnGroup([built[id(modules[name])] for name in names], model.get_submodule(parent))
-    for name in experts:
-        split_experts(modules[name], placement)
+    for name, by in experts.items():
+        split_experts(modules[name], placement, by)
     grads = {}
     for name, (_, style) in chosen.items():
         if isinstance(style, SequenceParallel):

@@ -8,6 +8,7 @@
     GatherSequence()                      runs on every token, gathered from the ranks' own
     "vocab"                               VocabParallel(): an embedding or an output head split over the vocabulary
     "moe_tp_experts"                      ExpertTensorParallel(): every expert split over the ranks
+    "ep_dispatch_experts"                 ExpertParallel(): the experts shared out over the ranks, whole
 
 Hugging Face's style names (``config.base_model_tp_plan``) name the same entries: ``STYLES``.
 """
@@ -21,8 +22,8 @@ from torch import nn
 from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear, ShardedModule, VocabParallelEmbedding
 from tpflow.placement import Placement
 
-__all__ = ["STYLES", "ColumnParallel", "ExpertTensorParallel", "GatherSequence", "Replicated", "RowParallel",
-           "SequenceParallel", "Style", "VocabParallel", "style_of"]
+__all__ = ["STYLES", "ColumnParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence", "Replicated",
+           "RowParallel", "SequenceParallel", "Style", "VocabParallel", "style_of"]
 
 
 class Style:
@@ -334,8 +335,30 @@ class ExpertTensorParallel:
     """
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Plan entry for a mixture of experts' experts module split by whole experts (``tpf.hf_plan(model,
+    expert_parallel=True)``; Hugging Face's ``"ep_dispatch_experts"``): each of the W tensor-parallel ranks holds E / W
+    experts and runs them on the tokens routed to them (every rank holds every token), and one sum combines the
+    outputs (``tpflow.layers.experts``). The router stays whole on every rank, with one device's gradient.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, moe_intermediate_size=8,
+        ...     num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+        ...     num_key_value_heads=2, head_dim=4))
+        >>> model = tpf.parallelize(model, placement=P, plan=tpf.hf_plan(model, expert_parallel=True))
+        >>> model.model.layers[0].mlp.experts.down_proj.to_local().shape      # 2 of the 4 experts, whole
+        torch.Size([2, 16, 8])
+    """
+
+
 Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence | VocabParallel | \
-    ExpertTensorParallel
+    ExpertTensorParallel | ExpertParallel
 
 # Hugging Face's style names (transformers' ALL_PARALLEL_STYLES) and tpflow's own, as entries
 STYLES: dict[str, Entry] = {
@@ -353,6 +376,7 @@ STYLES: dict[str, Entry] = {
     "vocab": VocabParallel(),
     "embedding_rowwise": VocabParallel(),
     "moe_tp_experts": ExpertTensorParallel(),
+    "ep_dispatch_experts": ExpertParallel(),
 }
 
 
@@ -381,11 +405,11 @@ def style_of(pattern: str, style: object) -> Entry:
         RowParallel(input_is_parallel=True, sequence_parallel=True, algo='auto', sequence_dim=0)
     """
     if isinstance(style, (ColumnParallel, RowParallel, Replicated, SequenceParallel, GatherSequence, VocabParallel,
-                          ExpertTensorParallel)):
+                          ExpertTensorParallel, ExpertParallel)):
         return style
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]
     names = ", ".join(repr(n) for n in STYLES)
     raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style tpflow knows: use one of {names}, or "
                      f"tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.Replicated(...), tpf.SequenceParallel(...), "
-                     f"tpf.VocabParallel(...), tpf.ExpertTensorParallel()")
+                     f"tpf.VocabParallel(...), tpf.ExpertTensorParallel(), tpf.ExpertParallel()")
