@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpflow.global_tensor.blocks import get_placement, get_sbp
-from tpflow.sbp import local_region
+from tpflow.global_tensor.blocks import get_placement
+from tpflow.global_tensor.converted import checkpoint_sources, read_block, read_stacked
 
 __all__ = ["load_safetensors", "meta_parameters", "tensor_names", "unique_state_dict"]
 
@@ -167,18 +167,6 @@ def _allocate(t: torch.Tensor, block: torch.Tensor) -> None:
     torch.utils.swap_tensors(t, value)
 
 
-def _read(handle, key: str, t: torch.Tensor) -> torch.Tensor:
-    """This rank's block of ``t`` read from the file's tensor ``key``: only its slices, for a global tensor."""
-    sliced = handle.get_slice(key)
-    if tuple(sliced.get_shape()) != tuple(t.shape):
-        raise ValueError(f"{key!r} is {tuple(sliced.get_shape())} in the checkpoint but {tuple(t.shape)} in the model")
-    if not isinstance(t, DTensor):
-        return handle.get_tensor(key)
-    pl = get_placement(t)
-    offsets, lengths = local_region(t.shape, get_sbp(t), pl.hierarchy, pl.coordinate())
-    return sliced[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
-
-
 @torch.no_grad()
 def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | os.PathLike], *,
                      strict: bool = True) -> nn.Module:
@@ -192,6 +180,11 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
     allocated on its placement's device and filled (the same tensor object). A tied parameter is read once,
     under whichever of its names the files have (Hugging Face saves a tied head under the embedding's name only).
     The values are cast to the parameters' dtypes, and otherwise are the file's, bit for bit.
+
+    A Hugging Face model's checkpoint in its original layout loads as ``from_pretrained`` converts it: a mixture of
+    experts' per-expert tensors (``mlp.experts.3.gate_proj.weight``) are stacked into the model's fused experts, each
+    rank reading only its experts' tensors and of each its slice, and renamed modules (Mixtral's
+    ``block_sparse_moe``) are found under their new names (``tpflow.global_tensor.converted``).
 
     A stage of ``tpf.pipeline.cut`` takes a checkpoint of the whole model: it reads the tensors of its own
     layers by the whole model's names (``model.layers.5.mlp.up_proj.weight``) and leaves the other stages'
@@ -272,11 +265,15 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         for file in _files(path):
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             handles.update(dict.fromkeys(handle.keys(), handle))
+        renamed, stacked = checkpoint_sources(model, list(handles))  # transformers' own conversions (MoE experts)
         tensors = []
         for names, t, owners in _tensors(model).values():
             names = [n[len(prefix):] if n.startswith(prefix) else n for n in names]
-            tensors.append((next((n for n in names if n in handles), None), names, t, owners))
+            tensors.append((next((n for n in names if n in handles or n in renamed or n in stacked), None), names, t,
+                            owners))
         expected = {n for _, names, _, _ in tensors for n in names} | (whole or set())
+        expected |= {renamed[n] for n in expected if n in renamed}
+        expected |= {k for n in expected & stacked.keys() for part in stacked[n].keys for k in part}
         ignored = _ignored(model)
         unexpected = sorted(k for k in handles if k not in expected and not (ignored and ignored.search(k))) if strict \
             else []
@@ -296,7 +293,12 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         for key, _, t, owners in tensors:
             if isinstance(t, DTensor) and get_placement(t).coordinate() is None:
                 continue  # a rank outside the tensor's placement holds nothing of it
-            value = _read(handles[key], key, t)
+            if key in handles:
+                value = read_block(handles[key], key, t)
+            elif key in renamed:
+                value = read_block(handles[renamed[key]], renamed[key], t)
+            else:  # per-expert tensors, stacked
+                value = read_stacked(handles, stacked[key], t)
             if isinstance(t, DTensor):
                 if t.to_local().is_meta:  # made global without a plan: its block was never allocated
                     _allocate(t, value)

@@ -1,0 +1,209 @@
+"""Reading a rank's block of a parameter from a checkpoint that stores it otherwise: in slices of the file's tensors.
+
+A block is read as index ranges along each dim (``block_ranges``): a split gives one range, DTensor's strided split
+(a mixture's packed gate / up halves, ``_StridedShard``) several, and the block is their pieces put together.
+
+Hugging Face's MoE checkpoints keep one tensor per expert (``mlp.experts.3.gate_proj.weight``), which transformers
+stacks into the model's fused 3-D parameters when it loads them (its conversion mapping: the per-expert tensors
+merged along a new dim 0, gate and up concatenated along dim 1), and renames some modules on the way (Mixtral's
+``block_sparse_moe`` is the model's ``mlp``). ``checkpoint_sources`` reads that mapping as data: for each of the
+model's names, the file tensors it is made of. A rank then reads only its experts' tensors, and of each only its
+slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from tpflow.global_tensor.blocks import get_placement
+from tpflow.sbp import chunk_bounds
+
+__all__ = ["Stacked", "block_ranges", "checkpoint_sources", "read_block", "read_stacked"]
+
+Ranges = list[list[tuple[int, int]]]  # per dim, the [start, end) ranges a block holds, in order
+
+
+def block_ranges(t: torch.Tensor) -> Ranges:
+    """The index ranges along each dim of this rank's block of ``t`` (a plain tensor: the whole of it).
+
+    Args:
+        t: a tensor; a global one split (``Shard``, ``_StridedShard``) or broadcast over its mesh.
+
+    Returns:
+        Per dim, ``[start, end)`` ranges whose pieces, in order, make the block.
+
+    Example::
+
+        >>> from torch.distributed.tensor import DTensor
+        >>> from torch.distributed.tensor.placement_types import _StridedShard
+        >>> from tpflow.global_tensor.converted import block_ranges
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> packed = DTensor.from_local(torch.zeros(4, 6, 8), P.mesh, [_StridedShard(1, split_factor=2)],
+        ...                             shape=(4, 12, 8), stride=(96, 8, 1))
+        >>> block_ranges(packed)              # on rank 1: the second half of the gate rows and of the up rows
+        [[(0, 4)], [(3, 6), (9, 12)], [(0, 8)]]
+    """
+    ranges: Ranges = [[(0, n)] for n in t.shape]
+    if not isinstance(t, DTensor):
+        return ranges
+    coord, sizes = get_placement(t).coordinate(), t.device_mesh.shape
+    for placement, c, n in zip(t.placements, coord, sizes):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, _StridedShard)):  # (a strided split is not a Shard in every torch)
+            raise ValueError(f"a parameter laid out as {placement} is not read from a checkpoint by slices")
+        d, parts = placement.dim, placement.split_factor if isinstance(placement, _StridedShard) else 1
+        narrowed = []
+        for start, end in ranges[d]:
+            step = (end - start) // parts
+            for k in range(parts):  # a strided split: this rank's chunk of each of the parts
+                a, b = chunk_bounds(step, n)[c]
+                narrowed.append((start + k * step + a, start + k * step + b))
+        ranges[d] = narrowed
+    return ranges
+
+
+def _pieces(ranges: Ranges) -> list[tuple[slice, ...]]:
+    """The block's pieces (one per combination of ranges), as index tuples, in the order they are put together."""
+    out: list[tuple[slice, ...]] = [()]
+    for dim in ranges:
+        out = [prefix + (slice(a, b),) for prefix in out for a, b in dim]
+    return out
+
+
+def _assemble(pieces: list[torch.Tensor], ranges: Ranges) -> torch.Tensor:
+    """The pieces of ``_pieces(ranges)`` put together: concatenated along each dim, the last dim innermost."""
+    for d in reversed(range(len(ranges))):
+        k = len(ranges[d])
+        if k > 1:
+            pieces = [torch.cat(pieces[i:i + k], dim=d) for i in range(0, len(pieces), k)]
+    return pieces[0]
+
+
+def read_block(handle, key: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``t`` from the file tensor ``key``, which holds it whole: only its slices are read.
+
+    Args:
+        handle: a ``safetensors.safe_open`` handle holding ``key``.
+        key: the tensor's name in the file.
+        t: the model's tensor (plain or global).
+
+    Returns:
+        The block, in the file's dtype.
+    """
+    sliced = handle.get_slice(key)
+    if tuple(sliced.get_shape()) != tuple(t.shape):
+        raise ValueError(f"{key!r} is {tuple(sliced.get_shape())} in the checkpoint but {tuple(t.shape)} in the model")
+    if not isinstance(t, DTensor):
+        return handle.get_tensor(key)
+    ranges = block_ranges(t)
+    return _assemble([sliced[index] for index in _pieces(ranges)], ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A model tensor that the checkpoint holds as one tensor per expert: ``keys[k][e]`` is expert e's tensor of
+    the k-th part, the parts concatenated along ``dim`` (gate and up) after the experts are stacked along dim 0."""
+
+    keys: tuple[tuple[str, ...], ...]
+    dim: int | None
+
+
+def checkpoint_sources(model: nn.Module, keys: list[str]) -> tuple[dict[str, str], dict[str, Stacked]]:
+    """What transformers' conversion mapping makes of the checkpoint's ``keys`` for ``model``: the model's names of
+    renamed tensors (their checkpoint keys), and the model's tensors stacked from per-expert ones.
+
+    Args:
+        model: a transformers model (anything else has no mapping: nothing is returned).
+        keys: the checkpoint's tensor names.
+
+    Returns:
+        ``(renamed, stacked)``: model name -> checkpoint key, and model name -> ``Stacked``.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import MergeModulelist, WeightConverter, rename_source_key
+    except ImportError:
+        return {}, {}
+    if not hasattr(model, "config"):
+        return {}, {}
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    renamed: dict[str, str] = {}
+    parts: dict[str, dict[int, dict[int, str]]] = {}
+    converter_of: dict[str, WeightConverter] = {}
+    for key in keys:
+        name, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            if name != key:
+                renamed[name] = key
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        k = converter.source_patterns.index(pattern)
+        found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        if found is None:  # the renamings changed what the pattern names: found on the renamed key instead
+            found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), rename_source_key(key, renamings, [])[0])
+        parts.setdefault(name, {}).setdefault(k, {})[int(found.group(1))] = key
+        converter_of[name] = converter
+    stacked = {}
+    for name, by_part in parts.items():
+        ops = converter_of[name].operations
+        if not ops or not isinstance(ops[0], MergeModulelist) or len(ops) > 2 or \
+                (len(ops) == 2 and type(ops[1]).__name__ != "Concatenate"):
+            raise ValueError(f"{name}: the checkpoint's tensors are converted by {[type(o).__name__ for o in ops]}, "
+                             "which tpf.load_safetensors does not read: load with from_pretrained, then parallelize")
+        keys_ = tuple(tuple(by_part[k][e] for e in sorted(by_part[k])) for k in sorted(by_part))
+        stacked[name] = Stacked(keys_, ops[1].dim if len(ops) == 2 else None)
+    return renamed, stacked
+
+
+def read_stacked(handles: dict, source: Stacked, t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``t`` from per-expert tensors: only its experts' tensors, and of each its slice.
+
+    Args:
+        handles: checkpoint key -> ``safe_open`` handle.
+        source: what ``t`` is made of.
+        t: the model's tensor, ``[experts, ...]``.
+
+    Returns:
+        The block.
+    """
+    ranges = block_ranges(t)
+    experts = len(source.keys[0])
+    if t.shape[0] != experts or any(len(k) != experts for k in source.keys):
+        raise ValueError(f"the checkpoint holds {[len(k) for k in source.keys]} experts' tensors for a parameter of "
+                         f"{t.shape[0]} experts {tuple(t.shape)}")
+    part = t.shape[source.dim] // len(source.keys) if source.dim is not None else None
+    want = [*t.shape[1:]]
+    if part is not None:
+        want[source.dim - 1] = part
+    for keys in source.keys:
+        for key in keys:
+            if list(handles[key].get_slice(key).get_shape()) != want:
+                raise ValueError(f"{key!r} is {tuple(handles[key].get_slice(key).get_shape())} in the checkpoint, but "
+                                 f"the model's {tuple(t.shape)} takes {tuple(want)} from each expert")
+    if part is not None:  # a range over two parts (gate and up, whole) read as one piece of each
+        ranges[source.dim] = [(max(a, k * part), min(b, (k + 1) * part)) for a, b in ranges[source.dim]
+                              for k in range(a // part, (b - 1) // part + 1)]
+    rows = []
+    for start, end in ranges[0]:
+        for e in range(start, end):
+            pieces = []
+            for index in _pieces(ranges[1:]):
+                k = 0
+                if part is not None:  # which part (gate, up) this piece lies in, and where in it
+                    s = index[source.dim - 1]
+                    k = s.start // part
+                    index = (*index[:source.dim - 1], slice(s.start - k * part, s.stop - k * part),
+                             *index[source.dim:])
+                key = source.keys[k][e]
+                pieces.append(handles[key].get_slice(key)[index])
+            rows.append(_assemble(pieces, ranges[1:]))
+    return torch.stack(rows)
