@@ -16,6 +16,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 import tpflow as tpf
@@ -137,6 +139,43 @@ def _checkpoints(kind, expert_parallel):
         shutil.rmtree(where[0])
 
 
+def _recompute_and_reshard():
+    """Gradient checkpointing recomputes the split experts' forward (hooks and all) to one device's gradients; a
+    torch.distributed.checkpoint of the expert-parallel model and its AdamW state loads resharded on one device."""
+    P = tpf.placement("cpu", list(range(dist.get_world_size())))
+    ref = tiny_moe("qwen3_moe")
+    ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(5))
+    for expert_parallel in (False, True):
+        model = copy.deepcopy(ref)
+        tpf.parallelize(model, placement=P, plan=tpf.hf_plan(model, expert_parallel=expert_parallel))
+        model.gradient_checkpointing_enable()
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        ref.zero_grad()
+        ref(ids, labels=ids).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7, msg=name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    where = [tempfile.mkdtemp(prefix="tpflow-moe-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    model_state, opt_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=where[0])
+    one = copy.deepcopy(ref)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    one_opt.step()  # its state exists, to be overwritten
+    model_state, opt_state = get_state_dict(one, one_opt)
+    state = {"model": model_state, "optim": opt_state}
+    dcp.load(state, checkpoint_id=where[0])
+    set_state_dict(one, one_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for (name, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q), name
+        assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), one_opt.state[q]["exp_avg"]), name
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0])
+
+
 def _cases(kinds, modes):
     for kind in kinds:
         for expert_parallel in modes:
@@ -145,6 +184,8 @@ def _cases(kinds, modes):
     _no_tokens_on_a_rank()
     for kind, expert_parallel in zip(("qwen3_moe", "mixtral"), modes * 2, strict=False):  # Mixtral's names differ
         _checkpoints(kind, expert_parallel)
+    if len(modes) > 1:
+        _recompute_and_reshard()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
