@@ -106,10 +106,11 @@ def tiny_lm(kind: str, kv_heads: int = 2, layers: int = 2, **extra) -> nn.Module
     return transformers.AutoModelForCausalLM.from_config(config).double()
 
 
-MOE_KINDS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
+MOE_KINDS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")
 _MOE_EXTRA = {  # what each family needs besides the shared sizes (OLMoE plans k / v gathered: a head per rank)
     "olmoe": {"num_key_value_heads": 4},
     "qwen2_moe": {"shared_expert_intermediate_size": 80},
+    "gpt_oss": {"intermediate_size": 48},  # its experts' (it has no dense MLP)
     "deepseek_v3": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
                     "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1,
                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
@@ -122,9 +123,11 @@ def tiny_moe(kind: str, experts: str = "eager", dtype: torch.dtype = torch.float
     runs in fp64; ``"grouped_mm"``: ``torch._grouped_mm``, fp32 and lower)."""
     import transformers
 
-    sizes = {"num_key_value_heads": 2, "head_dim": 16, **_MOE_EXTRA.get(kind, {})}
+    sizes = {"num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, **_MOE_EXTRA.get(kind, {})}
+    if kind == "gpt_oss" and experts == "eager":  # its loop's one_hot cannot take another rank's experts (EP)
+        experts = "batched_mm"
     config = transformers.AutoConfig.for_model(
-        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+        kind, vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=48, num_experts=4,
         num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1, **sizes)
     torch.manual_seed(0)

@@ -1,10 +1,11 @@
 """Mixtures of experts on the tensor-parallel ranks by their own plans: each expert split over the ranks
 (``plan="auto"``) or the experts shared out whole (``hf_plan(model, expert_parallel=True)``). Qwen3-MoE, Mixtral,
-OLMoE, Qwen2-MoE and DeepSeek-V3 against one device: the logits, the ``labels=`` loss with the router's auxiliary
-loss, 2 AdamW steps with clipping that bites (every parameter after them, the routers included), greedy and sampled
-decoding; each rank holds 1/W of every expert's parameters. The default experts implementation
-(``torch._grouped_mm``) in fp32 too, a rank whose experts get no token, and the mistakes: experts that do not split,
-an expert id out of range, a layout tpflow does not know."""
+OLMoE, Qwen2-MoE, DeepSeek-V3 and gpt-oss (tpflow's own plan: it ships none) against one device: the logits, the
+``labels=`` loss with the router's auxiliary loss, 2 AdamW steps with clipping that bites (every parameter after
+them, the routers included), greedy and sampled decoding; each rank holds 1/W of every expert's parameters. The
+default experts implementation (``torch._grouped_mm``) in fp32 too, a rank whose experts get no token, checkpoints
+(transformers' per-expert files read by slices, the export, DCP resharded), gradient checkpointing, and the
+mistakes: experts that do not split, an expert id out of range, a layout tpflow does not know."""
 
 from __future__ import annotations
 
@@ -190,8 +191,9 @@ def _cases(kinds, modes):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_experts_split_or_shared_out_over_tensor_ranks_match_one_device(world):
-    """Every family on 2 ranks; on 1 (nothing split) and 4 (one expert a rank) the two whose layouts differ most."""
-    kinds = MOE_KINDS if world == 2 else ("qwen3_moe", "deepseek_v3")
+    """Every family on 2 ranks; on 1 (nothing split) and 4 (one expert a rank, one head a rank) the three whose
+    layouts differ most (gpt-oss: experts transposed with biases, gate / up interleaved, attention sinks)."""
+    kinds = MOE_KINDS if world == 2 else ("qwen3_moe", "deepseek_v3", "gpt_oss")
     harness.run(world, _cases, kinds[:1] if world == 1 else kinds, (False,) if world == 1 else (False, True),
                 timeout=300)
 
@@ -204,7 +206,8 @@ def test_experts_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match=r"its 4 experts do not split over 3 ranks: use 1, 2 or 4 ranks"):
         check_experts("model.layers.0.mlp.experts", experts, 3, by="experts")
     experts.extra_bias = torch.nn.Parameter(torch.zeros(4, 64))
-    with pytest.raises(ValueError, match=r"has parameters \['extra_bias'\] besides gate_up_proj and down_proj"):
+    with pytest.raises(ValueError, match=r"has parameters \['extra_bias'\] besides gate_up_proj, down_proj and "
+                                         r"their biases"):
         check_experts("model.layers.0.mlp.experts", experts, 2)
     check_experts("model.layers.0.mlp.experts", experts, 2, by="experts")  # per expert: shared out with the others
     with pytest.raises(ValueError, match=r"is not a layout tpflow knows for experts: it needs 3-D gate_up_proj"):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["LocalBlocks", "join"]
+__all__ = ["LocalBlocks", "LocalReads", "join"]
 
 
 def _owned(g: torch.Tensor) -> torch.Tensor:
@@ -86,6 +86,46 @@ class LocalBlocks:
             grad_specs = tuple(dataclasses.replace(p._spec, placements=tuple(grad_placements(p))) for p in params)
             self._specs[key] = (specs, grad_specs)
         return _Blocks.apply(grad_specs, *params)
+
+
+class LocalReads:
+    """Around each call of a module, its DTensor parameters ``names`` read as their local blocks (``LocalBlocks``),
+    so that its unchanged forward computes on local tensors: ``enter`` before it (the blocks are found before
+    ``nn.Module.__getattr__`` looks in ``_parameters``), ``leave`` after it.
+
+    Args:
+        names: the module's own parameter names.
+        grad_placements: each parameter's gradient layout (DTensor placements).
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> norm = torch.nn.LayerNorm(4)
+        >>> norm.weight = torch.nn.Parameter(tpf.ones(4, placement=P, sbp=tpf.sbp.broadcast))
+        >>> reads = LocalReads(["weight"], lambda p: p.placements)
+        >>> type(reads.enter(norm)[0]).__name__, type(norm.weight).__name__
+        ('Tensor', 'Tensor')
+        >>> reads.leave(norm)
+        >>> type(norm.weight).__name__
+        'DTensor'
+    """
+
+    def __init__(self, names: Sequence[str], grad_placements: Callable[[DTensor], tuple]) -> None:
+        self.names, self.grad_placements = list(names), grad_placements
+        self.blocks = LocalBlocks()
+
+    def enter(self, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+        """Put the local blocks in place of the parameters; returns them."""
+        views = self.blocks([module._parameters[n] for n in self.names], key=None,
+                            grad_placements=self.grad_placements)
+        for name, view in zip(self.names, views):
+            module.__dict__[name] = view
+        return views
+
+    def leave(self, module: torch.nn.Module) -> None:
+        """The parameters themselves again."""
+        for name in self.names:
+            module.__dict__.pop(name, None)
 
 
 def _adjacent(blocks: Sequence[torch.Tensor]) -> bool:

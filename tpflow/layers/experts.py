@@ -29,12 +29,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpflow import comm
 from tpflow.global_tensor import gradients
-from tpflow.layers.blocks import LocalBlocks
+from tpflow.layers.blocks import LocalReads
 from tpflow.placement import Placement
 
 __all__ = ["check_experts", "split_experts"]
 
 _NAMES = ("gate_up_proj", "down_proj")
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")  # per expert: [E, 2I] split as gate_up_proj, [E, H] kept whole
 _STATE = "_tpflow_experts"
 
 
@@ -47,8 +48,9 @@ def _layout(module: nn.Module) -> tuple[int, int, bool]:
 
 def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermediate") -> None:
     """Raise, naming the module and what to change, unless ``split_experts`` can split ``module`` over ``ranks``:
-    3-D ``gate_up_proj`` and ``down_proj`` of one expert count and one intermediate size; by ``"intermediate"`` no
-    biases and a size that ``ranks`` divides, by ``"experts"`` an expert count that ``ranks`` divides.
+    3-D ``gate_up_proj`` and ``down_proj`` of one expert count and one intermediate size; by ``"intermediate"`` a
+    size that ``ranks`` divides (and no parameters but those and their biases), by ``"experts"`` an expert count
+    that ``ranks`` divides.
 
     Args:
         name: the module's name in the model, for the error.
@@ -89,10 +91,10 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
             raise ValueError(f"{name}: its {total} experts do not split over {ranks} ranks: use "
                              f"{', '.join(map(str, fits[:-1]))} or {fits[-1]} ranks")
         return
-    extra = [n for n, p in module.named_parameters(recurse=False) if n not in _NAMES]
+    extra = [n for n, p in module.named_parameters(recurse=False) if n not in (*_NAMES, *_BIASES)]
     if extra:
-        raise ValueError(f"{name} ({type(module).__name__}) has parameters {extra} besides gate_up_proj and down_proj "
-                         "(per-expert biases), which tpflow does not split over the intermediate dim yet: use expert "
+        raise ValueError(f"{name} ({type(module).__name__}) has parameters {extra} besides gate_up_proj, down_proj and "
+                         "their biases, which tpflow does not know how to split over the intermediate dim: use expert "
                          "parallelism, or leave it out of the plan (it stays whole on every rank)")
     if size % ranks:
         fits = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
@@ -114,25 +116,27 @@ class _Slices:
     """The hooks of one split experts module: local blocks in, the routing inputs' gradients summed, the output
     summed. Split by experts (``experts``: this rank's first expert, its count and the whole count), the expert ids
     become this rank's (``count``, past its last, for another rank's: the sentinel transformers' experts code skips)
-    and the weights of other ranks' experts are zero here."""
+    and the weights of other ranks' experts are zero here. A ``down_proj_bias`` kept whole (split by the
+    intermediate dim) is added by the axis' first rank only, its gradient summed."""
 
     def __init__(self, module: nn.Module, placement: Placement, experts: tuple[int, int, int] | None) -> None:
         self.data_axes = placement.ndim - 1
         self.group = placement.mesh.get_group(self.data_axes) if placement.hierarchy[-1] > 1 else None
-        self.names = [n for n, _ in module.named_parameters(recurse=False)]
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        self.once = names.index("down_proj_bias") if experts is None and "down_proj_bias" in names else None
+        self.first = placement.coordinate()[-1] == 0
+        self.reads = LocalReads(names, lambda p: (Partial(),) * self.data_axes + (
+            Partial() if isinstance(p.placements[-1], Replicate) else p.placements[-1],))
         self.experts = experts
         self.routing: tuple[torch.Tensor, ...] | None = None  # the tokens, weights and parameters, during a call
-        self.blocks = LocalBlocks()
         self.inputs = list(inspect.signature(module.forward).parameters)[:3]  # tokens, expert ids, weights
         module.register_forward_pre_hook(self.before, with_kwargs=True)
         module.register_forward_hook(self.after, always_call=True)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        params = [module._parameters[n] for n in self.names]
-        views = self.blocks(params, key=None,
-                            grad_placements=lambda p: (Partial(),) * self.data_axes + (p.placements[-1],))
-        for name, view in zip(self.names, views):
-            module.__dict__[name] = view  # found before nn.Module.__getattr__ looks in _parameters
+        views = self.reads.enter(module)
+        if self.once is not None and not self.first:  # the whole bias, added once over the ranks
+            module.__dict__[self.reads.names[self.once]] = views[self.once] * 0
         given = {**dict(zip(self.inputs, args)), **kwargs}
         tokens, ids, weights = (given[n] for n in self.inputs)
         # the tokens and the routing weights: whole here, their gradients this rank's partial sums
@@ -149,8 +153,7 @@ class _Slices:
         return (tokens, ids, weights), {k: v for k, v in kwargs.items() if k not in self.inputs}
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
-        for name in self.names:
-            module.__dict__.pop(name, None)
+        self.reads.leave(module)
         routing, self.routing = self.routing, None
         if not isinstance(output, torch.Tensor):  # the forward raised (this hook runs anyway)
             return output
@@ -211,12 +214,18 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
     for name, full in list(module.named_parameters(recurse=False)):
         if by == "experts":
             dim, halves, split = 0, False, Shard(0)
-        elif name == "gate_up_proj":
-            dim, halves = features, packed
-            split = _StridedShard(features, split_factor=2) if packed else Shard(features)
-        else:
+        elif name in ("gate_up_proj", "gate_up_proj_bias"):
+            dim, halves = (features if name == "gate_up_proj" else 1), packed
+            split = _StridedShard(dim, split_factor=2) if packed else Shard(dim)
+        elif name == "down_proj":
             dim, halves, split = inner, False, Shard(inner)
-        local = torch.empty(0, dtype=full.dtype) if coord is None else _slice(full, dim, halves, coord[-1], ranks)
+        else:  # down_proj_bias: whole, added by one rank (_Slices)
+            dim, halves, split = None, False, Replicate()
+        if coord is None:
+            local = torch.empty(0, dtype=full.dtype)
+        else:
+            whole = torch.empty(full.shape, dtype=full.dtype) if full.is_meta else full.detach().clone()
+            local = whole if dim is None else _slice(full, dim, halves, coord[-1], ranks)
         value = DTensor.from_local(local.to(pl.device), pl.mesh, (Replicate(),) * (pl.ndim - 1) + (split,),
                                    run_check=False, shape=full.shape, stride=full.stride())
         setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))

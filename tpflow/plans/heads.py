@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Partial, Shard
 
 from tpflow import comm
+from tpflow.global_tensor import from_local, gradients
+from tpflow.layers.blocks import LocalReads
 from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
+from tpflow.sbp import broadcast, split
 
-__all__ = ["attention_heads", "check", "keep_columns"]
+__all__ = ["attention_heads", "check", "keep_columns", "split_per_head"]
 
 
 def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -144,3 +148,51 @@ def check(name: str, counts: tuple[int, int, int], world: int) -> bool:
         raise ValueError(f"{name!r} has {kv} key/value heads: {world} tensor-parallel ranks must be a multiple or a "
                          f"divisor of them, so that each rank holds whole key/value heads")
     return kv % world == 0
+
+
+def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
+    """Split an attention module's own per-head parameters (a first dim of ``num_attention_heads``: gpt-oss's
+    attention sinks) with its heads over the last axis of ``placement``, each rank its heads' entries, read as local
+    blocks around each call; returns their names. Its q / k / v must be column layers, which split the heads so.
+
+    Args:
+        module: a Hugging Face attention module (``attention_heads`` is not None).
+        placement: the ranks; the last axis is the tensor-parallel one.
+
+    Returns:
+        The names of the parameters split.
+
+    Example::
+
+        >>> from transformers import GptOssConfig
+        >>> from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+        >>> attention = GptOssAttention(GptOssConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+        ...                                          head_dim=4), layer_idx=0)
+        >>> split_per_head(attention, tpf.placement("cpu", ranks=[0, 1])), attention.sinks.to_local().shape
+        (['sinks'], torch.Size([2]))
+    """
+    heads = attention_heads(module)[0]
+    names = [n for n, p in module.named_parameters(recurse=False) if p.ndim >= 1 and p.shape[0] == heads]
+    if not names:
+        return names
+    pl, coord = placement, placement.coordinate()
+    sbp = (broadcast,) * (pl.ndim - 1) + (split(0),)
+    for name in names:
+        full = module._parameters[name]
+        if coord is None:
+            local = torch.empty(0, dtype=full.dtype)
+        elif full.is_meta:
+            local = torch.empty((heads // pl.hierarchy[-1], *full.shape[1:]), dtype=full.dtype)
+        else:
+            local = full.detach().chunk(pl.hierarchy[-1])[coord[-1]].clone()
+        value = from_local(local.to(pl.device), pl, sbp, shape=full.shape, sync_data=False)
+        setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
+    if coord is not None:
+        reads = LocalReads(names, lambda p: (Partial(),) * (pl.ndim - 1) + (Shard(0),))
+
+        def enter(m: nn.Module, args: tuple) -> None:
+            reads.enter(m)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(lambda m, args, output: reads.leave(m), always_call=True)
+    return names

@@ -43,14 +43,24 @@ from tpflow.plans.styles import (
 __all__ = ["hf_plan"]
 
 
+# Base-model plans for models whose own leaves their layers whole: gpt-oss ships none (its attention sinks, one per
+# head, are split with the heads by parallelize)
+_TPFLOW_PLANS = {
+    "gpt_oss": {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                "layers.*.mlp.experts": "moe_tp_experts"},
+}
+
+
 def _model_plan(model: nn.Module) -> dict[str, object]:
     """The model's own plan with full module names: transformers' merged ``tp_plan``, or the config's and the
-    class's put together as transformers does."""
-    plan = getattr(model, "tp_plan", None)
-    if isinstance(plan, dict) and plan:
-        return dict(plan)
+    class's put together as transformers does; tpflow's own for a model that ships none for its layers."""
     config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None) or {}
+    own = _TPFLOW_PLANS.get(getattr(config, "model_type", None))
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan and own is None:
+        return dict(plan)
+    base = own or getattr(config, "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     nested = prefix and isinstance(getattr(model, prefix, None), nn.Module)
     plan = {(f"{prefix}.{k}" if nested else k): v for k, v in base.items()}

@@ -24,7 +24,7 @@ from tpflow.layers.replicated import replicate
 from tpflow.layers.vocab import ranks_without_rows
 from tpflow.placement import Placement
 from tpflow.plans.fsdp import expect_fsdp, leaves_data_axes, tensor_slice
-from tpflow.plans.heads import attention_heads, check, keep_columns
+from tpflow.plans.heads import attention_heads, check, keep_columns, split_per_head
 from tpflow.plans.hf import hf_plan
 from tpflow.plans.inputs import check_inputs
 from tpflow.plans.logits import route_loss
@@ -157,6 +157,10 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         ColumnGroup([built[id(modules[name])] for name in names], model.get_submodule(parent))
     for name, by in experts.items():
         split_experts(modules[name], placement, by)
+    for name, module in modules.items():  # per-head parameters of attention split by heads (gpt-oss's sinks)
+        q = chosen.get(f"{name}.q_proj", (None, None))[1]
+        if attention_heads(module) is not None and isinstance(q, ColumnParallel) and not q.gather_output:
+            split_per_head(module, placement)
     grads = {}
     for name, (_, style) in chosen.items():
         if isinstance(style, SequenceParallel):
