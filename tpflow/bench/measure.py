@@ -240,10 +240,18 @@ class _Collectives(TorchDispatchMode):
             self._c10d(func, op, args)
         if func.namespace != "_c10d_functional" or op in _NOT_TRANSFERS:
             return out
+        group = _resolve_process_group(args[-1])
+        if op == "all_to_all_single":  # (input, output_split_sizes, input_split_sizes, group): rows to each rank
+            x, sizes = args[0], args[2]
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            sizes = sizes or [x.shape[0] // world] * world
+            row = x[:1].numel() * x.element_size()
+            comm.stats.add(sum(n for r, n in enumerate(sizes) if r != rank) * row,
+                           sum(1 for r, n in enumerate(sizes) if r != rank and n))
+            return out
         if op not in ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor"):
             raise RuntimeError(f"the harness cannot count the bytes of {func}: add its ring cost to "
                                "tpflow.bench.measure")
-        group = _resolve_process_group(args[-1])
         counted = out if op == "all_gather_into_tensor" else args[0]  # the full tensor each pass walks
         comm.count_ring(counted, dist.get_world_size(group), _ring_passes(op, args[0]))
         return out

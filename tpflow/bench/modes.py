@@ -9,6 +9,9 @@
     tensor, torch       PyTorch's parallelize_module with ColwiseParallel / RowwiseParallel
     tensor, transformers  the hf workload only: transformers' own tensor parallelism
                         (from_pretrained(..., tp_plan="auto")) on the same checkpoint and batch
+    experts, tpflow     the moe workload only: its experts shared out whole over the ranks (expert parallel),
+                        the rest as "tensor, tpflow" (where the moe workload's experts are split)
+    experts, transformers  transformers' own (DistributedConfig(tp_size=W, ep_size=W)), same checkpoint
     sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
                         all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
     sequence, unfused   the same layout, the plain collective then the matmul
@@ -142,16 +145,33 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
     return trainer
 
 
-def tensor_tpflow(w: Workload, ctx: Context) -> Trainer:
+def tensor_tpflow(w: Workload, ctx: Context, expert_parallel: bool = False) -> Trainer:
     _check_heads(w, ctx.world)
-    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world)
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _experts_bytes(w, ctx.world)
     hf = isinstance(w.model, CausalLMLoss)  # the model's own plan, its head included
     minimum += _head_bytes(w, ctx.world, vocab_parallel=True) if hf else 0
-    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)),
-                            plan="auto" if hf else _tpflow_plan(w))
+    plan = tpf.hf_plan(w.model, expert_parallel=expert_parallel) if hf else _tpflow_plan(w)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=ctx.placement(range(ctx.world)), plan=plan)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
     step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
     return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
+
+
+def experts_tpflow(w: Workload, ctx: Context) -> Trainer:
+    return tensor_tpflow(w, ctx, expert_parallel=True)
+
+
+def _experts_bytes(w: Workload, tp: int) -> int:
+    """The moe workload's experts over ``tp`` ranks that all hold every token, split or shared out alike: per layer
+    the output summed forward, and the tokens' and routing weights' gradients summed backward (the router upstream
+    is whole on every rank)."""
+    if w.name != "moe":
+        return 0
+    config = w.model.lm.config
+    elem = next(w.model.parameters()).element_size()
+    per_layer = 2 * ring_bytes(w.tokens * config.hidden_size * elem, tp, 2) + \
+        ring_bytes(w.tokens * config.num_experts_per_tok * elem, tp, 2)
+    return config.num_hidden_layers * per_layer
 
 
 def _tpflow_plan(w: Workload, sequence_parallel: bool = False, algo: str = "auto", keep_gathered: bool = True) -> dict:
@@ -192,20 +212,29 @@ def _from_checkpoint(w: Workload, ctx: Context, auto: type, **parallel: object) 
     return lm
 
 
-def tensor_transformers(w: Workload, ctx: Context) -> Trainer:
+def tensor_transformers(w: Workload, ctx: Context, expert_parallel: bool = False) -> Trainer:
     """transformers' own tensor parallelism (``from_pretrained(path, tp_plan="auto")``, which needs accelerate) on
-    the checkpoint of the workload's model, saved by rank 0 to a temporary directory."""
+    the checkpoint of the workload's model, saved by rank 0 to a temporary directory; ``expert_parallel``: its
+    experts shared out over the same ranks (``DistributedConfig(tp_size=W, ep_size=W)``)."""
     _check_heads(w, ctx.world)
     try:
         import accelerate  # noqa: F401 - transformers' tensor parallelism needs it
         from transformers import AutoModelForCausalLM
+        from transformers.distributed.configuration_utils import DistributedConfig
     except ImportError as e:
         raise Skip(f"transformers' tensor parallelism needs transformers and accelerate: {e}") from e
-    model = CausalLMLoss(_from_checkpoint(w, ctx, AutoModelForCausalLM, tp_plan="auto"))
-    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _head_bytes(w, ctx.world, False)
+    parallel = {"distributed_config": DistributedConfig(tp_size=ctx.world, ep_size=ctx.world)} if expert_parallel \
+        else {"tp_plan": "auto"}
+    model = CausalLMLoss(_from_checkpoint(w, ctx, AutoModelForCausalLM, **parallel))
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _head_bytes(w, ctx.world, False) + \
+        _experts_bytes(w, ctx.world)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
     step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
     return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
+
+
+def experts_transformers(w: Workload, ctx: Context) -> Trainer:
+    return tensor_transformers(w, ctx, expert_parallel=True)
 
 
 def tensor_torch(w: Workload, ctx: Context) -> Trainer:
@@ -399,6 +428,8 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
     "tensor, tpflow": tensor_tpflow,
     "tensor, torch": tensor_torch,
     "tensor, transformers": tensor_transformers,
+    "experts, tpflow": experts_tpflow,
+    "experts, transformers": experts_transformers,
     "sequence, ring": sequence_ring,
     "sequence, unfused": sequence_unfused,
     "sequence, regather": sequence_regather,
@@ -414,6 +445,7 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
 
 HF_ONLY = ("tensor, transformers", "fsdp x tensor", "ddp x tensor", "fsdp x tensor, transformers")
 HF_MODES = ("one device", "tensor, tpflow", "tensor, torch", *HF_ONLY)
+MOE_MODES = ("one device", "tensor, tpflow", "experts, tpflow", "tensor, transformers", "experts, transformers")
 
 
 def slug(mode: str) -> str:
@@ -466,10 +498,15 @@ def build(name: str, w: Workload, ctx: Context) -> Trainer:
         >>> build("one device", w, ctx).step()              # on rank 0: the same loss on one device
         tensor(2.3699)
     """
-    if name in HF_ONLY and w.name != "hf":
+    if w.name == "moe":
+        if name not in MOE_MODES:
+            raise Skip("the moe workload runs one device, the tensor modes (experts split) and the experts modes")
+    elif name.startswith("experts"):
+        raise Skip("the experts modes run the moe workload only")
+    elif name in HF_ONLY and w.name != "hf":
         raise Skip("transformers' own tensor parallelism runs the hf workload only" if name.endswith("transformers")
                    else "FSDP2 wraps the hf workload's decoder layers: it runs the hf workload only")
-    if w.name == "hf" and name not in HF_MODES:
+    elif w.name == "hf" and name not in HF_MODES:
         raise Skip("the hf workload runs one device and the tensor modes only")
     fresh = dataclasses.replace(w, model=copy.deepcopy(w.model))
     return MODES[name](fresh, ctx)

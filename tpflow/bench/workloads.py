@@ -4,6 +4,7 @@
     transformer  ``depth`` Llama-style decoder layers (RMSNorm, rotary attention with grouped key/value
                  heads, SwiGLU feed-forward) on [batch, seq, dim]
     hf           a Hugging Face Llama of the transformer's sizes on token ids, by its own labels= loss
+    moe          a Hugging Face Qwen3-MoE of those sizes, 8 experts a layer, 2 per token (experts dominate)
 
 The first two are an ``nn.Sequential`` of blocks, so a pipeline cuts them between blocks, and both are trained
 on an MSE loss against a fixed random target. The column / row plans are Megatron's: the first
@@ -268,6 +269,19 @@ def _hf_model(dim: int, hidden: int, depth: int, heads: int, kv_heads: int, voca
     return AutoModelForCausalLM.from_config(config)
 
 
+EXPERTS, ROUTED = 8, 2  # the moe workload's experts per layer, and the experts each token is routed to
+
+
+def _moe_model(dim: int, hidden: int, depth: int, heads: int, kv_heads: int, vocab: int) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=vocab, hidden_size=dim, moe_intermediate_size=hidden,
+                                  num_experts=EXPERTS, num_experts_per_tok=ROUTED, num_hidden_layers=depth,
+                                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
+                                  tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config)
+
+
 @dataclass
 class Workload:
     """A model to train, its batch and its tensor-parallel plan (module-name patterns -> "column" / "row").
@@ -276,7 +290,7 @@ class Workload:
     every dimension but the last), ``describe()`` a line naming it for the results.
 
     Args:
-        name: the workload's name, ``"mlp"``, ``"transformer"`` or ``"hf"``.
+        name: the workload's name, ``"mlp"``, ``"transformer"``, ``"hf"`` or ``"moe"``.
         model: the blocks, on one device; a pipeline cuts it between blocks (the hf workload: a
             ``CausalLMLoss``).
         inputs, targets: the batch and the MSE loss's targets, of one shape (hf: token ids, twice).
@@ -322,16 +336,18 @@ class Workload:
 
 def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int, heads: int,
           kv_heads: int) -> Workload:
-    """The workload ``name`` ("mlp", "transformer" or "hf"), the same on every rank (fixed seeds).
+    """The workload ``name`` ("mlp", "transformer", "hf" or "moe"), the same on every rank (fixed seeds).
 
     The model's values come from ``torch.manual_seed(0)`` (set here, for the process), the inputs and targets
     (standard normal) from a generator seeded with 1. The MLP is ``depth`` :class:`MLPBlock` on
     ``[tokens, dim]``; the transformer ``depth`` :class:`DecoderLayer` on ``[tokens // seq, seq, dim]``; "hf" a
     Hugging Face Llama of the transformer's sizes (vocabulary 8 x dim, untied head, random weights) on
-    ``[tokens // seq, seq]`` token ids, trained by its own ``labels=`` loss (needs transformers).
+    ``[tokens // seq, seq]`` token ids, trained by its own ``labels=`` loss (needs transformers); "moe" a Qwen3-MoE
+    of those sizes whose every layer routes each token to 2 of 8 experts of width ``hidden`` (the experts hold most
+    of its parameters).
 
     Args:
-        name: ``"mlp"``, ``"transformer"`` or ``"hf"``.
+        name: ``"mlp"``, ``"transformer"``, ``"hf"`` or ``"moe"``.
         dim: the model's width.
         hidden: the feed-forward's width.
         depth: the number of blocks.
@@ -358,12 +374,12 @@ def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int
     if name == "mlp":
         model = nn.Sequential(*(MLPBlock(dim, hidden) for _ in range(depth)))
         shape, plan = (tokens, dim), MLP_PLAN
-    elif name == "hf":
+    elif name in ("hf", "moe"):
         if tokens % seq or dim % heads or heads % kv_heads:
             raise ValueError(f"--tokens {tokens} must be a multiple of --seq {seq}, --dim {dim} must split into "
                              f"--heads {heads}, and they into --kv-heads {kv_heads}")
         vocab = 8 * dim
-        model = CausalLMLoss(_hf_model(dim, hidden, depth, heads, kv_heads, vocab))
+        model = CausalLMLoss((_hf_model if name == "hf" else _moe_model)(dim, hidden, depth, heads, kv_heads, vocab))
         ids = torch.randint(0, vocab, (tokens // seq, seq), generator=torch.Generator().manual_seed(1))
         return Workload(name, model, ids, ids, LLAMA_PLAN, heads, kv_heads, model_loss)
     elif name == "transformer":
@@ -374,7 +390,7 @@ def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int
         model = nn.Sequential(*(DecoderLayer(dim, heads, kv_heads, hidden) for _ in range(depth)))
         shape, plan = (tokens // seq, seq, dim), LLAMA_PLAN
     else:
-        raise ValueError(f"unknown workload {name!r}: use 'mlp', 'transformer' or 'hf'")
+        raise ValueError(f"unknown workload {name!r}: use 'mlp', 'transformer', 'hf' or 'moe'")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     return Workload(name, model, x, y, plan, heads if name == "transformer" else 0,

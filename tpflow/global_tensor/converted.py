@@ -96,6 +96,23 @@ def read_block(handle, key: str, t: torch.Tensor) -> torch.Tensor:
 
     Returns:
         The block, in the file's dtype.
+
+    Example::
+
+        >>> import os
+        >>> import tempfile
+        >>> from safetensors import safe_open
+        >>> from safetensors.torch import save_file
+        >>> from tpflow.global_tensor.converted import read_block
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "w.safetensors")
+        >>> save_file({"w": torch.arange(8.).reshape(4, 2)}, path)
+        >>> w = tpf.zeros(4, 2, placement=tpf.placement("cpu", ranks=[0, 1]), sbp=tpf.sbp.split(0))
+        >>> with safe_open(path, framework="pt") as f:
+        ...     read_block(f, "w", w)                                   # on rank 1: its rows
+        tensor([[4., 5.],
+                [6., 7.]])
+        >>> folder.cleanup()
     """
     sliced = handle.get_slice(key)
     if tuple(sliced.get_shape()) != tuple(t.shape):
@@ -108,8 +125,19 @@ def read_block(handle, key: str, t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Stacked:
-    """A model tensor that the checkpoint holds as one tensor per expert: ``keys[k][e]`` is expert e's tensor of
-    the k-th part, the parts concatenated along ``dim`` (gate and up) after the experts are stacked along dim 0."""
+    """A model tensor that the checkpoint holds as one tensor per expert, the experts stacked along a new dim 0.
+
+    Args:
+        keys: ``keys[k][e]``, expert e's tensor of the k-th part.
+        dim: the dim the parts are concatenated along (gate and up: 1), None for one part.
+
+    Example::
+
+        >>> from tpflow.global_tensor.converted import Stacked
+        >>> down = Stacked(keys=(("experts.0.down_proj.weight", "experts.1.down_proj.weight"),), dim=None)
+        >>> len(down.keys[0])                                           # two experts
+        2
+    """
 
     keys: tuple[tuple[str, ...], ...]
     dim: int | None
@@ -125,6 +153,18 @@ def checkpoint_sources(model: nn.Module, keys: list[str]) -> tuple[dict[str, str
 
     Returns:
         ``(renamed, stacked)``: model name -> checkpoint key, and model name -> ``Stacked``.
+
+    Example::
+
+        >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        >>> from tpflow.global_tensor.converted import checkpoint_sources
+        >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=16, hidden_size=8, moe_intermediate_size=4,
+        ...     num_experts=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4))
+        >>> keys = [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up")]
+        >>> renamed, stacked = checkpoint_sources(model, keys)
+        >>> gate_up = stacked["model.layers.0.mlp.experts.gate_up_proj"]
+        >>> gate_up.keys[1], gate_up.dim               # the up halves, after the gates along dim 1
+        (('model.layers.0.mlp.experts.0.up_proj.weight', 'model.layers.0.mlp.experts.1.up_proj.weight'), 1)
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -174,6 +214,23 @@ def read_stacked(handles: dict, source: Stacked, t: torch.Tensor) -> torch.Tenso
 
     Returns:
         The block.
+
+    Example::
+
+        >>> import os
+        >>> import tempfile
+        >>> from safetensors import safe_open
+        >>> from safetensors.torch import save_file
+        >>> from tpflow.global_tensor.converted import Stacked, read_stacked
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "experts.safetensors")
+        >>> save_file({f"e.{i}.w": torch.full((2, 3), float(i)) for i in range(2)}, path)
+        >>> t = tpf.zeros(2, 2, 3, placement=tpf.placement("cpu", ranks=[0, 1]), sbp=tpf.sbp.split(0))
+        >>> with safe_open(path, framework="pt") as f:
+        ...     read_stacked({"e.0.w": f, "e.1.w": f}, Stacked((("e.0.w", "e.1.w"),), None), t)   # on rank 1
+        tensor([[[1., 1., 1.],
+                 [1., 1., 1.]]])
+        >>> folder.cleanup()
     """
     ranges = block_ranges(t)
     experts = len(source.keys[0])
