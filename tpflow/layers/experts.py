@@ -115,9 +115,10 @@ def _slice(full: torch.Tensor, dim: int, packed: bool, rank: int, ranks: int) ->
 class _Slices:
     """The hooks of one split experts module: local blocks in, the routing inputs' gradients summed, the output
     summed. Split by experts (``experts``: this rank's first expert, its count and the whole count), the expert ids
-    become this rank's (``count``, past its last, for another rank's: the sentinel transformers' experts code skips)
-    and the weights of other ranks' experts are zero here. A ``down_proj_bias`` kept whole (split by the
-    intermediate dim) is added by the axis' first rank only, its gradient summed."""
+    become this rank's (``count``, past its last, for another rank's: the sentinel transformers' experts code skips),
+    the weights of other ranks' experts are zero here, and only the tokens routed to this rank's experts go in. A
+    ``down_proj_bias`` kept whole (split by the intermediate dim) is added by the axis' first rank only, its gradient
+    summed."""
 
     def __init__(self, module: nn.Module, placement: Placement, experts: tuple[int, int, int] | None) -> None:
         self.data_axes = placement.ndim - 1
@@ -129,6 +130,7 @@ class _Slices:
             Partial() if isinstance(p.placements[-1], Replicate) else p.placements[-1],))
         self.experts = experts
         self.routing: tuple[torch.Tensor, ...] | None = None  # the tokens, weights and parameters, during a call
+        self.rows: tuple[torch.Tensor, int] | None = None  # split by experts: the tokens taken, of how many
         self.inputs = list(inspect.signature(module.forward).parameters)[:3]  # tokens, expert ids, weights
         module.register_forward_pre_hook(self.before, with_kwargs=True)
         module.register_forward_hook(self.after, always_call=True)
@@ -150,13 +152,20 @@ class _Slices:
             ids = ids - start
             other = (ids < 0) | (ids >= count)
             ids, weights = ids.masked_fill(other, count), weights.masked_fill(other, 0)
+            # only the tokens routed to this rank's experts go in: the experts code gathers a row per routed slot
+            mine = (~other).any(-1).nonzero().squeeze(-1)
+            self.rows = (mine, tokens.shape[0])
+            tokens, ids, weights = tokens[mine], ids[mine], weights[mine]
         return (tokens, ids, weights), {k: v for k, v in kwargs.items() if k not in self.inputs}
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         self.reads.leave(module)
         routing, self.routing = self.routing, None
+        rows, self.rows = self.rows, None
         if not isinstance(output, torch.Tensor):  # the forward raised (this hook runs anyway)
             return output
+        if rows is not None:  # this rank's tokens' outputs, in their places among all the tokens
+            output = output.new_zeros((rows[1], *output.shape[1:])).index_add(0, rows[0], output)
         if not output.requires_grad and any(t.requires_grad for t in routing):
             # no token reached this rank's experts, so nothing here leads back to the routing inputs, whose gradients
             # the other ranks sum with this one, nor to the experts (whose gradients one device has, zeros): an empty
