@@ -11,7 +11,7 @@ import pytest
 
 from tests.harness import ROOT, run_python
 from tpflow.bench import report
-from tpflow.bench.modes import HF_ONLY
+from tpflow.bench.modes import HF_ONLY, MOE_ONLY
 from tpflow.comm.wire import HEADER_BYTES
 
 TWO_D = {"data x tensor", "pipeline x tensor"}
@@ -56,7 +56,7 @@ def test_every_mode_runs_and_agrees_with_one_device(run):
     base = {r["workload"]: r["step_ms"] for r in data["rows"] if r["mode"] == "one device"}
     for row in data["rows"]:
         if row["skipped"]:
-            assert (world == 2 and row["mode"] in TWO_D) or row["mode"] in HF_ONLY or \
+            assert (world == 2 and row["mode"] in TWO_D) or row["mode"] in HF_ONLY or row["mode"] in MOE_ONLY or \
                 (world == 4 and row["mode"].startswith("pipeline, interleaved")), row  # 8 stages, 4 blocks
             continue
         assert len(row["losses"]) == data["meta"]["settings"]["warmup"] + 2 + data["meta"]["settings"]["reps"]
@@ -131,23 +131,28 @@ def test_the_minimum_by_hand(run):
     assert rows["pipeline, 1F1B"]["minimum_bytes"] == activation * (1 if world == 2 else 2)
 
 
-def test_hf_workload_beside_transformers_own_tensor_parallelism(tmp_path):
+def test_hf_workloads_beside_transformers_own_tensor_parallelism(tmp_path):
     """A Hugging Face Llama by its own plan: tpflow, PyTorch's parallelize_module and transformers' own tensor
-    parallelism from the same checkpoint, each step's loss one device's; tpflow sends its layout's minimum."""
+    parallelism from the same checkpoint; a Qwen3-MoE with its experts split and shared out, tpflow's and
+    transformers'. Each step's loss is one device's, and tpflow sends its layout's minimum."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "--out",
-                       str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp"])
+    proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "moe", "--out",
+                       str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp",
+                       "experts-tpflow", "experts-transformers"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
-    rows = {row["mode"]: row for row in data["rows"]}
-    assert rows["data, DDP"]["skipped"].startswith("the hf workload runs")
-    for mode in ("tensor, tpflow", "tensor, torch", "tensor, transformers"):
-        row = rows[mode]
+    rows = {(row["workload"], row["mode"]): row for row in data["rows"]}
+    assert rows["hf", "data, DDP"]["skipped"].startswith("the hf workload runs")
+    assert rows["moe", "tensor, torch"]["skipped"].startswith("the moe workload runs")
+    assert rows["hf", "experts, tpflow"]["skipped"] == "the experts modes run the moe workload only"
+    for key in [("hf", m) for m in ("tensor, tpflow", "tensor, torch", "tensor, transformers")] + \
+            [("moe", m) for m in ("tensor, tpflow", "tensor, transformers", *MOE_ONLY)]:
+        row = rows[key]
         assert not row["skipped"], row
         assert row["loss_rel_diff"] < 1e-5 and row["losses"][-1] < row["losses"][0], row
-    tpflow = rows["tensor, tpflow"]
-    assert tpflow["sent_per_rank"] == tpflow["minimum_per_rank"]
+    for key in (("hf", "tensor, tpflow"), ("moe", "tensor, tpflow"), ("moe", "experts, tpflow")):
+        assert rows[key]["sent_per_rank"] == rows[key]["minimum_per_rank"], key
 
 
 def test_fsdp_x_tensor_beside_transformers_own(tmp_path):

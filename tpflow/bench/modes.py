@@ -147,7 +147,8 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
 
 def tensor_tpflow(w: Workload, ctx: Context, expert_parallel: bool = False) -> Trainer:
     _check_heads(w, ctx.world)
-    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _experts_bytes(w, ctx.world)
+    minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _experts_bytes(w, ctx.world) + \
+        _summed_norm_bytes(w, ctx.world)
     hf = isinstance(w.model, CausalLMLoss)  # the model's own plan, its head included
     minimum += _head_bytes(w, ctx.world, vocab_parallel=True) if hf else 0
     plan = tpf.hf_plan(w.model, expert_parallel=expert_parallel) if hf else _tpflow_plan(w)
@@ -159,6 +160,17 @@ def tensor_tpflow(w: Workload, ctx: Context, expert_parallel: bool = False) -> T
 
 def experts_tpflow(w: Workload, ctx: Context) -> Trainer:
     return tensor_tpflow(w, ctx, expert_parallel=True)
+
+
+def _summed_norm_bytes(w: Workload, tp: int) -> int:
+    """A Hugging Face workload's modules its own plan keeps whole with their gradients summed over the ranks
+    (``replicated_with_grad_allreduce``: Qwen3's per-head q / k norms): one all-reduce of those gradients."""
+    if not isinstance(w.model, CausalLMLoss):
+        return 0
+    patterns = [p for p, style in w.model.tp_plan.items() if style == "replicated_with_grad_allreduce"]
+    params = [p for name, m in w.model.named_modules() if any(fnmatch.fnmatchcase(name, q) for q in patterns)
+              for p in m.parameters()]
+    return ring_bytes(sum(p.numel() * p.element_size() for p in params), tp, 2) if params else 0
 
 
 def _experts_bytes(w: Workload, tp: int) -> int:
@@ -227,7 +239,7 @@ def tensor_transformers(w: Workload, ctx: Context, expert_parallel: bool = False
         else {"tp_plan": "auto"}
     model = CausalLMLoss(_from_checkpoint(w, ctx, AutoModelForCausalLM, **parallel))
     minimum = _tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + _head_bytes(w, ctx.world, False) + \
-        _experts_bytes(w, ctx.world)
+        _experts_bytes(w, ctx.world) + _summed_norm_bytes(w, ctx.world)
     x, y = w.inputs.to(ctx.device), w.targets.to(ctx.device)
     step = forward_backward(model, x, y, w.loss_fn, weight=float(ctx.rank == 0))
     return make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
@@ -445,7 +457,8 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
 
 HF_ONLY = ("tensor, transformers", "fsdp x tensor", "ddp x tensor", "fsdp x tensor, transformers")
 HF_MODES = ("one device", "tensor, tpflow", "tensor, torch", *HF_ONLY)
-MOE_MODES = ("one device", "tensor, tpflow", "experts, tpflow", "tensor, transformers", "experts, transformers")
+MOE_ONLY = ("experts, tpflow", "experts, transformers")
+MOE_MODES = ("one device", "tensor, tpflow", "tensor, transformers", *MOE_ONLY)
 
 
 def slug(mode: str) -> str:
@@ -501,7 +514,7 @@ def build(name: str, w: Workload, ctx: Context) -> Trainer:
     if w.name == "moe":
         if name not in MOE_MODES:
             raise Skip("the moe workload runs one device, the tensor modes (experts split) and the experts modes")
-    elif name.startswith("experts"):
+    elif name in MOE_ONLY:
         raise Skip("the experts modes run the moe workload only")
     elif name in HF_ONLY and w.name != "hf":
         raise Skip("transformers' own tensor parallelism runs the hf workload only" if name.endswith("transformers")
