@@ -59,6 +59,9 @@ def block_ranges(t: torch.Tensor) -> Ranges:
         if not isinstance(placement, (Shard, _StridedShard)):  # (a strided split is not a Shard in every torch)
             raise ValueError(f"a parameter laid out as {placement} is not read from a checkpoint by slices")
         d, parts = placement.dim, placement.split_factor if isinstance(placement, _StridedShard) else 1
+        if ranges[d] != [(0, t.shape[d])]:  # FSDP2's strided split over a split dim, say: another rule
+            raise ValueError(f"a parameter split twice along dim {d} ({t.placements}) is not read from a checkpoint "
+                             "by slices: load it before fully_shard")
         narrowed = []
         for start, end in ranges[d]:
             step = (end - start) // parts
@@ -190,12 +193,15 @@ def checkpoint_sources(model: nn.Module, keys: list[str]) -> tuple[dict[str, str
         found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
         if found is None:  # the renamings changed what the pattern names: found on the renamed key instead
             found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), rename_source_key(key, renamings, [])[0])
+        if found is None:
+            raise ValueError(f"{key!r}: transformers converts it by {pattern!r}, whose expert index tpflow cannot "
+                             "find in the name: load with from_pretrained, then parallelize")
         parts.setdefault(name, {}).setdefault(k, {})[int(found.group(1))] = key
         converter_of[name] = converter
     stacked = {}
     for name, by_part in parts.items():
         ops = converter_of[name].operations
-        if not ops or not isinstance(ops[0], MergeModulelist) or len(ops) > 2 or \
+        if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0 or len(ops) > 2 or \
                 (len(ops) == 2 and type(ops[1]).__name__ != "Concatenate"):
             raise ValueError(f"{name}: the checkpoint's tensors are converted by {[type(o).__name__ for o in ops]}, "
                              "which tpf.load_safetensors does not read: load with from_pretrained, then parallelize")

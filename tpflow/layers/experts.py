@@ -82,6 +82,12 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
                          f"hold one expert count and one intermediate size (gate_up_proj's dim {features} is twice "
                          f"down_proj's dim {inner})")
     if by == "experts":
+        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        loop = inspect.getsource(getattr(type(module).forward, "__wrapped__", type(module).forward))
+        if implementation in (None, "eager") and "num_experts + 1" not in loop:
+            raise ValueError(f"{name} ({type(module).__name__}) runs its own loop over the experts, which cannot skip "
+                             "another rank's experts: load the model with experts_implementation='grouped_mm' (or "
+                             "'batched_mm') for expert parallelism, or split its experts by the intermediate dim")
         others = [n for n, p in module.named_parameters(recurse=False) if p.shape[:1] != (total,)]
         if others:
             raise ValueError(f"{name} ({type(module).__name__}) has parameters {others} that are not per expert "

@@ -23,7 +23,7 @@ from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast, split
 
-__all__ = ["attention_heads", "check", "keep_columns", "split_per_head"]
+__all__ = ["PER_HEAD", "attention_heads", "check", "keep_columns", "split_per_head"]
 
 
 def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -150,10 +150,16 @@ def check(name: str, counts: tuple[int, int, int], world: int) -> bool:
     return kv % world == 0
 
 
+# an attention module's own parameters known to hold one entry per query head (by name: a shape can match by
+# coincidence, DiffLlama's lambdas are [head_dim], shared by every head)
+PER_HEAD = ("sinks",)  # gpt-oss's attention sinks
+
+
 def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
-    """Split an attention module's own per-head parameters (a first dim of ``num_attention_heads``: gpt-oss's
-    attention sinks) with its heads over the last axis of ``placement``, each rank its heads' entries, read as local
-    blocks around each call; returns their names. Its q / k / v must be column layers, which split the heads so.
+    """Split an attention module's own per-head parameters (``PER_HEAD``, with a first dim of
+    ``num_attention_heads``: gpt-oss's attention sinks) with its heads over the last axis of ``placement``, each rank
+    its heads' entries, read as local blocks around each call; returns their names. Its q / k / v must be column
+    layers, which split the heads so.
 
     Args:
         module: a Hugging Face attention module (``attention_heads`` is not None).
@@ -172,7 +178,8 @@ def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
         (['sinks'], torch.Size([2]))
     """
     heads = attention_heads(module)[0]
-    names = [n for n, p in module.named_parameters(recurse=False) if p.ndim >= 1 and p.shape[0] == heads]
+    names = [n for n, p in module.named_parameters(recurse=False)
+             if n in PER_HEAD and p.ndim >= 1 and p.shape[0] == heads]
     if not names:
         return names
     pl, coord = placement, placement.coordinate()

@@ -93,10 +93,11 @@ def _shared_experts(model: nn.Module, plan: dict[str, object]) -> dict[str, str]
     for name, module in model.named_modules():
         if name.rpartition(".")[2] not in ("shared_expert", "shared_experts"):
             continue
+        pairs = (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))
+        if not all(isinstance(getattr(module, child, None), nn.Linear) for child, _ in pairs):
+            continue  # not a gate / up / down MLP: left whole
         pattern = re.sub(r"\.\d+\.", ".*.", name)  # every layer's
-        for child, style in (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise")):
-            if not isinstance(getattr(module, child, None), nn.Linear):
-                break
+        for child, style in pairs:
             if not any(fnmatch.fnmatchcase(f"{name}.{child}", p) for p in plan):
                 found[f"{pattern}.{child}"] = style
     return found
