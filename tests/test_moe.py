@@ -177,25 +177,30 @@ def _recompute_and_reshard():
         shutil.rmtree(where[0])
 
 
-def _cases(kinds, modes):
+def _cases(kinds, modes, more):
     for kind in kinds:
         for expert_parallel in modes:
             _matches_one_device(kind, expert_parallel)
-    _grouped_mm()
-    _no_tokens_on_a_rank()
     for kind, expert_parallel in zip(("qwen3_moe", "mixtral"), modes * 2, strict=False):  # Mixtral's names differ
         _checkpoints(kind, expert_parallel)
-    if len(modes) > 1:
+    if more:
+        _grouped_mm()
+        _no_tokens_on_a_rank()
         _recompute_and_reshard()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_experts_split_or_shared_out_over_tensor_ranks_match_one_device(world):
-    """Every family on 2 ranks; on 1 (nothing split) and 4 (one expert a rank, one head a rank) the three whose
-    layouts differ most (gpt-oss: experts transposed with biases, gate / up interleaved, attention sinks)."""
-    kinds = MOE_KINDS if world == 2 else ("qwen3_moe", "deepseek_v3", "gpt_oss")
-    harness.run(world, _cases, kinds[:1] if world == 1 else kinds, (False,) if world == 1 else (False, True),
-                timeout=300)
+    """Every family in both layouts on 2 ranks, with the rest of the checks; on 4 ranks (one expert a rank, one head
+    a rank) the two whose layouts differ most (gpt-oss: experts transposed with biases, gate / up interleaved,
+    attention sinks) and a rank whose experts get no token; on 1 (nothing split) one family."""
+    if world == 1:
+        harness.run(1, _cases, MOE_KINDS[:1], (False,), False, timeout=300)
+    elif world == 2:
+        harness.run(2, _cases, MOE_KINDS, (False, True), True, timeout=300)
+    else:
+        harness.run(4, _cases, ("qwen3_moe", "gpt_oss"), (False, True), False, timeout=300)
+        harness.run(4, _no_tokens_on_a_rank, timeout=120)
 
 
 def test_experts_that_do_not_split_are_refused():
