@@ -54,22 +54,6 @@ def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
     return heads, kv, module.head_dim
 
 
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; the gradient summed over the ranks backward: each rank uses its own columns of the
-    projection's output, so its gradient of the shared input is its share of the whole."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dx):
-        dx = dx.contiguous().clone()
-        comm.all_reduce(dx, ctx.group)
-        return dx, None
-
-
 def keep_columns(linear: nn.Linear, start: int, end: int, placement: Placement) -> None:
     """Make ``linear`` return only its output features ``[start, end)`` (a view), tagged as split over the ranks;
     the gradient of its input is summed over the tensor-parallel ranks in the backward.
@@ -108,7 +92,7 @@ class _SummedInput:
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         group = self.placement.mesh.get_group(self.placement.ndim - 1)
-        return (_SumGrad.apply(args[0], group), *args[1:])
+        return (comm.identity_all_reduce(args[0], group), *args[1:])
 
 
 class _KeptColumns:
