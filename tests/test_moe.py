@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import tpflow as tpf
@@ -177,6 +178,115 @@ def _recompute_and_reshard():
         shutil.rmtree(where[0])
 
 
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _experts_over_data(kind, tp, reshard):
+    """Experts shared out over the data axis of dp x tp (EP x TP where tp > 1) beside FSDP2, tokens exchanged by
+    all-to-all: each data rank's logits, 2 AdamW steps with clipping to one device's data-parallel run (each rank's
+    rows' loss, averaged: the router's auxiliary loss is each rank's batch's, as under any data parallelism), every
+    parameter after them, each rank's greedy tokens; each rank holds 1/W of every expert's matrices. ``reshard``: a
+    torch.distributed.checkpoint of the model and its AdamW state loads on one device."""
+    dp = dist.get_world_size() // tp
+    P = tpf.placement("cpu", ranks=[[d * tp + t for t in range(tp)] for d in range(dp)], names=("dp", "tp"))
+    ref = tiny_moe(kind)
+    model = copy.deepcopy(ref)
+    tpf.parallelize(model, placement=P, plan=tpf.hf_plan(model, expert_parallel="dp"))
+    ignored = tpf.fsdp_ignored_params(model)
+    assert len(ignored) == sum(len(list(e.parameters())) for e in _experts(model)) > 0
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=P.mesh["dp"], ignored_params=ignored)
+    fully_shard(model, mesh=P.mesh["dp"], ignored_params=ignored)
+    for p in (p for e in _experts(model) for p in (e.gate_up_proj, e.down_proj)):
+        assert p.to_local().numel() * dist.get_world_size() == p.numel(), (kind, p.shape, p.placements)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)  # before FSDP2's first forward
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    ids = torch.randint(0, VOCAB, (2 * dp, 10), generator=torch.Generator().manual_seed(1))
+    blocks = ids.tensor_split(dp)
+    mine = blocks[P.coordinate()[0]]
+    with torch.no_grad():
+        torch.testing.assert_close(_full(model(mine).logits), ref(mine).logits, rtol=1e-6, atol=1e-6, msg=kind)
+    for _ in range(2):
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        wants = [ref(b, labels=b).loss for b in blocks]
+        (sum(wants) / dp).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, wants[P.coordinate()[0]].detach(), rtol=1e-6, atol=1e-6, msg=kind)
+        torch.testing.assert_close(_full(norm), ref_norm, rtol=1e-6, atol=1e-6, msg=kind)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{kind}: {name} after AdamW: {m}")
+    prompt = mine[:, :4]  # each rank its own prompts; every rank decodes as many steps (no early stop)
+    tokens = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert torch.equal(tokens, ref.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)), kind
+    if not reshard:
+        return
+    where = [tempfile.mkdtemp(prefix="tpflow-moe-ep-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    model_state, opt_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=where[0])
+    one = tiny_moe(kind)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    one(mine, labels=mine).loss.backward()
+    one_opt.step()  # its state exists, to be overwritten
+    model_state, opt_state = get_state_dict(one, one_opt)
+    state = {"model": model_state, "optim": opt_state}
+    dcp.load(state, checkpoint_id=where[0])
+    set_state_dict(one, one_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for (name, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q), name
+        assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), one_opt.state[q]["exp_avg"]), name
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0])
+
+
+def _exchange_without_tokens():
+    """Experts over the data axis of 4 ranks, every token routed to rank 0's experts and rank 3 without tokens:
+    ranks 1 to 3 receive none, and still take part in both exchanges of the backward. Each rank's output and its
+    tokens' gradients are one device's; each expert's gradient is one device's averaged over the ranks (FSDP2's
+    mean). An expert id out of range on one rank stops every rank."""
+    rank = dist.get_rank()
+    P = tpf.placement("cpu", ranks=[[r] for r in range(dist.get_world_size())], names=("dp", "tp"))
+    ref = _experts(tiny_moe("qwen3_moe"))[0]
+    experts = split_experts(copy.deepcopy(ref), P, by="experts", axis="dp")
+    rows = [5, 3, 1, 0]
+    xs = [torch.randn(n, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+          for r, n in enumerate(rows)]
+    ws = [torch.rand(n, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(9 + r))
+          for r, n in enumerate(rows)]
+    ids = [torch.tensor([0, 1]).repeat(n, 1) for n in rows]
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    out = experts(x, ids[rank], w)
+    (out * out.detach()).sum().backward()
+    for r in range(len(rows)):  # one device, each rank's loss; the mean of them for the experts
+        rx, rw = xs[r].clone().requires_grad_(), ws[r].clone().requires_grad_()
+        want = ref(rx, ids[r], rw)
+        if rows[r]:  # one device's loop over no tokens leaves nothing to differentiate
+            (want * want.detach() / len(rows)).sum().backward()
+        if r == rank:
+            torch.testing.assert_close(out, want)
+            torch.testing.assert_close(x.grad, rx.grad * len(rows) if rows[r] else torch.zeros_like(x))
+            torch.testing.assert_close(w.grad, rw.grad * len(rows) if rows[r] else torch.zeros_like(w))
+    for p, q in ((experts.gate_up_proj, ref.gate_up_proj), (experts.down_proj, ref.down_proj)):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+    for by, placement in (("experts", tpf.placement("cpu", list(range(4)))), ("intermediate", P)):
+        with pytest.raises(ValueError, match=r"named placement of two axes|it takes by='experts'"):
+            split_experts(copy.deepcopy(ref), placement, by=by, axis="dp")
+    bad = ids[rank].clone()
+    if rank == 2:
+        bad[0, 1] = 7
+    with pytest.raises(ValueError, match=r"the router chose expert ids outside 0 to 3 on ranks \[2\] of the experts"):
+        experts(x, bad, w)
+
+
 def _cases(kinds, modes, more):
     for kind in kinds:
         for expert_parallel in modes:
@@ -201,6 +311,18 @@ def test_experts_split_or_shared_out_over_tensor_ranks_match_one_device(world):
     else:
         harness.run(4, _cases, ("qwen3_moe", "gpt_oss"), (False, True), False, timeout=300)
         harness.run(4, _no_tokens_on_a_rank, timeout=120)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_experts_shared_out_over_data_ranks_by_all_to_all_match_one_device(world):
+    """Beside FSDP2: on 2 ranks (dp 2) Qwen3-MoE, resharded by DCP onto one device; on 4, gpt-oss on dp 2 x tp 2
+    (EP x TP: experts transposed with biases, gate / up interleaved) and the exchanges with ranks that get no
+    tokens."""
+    if world == 2:
+        harness.run(2, _experts_over_data, "qwen3_moe", 1, True, timeout=300)
+    else:
+        harness.run(4, _experts_over_data, "gpt_oss", 2, False, timeout=300)
+        harness.run(4, _exchange_without_tokens, timeout=120)
 
 
 def test_experts_that_do_not_split_are_refused():

@@ -52,6 +52,7 @@ from tpflow.plans import (
     RowParallel,
     SequenceParallel,
     VocabParallel,
+    fsdp_ignored_params,
     hf_plan,
     parallelize,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "config",
     "cross_entropy",
     "from_local",
+    "fsdp_ignored_params",
     "full",
     "full_state_dict",
     "get_placement",

@@ -101,14 +101,19 @@ class _ReduceScatterAllGather(torch.autograd.Function):
 
 
 class _AllToAllMirror(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, group):
-        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
-        return all_to_all(x, send_counts, recv_counts, group)
+    """Several tensors' rows by one set of counts, in one node: every rank's backward sends their gradients in
+    the same order, however its graph differs from the others' (a rank that received no rows)."""
 
     @staticmethod
-    def backward(ctx, dy):
-        return all_to_all(dy, ctx.recv_counts, ctx.send_counts, ctx.group), None, None, None
+    def forward(ctx, send_counts, recv_counts, group, *xs):
+        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
+        ctx.set_materialize_grads(False)
+        return tuple(all_to_all(x, send_counts, recv_counts, group) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        back = [None if dy is None else all_to_all(dy, ctx.recv_counts, ctx.send_counts, ctx.group) for dy in dys]
+        return None, None, None, *back
 
 
 def _single(group: dist.ProcessGroup | None) -> bool:
@@ -234,21 +239,23 @@ def reduce_scatter_all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGrou
     return x if _single(group) else _ReduceScatterAllGather.apply(x, dim, group)
 
 
-def all_to_all_mirror(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                      group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_to_all_mirror(x: torch.Tensor | Sequence[torch.Tensor], send_counts: Sequence[int],
+                      recv_counts: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor | tuple:
     """All-to-all of rows by counts forward (``tpf.comm.all_to_all``); backward, the mirror all-to-all, which
     takes each row's gradient back to the rank it came from (tokens to their experts and back; a sequence split
     turned into a head split).
 
     Args:
-        x: ``[sum(send_counts), ...]``: this rank's rows, grouped by the rank they go to.
+        x: ``[sum(send_counts), ...]``: this rank's rows, grouped by the rank they go to; or several such tensors
+            (tokens, their expert ids and routing weights), sent one after the other and their gradients back in
+            the same order on every rank.
         send_counts: rows for each rank, in rank order.
         recv_counts: rows from each rank, in rank order (``tpf.comm.exchange_counts`` gives them).
         group: the process group; None: no parallelism.
 
     Returns:
         ``[sum(recv_counts), ...]``: the rows every rank sent this one, in rank order (``x`` itself on a group
-        of one).
+        of one); a tuple of them for several tensors.
 
     Example::
 
@@ -262,5 +269,10 @@ def all_to_all_mirror(x: torch.Tensor, send_counts: Sequence[int], recv_counts: 
         tensor([1., 1.])
     """
     world = 1 if group is None else dist.get_world_size(group)
-    send_counts, recv_counts = checked_counts(x, send_counts, recv_counts, world)  # on one rank too: it fails there
-    return x if world == 1 else _AllToAllMirror.apply(x, send_counts, recv_counts, group)
+    xs = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    if not xs:
+        raise ValueError("all_to_all_mirror: give a tensor, or several, to send")
+    for t in xs:  # on one rank too: it fails there
+        send, recv = checked_counts(t, send_counts, recv_counts, world)
+    out = xs if world == 1 else _AllToAllMirror.apply(send, recv, group, *xs)
+    return out[0] if isinstance(x, torch.Tensor) else tuple(out)

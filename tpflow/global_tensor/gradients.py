@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tpflow import comm, config
 
-__all__ = ["HOOK", "adopt", "clip_grad_norm_", "reduce_partial_gradients"]
+__all__ = ["HOOK", "adopt", "clip_grad_norm_", "reduce_partial_gradients", "scale_grad"]
 
 _MARK = "_tpflow_sums_partial_grads"  # an attribute, not a WeakSet: a set lookup would compare tensors with ==
 
@@ -47,6 +47,38 @@ def adopt(param: torch.Tensor) -> torch.Tensor:
     """
     setattr(param, _MARK, True)
     return param
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """The identity forward; backward, the gradient times ``factor``: where FSDP2 averages gradients over data ranks
+    that tpflow's exchanges already summed (a pipeline stage's rows, experts fed every rank's tokens).
+
+    Args:
+        x: any tensor.
+        factor: what its gradient is multiplied by.
+
+    Returns:
+        A view of ``x``.
+
+    Example::
+
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> tpf.gradients.scale_grad(x, 0.5).sum().backward()
+        >>> x.grad
+        tensor([0.5000, 0.5000])
+    """
+    return _ScaleGrad.apply(x, factor)
 
 
 def _summed_axes(p: torch.Tensor) -> tuple[int, ...]:

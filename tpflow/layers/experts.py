@@ -16,6 +16,21 @@ Around each call the module reads its parameters as local blocks; the tokens and
 on every rank, and their gradients (this rank's slices' partial sums) are summed in the backward, so the router
 upstream, replicated on every rank, gets one device's gradient (the bug peers had: routers trained apart). The
 output, a partial sum, is all-reduced once.
+
+Split by whole experts (``by="experts"``), each rank holds ``E / W`` of them. Over the tensor-parallel ranks, which
+hold every token, each runs its experts on the tokens routed to them and the sum combines the outputs. Over a data
+axis of a named placement (``axis="dp"``, beside FSDP2), whose ranks hold different tokens, the tokens go to their
+experts' ranks by one all-to-all and their outputs come back by the mirror one:
+
+    counts     each rank's tokens per destination rank (a token routed to two experts of one rank goes once),
+               exchanged with its count of out-of-range expert ids, so that a bad router stops every rank
+    dispatch   the tokens, their expert ids and routing weights, in one all-to-all (uneven, zero counts)
+    experts    the module's own forward on the tokens received, ids of other ranks' experts skipped
+    combine    the outputs back by the mirror all-to-all, summed into each token's row
+
+With a tensor-parallel axis too (EP x TP) each expert is also split over it by the intermediate dim, as above. The
+experts' gradients, each the sum over every data rank's tokens, are divided by the axis' ranks: FSDP2 averages the
+other parameters' over them.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -32,11 +48,12 @@ from tpflow.global_tensor import gradients
 from tpflow.layers.blocks import LocalReads
 from tpflow.placement import Placement
 
-__all__ = ["check_experts", "split_experts"]
+__all__ = ["check_experts", "experts_axis", "over_data", "split_experts"]
 
 _NAMES = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")  # per expert: [E, 2I] split as gate_up_proj, [E, H] kept whole
 _STATE = "_tpflow_experts"
+_OVER_DATA = "_tpflow_over_data"  # a parameter's mark: shared out over a data axis, which FSDP2 leaves alone
 
 
 def _layout(module: nn.Module) -> tuple[int, int, bool]:
@@ -119,82 +136,149 @@ def _slice(full: torch.Tensor, dim: int, packed: bool, rank: int, ranks: int) ->
 
 
 class _Slices:
-    """The hooks of one split experts module: local blocks in, the routing inputs' gradients summed, the output
-    summed. Split by experts (``experts``: this rank's first expert, its count and the whole count), the expert ids
-    become this rank's (``count``, past its last, for another rank's: the sentinel transformers' experts code skips),
-    the weights of other ranks' experts are zero here, and only the tokens routed to this rank's experts go in. A
-    ``down_proj_bias`` kept whole (split by the intermediate dim) is added by the axis' first rank only, its gradient
-    summed."""
+    """The hooks of one split experts module: local blocks in, the routing inputs' gradients summed over the
+    tensor-parallel ranks, the output summed over them. Split by experts (``experts``: this rank's first expert, its
+    count and the whole count), the expert ids become this rank's (``count``, past its last, for another rank's: the
+    sentinel transformers' experts code skips), the weights of other ranks' experts are zero here, and only the
+    tokens routed to this rank's experts go in: picked out of every token (``exchange`` None) or received from
+    the ranks of the ``exchange`` group. A ``down_proj_bias`` kept whole over the tensor-parallel ranks is added by
+    the axis' first rank only, its gradient summed."""
 
-    def __init__(self, module: nn.Module, placement: Placement, experts: tuple[int, int, int] | None) -> None:
-        self.data_axes = placement.ndim - 1
-        self.group = placement.mesh.get_group(self.data_axes) if placement.hierarchy[-1] > 1 else None
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        self.once = names.index("down_proj_bias") if experts is None and "down_proj_bias" in names else None
+    def __init__(self, module: nn.Module, placement: Placement, experts: tuple[int, int, int] | None,
+                 exchange: dist.ProcessGroup | None) -> None:
+        self.group = placement.mesh.get_group(placement.ndim - 1) if placement.hierarchy[-1] > 1 else None
         self.first = placement.coordinate()[-1] == 0
-        self.reads = LocalReads(names, lambda p: (Partial(),) * self.data_axes + (
-            Partial() if isinstance(p.placements[-1], Replicate) else p.placements[-1],))
-        self.experts = experts
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        bias = module._parameters.get("down_proj_bias")
+        self.once = names.index("down_proj_bias") if bias is not None and isinstance(
+            bias.placements[-1], Replicate) else None
+        sizes = placement.hierarchy
+
+        def grads(p: DTensor) -> tuple:
+            """Each parameter's gradient: partial over an axis of several ranks it is whole on, but the bias added
+            once, summed over the tensor axis in the backward; else split as the parameter is. (Plain where it
+            can be: torch's clip_grad_norm_ mixes up the norms of some layouts.)"""
+            once = p is module._parameters.get("down_proj_bias") and self.once is not None
+            return tuple(Partial() if isinstance(q, Replicate) and n > 1 and not (once and axis == len(sizes) - 1)
+                         else q for axis, (q, n) in enumerate(zip(p.placements, sizes)))
+
+        self.reads = LocalReads(names, grads)
+        self.total = module._parameters["down_proj"].shape[0]
+        self.experts, self.exchange = experts, exchange
+        self.scale = 1 / dist.get_world_size(exchange) if exchange is not None else 1.0
         self.routing: tuple[torch.Tensor, ...] | None = None  # the tokens, weights and parameters, during a call
-        self.rows: tuple[torch.Tensor, int] | None = None  # split by experts: the tokens taken, of how many
+        self.back = None  # split by experts: the module's output rows to this rank's tokens, during a call
         self.inputs = list(inspect.signature(module.forward).parameters)[:3]  # tokens, expert ids, weights
         module.register_forward_pre_hook(self.before, with_kwargs=True)
         module.register_forward_hook(self.after, always_call=True)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        views = self.reads.enter(module)
-        if self.once is not None and not self.first:  # the whole bias, added once over the ranks
-            module.__dict__[self.reads.names[self.once]] = views[self.once] * 0
+        views = list(self.reads.enter(module))
+        if self.once is not None:  # the whole bias, added once over the ranks, its gradient summed over them
+            views[self.once] = comm.identity_all_reduce(views[self.once], self.group) * int(self.first)
+        if self.exchange is not None:  # each expert's gradient sums every data rank's tokens: FSDP2 averages
+            views = [gradients.scale_grad(v, self.scale) for v in views]
+        for name, view in zip(self.reads.names, views):
+            module.__dict__[name] = view
         given = {**dict(zip(self.inputs, args)), **kwargs}
         tokens, ids, weights = (given[n] for n in self.inputs)
         # the tokens and the routing weights: whole here, their gradients this rank's partial sums
         tokens, weights = (comm.identity_all_reduce(t, self.group) for t in (tokens, weights))
+        if self.exchange is not None:
+            tokens, ids, weights, self.back = self._dispatch(module, tokens, ids, weights)
+        else:
+            self._check_ids(module, ids)
+            if self.experts is not None:
+                tokens, ids, weights, self.back = self._pick(tokens, ids, weights)
         self.routing = (tokens, weights, *views)
-        if self.experts is not None:
-            start, count, total = self.experts
-            if bool(((ids < 0) | (ids >= total)).any()):
-                raise ValueError(f"{type(module).__name__}: the router chose expert {int(ids.max())} (or a negative "
-                                 f"one), but there are {total} experts (ids 0 to {total - 1})")
-            ids = ids - start
-            other = (ids < 0) | (ids >= count)
-            ids, weights = ids.masked_fill(other, count), weights.masked_fill(other, 0)
-            # only the tokens routed to this rank's experts go in: the experts code gathers a row per routed slot
-            mine = (~other).any(-1).nonzero().squeeze(-1)
-            self.rows = (mine, tokens.shape[0])
-            tokens, ids, weights = tokens[mine], ids[mine], weights[mine]
         return (tokens, ids, weights), {k: v for k, v in kwargs.items() if k not in self.inputs}
+
+    def _check_ids(self, module: nn.Module, ids: torch.Tensor) -> None:
+        """Every rank holds the same ids here: each raises on its own."""
+        if bool(((ids < 0) | (ids >= self.total)).any()):
+            raise ValueError(f"{type(module).__name__}: the router chose expert {int(ids.max())} (or a negative "
+                             f"one), but there are {self.total} experts (ids 0 to {self.total - 1})")
+
+    def _local(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global expert ids as this rank's (``count`` for another rank's), with those weights zero."""
+        start, count, _ = self.experts
+        ids = ids - start
+        other = (ids < 0) | (ids >= count)
+        return ids.masked_fill(other, count), weights.masked_fill(other, 0)
+
+    def _pick(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """The tokens routed to this rank's experts, out of every token (the experts code gathers a row per routed
+        slot), and how their outputs go back among all the tokens."""
+        ids, weights = self._local(ids, weights)
+        mine = (ids < self.experts[1]).any(-1).nonzero().squeeze(-1)
+        rows = tokens.shape[0]
+        return tokens[mine], ids[mine], weights[mine], lambda y: y.new_zeros((rows, *y.shape[1:])).index_add(0, mine, y)
+
+    def _dispatch(self, module: nn.Module, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """Each token to the ranks of its experts (once per rank), by one all-to-all, and how their outputs come
+        back (the mirror all-to-all, summed into each token's row)."""
+        _, count, total = self.experts
+        ranks = dist.get_world_size(self.exchange)
+        bad = (ids < 0) | (ids >= total)
+        to = torch.zeros(ids.shape[0], ranks, dtype=torch.bool, device=ids.device)
+        to.scatter_(1, ids.clamp(0, total - 1).div(count, rounding_mode="floor"), True)
+        token_of = to.T.nonzero()[:, 1]  # (rank, token) pairs, by rank, then token
+        send = to.sum(0)
+        counts = comm.exchange_counts(torch.stack([send, bad.sum().expand(ranks)], 1), self.exchange)
+        if bool(counts[:, 1].any()):  # every rank raises: none goes on into an exchange the others left
+            wrong = [r for r, n in enumerate(counts[:, 1].tolist()) if n]
+            raise ValueError(f"{type(module).__name__}: the router chose expert ids outside 0 to {total - 1} on "
+                             f"ranks {wrong} of the experts' axis (ranks of its group)")
+        send, recv = send.tolist(), counts[:, 0].tolist()
+        tokens, ids, weights = comm.all_to_all_mirror((tokens[token_of], ids[token_of], weights[token_of]), send,
+                                                      recv, self.exchange)
+        rows = to.shape[0]
+
+        def back(y: torch.Tensor) -> torch.Tensor:
+            y = comm.all_to_all_mirror(y, recv, send, self.exchange)
+            return y.new_zeros((rows, *y.shape[1:])).index_add(0, token_of, y)
+
+        return (tokens, *self._local(ids, weights), back)
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         self.reads.leave(module)
         routing, self.routing = self.routing, None
-        rows, self.rows = self.rows, None
+        back, self.back = self.back, None
         if not isinstance(output, torch.Tensor):  # the forward raised (this hook runs anyway)
             return output
-        if rows is not None:  # this rank's tokens' outputs, in their places among all the tokens
-            output = output.new_zeros((rows[1], *output.shape[1:])).index_add(0, rows[0], output)
         if not output.requires_grad and any(t.requires_grad for t in routing):
             # no token reached this rank's experts, so nothing here leads back to the routing inputs, whose gradients
-            # the other ranks sum with this one, nor to the experts (whose gradients one device has, zeros): an empty
-            # sum of each keeps this rank in the backward and gives its experts zero gradients
+            # the other ranks sum with this one (or send back by all-to-all), nor to the experts (whose gradients one
+            # device has, zeros): an empty sum of each keeps this rank in the backward, its experts' gradients zero
             output = output + sum(t.reshape(-1)[:0].sum() for t in routing)
+        if back is not None:  # the outputs of this rank's tokens (or of the tokens it received), in their places
+            output = back(output)
         return comm.all_reduce_identity(output, self.group)
 
 
-def split_experts(module: nn.Module, placement: Placement, by: str = "intermediate") -> nn.Module:
-    """Split ``module``'s experts over the last axis of ``placement``, in place; its forward is left as it is.
+def split_experts(module: nn.Module, placement: Placement, by: str = "intermediate",
+                  axis: str | None = None) -> nn.Module:
+    """Split ``module``'s experts over the last axis of ``placement`` (or over its data axis ``axis``), in place; its
+    forward is left as it is.
 
     ``by="intermediate"``: each rank its slice of every expert's intermediate dim (``check_experts`` says which
     modules it takes). ``by="experts"``: each rank ``E / W`` whole experts (biases too), running them on the tokens
-    routed to them; the ranks hold every token (the tensor-parallel ranks), and one sum combines the outputs.
+    routed to them; the ranks hold every token (the tensor-parallel ranks), and one sum combines the outputs. With
+    ``axis``, the data axis of a named placement of two axes (``names=("dp", "tp")``): the experts are shared out
+    over its ranks, which hold different tokens, exchanged by all-to-all; with more than one tensor-parallel rank
+    each expert is split over those too, by the intermediate dim (EP x TP).
 
-    The parameters become global tensors (whole over the data-parallel axes of a 2-D placement), so the optimizer,
-    ``clip_grad_norm_`` and ``full_tensor()`` take them as any other.
+    The parameters become global tensors (whole over the data-parallel axes of a 2-D placement; split over ``axis``),
+    so the optimizer, ``clip_grad_norm_`` and ``full_tensor()`` take them as any other. FSDP2 must leave those split
+    over ``axis`` alone: ``fully_shard(..., ignored_params=tpf.fsdp_ignored_params(model))``.
 
     Args:
         module: a Hugging Face experts module (``Qwen3MoeExperts``, ``MixtralExperts``, ...), the same on every
             rank.
         placement: the ranks; the last axis is the tensor-parallel one.
         by: ``"intermediate"`` (tensor parallel experts) or ``"experts"`` (expert parallel).
+        axis: with ``by="experts"``, the name of the data axis the experts are shared out over (None: the last
+            axis).
 
     Returns:
         ``module`` itself.
@@ -222,35 +306,108 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
     if by not in ("intermediate", "experts"):
         raise ValueError(f"by must be 'intermediate' or 'experts', got {by!r}")
     pl = placement
-    ranks, coord = pl.hierarchy[-1], pl.coordinate()
-    check_experts(type(module).__name__, module, ranks, by)
+    label = type(module).__name__
+    tp, coord = pl.hierarchy[-1], pl.coordinate()
+    if axis is None:
+        check_experts(label, module, tp, by)
+        over = pl.ndim - 1  # the axis the experts are shared out over, if they are
+    else:
+        over = experts_axis(pl, axis, by)
+        check_experts(label, module, pl.hierarchy[over], "experts")
+        if tp > 1:
+            check_experts(label, module, tp, "intermediate")
     features, inner, packed = _layout(module)
     total = module._parameters["down_proj"].shape[0]
+    whole = (Replicate(),) * pl.ndim
     for name, full in list(module.named_parameters(recurse=False)):
+        splits = []  # (mesh axis, tensor dim, gate and up halves, DTensor placement), applied in order
         if by == "experts":
-            dim, halves, split = 0, False, Shard(0)
-        elif name in ("gate_up_proj", "gate_up_proj_bias"):
-            dim, halves = (features if name == "gate_up_proj" else 1), packed
-            split = _StridedShard(dim, split_factor=2) if packed else Shard(dim)
-        elif name == "down_proj":
-            dim, halves, split = inner, False, Shard(inner)
-        else:  # down_proj_bias: whole, added by one rank (_Slices)
-            dim, halves, split = None, False, Replicate()
+            splits.append((over, 0, False, Shard(0)))
+        if by == "intermediate" or (axis is not None and tp > 1):
+            dim, halves, split = _intermediate(name, features, inner, packed)
+            if dim is not None:
+                splits.append((pl.ndim - 1, dim, halves, split))
+        placements = list(whole)
+        for mesh_axis, _, _, split in splits:
+            placements[mesh_axis] = split
         if coord is None:
             local = torch.empty(0, dtype=full.dtype)
         else:
-            whole = torch.empty(full.shape, dtype=full.dtype) if full.is_meta else full.detach().clone()
-            local = whole if dim is None else _slice(full, dim, halves, coord[-1], ranks)
-        value = DTensor.from_local(local.to(pl.device), pl.mesh, (Replicate(),) * (pl.ndim - 1) + (split,),
-                                   run_check=False, shape=full.shape, stride=full.stride())
-        setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
+            local = full  # sliced without a whole copy (none at all on meta: a checkpoint fills it)
+            for mesh_axis, dim, halves, _ in splits:
+                local = _slice(local, dim, halves, coord[mesh_axis], pl.hierarchy[mesh_axis])
+            if not splits:
+                local = torch.empty(full.shape, dtype=full.dtype) if full.is_meta else full.detach().clone()
+        value = DTensor.from_local(local.to(pl.device), pl.mesh, tuple(placements), run_check=False,
+                                   shape=full.shape, stride=full.stride())
+        param = gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad))
+        setattr(param, _OVER_DATA, axis is not None)
+        setattr(module, name, param)
     if coord is None:
         return module
     experts = None
     if by == "experts":
-        count = total // ranks
-        experts = (coord[-1] * count, count, total)
+        count = total // pl.hierarchy[over]
+        experts = (coord[over] * count, count, total)
         module.num_experts = count  # transformers' experts code: its local experts, and ids past them skipped
         module._is_expert_parallel = True
-    setattr(module, _STATE, _Slices(module, pl, experts))
+    setattr(module, _STATE, _Slices(module, pl, experts, None if axis is None else pl.mesh.get_group(over)))
     return module
+
+
+def _intermediate(name: str, features: int, inner: int, packed: bool) -> tuple[int | None, bool, object]:
+    """How the parameter ``name`` splits by the intermediate dim: (its dim, whether as gate and up halves, the
+    DTensor placement); ``down_proj_bias`` stays whole (dim None), added by one rank (``_Slices``)."""
+    if name in ("gate_up_proj", "gate_up_proj_bias"):
+        dim = features if name == "gate_up_proj" else 1
+        return dim, packed, _StridedShard(dim, split_factor=2) if packed else Shard(dim)
+    if name == "down_proj":
+        return inner, False, Shard(inner)
+    return None, False, Replicate()
+
+
+def experts_axis(placement: Placement, axis: str, by: str = "experts") -> int:
+    """The mesh axis of ``placement`` named ``axis``, checked as one experts can be shared out over by all-to-all:
+    the data axis of a named placement of two axes.
+
+    Args:
+        placement: the placement the model is parallelized on.
+        axis: the data axis' name.
+        by: how the experts are split (only ``"experts"`` takes an axis).
+
+    Returns:
+        The axis' index (0).
+
+    Example::
+
+        >>> from tpflow.layers.experts import experts_axis
+        >>> experts_axis(tpf.placement("cpu", ranks=[[0], [1]], names=("dp", "tp")), "dp")
+        0
+    """
+    if by != "experts":
+        raise ValueError(f"axis={axis!r} shares whole experts out over a data axis: it takes by='experts'")
+    names = placement.names or ()
+    if len(names) != 2 or axis != names[0]:
+        raise ValueError(f"experts are shared out over a data axis by all-to-all on a named placement of two axes, "
+                         f"(data, tensor), e.g. tpf.placement(type, ranks=[[0, 1], [2, 3]], names=({axis!r}, 'tp')) "
+                         f"with FSDP2 over {axis!r}: {placement!r} has no such axis {axis!r}")
+    return 0
+
+
+def over_data(param: torch.Tensor) -> bool:
+    """Whether ``split_experts`` shared ``param`` out over a data axis (``axis=``): FSDP2 must leave it alone, as
+    ``tpf.fsdp_ignored_params`` tells it.
+
+    Args:
+        param: a parameter.
+
+    Returns:
+        True for the experts' parameters split over a data axis.
+
+    Example::
+
+        >>> from tpflow.layers.experts import over_data
+        >>> over_data(torch.nn.Parameter(torch.zeros(2)))
+        False
+    """
+    return getattr(param, _OVER_DATA, False)

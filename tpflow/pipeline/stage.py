@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
-from tpflow.global_tensor import get_placement, get_sbp, tensor, to_global
+from tpflow.global_tensor import get_placement, get_sbp, gradients, tensor, to_global
 from tpflow.global_tensor.blocks import Block, local_of_full, off_placement
 from tpflow.global_tensor.local import from_block
 from tpflow.layers import ShardedModule
@@ -223,10 +223,10 @@ class Stage(nn.Module):
                 all(s == Split(0) or n == 1 for s, n in zip(sbps[:-1], hierarchy)):
             rows = self._fsdp_rows(sbps)
             if rows > 1 and local.requires_grad:
-                local = _GradTimes.apply(local, 1 / rows)
+                local = gradients.scale_grad(local, 1 / rows)
             y = self.module(local)
             if rows > 1 and isinstance(y, torch.Tensor) and y.requires_grad:
-                y = _GradTimes.apply(y, rows)
+                y = gradients.scale_grad(y, rows)
             if hierarchy[-1] > 1 and isinstance(y, torch.Tensor) and is_split([y]):
                 raise ValueError(f"stage {self.stage_id} returns this rank's block of a column layer's features: end "
                                  "the stage with a row layer, or give its last column layer gather_output=True")
@@ -325,19 +325,6 @@ class Stage(nn.Module):
     def extra_repr(self) -> str:
         sbp = "" if self.sbp is None else f", sbp={self.sbp}"
         return f"stage_id={self.stage_id}, placement={self.placement.type}:{self.placement.ranks}{sbp}"
-
-
-class _GradTimes(torch.autograd.Function):
-    """The identity, whose backward multiplies the gradient by ``factor``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.factor, None
 
 
 def _grad_placements(split: tuple[bool, ...]) -> tuple:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from tpflow.plans.fsdp import fsdp_ignored_params
 from tpflow.plans.hf import hf_plan
 from tpflow.plans.parallelize import parallelize
 from tpflow.plans.styles import (
@@ -26,4 +27,4 @@ from tpflow.plans.styles import (
 )
 
 __all__ = ["ColumnParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence", "Replicated", "RowParallel",
-           "SequenceParallel", "VocabParallel", "hf_plan", "parallelize"]
+           "SequenceParallel", "VocabParallel", "fsdp_ignored_params", "hf_plan", "parallelize"]

@@ -14,6 +14,7 @@ import weakref
 
 from torch import nn
 
+from tpflow.layers.experts import over_data
 from tpflow.placement import Placement
 
 
@@ -40,7 +41,7 @@ def expect_fsdp(model: nn.Module, placement: Placement) -> None:
     mesh = f'P.mesh["{data[0]}"]' if len(data) == 1 else f"P.mesh[{data!r}]"
     # FSDP2 swaps each parameter it manages for its own (sharded, and gathered around each forward): one still
     # here at the first forward was left out. Weak references, so that the replaced ones are freed.
-    given = {name: weakref.ref(p) for name, p in model.named_parameters()}
+    given = {name: weakref.ref(p) for name, p in model.named_parameters() if not over_data(p)}
 
     def check(module: nn.Module, args: object) -> None:
         left = [name for name, p in module.named_parameters() if name in given and given[name]() is p]
@@ -60,3 +61,23 @@ def expect_fsdp(model: nn.Module, placement: Placement) -> None:
         handle.remove()
 
     handle = model.register_forward_pre_hook(check)
+
+
+def fsdp_ignored_params(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters of ``model`` that ``parallelize`` already shared out over a data axis (experts exchanging
+    tokens by all-to-all, ``tpf.ExpertParallel(axis="dp")``), which FSDP2 must leave alone: its own sharding over
+    that axis would mix different ranks' experts (torch refuses it: "Cannot concatenate overlapping meshes").
+
+    Args:
+        model: a model ``parallelize`` changed.
+
+    Returns:
+        The set to give ``fully_shard(..., ignored_params=)``, empty where there are none.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> tpf.fsdp_ignored_params(torch.nn.Linear(2, 2))
+        set()
+    """
+    return {p for p in model.parameters() if over_data(p)}

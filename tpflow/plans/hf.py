@@ -33,6 +33,8 @@ from tpflow.plans.heads import attention_heads
 from tpflow.plans.styles import (
     ColumnParallel,
     Entry,
+    ExpertParallel,
+    ExpertTensorParallel,
     GatherSequence,
     RowParallel,
     SequenceParallel,
@@ -110,7 +112,7 @@ def _tied(model: nn.Module, name: str) -> bool:
 
 
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
-            vocab_parallel: bool = True, expert_parallel: bool = False) -> dict[str, Entry]:
+            vocab_parallel: bool = True, expert_parallel: bool | str = False) -> dict[str, Entry]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries.
 
     Args:
@@ -124,7 +126,9 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             computed without gathering it, and ``generate`` decodes from whole logits. False: the head gathers the
             whole logits onto every rank, and the embedding (and a head tied to it) stays whole.
         expert_parallel: a mixture of experts' experts shared out over the ranks whole (``tpf.ExpertParallel()``)
-            instead of each split over them (``tpf.ExpertTensorParallel()``, the model's own plan).
+            instead of each split over them (``tpf.ExpertTensorParallel()``, the model's own plan); the name of
+            a named placement's data axis (``"dp"``): shared out over its ranks, tokens exchanged by all-to-all
+            (``tpf.ExpertParallel(axis="dp")``).
 
     Returns:
         Module-name patterns mapped to entries (``tpf.ColumnParallel``, ``tpf.RowParallel``, ...), which
@@ -156,7 +160,9 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             continue  # an experts module's parameters (the module's entry splits them); a dense MLP in an MoE model
         if style == "embedding_rowwise":  # HF's name for the vocabulary-parallel embedding, without options
             pattern = embedding or pattern
-        entry = style_of(pattern, "ep_dispatch_experts" if expert_parallel and style == "moe_tp_experts" else style)
+        entry = style_of(pattern, style)
+        if expert_parallel and isinstance(entry, ExpertTensorParallel):
+            entry = ExpertParallel(axis=expert_parallel if isinstance(expert_parallel, str) else None)
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
         if sequence_parallel and isinstance(entry, (ColumnParallel, RowParallel)):

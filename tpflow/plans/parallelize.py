@@ -18,7 +18,7 @@ from torch import nn
 
 from tpflow import comm
 from tpflow.layers import ColumnGroup, VocabParallelEmbedding
-from tpflow.layers.experts import check_experts, split_experts
+from tpflow.layers.experts import check_experts, experts_axis, split_experts
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
 from tpflow.layers.vocab import ranks_without_rows
@@ -117,10 +117,15 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     chosen = _match(model, modules, plan)
     _agree(model, placement, chosen)
     named, placement = placement, tensor_slice(placement)  # a named placement's data axes: FSDP2's
-    experts = {name: "experts" if isinstance(style, ExpertParallel) else "intermediate"
+    experts = {name: ("experts", style.axis) if isinstance(style, ExpertParallel) else ("intermediate", None)
                for name, (_, style) in chosen.items() if isinstance(style, (ExpertTensorParallel, ExpertParallel))}
-    for name, by in experts.items():
-        check_experts(name, modules[name], placement.hierarchy[-1], by)
+    for name, (by, axis) in experts.items():
+        if axis is None:
+            check_experts(name, modules[name], placement.hierarchy[-1], by)
+        else:  # over a data axis of the named placement, and by the intermediate dim over its tensor axis
+            check_experts(name, modules[name], named.hierarchy[experts_axis(named, axis)], by)
+            if named.hierarchy[-1] > 1:
+                check_experts(name, modules[name], named.hierarchy[-1])
     kv_heads, groups = _heads(modules, chosen, placement.hierarchy[-1])
     linears = {name: entry for name, entry in chosen.items()
                if isinstance(entry[1], (ColumnParallel, RowParallel, VocabParallel))}
@@ -155,8 +160,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
         route_loss(model, heads)
     for parent, names in fused.items():
         ColumnGroup([built[id(modules[name])] for name in names], model.get_submodule(parent))
-    for name, by in experts.items():
-        split_experts(modules[name], placement, by)
+    for name, (by, axis) in experts.items():
+        split_experts(modules[name], placement if axis is None else named, by, axis)
     for name, module in modules.items():  # per-head parameters of attention split by heads (gpt-oss's sinks)
         q = chosen.get(f"{name}.q_proj", (None, None))[1]
         if attention_heads(module) is not None and isinstance(q, ColumnParallel) and not q.gather_output:

@@ -338,9 +338,16 @@ class ExpertTensorParallel:
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
     """Plan entry for a mixture of experts' experts module split by whole experts (``tpf.hf_plan(model,
-    expert_parallel=True)``; Hugging Face's ``"ep_dispatch_experts"``): each of the W tensor-parallel ranks holds E / W
-    experts and runs them on the tokens routed to them (every rank holds every token), and one sum combines the
-    outputs (``tpflow.layers.experts``). The router stays whole on every rank, with one device's gradient.
+    expert_parallel=True)``; Hugging Face's ``"ep_dispatch_experts"``): each of the W ranks holds E / W experts and
+    runs them on the tokens routed to them (``tpflow.layers.experts``). The router stays whole on every rank, with
+    one device's gradient.
+
+    Args:
+        axis: None: over the tensor-parallel ranks, which hold every token (one sum combines the outputs). The
+            name of the data axis of a named placement of two axes (``"dp"``, beside FSDP2): over its ranks, which
+            hold different tokens, sent to their experts' ranks and back by all-to-all; each expert also split over
+            the tensor-parallel axis where it has more than one rank (EP x TP). FSDP2 leaves those experts alone:
+            ``fully_shard(..., ignored_params=tpf.fsdp_ignored_params(model))``.
 
     Example::
 
@@ -355,6 +362,8 @@ class ExpertParallel:
         >>> model.model.layers[0].mlp.experts.down_proj.to_local().shape      # 2 of the 4 experts, whole
         torch.Size([2, 16, 8])
     """
+
+    axis: str | None = None
 
 
 Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence | VocabParallel | \
