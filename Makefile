@@ -5,7 +5,7 @@ LAUNCH := $(PY) -m tpflow.launch
 GPU_PY ?= python
 GPU_RUN := env -u TRITON_INTERPRET PYTHONPATH=. $(GPU_PY)
 
-.PHONY: test lint demo examples gpu-check gpu-tests gpu-kernels gpu-loss gpu-decode clean
+.PHONY: test lint demo examples gpu-check gpu-tests gpu-kernels gpu-grouped gpu-loss gpu-decode clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -40,16 +40,20 @@ examples: $(VENV)/.installed
 # Every check that needs a GPU, in one go: each step runs even where one before it failed (make -k), and the target
 # fails if any did. The benchmarks write their results into benchmarks/results/, named by device.
 gpu-check:
-	$(MAKE) -k gpu-tests gpu-kernels gpu-loss gpu-decode
+	$(MAKE) -k gpu-tests gpu-kernels gpu-grouped gpu-loss gpu-decode
 
 # The kernels compiled, the bf16 paths, the layers on the kernels, the vocabulary's loss kernels.
 gpu-tests:
-	$(GPU_RUN) -m pytest -q tests/test_kernels.py tests/test_cuda.py tests/test_layers_triton.py \
+	$(GPU_RUN) -m pytest -q tests/test_kernels.py tests/test_grouped.py tests/test_cuda.py tests/test_layers_triton.py \
 		tests/test_vocab.py::test_loss_kernels_match_their_references
 
 # kernels_<device>_<time>.{md,csv}: both kernels against cuBLAS, the fused epilogue, row ranges, a launch's host cost
 gpu-kernels:
 	$(GPU_RUN) benchmarks/kernels_gpu.py
+
+# grouped_<device>_<time>.md: the experts' grouped GEMM against torch's grouped_mm and a loop of torch.matmul
+gpu-grouped:
+	$(GPU_RUN) benchmarks/grouped_gpu.py
 
 # loss_<device>_<time>.md: the cross-entropy kernels against torch's, and Liger-Kernel's where it is installed
 gpu-loss:

@@ -14,7 +14,8 @@ import pytest
 import tpflow
 
 # need triton: checked if present
-SKIP = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles"}
+SKIP = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles",
+        "tpflow.kernels.grouped_tiles"}
 
 
 def _modules():

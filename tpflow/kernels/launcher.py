@@ -21,7 +21,8 @@ from tpflow import config
 from tpflow.kernels import tuning
 from tpflow.kernels.tiles import INTERPRET
 
-__all__ = ["INTERPRET", "KERNELS", "kernel_choice", "launch", "programs", "tma_layouts"]
+__all__ = ["INTERPRET", "KERNELS", "input_precision", "kernel_choice", "launch", "one_at_a_time", "programs",
+           "tma_layouts"]
 
 KERNELS = tuning.KERNELS
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
@@ -115,6 +116,39 @@ _LAUNCH = threading.Lock()
 _THREAD = threading.local()
 
 
+def one_at_a_time() -> contextlib.AbstractContextManager:
+    """Holds the launch lock around a launch (nothing under torch.compile, which traces the launch).
+
+    Returns:
+        A context manager: the lock, or a null context while compiling.
+
+    Example::
+
+        >>> with one_at_a_time():
+        ...     pass
+    """
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _LAUNCH
+
+
+def input_precision(t: torch.Tensor) -> str:
+    """How a kernel's ``tl.dot`` multiplies ``t``'s dtype: fp32 in full precision (``"ieee"``) unless torch allows
+    tf32 on this GPU, as torch.matmul does.
+
+    Args:
+        t: an operand.
+
+    Returns:
+        ``"ieee"`` or ``"tf32"`` (which fp16 / bf16 operands ignore).
+
+    Example::
+
+        >>> input_precision(torch.ones(1))
+        'ieee'
+    """
+    fp32 = t.dtype == torch.float32 and not (t.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+    return "ieee" if fp32 else "tf32"
+
+
 def _current_context(device: torch.device) -> None:
     """Make ``device``'s CUDA context current on this thread. Triton encodes TMA descriptors
     (cuTensorMapEncodeTiled) before its launcher makes a context current, so a thread's first persistent
@@ -150,10 +184,9 @@ def programs(device: torch.device) -> int:
 def _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags) -> None:
     K, N = b.shape
     acc_arg = acc if acc is not None else out
-    fp32 = a.dtype == torch.float32 and not (a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
     tensors = (a, b, out, bias if bias is not None else out, acc_arg, pre if pre is not None else out)
     sizes = (_pow2(row_end - row_start), _pow2(N), _pow2(K))
-    kwargs = dict(INPUT_PRECISION="ieee" if fp32 else "tf32", **flags)
+    kwargs = dict(INPUT_PRECISION=input_precision(a), **flags)
 
     def grid(META):
         return (triton.cdiv(row_end - row_start, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)
@@ -217,7 +250,7 @@ def launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activati
     """
     layouts = _persistent_layouts(a, b, out, pre)
     flags = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, HAS_ACC=acc is not None, STORE_PRE=pre is not None)
-    with contextlib.nullcontext() if torch.compiler.is_compiling() else _LAUNCH:
+    with one_at_a_time():
         if layouts is None:
             _launch_tiled(a, b, bias, acc, out, pre, row_start, row_end, tile_offset, flags)
         else:

@@ -30,11 +30,23 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRET", "persistent_kernel", "tiled_kernel"]
+__all__ = ["INTERPRET", "activation", "persistent_kernel", "tiled_kernel"]
 
 # Triton reads TRITON_INTERPRET when it decorates the kernels below (interpreted or compiled functions), so
 # tpflow reads it then too: the launchers pick their configs and programs by it.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+@triton.jit
+def activation(y, ACTIVATION: tl.constexpr):
+    """``act(y)`` by the activation's code in ``tpflow.kernels.epilogue.ACTIVATIONS`` (gelu in tanh form), in
+    registers: every kernel's epilogue."""
+    if ACTIVATION == 1:
+        y = tl.maximum(y, 0.0)
+    elif ACTIVATION == 2:  # 0.5 (1 + tanh(u)) == sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+        y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
+    elif ACTIVATION == 3:
+        y = y * tl.sigmoid(y)
+    return y
 
 @triton.jit
 def _tile(tile, rows, N, tile_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -60,13 +72,7 @@ def _epilogue(acc, offs_m, offs_n, rows, N, bias_ptr, acc_ptr, stride_accm, stri
     pre-activation), y = act(z) + ACC."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y = acc
-    if ACTIVATION == 1:
-        y = tl.maximum(y, 0.0)
-    elif ACTIVATION == 2:  # 0.5 (1 + tanh(u)) == sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3)
-        y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
-    elif ACTIVATION == 3:
-        y = y * tl.sigmoid(y)
+    y = activation(acc, ACTIVATION)
     if HAS_ACC:
         mask = (offs_m[:, None] < rows) & (offs_n[None, :] < N)
         y += tl.load(acc_ptr + offs_m[:, None] * stride_accm + offs_n[None, :] * stride_accn, mask=mask,
