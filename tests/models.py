@@ -124,8 +124,6 @@ def tiny_moe(kind: str, experts: str = "eager", dtype: torch.dtype = torch.float
     import transformers
 
     sizes = {"num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, **_MOE_EXTRA.get(kind, {})}
-    if kind == "gpt_oss" and experts == "eager":  # its loop's one_hot cannot take another rank's experts (EP)
-        experts = "batched_mm"
     config = transformers.AutoConfig.for_model(
         kind, vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=48, num_experts=4,
         num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,

@@ -133,13 +133,15 @@ def test_the_minimum_by_hand(run):
 
 def test_hf_workloads_beside_transformers_own_tensor_parallelism(tmp_path):
     """A Hugging Face Llama by its own plan: tpflow, PyTorch's parallelize_module and transformers' own tensor
-    parallelism from the same checkpoint; a Qwen3-MoE with its experts split and shared out, tpflow's and
-    transformers'. Each step's loss is one device's, and tpflow sends its layout's minimum."""
+    parallelism from the same checkpoint; a Qwen3-MoE with its experts split and shared out over the tensor ranks and
+    over the data ranks (all-to-all), tpflow's and transformers'. Each step's loss is one device's, and tpflow sends
+    its layout's minimum (with the experts over the data ranks, the routing beside the tokens' states)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "moe", "--out",
                        str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp",
-                       "experts-tpflow", "experts-transformers"])
+                       "experts-tpflow", "experts-transformers", "experts-over-data-tpflow",
+                       "experts-over-data-transformers"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     rows = {(row["workload"], row["mode"]): row for row in data["rows"]}
@@ -153,6 +155,9 @@ def test_hf_workloads_beside_transformers_own_tensor_parallelism(tmp_path):
         assert row["loss_rel_diff"] < 1e-5 and row["losses"][-1] < row["losses"][0], row
     for key in (("hf", "tensor, tpflow"), ("moe", "tensor, tpflow"), ("moe", "experts, tpflow")):
         assert rows[key]["sent_per_rank"] == rows[key]["minimum_per_rank"], key
+    over_data = rows["moe", "experts over data, tpflow"]  # the tokens' ids, weights and counts beyond their states
+    for sent, minimum in zip(over_data["sent_per_rank"], over_data["minimum_per_rank"], strict=True):
+        assert minimum < sent < 1.02 * minimum, over_data
 
 
 def test_fsdp_x_tensor_beside_transformers_own(tmp_path):

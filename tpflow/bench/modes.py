@@ -12,6 +12,10 @@
     experts, tpflow     the moe workload only: its experts shared out whole over the ranks (expert parallel),
                         the rest as "tensor, tpflow" (where the moe workload's experts are split)
     experts, transformers  transformers' own (DistributedConfig(tp_size=W, ep_size=W)), same checkpoint
+    experts over data, tpflow  the moe workload only: W data-parallel ranks, each its rows, FSDP2 over them, its
+                        experts shared out over them (E / W each) with the tokens exchanged by all-to-all
+    experts over data, transformers  transformers' own (DistributedConfig(fsdp_size=W, ep_size=W,
+                        ep_implementation="all_to_all")), same checkpoint
     sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
                         all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
     sequence, unfused   the same layout, the plain collective then the matmul
@@ -379,6 +383,98 @@ def _data_x_tensor_fsdp(w: Workload, ctx: Context, shard: bool) -> Trainer:
     return trainer
 
 
+def _exchange_bytes(w: Workload, dp: int, rank: int) -> int:
+    """The bytes rank ``rank`` sends exchanging the moe workload's tokens with ``dp`` data-parallel ranks that share
+    its experts out, over a step: its tokens' hidden states out and the other ranks' outputs back, then in the
+    backward the mirror of both; each token once to each other rank holding one of its experts, read off the
+    one-device model's routing of the whole batch. The routing that travels with them (ids, weights) and the counts
+    are overhead, not counted here."""
+    lm = w.model.lm
+    per_rank = lm.config.num_experts // dp
+    seq = w.inputs.shape[1]
+    bounds = [_rows(w.samples, dp, d) for d in range(dp)]
+    pairs = torch.zeros(dp, dp, dtype=torch.long)  # [from, to]: tokens sent, summed over the layers
+
+    def record(module, args, kwargs):
+        ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        for d, rows in enumerate(bounds):
+            mine = ids[rows.start * seq:rows.stop * seq]
+            to = torch.zeros(mine.shape[0], dp, dtype=torch.bool).scatter_(1, mine // per_rank, True)
+            pairs[d] += to.sum(0)
+
+    experts = [m for name, m in lm.named_modules() if name.endswith("mlp.experts")]
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in experts]
+    try:
+        with torch.no_grad():
+            w.model(w.inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    pairs.fill_diagonal_(0)  # a rank's own tokens stay
+    row = lm.config.hidden_size * next(w.model.parameters()).element_size()
+    return int(2 * (pairs[rank].sum() + pairs[:, rank].sum())) * row
+
+
+def _experts_over_data_groups(lm: nn.Module, ignored: set, local: Callable) -> list[list[torch.Tensor]]:
+    """FSDP2's parameter groups of a model whose experts it leaves alone: each decoder layer's, then the root's."""
+    layers = list(lm.model.layers)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    groups = [[local(p) for p in layer.parameters() if p not in ignored] for layer in layers]
+    groups.append([local(p) for p in lm.parameters() if id(p) not in in_layers and p not in ignored])
+    return groups
+
+
+def experts_over_data_tpflow(w: Workload, ctx: Context) -> Trainer:
+    """The moe workload on W data-parallel ranks, each its rows, FSDP2 over them, the experts shared out over them
+    (``tpf.hf_plan(model, expert_parallel="dp")``, ``ignored_params=tpf.fsdp_ignored_params(model)``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp = ctx.world
+    if w.samples % dp:
+        raise Skip(f"each data-parallel rank trains on its own rows: {w.samples} samples do not split in {dp}")
+    P = ctx.placement([[r] for r in range(dp)], names=("dp", "tp"))
+    rows = _rows(w.samples, dp, ctx.rank)
+    x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
+    minimum = _exchange_bytes(w, dp, ctx.rank)
+    model = tpf.parallelize(w.model.to(ctx.device), placement=P, plan=tpf.hf_plan(w.model, expert_parallel="dp"))
+    ignored = tpf.fsdp_ignored_params(model)
+    minimum += _fsdp_bytes(_experts_over_data_groups(model.lm, ignored, lambda p: p.to_local()), dp, True,
+                           ctx.device.type == "cuda")
+    for block in [*model.lm.model.layers, model]:
+        fully_shard(block, mesh=P.mesh["dp"], ignored_params=ignored)
+    step = forward_backward(model, x, y, w.loss_fn, weight=1 / dp)  # equal rows
+    trainer = make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
+    trainer.torch_groups = [P.mesh["dp"].get_group()]
+    return trainer
+
+
+def experts_over_data_transformers(w: Workload, ctx: Context) -> Trainer:
+    """transformers' own: ``DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation="all_to_all")`` on the
+    workload's checkpoint, each rank its rows; the layout's minimum as for tpflow's."""
+    dp = ctx.world
+    if w.samples % dp:
+        raise Skip(f"each data-parallel rank trains on its own rows: {w.samples} samples do not split in {dp}")
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError as e:
+        raise Skip(f"needs transformers with DistributedConfig: {e}") from e
+    minimum = _exchange_bytes(w, dp, ctx.rank)
+    config = DistributedConfig(fsdp_size=dp, ep_size=dp, ep_implementation="all_to_all")
+    lm = _from_checkpoint(w, ctx, AutoModelForCausalLM, distributed_config=config)
+    model = CausalLMLoss(lm)
+    rows = _rows(w.samples, dp, ctx.rank)
+    x, y = w.inputs[rows].to(ctx.device), w.targets[rows].to(ctx.device)
+    experts = {p for name, m in lm.named_modules() if name.endswith("mlp.experts") for p in m.parameters()}
+    shapes = _experts_over_data_groups(lm, experts, lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"))
+    minimum += _fsdp_bytes(shapes, dp, True, ctx.device.type == "cuda")
+    step = forward_backward(model, x, y, w.loss_fn, weight=1 / dp)
+    trainer = make_trainer(list(model.parameters()), step, minimum, range(ctx.world))
+    meshes = {p.device_mesh for p in lm.parameters() if hasattr(p, "device_mesh")}
+    trainer.torch_groups = [m.get_group(d) for m in meshes for d in range(m.ndim)]
+    return trainer
+
+
 def _tp_block(p: torch.Tensor, tp_axis: int, tp: int, coord: int) -> torch.Size:
     """The tensor-parallel block of a DTensor parameter ``p`` (its shape before the data axes shard it): its global
     shape cut where its placement on mesh axis ``tp_axis`` splits it."""
@@ -442,6 +538,8 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
     "tensor, transformers": tensor_transformers,
     "experts, tpflow": experts_tpflow,
     "experts, transformers": experts_transformers,
+    "experts over data, tpflow": experts_over_data_tpflow,
+    "experts over data, transformers": experts_over_data_transformers,
     "sequence, ring": sequence_ring,
     "sequence, unfused": sequence_unfused,
     "sequence, regather": sequence_regather,
@@ -457,7 +555,7 @@ MODES: dict[str, Callable[[Workload, Context], Trainer]] = {
 
 HF_ONLY = ("tensor, transformers", "fsdp x tensor", "ddp x tensor", "fsdp x tensor, transformers")
 HF_MODES = ("one device", "tensor, tpflow", "tensor, torch", *HF_ONLY)
-MOE_ONLY = ("experts, tpflow", "experts, transformers")
+MOE_ONLY = ("experts, tpflow", "experts, transformers", "experts over data, tpflow", "experts over data, transformers")
 MOE_MODES = ("one device", "tensor, tpflow", "tensor, transformers", *MOE_ONLY)
 
 

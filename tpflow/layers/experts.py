@@ -25,7 +25,7 @@ experts' ranks by one all-to-all and their outputs come back by the mirror one:
     counts     each rank's tokens per destination rank (a token routed to two experts of one rank goes once),
                exchanged with its count of out-of-range expert ids, so that a bad router stops every rank
     dispatch   the tokens, their expert ids and routing weights, in one all-to-all (uneven, zero counts)
-    experts    the module's own forward on the tokens received, ids of other ranks' experts skipped
+    experts    the module's own forward on this rank's slots of the tokens received (a row per slot)
     combine    the outputs back by the mirror all-to-all, summed into each token's row
 
 With a tensor-parallel axis too (EP x TP) each expert is also split over it by the intermediate dim, as above. The
@@ -99,12 +99,6 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
                          f"hold one expert count and one intermediate size (gate_up_proj's dim {features} is twice "
                          f"down_proj's dim {inner})")
     if by == "experts":
-        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
-        loop = inspect.getsource(getattr(type(module).forward, "__wrapped__", type(module).forward))
-        if implementation in (None, "eager") and "num_experts + 1" not in loop:
-            raise ValueError(f"{name} ({type(module).__name__}) runs its own loop over the experts, which cannot skip "
-                             "another rank's experts: load the model with experts_implementation='grouped_mm' (or "
-                             "'batched_mm') for expert parallelism, or split its experts by the intermediate dim")
         others = [n for n, p in module.named_parameters(recurse=False) if p.shape[:1] != (total,)]
         if others:
             raise ValueError(f"{name} ({type(module).__name__}) has parameters {others} that are not per expert "
@@ -138,11 +132,11 @@ def _slice(full: torch.Tensor, dim: int, packed: bool, rank: int, ranks: int) ->
 class _Slices:
     """The hooks of one split experts module: local blocks in, the routing inputs' gradients summed over the
     tensor-parallel ranks, the output summed over them. Split by experts (``experts``: this rank's first expert, its
-    count and the whole count), the expert ids become this rank's (``count``, past its last, for another rank's: the
-    sentinel transformers' experts code skips), the weights of other ranks' experts are zero here, and only the
-    tokens routed to this rank's experts go in: picked out of every token (``exchange`` None) or received from
-    the ranks of the ``exchange`` group. A ``down_proj_bias`` kept whole over the tensor-parallel ranks is added by
-    the axis' first rank only, its gradient summed."""
+    count and the whole count), only the slots routed to this rank's experts go in, one row each with its local
+    expert id and weight (the module's own code, whatever it is, sees none of another rank's experts): picked out of
+    every token (``exchange`` None) or out of the tokens received from the ranks of the ``exchange`` group. A
+    ``down_proj_bias`` kept whole over the tensor-parallel ranks is added by the axis' first rank only, its gradient
+    summed."""
 
     def __init__(self, module: nn.Module, placement: Placement, experts: tuple[int, int, int] | None,
                  exchange: dist.ProcessGroup | None) -> None:
@@ -189,7 +183,7 @@ class _Slices:
         else:
             self._check_ids(module, ids)
             if self.experts is not None:
-                tokens, ids, weights, self.back = self._pick(tokens, ids, weights)
+                tokens, ids, weights, self.back = self._slots(tokens, ids, weights)
         self.routing = (tokens, weights, *views)
         return (tokens, ids, weights), {k: v for k, v in kwargs.items() if k not in self.inputs}
 
@@ -199,20 +193,19 @@ class _Slices:
             raise ValueError(f"{type(module).__name__}: the router chose expert {int(ids.max())} (or a negative "
                              f"one), but there are {self.total} experts (ids 0 to {self.total - 1})")
 
-    def _local(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global expert ids as this rank's (``count`` for another rank's), with those weights zero."""
+    def _slots(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """This rank's routed slots out of ``tokens``' (global expert ids): a row per slot of one of its experts
+        (a token routed to two of them comes twice), its local id and weight, so that the experts code gathers no
+        row for another rank's experts; and how their outputs go back, summed into each token's row."""
         start, count, _ = self.experts
-        ids = ids - start
-        other = (ids < 0) | (ids >= count)
-        return ids.masked_fill(other, count), weights.masked_fill(other, 0)
-
-    def _pick(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
-        """The tokens routed to this rank's experts, out of every token (the experts code gathers a row per routed
-        slot), and how their outputs go back among all the tokens."""
-        ids, weights = self._local(ids, weights)
-        mine = (ids < self.experts[1]).any(-1).nonzero().squeeze(-1)
+        local = ids - start
+        token, slot = ((local >= 0) & (local < count)).nonzero(as_tuple=True)  # by token, then slot: k's order
         rows = tokens.shape[0]
-        return tokens[mine], ids[mine], weights[mine], lambda y: y.new_zeros((rows, *y.shape[1:])).index_add(0, mine, y)
+
+        def back(y: torch.Tensor) -> torch.Tensor:
+            return y.new_zeros((rows, *y.shape[1:])).index_add(0, token, y)
+
+        return tokens[token], local[token, slot, None], weights[token, slot, None], back
 
     def _dispatch(self, module: nn.Module, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
         """Each token to the ranks of its experts (once per rank), by one all-to-all, and how their outputs come
@@ -232,13 +225,14 @@ class _Slices:
         send, recv = send.tolist(), counts[:, 0].tolist()
         tokens, ids, weights = comm.all_to_all_mirror((tokens[token_of], ids[token_of], weights[token_of]), send,
                                                       recv, self.exchange)
+        tokens, ids, weights, received = self._slots(tokens, ids, weights)
         rows = to.shape[0]
 
         def back(y: torch.Tensor) -> torch.Tensor:
-            y = comm.all_to_all_mirror(y, recv, send, self.exchange)
+            y = comm.all_to_all_mirror(received(y), recv, send, self.exchange)
             return y.new_zeros((rows, *y.shape[1:])).index_add(0, token_of, y)
 
-        return (tokens, *self._local(ids, weights), back)
+        return tokens, ids, weights, back
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         self.reads.leave(module)
@@ -349,8 +343,7 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
     if by == "experts":
         count = total // pl.hierarchy[over]
         experts = (coord[over] * count, count, total)
-        module.num_experts = count  # transformers' experts code: its local experts, and ids past them skipped
-        module._is_expert_parallel = True
+        module.num_experts = count  # transformers' experts code: its local experts (it sees no other rank's)
     setattr(module, _STATE, _Slices(module, pl, experts, None if axis is None else pl.mesh.get_group(over)))
     return module
 
