@@ -108,8 +108,10 @@ def _no_tokens_on_a_rank():
         got = a.grad.full_tensor() if isinstance(a.grad, DTensor) else a.grad
         torch.testing.assert_close(got, b.grad)
     ids[0, 0] = 4
-    with pytest.raises(ValueError, match="the router chose expert 4 .* there are 4 experts"):
-        experts(x, ids, weights)
+    split = split_experts(copy.deepcopy(ref), P)  # by the intermediate dim too
+    for module in (experts, split):
+        with pytest.raises(ValueError, match="the router chose expert 4 .* there are 4 experts"):
+            module(x, ids, weights)
 
 
 def _checkpoints(kind, expert_parallel):
@@ -308,9 +310,9 @@ def _cases(kinds, modes, more):
 def test_experts_split_or_shared_out_over_tensor_ranks_match_one_device(world):
     """Every family in both layouts on 2 ranks, with the rest of the checks; on 4 ranks (one expert a rank, one head
     a rank) the two whose layouts differ most (gpt-oss: experts transposed with biases, gate / up interleaved,
-    attention sinks) and a rank whose experts get no token; on 1 (nothing split) one family."""
+    attention sinks) and a rank whose experts get no token; on 1 (nothing split) every family."""
     if world == 1:
-        harness.run(1, _cases, MOE_KINDS[:1], (False,), False, timeout=300)
+        harness.run(1, _cases, MOE_KINDS, (False, True), False, timeout=300)
     elif world == 2:
         harness.run(2, _cases, MOE_KINDS, (False, True), True, timeout=300)
     else:
