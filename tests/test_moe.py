@@ -148,6 +148,28 @@ def _checkpoints(kind, expert_parallel):
         shutil.rmtree(where[0])
 
 
+def _loads_on_one_device(model, opt, one, ids):
+    """A torch.distributed.checkpoint of ``model`` and its AdamW state ``opt`` loads on ``one`` (the same model on
+    one device, after a step of its own on ``ids``, whose values and state it overwrites) bit for bit."""
+    where = [tempfile.mkdtemp(prefix="tpflow-moe-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    model_state, opt_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=where[0])
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    one(ids, labels=ids).loss.backward()
+    one_opt.step()  # its state exists, to be overwritten
+    model_state, opt_state = get_state_dict(one, one_opt)
+    state = {"model": model_state, "optim": opt_state}
+    dcp.load(state, checkpoint_id=where[0])
+    set_state_dict(one, one_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for (name, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q), name
+        assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), one_opt.state[q]["exp_avg"]), name
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0])
+
+
 def _recompute_and_reshard():
     """Gradient checkpointing recomputes the split experts' forward (hooks and all) to one device's gradients; a
     torch.distributed.checkpoint of the expert-parallel model and its AdamW state loads resharded on one device."""
@@ -166,23 +188,7 @@ def _recompute_and_reshard():
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7, msg=name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.step()
-    where = [tempfile.mkdtemp(prefix="tpflow-moe-dcp-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(where)
-    model_state, opt_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=where[0])
-    one = copy.deepcopy(ref)
-    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
-    one_opt.step()  # its state exists, to be overwritten
-    model_state, opt_state = get_state_dict(one, one_opt)
-    state = {"model": model_state, "optim": opt_state}
-    dcp.load(state, checkpoint_id=where[0])
-    set_state_dict(one, one_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for (name, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
-        assert torch.equal(p.full_tensor(), q), name
-        assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), one_opt.state[q]["exp_avg"]), name
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(where[0])
+    _loads_on_one_device(model, opt, copy.deepcopy(ref), ids)
 
 
 def _full(t):
@@ -235,24 +241,7 @@ def _experts_over_data(kind, tp, reshard):
     assert torch.equal(tokens, ref.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)), kind
     if not reshard:
         return
-    where = [tempfile.mkdtemp(prefix="tpflow-moe-ep-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(where)
-    model_state, opt_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=where[0])
-    one = tiny_moe(kind)
-    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
-    one(mine, labels=mine).loss.backward()
-    one_opt.step()  # its state exists, to be overwritten
-    model_state, opt_state = get_state_dict(one, one_opt)
-    state = {"model": model_state, "optim": opt_state}
-    dcp.load(state, checkpoint_id=where[0])
-    set_state_dict(one, one_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for (name, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
-        assert torch.equal(p.full_tensor(), q), name
-        assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), one_opt.state[q]["exp_avg"]), name
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(where[0])
+    _loads_on_one_device(model, opt, tiny_moe(kind), mine)
 
 
 def _exchange_without_tokens():
