@@ -88,6 +88,29 @@ def _grouped_mm():
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-5, msg=f"{experts}: {name}")
 
 
+def _sequence_parallel(kinds):
+    """Under sequence parallelism (``hf_plan(sequence_parallel=True)``) each family's MoE block runs on every token,
+    gathered on entry and its output cut back to this rank's tokens (so do OLMoE's attention, whose q / k / v gather
+    their outputs, and DeepSeek-V3's, which its plan leaves whole): one device's loss and gradients, both layouts."""
+    P = tpf.placement("cpu", list(range(dist.get_world_size())))
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    for kind in kinds:
+        ref = tiny_moe(kind, layers=1)
+        want = ref(ids, labels=ids).loss
+        want.backward()
+        for expert_parallel in (False, True):
+            model = copy.deepcopy(ref)
+            model.zero_grad()
+            plan = tpf.hf_plan(model, sequence_parallel=True, expert_parallel=expert_parallel)
+            tpf.parallelize(model, placement=P, plan=plan)
+            loss = model(ids, labels=ids).loss
+            torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6, msg=kind)
+            loss.backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m, name=f"{kind}: {name}": f"{name}: {m}")
+
+
 def _no_tokens_on_a_rank():
     """Expert parallel, every token routed to expert 0: the other ranks' experts get none. One device's output and
     gradients; an expert id out of range is an error on every rank, not a token silently dropped."""
@@ -290,6 +313,7 @@ def _cases(kinds, modes, more):
     for kind, expert_parallel in zip(("qwen3_moe", "mixtral"), modes * 2, strict=False):  # Mixtral's names differ
         _checkpoints(kind, expert_parallel)
     if more:
+        _sequence_parallel(kinds)
         _grouped_mm()
         _no_tokens_on_a_rank()
         _recompute_and_reshard()

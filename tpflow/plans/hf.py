@@ -82,6 +82,25 @@ def _is_attention(model: nn.Module, pattern: str) -> bool:
     return any(attention_heads(m) is not None for n, m in model.named_modules() if fnmatch.fnmatchcase(n, pattern))
 
 
+def _on_every_token(model: nn.Module, own: dict[str, object], experts: list[str]) -> list[str]:
+    """Under sequence parallelism, the modules that run on every token, gathered on entry, their output cut back to
+    this rank's tokens: a mixture of experts' block (router, experts, shared experts); an attention whose q / k / v
+    gather their outputs (OLMoE's, normed over every head: its o_proj splits a whole input, which a
+    sequence-parallel row layer cannot take); an attention the plan leaves whole (DeepSeek-V3's), whose positions
+    are every token's."""
+    found = [pattern.rpartition(".")[0] for pattern in experts]
+    found += [pattern.rpartition(".")[0] for pattern, style in own.items()
+              if style == "rowwise_split_input" and _is_attention(model, pattern.rpartition(".")[0])]
+    for name, module in model.named_modules():
+        planned = any(fnmatch.fnmatchcase(f"{name}.{child}", pattern) for child, _ in module.named_modules() if child
+                      for pattern in own)
+        pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+        attention = attention_heads(module) is not None or name.rpartition(".")[2] == "self_attn"  # MLA's too
+        if attention and not planned and pattern not in found:
+            found.append(pattern)
+    return found
+
+
 def _name_of(model: nn.Module, getter: str) -> str | None:
     """The module name of a transformers model's ``get_input_embeddings()`` / ``get_output_embeddings()``."""
     found = getattr(model, getter, lambda: None)()
@@ -153,6 +172,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     names = [name for name, _ in model.named_modules()]
     own.update(_shared_experts(model, own))
     experts = [pattern for pattern, style in own.items() if style == "moe_tp_experts"]
+    blocks = _on_every_token(model, own, experts) if sequence_parallel else []
     for pattern, style in own.items():
         if pattern == head or (style == "embedding_rowwise" and not vocab_parallel):
             continue  # the head is planned below; without vocab_parallel an embedding stays whole
@@ -165,13 +185,17 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             entry = ExpertParallel(axis=expert_parallel if isinstance(expert_parallel, str) else None)
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
-        if sequence_parallel and isinstance(entry, (ColumnParallel, RowParallel)):
-            parent = pattern.rpartition(".")[0]
+        parent = pattern.rpartition(".")[0]
+        if any(parent == block or parent.startswith(block + ".") for block in blocks):
+            pass  # in a mixture of experts' block: it runs on every token under sequence parallelism
+        elif sequence_parallel and isinstance(entry, (ColumnParallel, RowParallel)):
             if isinstance(entry, RowParallel) or not _is_attention(model, parent):
                 entry = dataclasses.replace(entry, sequence_parallel=True, sequence_dim=1)
             else:  # attention reshapes q / k / v by its input's shape: it gets every token, gathered on entry
                 plan[parent] = GatherSequence()
         plan[pattern] = entry
+    for block in blocks:
+        plan[block] = GatherSequence(split_output=True)
     if vocab_parallel and embedding is not None:
         plan[embedding] = VocabParallel()  # all-reduced: HF builds positions from the embedding's whole sequence
     tokens = {"sequence_parallel": sequence_parallel, "sequence_dim": 1 if sequence_parallel else 0}

@@ -174,6 +174,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
                 _on_tokens(modules[name], style.sequence_dim, placement, gather=False)
         elif isinstance(style, GatherSequence):
             _on_tokens(modules[name], style.sequence_dim, placement, gather=True)
+            if style.split_output:
+                _output_to_tokens(modules[name], style.sequence_dim, placement)
         elif isinstance(style, Replicated):
             grads[name] = style.grads
     coord = placement.coordinate()
@@ -298,8 +300,8 @@ def _on_tokens(module: nn.Module, dim: int, placement: Placement, gather: bool) 
     def cut(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, kwargs = list(args), dict(kwargs)
         x = args[0] if args else kwargs["hidden_states"]
-        if gather:
-            x = tag(comm.all_gather_chunk(x, dim, x.shape[dim] * world, group), WHOLE)
+        if gather:  # contiguous: the module's own code may view it (an MoE block flattens its tokens)
+            x = tag(comm.all_gather_chunk(x, dim, x.shape[dim] * world, group).contiguous(), WHOLE)
         elif x.shape[dim] % world:
             raise ValueError(f"sequence parallelism splits dim {dim} ({x.shape[dim]} tokens) over {world} ranks: pad "
                              f"the sequence to a multiple of {world}, or parallelize without sequence_parallel "
@@ -313,6 +315,19 @@ def _on_tokens(module: nn.Module, dim: int, placement: Placement, gather: bool) 
         return tuple(args), kwargs
 
     module.register_forward_pre_hook(cut, with_kwargs=True)
+
+
+def _output_to_tokens(module: nn.Module, dim: int, placement: Placement) -> None:
+    """``module``'s output (or its first element), whole on every rank, cut to this rank's chunk of ``dim`` (the
+    backward all-gathers its gradient)."""
+    group = _tp_group(placement)
+
+    def cut(mod: nn.Module, args: tuple, output: object) -> object:
+        if isinstance(output, tuple):
+            return (tag(comm.chunk_all_gather(output[0], dim, group), SPLIT), *output[1:])
+        return tag(comm.chunk_all_gather(output, dim, group), SPLIT)
+
+    module.register_forward_hook(cut)
 
 
 def _fused_groups(modules: dict[str, nn.Module], chosen: dict) -> dict[str, list[str]]:

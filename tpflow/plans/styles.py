@@ -229,6 +229,10 @@ class GatherSequence:
 
     Args:
         sequence_dim: the sequence dim: 1 (default, ``[batch, seq, hidden]``) or 0.
+        split_output: cut the module's output (whole on every rank) back to this rank's tokens (the backward
+            all-gathers its gradient): a mixture of experts' block, whose router and experts run on every token
+            and whose output goes on to the next sequence-parallel norm (default False: a sequence-parallel row
+            layer inside the module cuts it).
 
     Example::
 
@@ -243,13 +247,14 @@ class GatherSequence:
         tensor(4.1710, grad_fn=<NllLossBackward0>)
         >>> plan = tpf.hf_plan(model, sequence_parallel=True)
         >>> plan["model.layers.*.self_attn"]
-        GatherSequence(sequence_dim=1)
+        GatherSequence(sequence_dim=1, split_output=False)
         >>> model = tpf.parallelize(model, placement=P, plan=plan)
         >>> model(ids, labels=ids).loss
         tensor(4.1710, grad_fn=<_VocabParallelCEBackward>)
     """
 
     sequence_dim: int = 1
+    split_output: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

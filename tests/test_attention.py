@@ -1,0 +1,148 @@
+"""The attention kernels (``tpflow.kernels.attention``) against their torch reference in float64, forward and backward
+(through the log-sum-exp too), on CPU through Triton's interpreter and compiled on a GPU, for the blocks a ring
+computes: queries and keys at different global positions, keys wholly visible, partly visible or wholly hidden; and
+``merge`` putting blocks back together. Tolerance scales with the dtype's own error:
+err(kernel, fp64) <= 2 * err(torch in the same dtype, fp64) + atol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpflow as tpf
+from tpflow.kernels.attention import attention, attention_ref, merge
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _triton_kernels():
+    pytest.importorskip("triton")
+    with tpf.config.override(kernels="triton"):
+        yield
+
+
+def _rand(*shape, dtype, seed, transposed=False):
+    """A random tensor; transposed: ``[B, H, L, D]`` as transformers passes it, a view of ``[B, L, H, D]``."""
+    g = torch.Generator().manual_seed(seed)
+    if transposed:
+        return torch.randn(shape[0], shape[2], shape[1], *shape[3:], generator=g).to(DEVICE, dtype).transpose(1, 2)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def _close(got, want_torch, ref64, dtype, what):
+    assert got.shape == ref64.shape and got.dtype == want_torch.dtype, what
+    hidden = ref64 == float("-inf")  # lse of a query that sees no key: exactly -inf
+    assert torch.equal(got == float("-inf"), hidden) and torch.equal(want_torch == float("-inf"), hidden), what
+    got, want_torch, ref64 = (t.double().masked_fill(hidden, 0.0) for t in (got, want_torch, ref64))
+    err = (got - ref64).abs().max().item()
+    bound = 2 * (want_torch - ref64).abs().max().item() + ATOL[dtype] * max(1.0, ref64.abs().max().item())
+    assert err <= bound, f"{what}: error {err:.3g} > bound {bound:.3g}"
+
+
+def _results(fn, q, k, v, dout, dlse, **kw):
+    """(out, lse, dq, dk, dv) of ``fn``, the gradients those of ``sum(out * dout) + sum(lse * dlse)``."""
+    out, lse = fn(q, k, v, **kw)
+    return (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
+
+
+# (dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed): lengths that are not a multiple of the
+# interpreter's 16-row tiles, the ring's three kinds of causal block, GQA and MQA, a head dim not a power of two
+CASES = {
+    "fp32-causal-gqa-transposed": (torch.float32, 2, 4, 2, 21, 21, 16, True, 0, 0, True),
+    "fp16-full-mqa": (torch.float16, 1, 4, 1, 13, 40, 32, False, 0, 0, False),
+    "fp32-earlier-keys": (torch.float32, 1, 2, 2, 21, 13, 16, True, 16, 0, False),
+    "fp16-crossing-keys-dim-20": (torch.float16, 1, 4, 2, 21, 40, 20, True, 16, 24, True),
+    "fp32-later-keys": (torch.float32, 1, 2, 1, 16, 13, 16, True, 16, 32, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_outputs_and_gradients(case):
+    """out, lse and the gradients of q, k and v (from both out and lse) against the fp64 reference. Crossing keys:
+    the first 8 queries (positions 16-23) see no key of the block (at 24-63), the others part of it; later keys: no
+    query sees any (out 0, lse -inf, gradients 0)."""
+    dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed = case
+    q = _rand(B, Hq, Lq, D, dtype=dtype, seed=1, transposed=transposed).requires_grad_()
+    k = _rand(B, Hkv, Lk, D, dtype=dtype, seed=2, transposed=transposed).requires_grad_()
+    v = _rand(B, Hkv, Lk, D, dtype=dtype, seed=3, transposed=transposed).requires_grad_()
+    dout, dlse = _rand(B, Hq, Lq, D, dtype=dtype, seed=4), _rand(B, Hq, Lq, dtype=torch.float32, seed=5)
+    kw = dict(causal=causal, q_offset=q_offset, k_offset=k_offset)
+    got = _results(attention, q, k, v, dout, dlse, **kw)
+    want = _results(attention_ref, q, k, v, dout, dlse, **kw)
+    as64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _results(attention_ref, *as64, dout.double(), dlse.double(), **kw)
+    for what, got_t, want_t, ref_t in zip(("out", "lse", "dq", "dk", "dv"), got, want, ref):
+        _close(got_t, want_t, ref_t.detach(), dtype, what)
+    assert got[0].stride() == q.stride()  # out in q's layout: a transposed view stays one
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(attention(q, k, v, **kw), got[:2]))
+    seen = ref[1] > float("-inf")
+    assert not got[0][~seen].any() and not got[2][~seen].any()  # a query that sees no key: out 0, dq 0
+
+
+@pytest.mark.parametrize("causal, q_offset", [(False, 0), (True, 8), (True, 0)],
+                         ids=["full", "causal-both-blocks-partly", "causal-second-block-hidden"])
+def test_merge_of_two_key_blocks(causal, q_offset):
+    """Attention on keys [0, 32) is the merge of attention on keys [0, 16) and [16, 32), gradients included. Queries
+    at 8-23: each block is partly visible (queries 8-15 see nothing of the second); queries at 0-15: the second block
+    is hidden from every query (lse -inf)."""
+    q = _rand(1, 2, 16, 16, dtype=torch.float32, seed=1).requires_grad_()
+    k = _rand(1, 1, 32, 16, dtype=torch.float32, seed=2).requires_grad_()
+    v = _rand(1, 1, 32, 16, dtype=torch.float32, seed=3).requires_grad_()
+    dout, dlse = _rand(1, 2, 16, 16, dtype=torch.float32, seed=4), _rand(1, 2, 16, dtype=torch.float32, seed=5)
+
+    def blocks(q, k, v, **kw):
+        first = attention(q, k[:, :, :16], v[:, :, :16], **kw)
+        second = attention(q, k[:, :, 16:], v[:, :, 16:], **kw, k_offset=16)
+        assert second[1].isfinite().any() != (causal and not q_offset)  # hidden: lse -inf for every query
+        return merge(*first, *second)
+
+    got = _results(blocks, q, k, v, dout, dlse, causal=causal, q_offset=q_offset)
+    want = _results(attention, q, k, v, dout, dlse, causal=causal, q_offset=q_offset)
+    for got_t, want_t in zip(got, want):
+        torch.testing.assert_close(got_t, want_t)
+
+
+def test_reference_gradients_in_fp64():
+    """The reference's and merge's gradients, by finite differences in fp64 (the kernels' gradients are checked
+    against the reference's): GQA, causal with offsets (query 0 at position 2 sees keys 0-2), out and lse both used;
+    fp64 runs the reference whatever the kernels switch."""
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, causal=True, scale=0.7, q_offset=2), (q, k, v))
+    parts = [torch.randn(2, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    torch.autograd.gradcheck(lambda *t: merge(t[0][..., None], t[1], t[2][..., None], t[3]), parts)
+
+
+def test_gradients_of_some_inputs():
+    """Only q needs a gradient (the kv kernel does not run), then only v."""
+    q, k, v = (_rand(1, 2, 21, 16, dtype=torch.float32, seed=s) for s in (1, 2, 3))
+    for needs in ((True, False, False), (False, False, True)):
+        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+        wanted = [t for t in inputs if t.requires_grad]
+        dout = _rand(1, 2, 21, 16, dtype=torch.float32, seed=4)
+        got = torch.autograd.grad(attention(*inputs, causal=True)[0], wanted, dout)
+        want = torch.autograd.grad(attention_ref(*inputs, causal=True)[0], wanted, dout)
+        torch.testing.assert_close(got, want)
+
+
+def test_torch_path_is_the_reference():
+    q, k, v = (_rand(1, 2, 5, 8, dtype=torch.float16, seed=s) for s in (1, 2, 3))
+    with tpf.config.override(kernels="torch"):
+        got = attention(q, k, v, causal=True, k_offset=2)
+    for got_t, want_t in zip(got, attention_ref(q, k, v, causal=True, k_offset=2)):
+        assert torch.equal(got_t, want_t)
+    assert got[0].dtype == torch.float16 and got[1].dtype == torch.float32
+
+
+def test_bad_arguments():
+    q, kv = torch.ones(1, 4, 5, 16), torch.ones(1, 2, 7, 16)
+    for args, match in [((q[0], kv, kv), r"takes q \[B, Hq, Lq, D\]"), ((q, kv, kv[:, :, :3]), r"takes q"),
+                        ((q, kv[:, :1].expand(1, 3, 7, 16), kv[:, :1].expand(1, 3, 7, 16)), "sizes differ"),
+                        ((q, kv[..., :8], kv[..., :8]), "sizes differ"), ((q, kv[:, :, :0], kv[:, :, :0]), "one key"),
+                        ((torch.ones(1, 1, 2, 160), torch.ones(1, 1, 2, 160), torch.ones(1, 1, 2, 160)), "from 1 to 128"),
+                        ((q.half(), kv, kv), "one floating dtype"), ((q.int(), kv.int(), kv.int()), "one floating")]:
+        with pytest.raises(ValueError, match=match):
+            attention(*args, causal=False)

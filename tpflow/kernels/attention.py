@@ -1,0 +1,207 @@
+"""Attention of a block of queries on a block of keys / values, returning the log-sum-exp beside the output: the local
+step of context parallelism, where each rank's queries meet, one ring step after another, key / value blocks from
+other parts of the sequence, and the steps' results are combined by their log-sum-exps (``merge``).
+
+    q    [B, Hq, Lq, D]    queries at global positions q_offset .. q_offset + Lq - 1
+    k, v [B, Hkv, Lk, D]   keys at k_offset .. k_offset + Lk - 1; query head h reads kv head h // (Hq / Hkv) (GQA)
+    out  [B, Hq, Lq, D]    softmax(q k^T * scale, masked) v, in q's dtype
+    lse  [B, Hq, Lq]       fp32 logsumexp of each query's scores: what ``merge`` weighs two blocks' outputs by
+
+    merge   lse = log(exp(lse_a) + exp(lse_b));  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Causal attention hides from each query the keys at later global positions, so a ring block can be partly visible
+(the diagonal block), wholly visible (an earlier part of the sequence) or wholly hidden (a later part). A query that
+sees no key of the block gets ``out = 0`` and ``lse = -inf``: ``merge`` gives such a block no weight, and its
+gradients are 0.
+
+Dispatch as ``matmul``'s: CUDA tensors run the Triton kernels (``attention_tiles``: flash-attention 2, forward and
+backward, reading every tensor through its strides, so transformers' ``[B, L, H, D].transpose(1, 2)`` views need no
+copy); CPU tensors run the torch reference (an explicit softmax in fp32) unless the ``kernels`` switch is
+``"triton"``, which runs the kernels through Triton's interpreter. fp64 runs the reference. Both are differentiable,
+through ``lse`` too (the merge of a ring's steps differentiates through it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from tpflow.kernels.epilogue import accumulate_dtype
+from tpflow.kernels.linear import wanted
+from tpflow.kernels.matmul import use_triton
+
+if importlib.util.find_spec("triton") is not None:
+    from tpflow.kernels import attention_tiles
+else:  # CPU installs without triton run the torch reference
+    attention_tiles = None
+
+__all__ = ["attention", "attention_ref", "merge"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_HEAD_DIM = 128  # the kernels hold a [tile, head dim] fp32 accumulator (two in the backward) in registers
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"attention takes q [B, Hq, Lq, D] and k, v [B, Hkv, Lk, D], got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)} and v {tuple(v.shape)}")
+    B, Hq, _, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D or k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"attention sizes differ: q {tuple(q.shape)} against k, v {tuple(k.shape)} (batch and head "
+                         f"dim must match, and the query heads be a multiple of the kv heads)")
+    if not 1 <= D <= _MAX_HEAD_DIM:
+        raise ValueError(f"attention takes head dims from 1 to {_MAX_HEAD_DIM}, got {D}")
+    if k.shape[2] == 0:
+        raise ValueError("attention needs at least one key")
+    if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"attention takes q, k and v of one floating dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
+                  q_offset: int = 0, k_offset: int = 0, upcast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of ``attention``: the scores, an explicit softmax in fp32 (fp64 for fp64 inputs) and the
+    log-sum-exp, differentiable by autograd (through ``lse`` too, and with zero gradients for a query that sees no
+    key). It holds the ``[B, Hq, Lq, Lk]`` scores; the kernels never do.
+
+    Args:
+        q, k, v, causal, scale, q_offset, k_offset: as in ``attention``.
+        upcast: compute in float64 and return float64 (the reference a tolerance is measured against).
+
+    Returns:
+        ``(out, lse)``: out ``[B, Hq, Lq, D]`` in q's dtype, lse ``[B, Hq, Lq]`` in fp32 (float64 upcast or for
+        fp64 inputs).
+
+    Example::
+
+        >>> q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)
+        >>> out, lse = attention_ref(q, k, v, causal=True, q_offset=0, k_offset=1)   # keys at 1..3
+        >>> lse[0, 0, 0].item(), out[0, 0, 0].abs().sum().item()                     # query 0 sees none of them
+        (-inf, 0.0)
+        >>> torch.testing.assert_close(out[0, 0, 1], v[0, 0, 0])                     # query 1 sees key 1 alone
+    """
+    _check(q, k, v)
+    wide = torch.float64 if upcast else accumulate_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = q.to(wide) @ k.to(wide).repeat_interleave(groups, 1).mT * scale
+    if causal:
+        queries = torch.arange(q.shape[2], device=q.device) + q_offset
+        keys = torch.arange(k.shape[2], device=q.device) + k_offset
+        s = s.masked_fill(keys > queries[:, None], float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()  # the shift cancels out of both results: no gradient through it
+    m = m.masked_fill(m == float("-inf"), 0.0)  # a query that sees no key: exp(-inf - 0) = 0, not nan
+    e = (s - m).exp()
+    total = e.sum(-1, keepdim=True)
+    seen = total > 0
+    total = torch.where(seen, total, 1.0)  # (so that log and division stay finite where nothing is seen)
+    out = (e / total) @ v.to(wide).repeat_interleave(groups, 1)
+    lse = torch.where(seen, m + total.log(), float("-inf")).squeeze(-1)
+    return (out if upcast else out.to(q.dtype)), lse
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, diag):
+        out, lse = _forward(q, k, v, causal, scale, diag)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.diag = causal, scale, diag
+        ctx.set_materialize_grads(False)  # no lse gradient (the usual case): no zeros made and read
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq = torch.empty_like(q) if wanted(ctx, 0) else None
+        dk, dv = (torch.empty_like(k), torch.empty_like(v)) if wanted(ctx, 1) or wanted(ctx, 2) else (None, None)
+        dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
+        attention_tiles.backward(q, k, v, out, lse, dout, None if dlse is None else dlse.float().contiguous(), dq, dk,
+                                 dv, ctx.scale, ctx.diag, ctx.causal)
+        return dq, dk, dv, None, None, None
+
+
+def _forward(q, k, v, causal, scale, diag) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q)  # q's strides where q is dense (a transposed [B, L, H, D] view stays one)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if out.numel():
+        attention_tiles.forward(q, k, v, out, lse, scale, diag, causal)
+    return out, lse
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
+              q_offset: int = 0, k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a block of queries on a block of keys / values, and each query's log-sum-exp of scores:
+    flash-attention (no ``[Lq, Lk]`` scores in memory), differentiable through both results.
+
+    Positions are global, so that a ring's blocks of the sequence mask as one sequence would: query i is at
+    ``q_offset + i``, key j at ``k_offset + j``, and causal attention hides the keys at later positions. A query that
+    sees no key (a block wholly later than it) gets ``out = 0`` and ``lse = -inf``; ``merge`` weighs such a block 0.
+    Sums are kept in fp32 whatever the inputs' dtype.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``, any strides (transformers' ``[B, L, H, D].transpose(1, 2)`` is read in place).
+        k, v: ``[B, Hkv, Lk, D]`` of q's dtype, any strides; Hq a multiple of Hkv, query head h reading kv head
+            ``h // (Hq // Hkv)`` (grouped-query attention, without repeating k and v).
+        causal: hide from each query the keys at later positions.
+        scale: the scores' factor (default ``D ** -0.5``).
+        q_offset, k_offset: the global positions of the first query and the first key.
+
+    Returns:
+        ``(out, lse)``: out ``[B, Hq, Lq, D]`` in q's dtype (q's strides where q is dense), lse ``[B, Hq, Lq]`` fp32
+        (fp64 for fp64 inputs).
+
+    Example::
+
+        >>> q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+        >>> out, lse = attention(q, k, v, causal=True)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 4, 6, 16]), torch.Size([1, 4, 6]))
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        >>> torch.testing.assert_close(out, sdpa)
+        >>> first, second = attention(q, k[:, :, :3], v[:, :, :3], causal=True), \\
+        ...     attention(q, k[:, :, 3:], v[:, :, 3:], causal=True, k_offset=3)    # two blocks of keys
+        >>> torch.testing.assert_close(merge(*first, *second)[0], out)
+    """
+    _check(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.dtype == torch.float64 or not use_triton(q):
+        return attention_ref(q, k, v, causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset)
+    diag = q_offset - k_offset
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, causal, scale, diag)
+    return _forward(q, k, v, causal, scale, diag)
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of queries on two blocks of keys from each block's ``attention``: the outputs weighed by their
+    share of the total ``exp(lse)``. Differentiable (torch ops); a block with ``lse = -inf`` (no key seen) weighs 0,
+    and its gradients are 0, not nan.
+
+    Args:
+        out_a, lse_a: one block's output ``[..., L, D]`` and log-sum-exp ``[..., L]``.
+        out_b, lse_b: the other block's.
+
+    Returns:
+        ``(out, lse)`` over both blocks: out in the wider of the outputs' dtypes (a ring's fp32 running output stays
+        fp32), lse in the wider of the lse dtypes.
+
+    Example::
+
+        >>> out_a, out_b = torch.ones(1, 2), torch.zeros(1, 2)
+        >>> out, lse = merge(out_a, torch.tensor([0.0]), out_b, torch.tensor([0.0]))   # equal weights
+        >>> out, lse
+        (tensor([[0.5000, 0.5000]]), tensor([0.6931]))
+        >>> merge(out_a, torch.tensor([0.0]), out_b, torch.tensor([float("-inf")]))[0]  # b saw no key
+        tensor([[1., 1.]])
+    """
+    m = torch.maximum(lse_a, lse_b).detach()  # the shift cancels out: no gradient through it
+    m = m.masked_fill(m == float("-inf"), 0.0)  # neither block saw a key: weights exp(-inf) = 0, not nan
+    w_a, w_b = (lse_a - m).exp(), (lse_b - m).exp()
+    total = w_a + w_b
+    seen = total > 0
+    total = torch.where(seen, total, 1.0)
+    lse = torch.where(seen, m + total.log(), float("-inf"))
+    out = out_a * (w_a / total)[..., None] + out_b * (w_b / total)[..., None]
+    return out.to(torch.promote_types(out_a.dtype, out_b.dtype)), lse

@@ -1,0 +1,455 @@
+"""The Triton kernels of ``tpflow.kernels.attention``: a flash-attention forward that also writes the log-sum-exp, and
+its backward (flash-attention 2's: the probabilities recomputed from the saved log-sum-exp), for one block of queries
+against one block of keys / values that may sit anywhere in the sequence (a ring's blocks).
+
+Positions are global: query i is at ``q_offset + i``, key j at ``k_offset + j``, and causal attention hides key j
+from query i where ``j > i + diag``, ``diag = q_offset - k_offset``: only the difference reaches the kernels. Query
+head h reads kv head ``h // GROUP`` (GQA: k and v are never repeated). Every tensor is read through its strides.
+Scores are kept in base 2, ``s = (q . k) * scale * log2(e)``, so that exp2 serves for exp.
+
+``forward_kernel``: one program per (query tile, batch * query head):
+
+    m, l, acc = -inf, 0, 0                                   # per row: running max, sum of exp2, weighted sum of v
+    for each key tile before the causal bound:               # the tiles past it are all masked: not visited
+        s = q @ k^T * scale * log2(e)                        # masked to -inf only on tiles crossing the diagonal / Lk
+        m_new = max(m, rowmax(s));  p = exp2(s - m_new)
+        l = l * exp2(m - m_new) + rowsum(p);  acc = acc * exp2(m - m_new) + p @ v;  m = m_new
+    out = acc / l;  lse = (m + log2(l)) * ln(2)              # a row that sees no key: out = 0, lse = -inf
+
+``delta_kernel`` (the backward's first step): ``delta = rowsum(dout * out) - dlse``. With ``P = softmax(S)``,
+``out = P V`` and ``lse = logsumexp(S)``, ``dS = P * (dP - rowsum(dout * out)) + P * dlse = P * (dP - delta)``
+(``dP = dout V^T``): one term serves the gradient of both outputs. A row that sees no key gets delta = 0 (it has no
+gradient, whatever its dlse).
+
+``kv_grad_kernel``: one program per (key tile, batch * kv head), summing over the GROUP query heads that read it:
+
+    for each query head of the kv head, for each query tile from the causal bound:
+        P^T = exp2(k @ q^T * scale * log2(e) - lse * log2(e))   # masked only on tiles crossing the diagonal
+        dv += P^T @ dout;  dk += (P^T * (v @ dout^T - delta)) @ q
+    dk *= scale
+
+``q_grad_kernel``: one program per (query tile, batch * query head), over the key tiles the forward visits:
+``dq += (P * (dout @ v^T - delta)) @ k``, then ``dq *= scale``.
+
+Configs: one pinned 16 x 16 tile under the interpreter (several tiles at test sizes), else a few tiles autotuned per
+bucketed shape. They are a first guess after Triton's tutorial 06 (forward 64-128 query rows by 32-128 keys; backward
+narrow tiles along the dimension the program loops over), not yet timed on a GPU.
+
+This module needs triton; ``tpflow.kernels.attention`` imports it only where triton is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tpflow import config
+from tpflow.kernels.launcher import input_precision, one_at_a_time
+from tpflow.kernels.tiles import INTERPRET
+
+__all__ = ["backward", "configs", "delta_kernel", "forward", "forward_kernel", "kv_grad_kernel", "q_grad_kernel"]
+
+KERNELS = ("forward", "kv_grad", "q_grad")
+_KEY = ["Q_KEY", "K_KEY", "CAUSAL", "HEAD_DIM"]
+_LOG2E = tl.constexpr(math.log2(math.e))
+_LN2 = tl.constexpr(math.log(2.0))
+_DELTA_ROWS = 16 if INTERPRET else 128  # rows a delta program reads: tutorial 06's PRE_BLOCK
+
+
+def configs(kernel: str, autotune: bool) -> list[triton.Config]:
+    """The tile configs ``kernel`` is tuned over.
+
+    Args:
+        kernel: ``"forward"``, ``"kv_grad"`` or ``"q_grad"``.
+        autotune: the list to sweep (True) or the one pinned config (False); one config under the interpreter.
+
+    Returns:
+        Triton configs: ``BLOCK_M`` query rows by ``BLOCK_N`` key rows a step.
+
+    Example::
+
+        >>> [len(configs(kernel, autotune=False)) for kernel in ("forward", "kv_grad", "q_grad")]
+        [1, 1, 1]
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if INTERPRET:  # 16-row tiles: the tests' few dozen tokens still span several tiles, partial ones included
+        shapes = [(16, 16, 1, 4)]
+    elif not autotune:  # small enough that fp32 operands of head dim 128 fit shared memory (the GPU tests)
+        shapes = {"forward": [(64, 64, 2, 4)], "kv_grad": [(32, 64, 2, 4)], "q_grad": [(64, 32, 2, 4)]}[kernel]
+    elif kernel == "forward":
+        shapes = [(128, 64, 3, 8), (128, 128, 3, 8), (128, 64, 4, 4), (64, 64, 4, 4), (64, 32, 4, 4)]
+    elif kernel == "kv_grad":  # the program holds its key tile's k, v, dk and dv: wide in keys, narrow in queries
+        shapes = [(32, 128, 3, 8), (32, 64, 3, 4), (64, 128, 3, 8), (16, 64, 4, 4)]
+    else:  # the program holds its query tile's q, dout and dq: wide in queries, narrow in keys
+        shapes = [(128, 32, 3, 8), (64, 32, 3, 4), (128, 64, 3, 8), (64, 16, 4, 4)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_stages=s, num_warps=w) for m, n, s, w in shapes]
+
+
+@triton.jit
+def _load(ptrs, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """A tile of ``rows`` (zeros past row ``n`` where ROWS asks for the check) by ``offs_d`` (zeros past HEAD_DIM)."""
+    if ROWS:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _visible(queries, keys, Lk, diag, CAUSAL: tl.constexpr):
+    """Which (query, key) pairs attend: keys before Lk and, causal, not after the query's position. ``queries`` and
+    ``keys`` are indices into their blocks, shaped to broadcast against each other ([BM, 1] and [1, BN], or
+    transposed)."""
+    keep = keys < Lk
+    if CAUSAL:
+        keep = keep & (keys <= queries + diag)
+    return keep
+
+
+@triton.jit
+def _key_bounds(first_row, Lk, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full, end) for the query tile from ``first_row``: the key tiles before ``full`` are visible to every row of
+    the tile (no mask), those in ``[full, end)`` need the mask, and the keys from ``end`` are hidden from every row."""
+    full_tiles = Lk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        end = tl.minimum(tl.maximum(first_row + BLOCK_M + diag, 0), Lk)
+        full = tl.minimum(tl.maximum(first_row + 1 + diag, 0) // BLOCK_N * BLOCK_N, full_tiles)
+    else:
+        end = Lk
+        full = full_tiles
+    return full, end
+
+
+@triton.jit
+def _query_bounds(first_key, Lq, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(start, full) for the key tile from ``first_key``: the queries before ``start`` see none of its keys, the
+    query tiles in ``[start, full)`` need the mask, and those from ``full`` see all of them."""
+    if CAUSAL:  # query i sees key j where i >= j - diag
+        start = tl.maximum(first_key - diag + 1, 0) // BLOCK_M * BLOCK_M
+        full = tl.minimum(tl.cdiv(tl.maximum(first_key + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M, Lq)
+    else:
+        start = 0
+        full = 0
+    return start, full
+
+
+@triton.jit
+def _lse2(lse_ptr, rows, Lq):
+    """The rows' log-sum-exp in base 2; +inf for a row that sees no key (lse -inf) and past Lq, so that its
+    recomputed probabilities exp2(s - lse2) are 0."""
+    lse = tl.load(lse_ptr + rows, mask=rows < Lq, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+
+
+@triton.jit
+def _forward_tiles(acc, l, m, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, lo, hi, Lk, diag,
+                   qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """The online softmax over the key tiles ``[lo, hi)``, masked where MASKED."""
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        k = _load(k_ptrs + start * stride_kn, cols, Lk, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(rows[:, None], cols[None, :], Lk, diag, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: sums stay 0, not nan
+        alpha = tl.exp2(m - shift)
+        p = tl.exp2(s - shift[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = _load(v_ptrs + start * stride_vn, cols, Lk, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m = m_new
+    return acc, l, m
+
+
+@triton.jit(do_not_specialize=["diag"])  # diag changes from one ring step to the next
+def forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    # sizes: Lq queries and Lk keys a head, Hq query heads, GROUP query heads a kv head; causal: keys j <= i + diag
+    Lq, Lk, Hq, GROUP, diag, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+    # autotune keys: the lengths rounded to powers of two, so a few tokens more do not re-tune
+    Q_KEY, K_KEY,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # BLOCK_D: HEAD_DIM up to a power of two
+):
+    bh = tl.program_id(1)
+    b, h = (bh // Hq).to(tl.int64), (bh % Hq).to(tl.int64)
+    first_row = tl.program_id(0) * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows,
+              Lq, offs_d, HEAD_DIM, BLOCK_D, True)
+    k_ptrs = k_ptr + b * stride_kb + (h // GROUP) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + b * stride_vb + (h // GROUP) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    full, end = _key_bounds(first_row, Lk, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l, m = _forward_tiles(acc, l, m, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0, full, Lk,
+                               diag, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    acc, l, m = _forward_tiles(acc, l, m, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, full, end,
+                               Lk, diag, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    seen = l > 0.0
+    l = tl.where(seen, l, 1.0)
+    out_ptrs = out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(lse_ptr + bh.to(tl.int64) * Lq + rows, tl.where(seen, (m + tl.log2(l)) * _LN2, float("-inf")),
+             mask=rows < Lq)
+
+
+@triton.jit
+def delta_kernel(
+    out_ptr, dout_ptr, lse_ptr, dlse_ptr, delta_ptr,
+    # sizes: Lq rows a head, Hq heads; lse, dlse and delta are contiguous [B, Hq, Lq]
+    Lq, Hq,
+    stride_ob, stride_oh, stride_om, stride_od, stride_db, stride_dh, stride_dm, stride_dd,
+    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b, h = (bh // Hq).to(tl.int64), (bh % Hq).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    out = _load(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
+                rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
+    dout = _load(dout_ptr + b * stride_db + h * stride_dh + rows[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+                 rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
+    stats = bh.to(tl.int64) * Lq + rows
+    delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + stats, mask=rows < Lq, other=0.0)
+    lse = tl.load(lse_ptr + stats, mask=rows < Lq, other=0.0)
+    tl.store(delta_ptr + stats, tl.where(lse == float("-inf"), 0.0, delta), mask=rows < Lq)
+
+
+@triton.jit
+def _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dm, offs_m, keys, offs_d,
+                   lo, hi, Lq, Lk, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr):
+    """dk and dv of one key tile, summed over the query tiles ``[lo, hi)`` of one query head."""
+    for start in range(lo, hi, BLOCK_M):
+        rows = start + offs_m
+        q = _load(q_ptrs + start * stride_qm, rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
+        dout = _load(dout_ptrs + start * stride_dm, rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
+        s = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
+        p = tl.exp2(s - _lse2(lse_ptr, rows, Lq)[None, :])  # P^T: [keys, queries]
+        if MASKED:
+            p = tl.where(_visible(rows[None, :], keys[:, None], Lk, diag, CAUSAL), p, 0.0)
+        dv = tl.dot(p.to(dout.dtype), dout, dv, input_precision=INPUT_PRECISION)
+        dp = tl.dot(v, tl.trans(dout), input_precision=INPUT_PRECISION)
+        delta = tl.load(delta_ptr + rows, mask=rows < Lq, other=0.0)
+        dk = tl.dot((p * (dp - delta[None, :])).to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["diag"])
+def kv_grad_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    # sizes as the forward's, Hkv kv heads; lse and delta are contiguous [B, Hkv * GROUP, Lq]
+    Lq, Lk, Hkv, GROUP, diag, qk_scale, scale,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    Q_KEY, K_KEY,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b, kvh = (bh // Hkv).to(tl.int64), (bh % Hkv).to(tl.int64)
+    first_key = tl.program_id(0) * BLOCK_N
+    keys = first_key + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load(k_ptr + b * stride_kb + kvh * stride_kh + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, keys,
+              Lk, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load(v_ptr + b * stride_vb + kvh * stride_vh + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, keys,
+              Lk, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    start, full = _query_bounds(first_key, Lq, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    for g in range(GROUP):  # GQA: every query head reading this kv head adds to its gradients here
+        h = kvh * GROUP + g
+        q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        dout_ptrs = dout_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd
+        stats = (b * Hkv * GROUP + h) * Lq
+        dk, dv = _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr + stats, delta_ptr + stats, stride_qm,
+                                stride_dm, offs_m, keys, offs_d, start, full, Lq, Lk, diag, qk_scale, True, CAUSAL,
+                                HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+        dk, dv = _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr + stats, delta_ptr + stats, stride_qm,
+                                stride_dm, offs_m, keys, offs_d, full, Lq, Lq, Lk, diag, qk_scale, False, CAUSAL,
+                                HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+    mask = (keys[:, None] < Lk) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(dk_ptr + b * stride_dkb + kvh * stride_dkh + keys[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(dv_ptr + b * stride_dvb + kvh * stride_dvh + keys[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(dv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, lo, hi, Lk,
+                  diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """dq of one query tile over the key tiles ``[lo, hi)``, masked where MASKED."""
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        k = _load(k_ptrs + start * stride_kn, cols, Lk, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load(v_ptrs + start * stride_vn, cols, Lk, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows[:, None], cols[None, :], Lk, diag, CAUSAL), p, 0.0)
+        dp = tl.dot(dout, tl.trans(v), input_precision=INPUT_PRECISION)
+        dq = tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["diag"])
+def q_grad_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    Lq, Lk, Hq, GROUP, diag, qk_scale, scale,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    Q_KEY, K_KEY,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b, h = (bh // Hq).to(tl.int64), (bh % Hq).to(tl.int64)
+    first_row = tl.program_id(0) * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows,
+              Lq, offs_d, HEAD_DIM, BLOCK_D, True)
+    dout = _load(dout_ptr + b * stride_db + h * stride_dh + rows[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+                 rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
+    stats = bh.to(tl.int64) * Lq
+    lse2 = _lse2(lse_ptr + stats, rows, Lq)
+    delta = tl.load(delta_ptr + stats + rows, mask=rows < Lq, other=0.0)
+    k_ptrs = k_ptr + b * stride_kb + (h // GROUP) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + b * stride_vb + (h // GROUP) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    full, end = _key_bounds(first_row, Lk, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0, full,
+                       Lk, diag, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    dq = _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, full, end,
+                       Lk, diag, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
+
+
+@functools.cache
+def _tuned(kernel: str, autotune: bool) -> triton.runtime.Autotuner:
+    fn = {"forward": forward_kernel, "kv_grad": kv_grad_kernel, "q_grad": q_grad_kernel}[kernel]
+    return triton.autotune(configs=configs(kernel, autotune), key=_KEY)(fn)
+
+
+def _launch(kernel: str, grid, *args, **kwargs) -> None:
+    autotune = bool(config.get("autotune")) and not INTERPRET
+    with one_at_a_time():
+        _tuned(kernel, autotune)[grid](*args, **kwargs)
+
+
+def _meta(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
+    """The keyword arguments every attention kernel takes: autotune keys and the shape's constexprs."""
+    D = q.shape[-1]
+    return dict(Q_KEY=triton.next_power_of_2(q.shape[2]), K_KEY=triton.next_power_of_2(k.shape[2]), CAUSAL=causal,
+                HEAD_DIM=D, INPUT_PRECISION=input_precision(q), BLOCK_D=max(16, triton.next_power_of_2(D)))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
+            diag: int, causal: bool) -> None:
+    """Launch the attention of ``q`` on ``k`` / ``v`` into ``out`` and its log-sum-exp into ``lse``.
+    ``tpflow.kernels.attention`` checks the arguments and calls this.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``, any strides.
+        k, v: ``[B, Hkv, Lk, D]`` of q's dtype, Hq a multiple of Hkv, any strides.
+        out: ``[B, Hq, Lq, D]``, the result, any strides.
+        lse: ``[B, Hq, Lq]`` fp32, contiguous.
+        scale: the scores' factor.
+        diag: ``q_offset - k_offset``; causal hides key j from query i where ``j > i + diag``.
+        causal: mask the keys after each query.
+
+    Example::
+
+        >>> q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
+        >>> out, lse = torch.empty_like(q), torch.empty(1, 2, 5)
+        >>> forward(q, k, v, out, lse, 0.25, diag=-2, causal=True)   # queries at 0..4, keys at 2..4
+        >>> lse[0, 0, :2]                                          # rows that see no key
+        tensor([-inf, -inf])
+        >>> out[0, 0, :2].abs().sum().item()
+        0.0
+    """
+    B, Hq, Lq, _ = q.shape
+
+    def grid(META):
+        return (triton.cdiv(Lq, META["BLOCK_M"]), B * Hq)
+
+    _launch("forward", grid, q, k, v, out, lse, Lq, k.shape[2], Hq, Hq // k.shape[1], diag, scale * math.log2(math.e),
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), **_meta(q, k, causal))
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+             dout: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor | None, dk: torch.Tensor | None,
+             dv: torch.Tensor | None, scale: float, diag: int, causal: bool) -> None:
+    """Launch the gradients of ``forward``'s ``out`` and ``lse``: dq into ``dq``, dk and dv (summed over the query
+    heads of each kv head) into ``dk`` and ``dv``.
+
+    Args:
+        q, k, v, scale, diag, causal: as in ``forward``.
+        out, lse: what ``forward`` wrote.
+        dout: the gradient of ``out``, any strides.
+        dlse: the gradient of ``lse``, contiguous fp32, or None (no gradient).
+        dq: like q (any strides), or None not to compute it.
+        dk, dv: like k and v (any strides), both or neither.
+
+    Example::
+
+        >>> q, k, v = (torch.randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))
+        >>> out, lse = torch.empty_like(q), torch.empty(1, 2, 20)
+        >>> forward(q, k, v, out, lse, 0.25, diag=0, causal=True)
+        >>> grads = [torch.empty_like(t) for t in (q, k, v)]
+        >>> backward(q, k, v, out, lse, torch.ones_like(out), None, *grads, 0.25, diag=0, causal=True)
+        >>> sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+        >>> want = torch.autograd.grad(sdpa.sum(), (q, k, v))
+        >>> all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, want))
+        True
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    meta = _meta(q, k, causal)
+    delta = torch.empty_like(lse)
+    delta_kernel[(triton.cdiv(Lq, _DELTA_ROWS), B * Hq)](
+        out, dout, lse, lse if dlse is None else dlse, delta, Lq, Hq, *out.stride(), *dout.stride(),
+        HAS_DLSE=dlse is not None, HEAD_DIM=D, BLOCK_D=meta["BLOCK_D"], BLOCK_M=_DELTA_ROWS)
+    rest = (Hq // Hkv, diag, scale * math.log2(math.e), scale)  # GROUP, diag, qk_scale, scale
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+    if dk is not None:
+        def kv_grid(META):
+            return (triton.cdiv(Lk, META["BLOCK_N"]), B * Hkv)
+
+        _launch("kv_grad", kv_grid, q, k, v, dout, lse, delta, dk, dv, Lq, Lk, Hkv, *rest, *strides,
+                *dk.stride(), *dv.stride(), **meta)
+    if dq is not None:
+        def q_grid(META):
+            return (triton.cdiv(Lq, META["BLOCK_M"]), B * Hq)
+
+        _launch("q_grad", q_grid, q, k, v, dout, lse, delta, dq, Lq, Lk, Hq, *rest, *strides, *dq.stride(),
+                **meta)
