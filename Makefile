@@ -44,7 +44,8 @@ gpu-check:
 
 # The kernels compiled, the bf16 paths, the layers on the kernels, the vocabulary's loss kernels.
 gpu-tests:
-	$(GPU_RUN) -m pytest -q tests/test_kernels.py tests/test_grouped.py tests/test_cuda.py tests/test_layers_triton.py \
+	$(GPU_RUN) -m pytest -q tests/test_kernels.py tests/test_grouped.py tests/test_attention.py tests/test_cuda.py \
+		tests/test_layers_triton.py \
 		tests/test_vocab.py::test_loss_kernels_match_their_references
 
 # kernels_<device>_<time>.{md,csv}: both kernels against cuBLAS, the fused epilogue, row ranges, a launch's host cost

@@ -23,12 +23,16 @@ def _triton_kernels():
         yield
 
 
-def _rand(*shape, dtype, seed, transposed=False):
-    """A random tensor; transposed: ``[B, H, L, D]`` as transformers passes it, a view of ``[B, L, H, D]``."""
+def _rand(*shape, dtype, seed, transposed=False, padded=False):
+    """A random tensor; transposed: ``[B, H, L, D]`` as transformers passes it, a view of ``[B, L, H, D]``; padded: a
+    view of a wider tensor whose 3 more columns are nan (the kernels must never read past the head dim)."""
     g = torch.Generator().manual_seed(seed)
     if transposed:
-        return torch.randn(shape[0], shape[2], shape[1], *shape[3:], generator=g).to(DEVICE, dtype).transpose(1, 2)
-    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+        shape = (shape[0], shape[2], shape[1], *shape[3:])
+    t = torch.randn(*shape[:-1], shape[-1] + 3 * padded, generator=g)
+    t[..., shape[-1]:] = float("nan")
+    t = t.to(device=DEVICE, dtype=dtype)[..., :shape[-1]]
+    return t.transpose(1, 2) if transposed else t
 
 
 def _close(got, want_torch, ref64, dtype, what):
@@ -47,27 +51,16 @@ def _results(fn, q, k, v, dout, dlse, **kw):
     return (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
 
 
-# (dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed): lengths that are not a multiple of the
-# interpreter's 16-row tiles, the ring's three kinds of causal block, GQA and MQA, a head dim not a power of two
-CASES = {
-    "fp32-causal-gqa-transposed": (torch.float32, 2, 4, 2, 21, 21, 16, True, 0, 0, True),
-    "fp16-full-mqa": (torch.float16, 1, 4, 1, 13, 40, 32, False, 0, 0, False),
-    "fp32-earlier-keys": (torch.float32, 1, 2, 2, 21, 13, 16, True, 16, 0, False),
-    "fp16-crossing-keys-dim-20": (torch.float16, 1, 4, 2, 21, 40, 20, True, 16, 24, True),
-    "fp32-later-keys": (torch.float32, 1, 2, 1, 16, 13, 16, True, 16, 32, False),
-}
-
-
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_outputs_and_gradients(case):
-    """out, lse and the gradients of q, k and v (from both out and lse) against the fp64 reference. Crossing keys:
-    the first 8 queries (positions 16-23) see no key of the block (at 24-63), the others part of it; later keys: no
-    query sees any (out 0, lse -inf, gradients 0)."""
-    dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed = case
+def _check(dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed):
+    """out, lse and the gradients of q, k and v (from both out and lse) against the fp64 reference, k and v read from
+    wider rows; a query that sees no key gets out 0, lse -inf and dq 0, whatever the gradient of its lse (here nan, as a
+    merge by torch.logaddexp of two -inf would give)."""
     q = _rand(B, Hq, Lq, D, dtype=dtype, seed=1, transposed=transposed).requires_grad_()
-    k = _rand(B, Hkv, Lk, D, dtype=dtype, seed=2, transposed=transposed).requires_grad_()
-    v = _rand(B, Hkv, Lk, D, dtype=dtype, seed=3, transposed=transposed).requires_grad_()
-    dout, dlse = _rand(B, Hq, Lq, D, dtype=dtype, seed=4), _rand(B, Hq, Lq, dtype=torch.float32, seed=5)
+    k = _rand(B, Hkv, Lk, D, dtype=dtype, seed=2, transposed=transposed, padded=True).requires_grad_()
+    v = _rand(B, Hkv, Lk, D, dtype=dtype, seed=3, transposed=transposed, padded=True).requires_grad_()
+    hidden = (torch.arange(Lq, device=DEVICE) + q_offset < k_offset) & causal  # queries before every key
+    dout = _rand(B, Hq, Lq, D, dtype=dtype, seed=4)
+    dlse = _rand(B, Hq, Lq, dtype=torch.float32, seed=5).masked_fill(hidden, float("nan"))
     kw = dict(causal=causal, q_offset=q_offset, k_offset=k_offset)
     got = _results(attention, q, k, v, dout, dlse, **kw)
     want = _results(attention_ref, q, k, v, dout, dlse, **kw)
@@ -75,11 +68,82 @@ def test_outputs_and_gradients(case):
     ref = _results(attention_ref, *as64, dout.double(), dlse.double(), **kw)
     for what, got_t, want_t, ref_t in zip(("out", "lse", "dq", "dk", "dv"), got, want, ref):
         _close(got_t, want_t, ref_t.detach(), dtype, what)
-    assert got[0].stride() == q.stride()  # out in q's layout: a transposed view stays one
+    assert torch.equal(ref[1] == float("-inf"), hidden.expand(B, Hq, Lq))
+    assert not got[0][..., hidden, :].any() and not got[2][..., hidden, :].any()
+    return q, k, v, got, kw
+
+
+# (dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed): lengths that are not a multiple of the
+# interpreter's 16-row tiles, the ring's three kinds of causal block, GQA and MQA, a head dim not a power of two
+CASES = {
+    "fp32-causal-gqa-transposed": (torch.float32, 2, 4, 2, 21, 21, 16, True, 0, 0, True),
+    "fp16-full-mqa-dim-20": (torch.float16, 1, 4, 1, 13, 40, 20, False, 0, 0, False),
+    "fp32-earlier-keys": (torch.float32, 1, 2, 2, 21, 13, 16, True, 16, 0, False),
+    "fp16-crossing-keys": (torch.float16, 1, 4, 2, 21, 40, 32, True, 16, 24, True),
+    "fp32-later-keys": (torch.float32, 1, 2, 1, 16, 13, 16, True, 16, 32, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_outputs_and_gradients(case):
+    """Crossing keys: the first 8 queries (positions 16-23) see no key of the block (at 24-63), the others part of
+    it; later keys: no query sees any. Results in q's layout (a transposed view stays one), the same without
+    gradients."""
+    q, k, v, got, kw = _check(*case)
+    assert got[0].stride() == q.stride()
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(attention(q, k, v, **kw), got[:2]))
-    seen = ref[1] > float("-inf")
-    assert not got[0][~seen].any() and not got[2][~seen].any()  # a query that sees no key: out 0, dq 0
+
+
+@pytest.mark.parametrize("diag", [-17, -15, -2, -1, 1, 14, 15, 31])
+def test_causal_bounds(diag):
+    """17 queries (the last alone in its tile) on 33 keys, ``diag = q_offset - k_offset`` next to the multiples of the
+    interpreter's 16-row tiles: where the tiles each program visits, and the ones it masks, begin and end."""
+    _check(torch.float32, 1, 2, 1, 17, 33, 16, True, max(diag, 0), max(-diag, 0), False)
+
+
+# bf16 blocks spanning many of the compiled kernels' 32-128 row tiles, the lengths not multiples of them
+GPU_CASES = {
+    "bf16-causal": (torch.bfloat16, 1, 4, 2, 1000, 1000, 128, True, 0, 0, True),
+    "bf16-crossing-keys": (torch.bfloat16, 1, 4, 2, 1000, 1531, 128, True, 1000, 37, True),
+    "bf16-mostly-later-keys": (torch.bfloat16, 1, 4, 1, 1000, 1531, 64, True, 37, 1000, False),
+    "fp32-full": (torch.float32, 2, 2, 2, 777, 1531, 80, False, 0, 0, False),
+}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: bf16, and blocks the size of the compiled kernels' tiles")
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_ring_blocks_on_a_gpu(case):
+    _check(*case)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: long sequences against torch's flash attention")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("tokens", [4096, 32768])
+def test_long_sequences_against_flash(tokens, causal):
+    """bf16, 8 query heads on 2 kv heads of 128 dims: out and gradients within twice the error of torch's flash
+    backend (fed k and v repeated per query head), both measured against torch's attention in fp32."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = _rand(1, 8, tokens, 128, dtype=torch.bfloat16, seed=1)
+    k, v = (_rand(1, 2, tokens, 128, dtype=torch.bfloat16, seed=s) for s in (2, 3))
+    dout = _rand(1, 8, tokens, 128, dtype=torch.bfloat16, seed=4)
+
+    def sdpa(q, k, v):
+        k, v = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def results(fn, *inputs):
+        inputs = [t.detach().requires_grad_() for t in inputs]
+        out = fn(*inputs)
+        return (out.detach(), *torch.autograd.grad(out, inputs, dout.to(out.dtype)))
+
+    got = results(lambda q, k, v: attention(q, k, v, causal=causal)[0], q, k, v)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = results(sdpa, q, k, v)
+    ref = results(sdpa, q.float(), k.float(), v.float())  # torch's memory-efficient backend, in fp32
+    for what, got_t, flash_t, ref_t in zip(("out", "dq", "dk", "dv"), got, flash, ref):
+        _close(got_t, flash_t, ref_t.double(), torch.bfloat16, what)
 
 
 @pytest.mark.parametrize("causal, q_offset", [(False, 0), (True, 8), (True, 0)],
@@ -142,7 +206,7 @@ def test_bad_arguments():
     for args, match in [((q[0], kv, kv), r"takes q \[B, Hq, Lq, D\]"), ((q, kv, kv[:, :, :3]), r"takes q"),
                         ((q, kv[:, :1].expand(1, 3, 7, 16), kv[:, :1].expand(1, 3, 7, 16)), "sizes differ"),
                         ((q, kv[..., :8], kv[..., :8]), "sizes differ"), ((q, kv[:, :, :0], kv[:, :, :0]), "one key"),
-                        ((torch.ones(1, 1, 2, 160), torch.ones(1, 1, 2, 160), torch.ones(1, 1, 2, 160)), "from 1 to 128"),
+                        ((torch.ones(1, 1, 2, 160),) * 3, "from 1 to 128"),
                         ((q.half(), kv, kv), "one floating dtype"), ((q.int(), kv.int(), kv.int()), "one floating")]:
         with pytest.raises(ValueError, match=match):
             attention(*args, causal=False)

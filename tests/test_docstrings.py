@@ -15,7 +15,7 @@ import tpflow
 
 # need triton: checked if present
 SKIP = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles",
-        "tpflow.kernels.grouped_tiles"}
+        "tpflow.kernels.grouped_tiles", "tpflow.kernels.attention_tiles"}
 
 
 def _modules():

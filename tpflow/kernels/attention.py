@@ -24,7 +24,6 @@ through ``lse`` too (the merge of a ring's steps differentiates through it).
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import torch
 

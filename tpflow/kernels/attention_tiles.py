@@ -33,7 +33,11 @@ gradient, whatever its dlse).
 
 Configs: one pinned 16 x 16 tile under the interpreter (several tiles at test sizes), else a few tiles autotuned per
 bucketed shape. They are a first guess after Triton's tutorial 06 (forward 64-128 query rows by 32-128 keys; backward
-narrow tiles along the dimension the program loops over), not yet timed on a GPU.
+narrow tiles along the dimension the program loops over), not yet timed on a GPU. Compiled offline for sm_90 (as
+``benchmarks/kernels_compiled.py`` compiles the matmul kernels), in bf16 at head dims 64 and 128 every config fits
+shared memory, runs on wgmma with cp.async loads and spills nothing (kv_grad's 64 x 64 at head dim 128 excepted,
+which the autotuner can pass over). fp32 operands run correct but slow: full-precision fp32 dots are FMA loops that
+spill at every config.
 
 This module needs triton; ``tpflow.kernels.attention`` imports it only where triton is installed.
 """
@@ -79,15 +83,21 @@ def configs(kernel: str, autotune: bool) -> list[triton.Config]:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if INTERPRET:  # 16-row tiles: the tests' few dozen tokens still span several tiles, partial ones included
         shapes = [(16, 16, 1, 4)]
-    elif not autotune:  # small enough that fp32 operands of head dim 128 fit shared memory (the GPU tests)
-        shapes = {"forward": [(64, 64, 2, 4)], "kv_grad": [(32, 64, 2, 4)], "q_grad": [(64, 32, 2, 4)]}[kernel]
+    elif not autotune:  # 2 stages: fp32 operands of head dim 128 fit shared memory too (the GPU tests)
+        shapes = {"forward": [(64, 64, 2, 4)], "kv_grad": [(32, 64, 2, 8)], "q_grad": [(64, 32, 2, 4)]}[kernel]
     elif kernel == "forward":
-        shapes = [(128, 64, 3, 8), (128, 128, 3, 8), (128, 64, 4, 4), (64, 64, 4, 4), (64, 32, 4, 4)]
-    elif kernel == "kv_grad":  # the program holds its key tile's k, v, dk and dv: wide in keys, narrow in queries
-        shapes = [(32, 128, 3, 8), (32, 64, 3, 4), (64, 128, 3, 8), (16, 64, 4, 4)]
-    else:  # the program holds its query tile's q, dout and dq: wide in queries, narrow in keys
+        shapes = [(128, 64, 3, 8), (128, 64, 4, 8), (128, 128, 3, 8), (64, 64, 3, 4), (64, 32, 4, 4)]
+    elif kernel == "kv_grad":  # holds its key tile's k, v, dk and dv: 8 warps (4 spilled 40-156 bytes at head dim 128)
+        shapes = [(32, 128, 2, 8), (16, 128, 3, 8), (32, 64, 2, 8), (64, 64, 3, 8)]
+    else:  # holds its query tile's q, dout and dq: wide in queries, narrow in keys
         shapes = [(128, 32, 3, 8), (64, 32, 3, 4), (128, 64, 3, 8), (64, 16, 4, 4)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_stages=s, num_warps=w) for m, n, s, w in shapes]
+
+
+@triton.jit
+def _ptrs(ptr, b, h, rows, offs_d, stride_b, stride_h, stride_row, stride_d):
+    """Pointers to a tile of head ``h`` of batch ``b``: its ``rows`` by ``offs_d``."""
+    return ptr + b * stride_b + h * stride_h + rows[:, None] * stride_row + offs_d[None, :] * stride_d
 
 
 @triton.jit
@@ -135,7 +145,7 @@ def _query_bounds(first_key, Lq, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constex
     """(start, full) for the key tile from ``first_key``: the queries before ``start`` see none of its keys, the
     query tiles in ``[start, full)`` need the mask, and those from ``full`` see all of them."""
     if CAUSAL:  # query i sees key j where i >= j - diag
-        start = tl.maximum(first_key - diag + 1, 0) // BLOCK_M * BLOCK_M
+        start = tl.maximum(first_key - diag, 0) // BLOCK_M * BLOCK_M
         full = tl.minimum(tl.cdiv(tl.maximum(first_key + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M, Lq)
     else:
         start = 0
@@ -152,25 +162,26 @@ def _lse2(lse_ptr, rows, Lq):
 
 
 @triton.jit
-def _forward_tiles(acc, l, m, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, lo, hi, Lk, diag,
+def _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, lo, hi, Lk, diag,
                    qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """The online softmax over the key tiles ``[lo, hi)``, masked where MASKED."""
+    """The online softmax over the key tiles ``[lo, hi)``, masked where MASKED: the rows' output sums ``acc``, sums of
+    exp2 ``l_i`` and maxima ``m_i``."""
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         k = _load(k_ptrs + start * stride_kn, cols, Lk, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(_visible(rows[:, None], cols[None, :], Lk, diag, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: sums stay 0, not nan
-        alpha = tl.exp2(m - shift)
+        alpha = tl.exp2(m_i - shift)
         p = tl.exp2(s - shift[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = _load(v_ptrs + start * stride_vn, cols, Lk, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
-        m = m_new
-    return acc, l, m
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["diag"])  # diag changes from one ring step to the next
@@ -191,24 +202,24 @@ def forward_kernel(
     rows = first_row + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows,
-              Lq, offs_d, HEAD_DIM, BLOCK_D, True)
-    k_ptrs = k_ptr + b * stride_kb + (h // GROUP) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_ptr + b * stride_vb + (h // GROUP) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    q = _load(_ptrs(q_ptr, b, h, rows, offs_d, stride_qb, stride_qh, stride_qm, stride_qd), rows, Lq, offs_d, HEAD_DIM,
+              BLOCK_D, True)
+    k_ptrs = _ptrs(k_ptr, b, h // GROUP, offs_n, offs_d, stride_kb, stride_kh, stride_kn, stride_kd)
+    v_ptrs = _ptrs(v_ptr, b, h // GROUP, offs_n, offs_d, stride_vb, stride_vh, stride_vn, stride_vd)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full, end = _key_bounds(first_row, Lk, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l, m = _forward_tiles(acc, l, m, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0, full, Lk,
-                               diag, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
-    acc, l, m = _forward_tiles(acc, l, m, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, full, end,
-                               Lk, diag, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
-    seen = l > 0.0
-    l = tl.where(seen, l, 1.0)
-    out_ptrs = out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(out_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0,
+                                   full, Lk, diag, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, full,
+                                   end, Lk, diag, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    seen = l_i > 0.0
+    l_i = tl.where(seen, l_i, 1.0)
+    tl.store(_ptrs(out_ptr, b, h, rows, offs_d, stride_ob, stride_oh, stride_om, stride_od),
+             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
-    tl.store(lse_ptr + bh.to(tl.int64) * Lq + rows, tl.where(seen, (m + tl.log2(l)) * _LN2, float("-inf")),
+    tl.store(lse_ptr + bh.to(tl.int64) * Lq + rows, tl.where(seen, (m_i + tl.log2(l_i)) * _LN2, float("-inf")),
              mask=rows < Lq)
 
 
@@ -224,9 +235,9 @@ def delta_kernel(
     b, h = (bh // Hq).to(tl.int64), (bh % Hq).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    out = _load(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
+    out = _load(_ptrs(out_ptr, b, h, rows, offs_d, stride_ob, stride_oh, stride_om, stride_od),
                 rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
-    dout = _load(dout_ptr + b * stride_db + h * stride_dh + rows[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+    dout = _load(_ptrs(dout_ptr, b, h, rows, offs_d, stride_db, stride_dh, stride_dm, stride_dd),
                  rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
     stats = bh.to(tl.int64) * Lq + rows
     delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), 1)
@@ -275,17 +286,17 @@ def kv_grad_kernel(
     keys = first_key + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load(k_ptr + b * stride_kb + kvh * stride_kh + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, keys,
+    k = _load(_ptrs(k_ptr, b, kvh, keys, offs_d, stride_kb, stride_kh, stride_kn, stride_kd), keys,
               Lk, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load(v_ptr + b * stride_vb + kvh * stride_vh + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, keys,
+    v = _load(_ptrs(v_ptr, b, kvh, keys, offs_d, stride_vb, stride_vh, stride_vn, stride_vd), keys,
               Lk, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     start, full = _query_bounds(first_key, Lq, diag, CAUSAL, BLOCK_M, BLOCK_N)
     for g in range(GROUP):  # GQA: every query head reading this kv head adds to its gradients here
         h = kvh * GROUP + g
-        q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        dout_ptrs = dout_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd
+        q_ptrs = _ptrs(q_ptr, b, h, offs_m, offs_d, stride_qb, stride_qh, stride_qm, stride_qd)
+        dout_ptrs = _ptrs(dout_ptr, b, h, offs_m, offs_d, stride_db, stride_dh, stride_dm, stride_dd)
         stats = (b * Hkv * GROUP + h) * Lq
         dk, dv = _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr + stats, delta_ptr + stats, stride_qm,
                                 stride_dm, offs_m, keys, offs_d, start, full, Lq, Lk, diag, qk_scale, True, CAUSAL,
@@ -294,9 +305,9 @@ def kv_grad_kernel(
                                 stride_dm, offs_m, keys, offs_d, full, Lq, Lq, Lk, diag, qk_scale, False, CAUSAL,
                                 HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
     mask = (keys[:, None] < Lk) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(dk_ptr + b * stride_dkb + kvh * stride_dkh + keys[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(_ptrs(dk_ptr, b, kvh, keys, offs_d, stride_dkb, stride_dkh, stride_dkn, stride_dkd),
              (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
-    tl.store(dv_ptr + b * stride_dvb + kvh * stride_dvh + keys[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+    tl.store(_ptrs(dv_ptr, b, kvh, keys, offs_d, stride_dvb, stride_dvh, stride_dvn, stride_dvd),
              dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
@@ -335,22 +346,22 @@ def q_grad_kernel(
     rows = first_row + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows,
+    q = _load(_ptrs(q_ptr, b, h, rows, offs_d, stride_qb, stride_qh, stride_qm, stride_qd), rows,
               Lq, offs_d, HEAD_DIM, BLOCK_D, True)
-    dout = _load(dout_ptr + b * stride_db + h * stride_dh + rows[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+    dout = _load(_ptrs(dout_ptr, b, h, rows, offs_d, stride_db, stride_dh, stride_dm, stride_dd),
                  rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
     stats = bh.to(tl.int64) * Lq
     lse2 = _lse2(lse_ptr + stats, rows, Lq)
     delta = tl.load(delta_ptr + stats + rows, mask=rows < Lq, other=0.0)
-    k_ptrs = k_ptr + b * stride_kb + (h // GROUP) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_ptr + b * stride_vb + (h // GROUP) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_ptrs = _ptrs(k_ptr, b, h // GROUP, offs_n, offs_d, stride_kb, stride_kh, stride_kn, stride_kd)
+    v_ptrs = _ptrs(v_ptr, b, h // GROUP, offs_n, offs_d, stride_vb, stride_vh, stride_vn, stride_vd)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full, end = _key_bounds(first_row, Lk, diag, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0, full,
                        Lk, diag, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
     dq = _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, full, end,
                        Lk, diag, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
-    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(_ptrs(dq_ptr, b, h, rows, offs_d, stride_dqb, stride_dqh, stride_dqm, stride_dqd),
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
 
 
