@@ -70,22 +70,17 @@ def _matches_one_device(kind, expert_parallel):
 
 
 def _grouped_mm():
-    """The default experts implementation, torch._grouped_mm, in fp32, split by the intermediate dim; tpflow's own
-    (``experts_implementation="tpflow"``, its Triton grouped GEMM through the interpreter) shared out by experts: one
-    device's loss and gradients."""
+    """The default experts implementation, torch._grouped_mm, in fp32: one device's loss and gradients."""
     P = tpf.placement("cpu", list(range(dist.get_world_size())))
-    tpf.kernels.register_experts_implementation()
+    ref = tiny_moe("qwen3_moe", experts="grouped_mm", dtype=torch.float32)
+    model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
     ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(2))
-    for experts, expert_parallel in (("grouped_mm", False), ("tpflow", True)):  # (the interpreter: one layer)
-        ref = tiny_moe("qwen3_moe", experts=experts, dtype=torch.float32, layers=1 if experts == "tpflow" else 2)
-        model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=tpf.hf_plan(ref, expert_parallel=expert_parallel))
-        with tpf.config.override(kernels="triton"):
-            loss, want = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
-            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
-            loss.backward()
-            want.backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-5, msg=f"{experts}: {name}")
+    loss, want = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _sequence_parallel(kinds):
