@@ -188,8 +188,13 @@ class _Slices:
         return (tokens, ids, weights), {k: v for k, v in kwargs.items() if k not in self.inputs}
 
     def _check_ids(self, module: nn.Module, ids: torch.Tensor) -> None:
-        """Every rank holds the same ids here: each raises on its own."""
-        if bool(((ids < 0) | (ids >= self.total)).any()):
+        """Every rank holds the same ids here: each raises on its own. On a GPU the check is a device-side assert,
+        so that the experts split by the intermediate dim read nothing back to the host (a decode step's layers)."""
+        bad = ((ids < 0) | (ids >= self.total)).any()
+        if ids.is_cuda:
+            torch._assert_async(~bad, f"{type(module).__name__}: the router chose an expert id outside 0 to "
+                                      f"{self.total - 1}")
+        elif bool(bad):
             raise ValueError(f"{type(module).__name__}: the router chose expert {int(ids.max())} (or a negative "
                              f"one), but there are {self.total} experts (ids 0 to {self.total - 1})")
 
