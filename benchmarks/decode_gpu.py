@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import pathlib
 import shlex
@@ -38,7 +37,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from benchmarks.kernels_gpu import DTYPES, host_us, need_gpu
+from benchmarks.kernels_gpu import DTYPES, host_us, need_gpu, results_stem
 from tpflow import config
 from tpflow.bench.report import markdown_table
 from tpflow.kernels import matmul
@@ -131,9 +130,7 @@ def main() -> None:
     a = torch.empty(rows[-1]["M"], args.k, device="cuda", dtype=w.dtype)
     default = kernel_choice(a, w.mT, torch.empty(a.shape[0], args.n, device="cuda", dtype=w.dtype))
     device = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
-    out = pathlib.Path(args.out) / f"decode_{device.replace(' ', '-')}_{stamp}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(f"{results_stem(args.out, 'decode')}.md")
     out.write_text(
         f"# Decode-sized products: tpflow's kernels against the torch path by row count\n\ntorch {torch.__version__}, "
         f"triton {triton.__version__}, {device}; `{shlex.join(['PYTHONPATH=.', 'python', *sys.argv])}`.\n"

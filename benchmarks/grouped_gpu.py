@@ -24,7 +24,6 @@ tiny sizes).
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 import shlex
 import sys
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from benchmarks.kernels_gpu import need_gpu
+from benchmarks.kernels_gpu import need_gpu, results_stem
 from tpflow.bench.report import markdown_table
 from tpflow.kernels import grouped_mm, grouped_mm_ref
 
@@ -134,9 +133,7 @@ def main() -> None:
         base = next(r for r in rows if (r["E"], r["what"], r["impl"]) == (row["E"], row["what"], "torch"))
         row["time_vs_torch"] = round(row["ms"] / base["ms"], 2)
     name = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
-    out = pathlib.Path(args.out) / f"grouped_{name.replace(' ', '-')}_{stamp}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(f"{results_stem(args.out, 'grouped')}.md")
     command = "PYTHONPATH=. python " + shlex.join(sys.argv)
     out.write_text(
         f"# The experts' grouped GEMM on one GPU\n\ntorch {torch.__version__}, triton {triton.__version__}, {name}, "

@@ -42,6 +42,14 @@ def need_gpu(parser: argparse.ArgumentParser) -> None:
         parser.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
+def results_stem(out_dir: str | pathlib.Path, prefix: str) -> pathlib.Path:
+    """``out_dir/<prefix>_<GPU name>_<time>`` (the folder made): where a GPU benchmark writes its results files."""
+    device = torch.cuda.get_device_name().replace(" ", "-")
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / f"{prefix}_{device}_{datetime.datetime.now().strftime('%Y-%m-%d_%H%M')}"
+
+
 def tflops(m: int, n: int, k: int, ms: float) -> float:
     return 2 * m * n * k / ms * 1e-9
 
@@ -106,9 +114,7 @@ def host_costs(kernels: list[str]) -> str:
 
 def write(rows: list[dict], host: str, out_dir: pathlib.Path, command: str) -> pathlib.Path:
     device = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
-    stem = out_dir / f"kernels_{device.replace(' ', '-')}_{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = results_stem(out_dir, "kernels")
     with open(f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

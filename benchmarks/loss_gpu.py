@@ -17,7 +17,6 @@ what was allocated before. Writes ``loss_<device>_<time>.md`` in ``--out``; with
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 
 import torch
@@ -26,7 +25,7 @@ import triton
 from triton.testing import do_bench
 
 import tpflow as tpf
-from benchmarks.kernels_gpu import need_gpu
+from benchmarks.kernels_gpu import need_gpu, results_stem
 from tpflow.bench.report import markdown_table
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -106,9 +105,7 @@ def main() -> None:
         base = next(r for r in rows if (r["V"], r["what"], r["impl"]) == (row["V"], row["what"], "torch"))
         row["vs_torch"] = round(base["ms"] / row["ms"], 2)
     name = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
-    out = pathlib.Path(args.out) / f"loss_{name.replace(' ', '-')}_{stamp}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(f"{results_stem(args.out, 'loss')}.md")
     header = list(rows[0])
     out.write_text(f"# Cross-entropy kernels on one GPU\n\ntorch {torch.__version__}, triton {triton.__version__}, "
                    f"{name}, {args.dtype}, {args.tokens} tokens, hidden {args.hidden}, chunk {args.chunk}; "
