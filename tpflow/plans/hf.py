@@ -92,11 +92,12 @@ def _on_every_token(model: nn.Module, own: dict[str, object], experts: list[str]
     found += [pattern.rpartition(".")[0] for pattern, style in own.items()
               if style == "rowwise_split_input" and _is_attention(model, pattern.rpartition(".")[0])]
     for name, module in model.named_modules():
-        planned = any(fnmatch.fnmatchcase(f"{name}.{child}", pattern) for child, _ in module.named_modules() if child
-                      for pattern in own)
+        if attention_heads(module) is None and name.rpartition(".")[2] != "self_attn":  # MLA's has no q / k / v
+            continue
         pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
-        attention = attention_heads(module) is not None or name.rpartition(".")[2] == "self_attn"  # MLA's too
-        if attention and not planned and pattern not in found:
+        planned = any(fnmatch.fnmatchcase(f"{name}.{child}", p) for child, _ in module.named_modules() if child
+                      for p in own)
+        if not planned and pattern not in found:
             found.append(pattern)
     return found
 
