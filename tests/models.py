@@ -94,14 +94,14 @@ class BackwardFails(torch.autograd.Function):
 VOCAB = 101  # uneven blocks of a head over 2 and 4 ranks
 
 
-def tiny_lm(kind: str, kv_heads: int = 2, layers: int = 2, **extra) -> nn.Module:
-    """A Hugging Face causal LM of ``kind`` (random weights, fp64: AdamW magnifies fp32 rounding) with 4 query
-    heads, ``kv_heads`` key/value heads and uneven MLP blocks."""
+def tiny_lm(kind: str, kv_heads: int = 2, layers: int = 2, heads: int = 4, **extra) -> nn.Module:
+    """A Hugging Face causal LM of ``kind`` (random weights, fp64: AdamW magnifies fp32 rounding) with ``heads``
+    query heads, ``kv_heads`` key/value heads and uneven MLP blocks."""
     import transformers
 
     config = transformers.AutoConfig.for_model(
-        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, **extra)
+        kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=90, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).double()
 

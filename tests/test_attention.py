@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tpflow as tpf
-from tpflow.kernels.attention import attention, attention_ref, merge
+from tpflow.kernels.attention import attention, attention_backward, attention_ref, merge
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -210,3 +210,38 @@ def test_bad_arguments():
                         ((q.half(), kv, kv), "one floating dtype"), ((q.int(), kv.int(), kv.int()), "one floating")]:
         with pytest.raises(ValueError, match=match):
             attention(*args, causal=False)
+
+
+# (q_offset, where the keys split, softcap): the ring's blocks of one query part, from the queries' merged result
+BLOCK_BACKWARDS = {
+    "earlier-then-diagonal": (16, 16, None),
+    "crossing-both": (8, 12, None),
+    "softcapped": (16, 16, 2.5),
+}
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("case", BLOCK_BACKWARDS.values(), ids=BLOCK_BACKWARDS.keys())
+def test_block_backward_from_the_merged_result(case, kernels):
+    """``attention_backward`` of each of two key blocks, given only the queries' output and log-sum-exp over both (as
+    a ring's backward has them), adds up to the gradients of attention over all the keys: dq summed over the blocks,
+    dk and dv each block's own. Keys at 0-31 split in two; GQA; the Triton kernels, torch's CPU flash kernel (the
+    diagonal block) and the reference (the rest, softcap)."""
+    q_offset, cut, softcap = case
+    q = _rand(1, 4, 16, 16, dtype=torch.float32, seed=1)
+    k, v = (_rand(1, 2, 32, 16, dtype=torch.float32, seed=s) for s in (2, 3))
+    dout = _rand(1, 4, 16, 16, dtype=torch.float32, seed=4)
+    whole = [t.double().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*whole, causal=True, q_offset=q_offset, softcap=softcap)
+    want = torch.autograd.grad(out, whole, dout.double())
+    grads = []
+    with tpf.config.override(kernels=kernels):
+        for keys in (slice(0, cut), slice(cut, 32)):
+            grads.append(attention_backward(q, k[:, :, keys], v[:, :, keys], out.detach().float(), lse.detach().float(),
+                                            dout, causal=True, q_offset=q_offset, k_offset=keys.start,
+                                            softcap=softcap))
+    assert all(g.dtype == torch.float32 for block in grads for g in block)
+    (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = grads
+    got = (dq_a + dq_b, torch.cat([dk_a, dk_b], 2), torch.cat([dv_a, dv_b], 2))
+    for what, got_t, want_t in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(got_t.double(), want_t, rtol=1e-4, atol=1e-5, msg=what)

@@ -45,6 +45,7 @@ from tpflow.pipeline import Pipeline, PipelineError, Stage, stage
 from tpflow.placement import Placement, get_rank, get_world_size, init_distributed, placement
 from tpflow.plans import (
     ColumnParallel,
+    ContextParallel,
     ExpertParallel,
     ExpertTensorParallel,
     GatherSequence,
@@ -60,6 +61,7 @@ from tpflow.plans import (
 __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
+    "ContextParallel",
     "ExpertParallel",
     "ExpertTensorParallel",
     "GatherSequence",

@@ -17,8 +17,10 @@ gradients are 0.
 Dispatch as ``matmul``'s: CUDA tensors run the Triton kernels (``attention_tiles``: flash-attention 2, forward and
 backward, reading every tensor through its strides, so transformers' ``[B, L, H, D].transpose(1, 2)`` views need no
 copy); CPU tensors run the torch reference (an explicit softmax in fp32) unless the ``kernels`` switch is
-``"triton"``, which runs the kernels through Triton's interpreter. fp64 runs the reference. Both are differentiable,
-through ``lse`` too (the merge of a ring's steps differentiates through it).
+``"triton"``, which runs the kernels through Triton's interpreter; without gradients, a CPU block whose mask torch's
+flash kernel expresses (none, or the diagonal block) runs that kernel. fp64 and softcapped scores run the reference.
+All are differentiable, through ``lse`` too (the merge of a ring's steps differentiates through it).
+``attention_backward`` gives a block's gradients from its queries' final output and log-sum-exp: a ring's backward.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if importlib.util.find_spec("triton") is not None:
 else:  # CPU installs without triton run the torch reference
     attention_tiles = None
 
-__all__ = ["attention", "attention_ref", "merge"]
+__all__ = ["attention", "attention_backward", "attention_ref", "merge"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_HEAD_DIM = 128  # the kernels hold a [tile, head dim] fp32 accumulator (two in the backward) in registers
@@ -59,13 +61,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
-                  q_offset: int = 0, k_offset: int = 0, upcast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  q_offset: int = 0, k_offset: int = 0, softcap: float | None = None,
+                  upcast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of ``attention``: the scores, an explicit softmax in fp32 (fp64 for fp64 inputs) and the
     log-sum-exp, differentiable by autograd (through ``lse`` too, and with zero gradients for a query that sees no
     key). It holds the ``[B, Hq, Lq, Lk]`` scores; the kernels never do.
 
     Args:
-        q, k, v, causal, scale, q_offset, k_offset: as in ``attention``.
+        q, k, v, causal, scale, q_offset, k_offset, softcap: as in ``attention``.
         upcast: compute in float64 and return float64 (the reference a tolerance is measured against).
 
     Returns:
@@ -83,12 +86,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     _check(q, k, v)
     wide = torch.float64 if upcast else accumulate_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = q.to(wide) @ k.to(wide).repeat_interleave(groups, 1).mT * scale
-    if causal:
-        queries = torch.arange(q.shape[2], device=q.device) + q_offset
-        keys = torch.arange(k.shape[2], device=q.device) + k_offset
-        s = s.masked_fill(keys > queries[:, None], float("-inf"))
+    s = _scores(q.to(wide), k.to(wide).repeat_interleave(groups, 1), causal, scale, q_offset, k_offset, softcap)
     m = s.amax(-1, keepdim=True).detach()  # the shift cancels out of both results: no gradient through it
     m = m.masked_fill(m == float("-inf"), 0.0)  # a query that sees no key: exp(-inf - 0) = 0, not nan
     e = (s - m).exp()
@@ -98,6 +96,19 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     out = (e / total) @ v.to(wide).repeat_interleave(groups, 1)
     lse = torch.where(seen, m + total.log(), float("-inf")).squeeze(-1)
     return (out if upcast else out.to(q.dtype)), lse
+
+
+def _scores(q, k, causal, scale, q_offset, k_offset, softcap) -> torch.Tensor:
+    """``q k^T * scale``, capped to ``softcap * tanh(s / softcap)`` (Gemma 2's), -inf where causal masking hides a
+    key."""
+    s = q @ k.mT * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if causal:
+        queries = torch.arange(q.shape[2], device=q.device) + q_offset
+        keys = torch.arange(k.shape[2], device=q.device) + k_offset
+        s = s.masked_fill(keys > queries[:, None], float("-inf"))
+    return s
 
 
 class _Attention(torch.autograd.Function):
@@ -129,7 +140,7 @@ def _forward(q, k, v, causal, scale, diag) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
-              q_offset: int = 0, k_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              q_offset: int = 0, k_offset: int = 0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a block of queries on a block of keys / values, and each query's log-sum-exp of scores:
     flash-attention (no ``[Lq, Lk]`` scores in memory), differentiable through both results.
 
@@ -145,6 +156,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         causal: hide from each query the keys at later positions.
         scale: the scores' factor (default ``D ** -0.5``).
         q_offset, k_offset: the global positions of the first query and the first key.
+        softcap: scores capped to ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's attention), or
+            None; it runs the torch reference, which holds the scores.
 
     Returns:
         ``(out, lse)``: out ``[B, Hq, Lq, D]`` in q's dtype (q's strides where q is dense), lse ``[B, Hq, Lq]`` fp32
@@ -164,12 +177,96 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if q.dtype == torch.float64 or not use_triton(q):
-        return attention_ref(q, k, v, causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not grads and _cpu_flash(q, k, causal, q_offset - k_offset, softcap):  # CPU: no [Lq, Lk] scores either
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, *_repeated(q, k, v), 0.0, causal, scale=scale)
+        return out, lse
+    if softcap is not None or q.dtype == torch.float64 or not use_triton(q):
+        return attention_ref(q, k, v, causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset,
+                             softcap=softcap)
     diag = q_offset - k_offset
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if grads:
         return _Attention.apply(q, k, v, causal, scale, diag)
     return _forward(q, k, v, causal, scale, diag)
+
+
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, causal: bool, diag: int, softcap: float | None) -> bool:
+    """Whether torch's CPU flash attention computes the block: on CPU without the Triton switch, no softcap, and
+    its causal mask (query i sees keys 0..i) the block's (no mask, or the diagonal block of equal lengths)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and softcap is None
+            and not use_triton(q) and (not causal or (diag == 0 and q.shape[2] == k.shape[2])))
+
+
+def _repeated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with each kv head repeated for its query heads (torch's CPU flash kernels take equal head counts)."""
+    groups = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       dout: torch.Tensor, *, causal: bool, scale: float | None = None, q_offset: int = 0,
+                       k_offset: int = 0, softcap: float | None = None) -> tuple[torch.Tensor, ...]:
+    """The gradients of one block's attention, given its queries' final ``out`` and ``lse`` over every block: what a
+    ring's backward runs block by block (flash-attention's backward needs only those, not the block's own results).
+
+    Args:
+        q, k, v, causal, scale, q_offset, k_offset, softcap: the block, as ``attention`` took it.
+        out: ``[B, Hq, Lq, D]`` the queries' output over all blocks, in q's dtype.
+        lse: ``[B, Hq, Lq]`` fp32, their log-sum-exp over all blocks.
+        dout: the gradient of ``out``.
+
+    Returns:
+        ``(dq, dk, dv)`` in fp32, this block's share: dq summed over the blocks gives q's gradient, and each block's
+        dk and dv are its keys' and values' (summed over the query heads of each kv head).
+
+    Example::
+
+        >>> q, k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(3))
+        >>> first = attention(q, k[:, :, :3], v[:, :, :3], causal=True)
+        >>> second = attention(q, k[:, :, 3:], v[:, :, 3:], causal=True, k_offset=3)
+        >>> out, lse = merge(*first, *second)
+        >>> dout = torch.randn_like(out)
+        >>> dq, dk, dv = attention_backward(q, k[:, :, 3:], v[:, :, 3:], out, lse, dout, causal=True, k_offset=3)
+        >>> want = torch.autograd.grad(out, k, dout)[0][:, :, 3:]       # the second block's keys
+        >>> torch.testing.assert_close(dk, want)
+    """
+    _check(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    diag = q_offset - k_offset
+    if _cpu_flash(q, k, causal, diag, softcap):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, *_repeated(q, k, v), out.to(q.dtype), lse, 0.0, causal, scale=scale)
+        return dq.float(), _per_kv_head(dk, k.shape[1], torch.float32), _per_kv_head(dv, k.shape[1], torch.float32)
+    if softcap is None and q.dtype != torch.float64 and use_triton(q):
+        dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        attention_tiles.backward(q, k, v, out.to(q.dtype), lse, dout.to(q.dtype), None, dq, dk, dv, scale, diag,
+                                 causal)
+        return dq, dk, dv
+    return _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap)
+
+
+def _per_kv_head(grad: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """A gradient over every query head's copy of k or v, summed into each kv head's."""
+    return grad.unflatten(1, (kv_heads, grad.shape[1] // kv_heads)).sum(2).to(dtype)
+
+
+def _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap):
+    """flash-attention's backward written out in torch, on the scores (fp32, fp64 for fp64 inputs)."""
+    wide = accumulate_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    qw, kw, vw = q.to(wide), k.to(wide).repeat_interleave(groups, 1), v.to(wide).repeat_interleave(groups, 1)
+    s = _scores(qw, kw, causal, scale, q_offset, k_offset, softcap)
+    lse = lse.to(wide)[..., None]
+    p = torch.where(lse == float("-inf"), 0.0, (s - lse.masked_fill(lse == float("-inf"), 0.0)).exp())
+    dout = dout.to(wide)
+    delta = (dout * out.to(wide)).sum(-1, keepdim=True)
+    ds = p * (dout @ vw.mT - delta)
+    if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+        ds = ds * (1 - (s.masked_fill(s == float("-inf"), 0.0) / softcap) ** 2)
+    keep = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return ((ds @ kw * scale).to(keep), _per_kv_head(ds.mT @ qw * scale, k.shape[1], keep),
+            _per_kv_head(p.mT @ dout, k.shape[1], keep))
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

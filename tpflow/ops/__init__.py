@@ -1,6 +1,7 @@
 """Operations that combine the kernels with communication, on local shards: matmul + reduce-scatter and
 all-gather + matmul walked around a ring, each the other's backward; the cross-entropy over classes split
-across ranks, and the head + loss fused chunk by chunk."""
+across ranks, and the head + loss fused chunk by chunk; attention over a sequence split across ranks (ring and
+Ulysses context parallelism)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from tpflow.ops.collective_matmul import (
     matmul_reduce_scatter,
     matmul_reduce_scatter_ref,
 )
+from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention
 from tpflow.ops.cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy
 
-__all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "linear_cross_entropy", "matmul_reduce_scatter",
-           "matmul_reduce_scatter_ref", "vocab_parallel_cross_entropy"]
+__all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "contiguous", "head_tail", "linear_cross_entropy",
+           "matmul_reduce_scatter", "matmul_reduce_scatter_ref", "ring_attention", "ulysses_attention",
+           "vocab_parallel_cross_entropy"]

@@ -4,6 +4,7 @@
     hf            plan="auto": a Hugging Face model's own plan, as entries
     logits        a vocabulary-parallel head's model: its own loss routed vocab-parallel, generate on whole logits
     inputs        the tensor-parallel ranks fed the same data: checked at the first layer reading it whole
+    context       context parallelism: the sequence cut at the model's entry, attention over the whole of it
     pretrained    save_pretrained of a parallelized Hugging Face model: whole tensors, rank 0 writing
     heads         attention heads checked against the ranks; key/value heads replicated when too few
     parallelize   glob patterns over module names -> layers swapped in place, fused groups joined, the rest
@@ -17,6 +18,7 @@ from tpflow.plans.hf import hf_plan
 from tpflow.plans.parallelize import parallelize
 from tpflow.plans.styles import (
     ColumnParallel,
+    ContextParallel,
     ExpertParallel,
     ExpertTensorParallel,
     GatherSequence,
@@ -26,5 +28,6 @@ from tpflow.plans.styles import (
     VocabParallel,
 )
 
-__all__ = ["ColumnParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence", "Replicated", "RowParallel",
-           "SequenceParallel", "VocabParallel", "fsdp_ignored_params", "hf_plan", "parallelize"]
+__all__ = ["ColumnParallel", "ContextParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence",
+           "Replicated", "RowParallel", "SequenceParallel", "VocabParallel", "fsdp_ignored_params", "hf_plan",
+           "parallelize"]

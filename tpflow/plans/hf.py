@@ -32,6 +32,7 @@ from torch import nn
 from tpflow.plans.heads import attention_heads
 from tpflow.plans.styles import (
     ColumnParallel,
+    ContextParallel,
     Entry,
     ExpertParallel,
     ExpertTensorParallel,
@@ -132,7 +133,8 @@ def _tied(model: nn.Module, name: str) -> bool:
 
 
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
-            vocab_parallel: bool = True, expert_parallel: bool | str = False) -> dict[str, Entry]:
+            vocab_parallel: bool = True, expert_parallel: bool | str = False,
+            context_parallel: str | None = None) -> dict[str, Entry]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries.
 
     Args:
@@ -149,6 +151,10 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             instead of each split over them (``tpf.ExpertTensorParallel()``, the model's own plan); the name of
             a named placement's data axis (``"dp"``): shared out over its ranks, tokens exchanged by all-to-all
             (``tpf.ExpertParallel(axis="dp")``).
+        context_parallel: ``"ring"`` or ``"ulysses"``: the sequence split over the ranks through every layer,
+            attention included (``tpf.ContextParallel``): over a 1-D placement's ranks (the weights whole on every
+            rank), or over a 2-D placement's first axis, the second tensor parallel. Training and scoring only
+            (``generate`` needs a plan without it); not with ``sequence_parallel``.
 
     Returns:
         Module-name patterns mapped to entries (``tpf.ColumnParallel``, ``tpf.RowParallel``, ...), which
@@ -165,6 +171,10 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         RowParallel(input_is_parallel=True, sequence_parallel=False, algo='auto', sequence_dim=0)
     """
     own = _model_plan(model)
+    if context_parallel is not None and sequence_parallel:
+        raise ValueError("context_parallel splits the sequence through every layer already: drop sequence_parallel")
+    if context_parallel is not None:
+        ContextParallel(context_parallel)  # checks the kind
     if not own:
         raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan (no config.base_model_tp_plan or "
                          f"_tp_plan): pass plan={{pattern: style}} to parallelize")
@@ -214,4 +224,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             raise ValueError(f"sequence_parallel=True needs the model's decoder layers (a ModuleList named "
                              f"'layers'); {type(model).__name__} has none")
         plan[first] = SequenceParallel(split_input=True)
+    if context_parallel is not None:
+        for name, module in model.named_modules():
+            if attention_heads(module) is not None:
+                plan[re.sub(r"\.\d+(?=\.|$)", ".*", name)] = ContextParallel(context_parallel)
     return plan

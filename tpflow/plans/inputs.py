@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from tpflow import config
 from tpflow.placement import Placement
 
-__all__ = ["check_inputs"]
+__all__ = ["InputCheck", "check_inputs"]
 
 SHAPES = 8  # input shapes checked under "first": then the hook costs a dict lookup a call
 
@@ -31,24 +31,46 @@ def _digest(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat.sum(), (flat * positions).sum()])
 
 
-class _InputCheck:
-    """The hook: the input's digest compared over the tensor-parallel group, when the switch says so (it keeps the
-    placement, not the group, so that a copy or a pickle of the model takes it along)."""
+class InputCheck:
+    """Whether the ranks of one axis of a placement read the same input: the input's digest all-gathered over the
+    axis and compared, when the ``check_inputs`` switch says so, the same error on every rank if they differ (it
+    keeps the placement, not the group, so that a copy or a pickle of the model takes it along).
 
-    def __init__(self, name: str, placement: Placement) -> None:
-        self.name, self.placement, self.seen = name, placement, set()
+    Args:
+        name: what reads the input, named in the error.
+        placement: the ranks.
+        axis: the axis whose ranks must agree (default: the last, the tensor-parallel one).
+        kind: the axis' name in the error.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> check = InputCheck("model", P, kind="context-parallel")
+        >>> check.check(torch.ones(2, 3))                     # the same on both ranks: nothing happens
+    """
+
+    def __init__(self, name: str, placement: Placement, axis: int = -1, kind: str = "tensor-parallel") -> None:
+        self.name, self.placement, self.axis, self.kind, self.seen = name, placement, axis % placement.ndim, kind, set()
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.check(args[0] if args else None)
+
+    def check(self, x: object) -> None:
+        """Compare ``x``'s digest over the axis (a plain tensor, on the calls the switch names; else nothing).
+
+        Args:
+            x: the input this rank read.
+        """
         mode = config.get("check_inputs")
-        x = args[0] if args else None
         if mode == "off" or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
-                or torch.compiler.is_compiling():
+                or torch.compiler.is_compiling() or self.placement.coordinate() is None \
+                or self.placement.hierarchy[self.axis] == 1:
             return
         key = (tuple(x.shape), x.dtype)
         if mode == "first" and (key in self.seen or len(self.seen) >= SHAPES):
             return
         self.seen.add(key)
-        group = self.placement.mesh.get_group(self.placement.ndim - 1)
+        group = self.placement.mesh.get_group(self.axis)
         mine = _digest(x)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
@@ -57,8 +79,8 @@ class _InputCheck:
             ranks = dist.get_process_group_ranks(group)
             differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
             raise ValueError(
-                f"the tensor-parallel ranks {ranks} were fed different inputs: {self.name!r} read other values on "
-                f"ranks {differ} than on rank {ranks[0]} (shape {list(x.shape)}). Every rank of a tensor-parallel "
+                f"the {self.kind} ranks {ranks} were fed different inputs: {self.name!r} read other values on "
+                f"ranks {differ} than on rank {ranks[0]} (shape {list(x.shape)}). Every rank of a {self.kind} "
                 f"group computes on the same batch: shard the data over the data-parallel ranks only (a "
                 f"DistributedSampler with the data-parallel size and coordinate, not the world's), and seed "
                 f"random inputs alike on every rank")
@@ -87,4 +109,4 @@ def check_inputs(module: nn.Module, name: str, placement: Placement) -> None:
     coord = placement.coordinate()
     if coord is None or placement.hierarchy[-1] == 1:
         return
-    module.register_forward_pre_hook(_InputCheck(name, placement))
+    module.register_forward_pre_hook(InputCheck(name, placement))

@@ -23,6 +23,7 @@ from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
 from tpflow.layers.vocab import ranks_without_rows
 from tpflow.placement import Placement
+from tpflow.plans.context import context_parallel
 from tpflow.plans.fsdp import expect_fsdp, leaves_data_axes, tensor_slice
 from tpflow.plans.heads import attention_heads, check, keep_columns, split_per_head
 from tpflow.plans.hf import hf_plan
@@ -31,6 +32,7 @@ from tpflow.plans.logits import route_loss
 from tpflow.plans.pretrained import export_whole
 from tpflow.plans.styles import (
     ColumnParallel,
+    ContextParallel,
     ExpertParallel,
     ExpertTensorParallel,
     GatherSequence,
@@ -115,6 +117,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     _check_buffers(model)
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen = _match(model, modules, plan)
+    contexts = {name: style for name, (_, style) in chosen.items() if isinstance(style, ContextParallel)}
+    given, placement = placement, _context_placement(model, modules, contexts, placement) if contexts else placement
     _agree(model, placement, chosen)
     named, placement = placement, tensor_slice(placement)  # a named placement's data axes: FSDP2's
     experts = {name: ("experts", style.axis) if isinstance(style, ExpertParallel) else ("intermediate", None)
@@ -189,7 +193,42 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     if first is not None:  # the first layer that must read the same data on every tensor-parallel rank
         check_inputs(model.get_submodule(first), first, placement)
     expect_fsdp(model, named)
+    if contexts:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        context_parallel(model, {name: modules[name] for name in contexts}, next(iter(contexts.values())).kind,
+                         placement, given, head)
     return model
+
+
+def _context_placement(model: nn.Module, modules: dict[str, nn.Module], contexts: dict[str, ContextParallel],
+                       placement: Placement) -> Placement:
+    """The ``(context, tensor)`` placement of a context-parallel plan, checked: a 1-D placement's ranks are all
+    context parallel (a tensor axis of one rank), a 2-D one's first axis is; every attention module takes the same
+    entry; Ulysses' heads split over the context ranks."""
+    if placement.names is not None or placement.ndim > 2:
+        raise ValueError(f"context parallelism runs on a 1-D placement (context alone) or an unnamed 2-D one (context "
+                         f"x tensor), got {placement!r}")
+    if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"tpf.ContextParallel plans a Hugging Face model's attention modules (through its "
+                         f"AttentionInterface); {type(model).__name__} is not one")
+    kinds = {style.kind for style in contexts.values()}
+    missed = [name for name, m in modules.items() if attention_heads(m) is not None and name not in contexts]
+    if len(kinds) > 1 or missed:
+        raise ValueError(f"context parallelism splits the sequence through every attention module alike: plan each "
+                         f"with the same tpf.ContextParallel entry (got kinds {sorted(kinds)}; unplanned: {missed})")
+    if placement.ndim == 1:
+        placement = Placement(placement.type, [[rank] for rank in placement.flat_ranks])
+    context, tensor = placement.hierarchy
+    for name in contexts:
+        counts = attention_heads(modules[name])
+        if kinds == {"ulysses"} and counts is not None:
+            heads, kv = counts[0] // tensor, max(counts[1] // tensor, 1)  # this tensor rank's
+            if heads % context or (kv % context and context % kv):
+                works = [w for w in range(1, heads + 1) if heads % w == 0 and (kv % w == 0 or w % kv == 0)]
+                raise ValueError(f"{name!r}: Ulysses splits each tensor-parallel rank's {heads} query heads and {kv} "
+                                 f"key/value heads over the {context} context ranks, which they do not divide: use "
+                                 f"{works} context ranks, or tpf.ContextParallel('ring')")
+    return placement
 
 
 def _reads_whole(module: nn.Module, style: object) -> bool:

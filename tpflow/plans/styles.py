@@ -9,6 +9,7 @@
     "vocab"                               VocabParallel(): an embedding or an output head split over the vocabulary
     "moe_tp_experts"                      ExpertTensorParallel(): every expert split over the ranks
     "ep_dispatch_experts"                 ExpertParallel(): the experts shared out over the ranks, whole
+    ContextParallel("ring")               an attention module over a sequence split across the ranks
 
 Hugging Face's style names (``config.base_model_tp_plan``) name the same entries: ``STYLES``.
 """
@@ -22,8 +23,8 @@ from torch import nn
 from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinear, ShardedModule, VocabParallelEmbedding
 from tpflow.placement import Placement
 
-__all__ = ["STYLES", "ColumnParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence", "Replicated",
-           "RowParallel", "SequenceParallel", "Style", "VocabParallel", "style_of"]
+__all__ = ["STYLES", "ColumnParallel", "ContextParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence",
+           "Replicated", "RowParallel", "SequenceParallel", "Style", "VocabParallel", "style_of"]
 
 
 class Style:
@@ -371,8 +372,49 @@ class ExpertParallel:
     axis: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """Plan entry for a Hugging Face attention module under context parallelism (``tpf.hf_plan(model,
+    context_parallel="ring")``): the sequence is split over the context axis (a 1-D placement's ranks, or the first
+    axis of a 2-D one, the second being tensor parallel), every layer runs on this rank's part of it, and the
+    attention module's own code runs with its attention computed over the whole sequence (``tpflow.plans.context``).
+    Every attention module of the model takes the same entry.
+
+    Args:
+        kind: ``"ring"``: the key / value blocks go around the ranks (``tpflow.ops.ring_attention``), each rank
+            holding two parts of the sequence (head-tail) so causal work is balanced; ``"ulysses"``: an all-to-all
+            turns the sequence split into a split of the heads around the model's own attention
+            (``tpflow.ops.ulysses_attention``), the heads (per tensor-parallel rank) a multiple of the ranks.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> model(ids, labels=ids).loss                                         # one device's
+        tensor(4.1710, grad_fn=<NllLossBackward0>)
+        >>> plan = tpf.hf_plan(model, context_parallel="ring")
+        >>> plan["model.layers.*.self_attn"]
+        ContextParallel(kind='ring')
+        >>> model = tpf.parallelize(model, placement=P, plan=plan)
+        >>> out = model(ids, labels=ids)                                        # whole ids in, 4 tokens a rank
+        >>> out.loss, tpf.get_sbp(out.logits)
+        (tensor(4.1710, grad_fn=<_AllReduceIdentityBackward>), (sbp.split(dim=1),))
+    """
+
+    kind: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ring", "ulysses"):
+            raise ValueError(f"ContextParallel(kind={self.kind!r}): use 'ring' or 'ulysses'")
+
+
 Entry = ColumnParallel | RowParallel | Replicated | SequenceParallel | GatherSequence | VocabParallel | \
-    ExpertTensorParallel | ExpertParallel
+    ExpertTensorParallel | ExpertParallel | ContextParallel
 
 # Hugging Face's style names (transformers' ALL_PARALLEL_STYLES) and tpflow's own, as entries
 STYLES: dict[str, Entry] = {
@@ -419,11 +461,12 @@ def style_of(pattern: str, style: object) -> Entry:
         RowParallel(input_is_parallel=True, sequence_parallel=True, algo='auto', sequence_dim=0)
     """
     if isinstance(style, (ColumnParallel, RowParallel, Replicated, SequenceParallel, GatherSequence, VocabParallel,
-                          ExpertTensorParallel, ExpertParallel)):
+                          ExpertTensorParallel, ExpertParallel, ContextParallel)):
         return style
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]
     names = ", ".join(repr(n) for n in STYLES)
     raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style tpflow knows: use one of {names}, or "
                      f"tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.Replicated(...), tpf.SequenceParallel(...), "
-                     f"tpf.VocabParallel(...), tpf.ExpertTensorParallel(), tpf.ExpertParallel()")
+                     f"tpf.VocabParallel(...), tpf.ExpertTensorParallel(), tpf.ExpertParallel(), "
+                     f"tpf.ContextParallel(...)")

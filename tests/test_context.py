@@ -1,0 +1,168 @@
+"""Context parallelism (``tpf.hf_plan(model, context_parallel=...)``, ``tpflow.ops.context_attention``) against one
+device: Hugging Face causal LMs given whole token ids on every rank, each rank carrying its part of the sequence
+through every layer; the logits (a global tensor split over the sequence), the ``labels=`` loss, every gradient, and
+every parameter after AdamW steps with clipping equal one device's; the ring and Ulysses on their own against the
+fp64 reference (GQA, softcap, not causal, 1 to 4 ranks); what cannot split is refused on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpflow as tpf
+from tests import harness
+from tests.checks import within
+from tests.models import VOCAB, tiny_lm, train_lm
+
+pytest.importorskip("transformers")
+
+TOL = {"rtol": 1e-6, "atol": 1e-6}
+# Gemma 2's own eager attention takes the softmax in fp32 (tpflow's ring in fp64): its tolerance is fp32's
+LOOSE = {"rtol": 1e-5, "atol": 2e-6}
+
+
+def _placement(tensor: int) -> tpf.Placement:
+    world = dist.get_world_size()
+    ranks = list(range(world)) if tensor == 1 else [list(range(r, r + tensor)) for r in range(0, world, tensor)]
+    return tpf.placement("cpu", ranks)
+
+
+def _equal(model, ref, what: str, tol: dict, grads: bool) -> None:
+    """Every parameter (or its gradient) of the parallel ``model`` against ``ref``'s, whole."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        got, want = (p.grad, q.grad) if grads else (p, q)
+        torch.testing.assert_close(got.full_tensor(), want, **tol, msg=lambda m, n=f"{what} {name}": f"{n}: {m}")
+
+
+def _matches_one_device(cases, tensor: int = 1) -> None:
+    """Each ``(family, kind)`` parallelized over the world (a context axis of world / tensor ranks by a tensor axis of
+    ``tensor``): logits, loss, gradients, two AdamW steps with clipping and every parameter against one device."""
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    for family, kind in cases:
+        ref = tiny_lm(family)
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        tol, what = (LOOSE if family == "gemma2" else TOL), f"{family} {kind} tensor={tensor}"
+        out, want = model(ids, labels=ids), ref(ids, labels=ids)
+        assert tpf.get_sbp(out.logits)[0] == tpf.sbp.split(1), what
+        torch.testing.assert_close(out.logits.full_tensor(), want.logits, **tol, msg=what)
+        torch.testing.assert_close(out.loss, want.loss.float(), **tol, msg=what)
+        out.loss.backward()
+        want.loss.backward()
+        _equal(model, ref, what, tol, grads=True)
+        model.zero_grad()
+        ref.zero_grad()
+        got, expected = train_lm(model, ids), train_lm(ref, ids)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=what)
+        _equal(model, ref, what, tol, grads=False)
+
+
+def _checkpointed_and_embeds() -> None:
+    """Gradient checkpointing (the ring again in the backward's recompute) and ``inputs_embeds`` instead of ids."""
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
+    ref = tiny_lm("qwen3")
+    want = ref(ids, labels=ids)
+    want.loss.backward()
+    for kind in ("ring", "ulysses"):
+        plan = tpf.hf_plan(ref, context_parallel=kind)
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1), plan=plan)
+        model.zero_grad()
+        model.gradient_checkpointing_enable()
+        model.train()
+        embeds = model.get_input_embeddings()(ids)
+        loss = model(inputs_embeds=embeds, labels=ids).loss
+        torch.testing.assert_close(loss, want.loss.float(), **TOL)
+        loss.backward()
+        _equal(model, ref, kind, TOL, grads=True)
+
+
+def _attention_ops(world: int) -> None:
+    """``ring_attention`` (head-tail and contiguous parts) and ``ulysses_attention`` against the fp64 reference,
+    forward and every gradient: GQA, fewer kv heads than ranks, Gemma 2's softcap, not causal."""
+    from tpflow.kernels.attention import attention_ref
+    from tpflow.ops import contiguous, head_tail, ring_attention, ulysses_attention
+
+    rank, seq = dist.get_rank(), 8 * world
+    for causal, heads, kv, softcap in ((True, 4, 2, None), (False, 4, 4, None), (True, 4, 1, 3.0)):
+        g = torch.Generator().manual_seed(heads + kv)
+        q, k, v = (torch.randn(2, h, seq, 16, generator=g, dtype=torch.float64) for h in (heads, kv, kv))
+        dout = torch.randn(2, heads, seq, 16, generator=g, dtype=torch.float64)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        want, _ = attention_ref(*whole, causal=causal, softcap=softcap)
+        want.backward(dout)
+        for layout in (head_tail, contiguous, "ulysses"):
+            parts = (contiguous if layout == "ulysses" else layout)(world, seq)
+
+            def cut(t, mine=parts[rank]):
+                return torch.cat([t[:, :, a:a + n] for a, n in mine], 2)
+
+            def attend(a, b, c, causal=causal, softcap=softcap):
+                return attention_ref(a, b, c, causal=causal, softcap=softcap)[0]
+
+            mine = [cut(t).requires_grad_() for t in (q, k, v)]
+            if layout == "ulysses":
+                out = ulysses_attention(*mine, attend, dist.group.WORLD)
+            else:
+                out = ring_attention(*mine, segments=parts, group=None, causal=causal, softcap=softcap)
+            out.backward(cut(dout))
+            what = f"{getattr(layout, '__name__', layout)} causal={causal} heads={heads}/{kv} softcap={softcap}"
+            torch.testing.assert_close(out, cut(want), msg=what)
+            for got, ref in zip(mine, whole):
+                torch.testing.assert_close(got.grad, cut(ref.grad), msg=what)
+
+
+def _refusals() -> None:
+    """Every rank raises the same clear error, before any collective could hang: a length the parts do not divide,
+    a padding mask, a sliding window shorter than the sequence, decoding, heads Ulysses cannot split, ranks fed
+    different ids, a named placement."""
+    ref = tiny_lm("mistral", sliding_window=8)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    ring = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1), plan=tpf.hf_plan(ref, context_parallel="ring"))
+    with within():
+        with pytest.raises(ValueError, match="not a multiple of 4; pad it to 16"):
+            ring(ids[:, :14], labels=ids[:, :14])
+        with pytest.raises(ValueError, match="takes no padding mask"):
+            ring(ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0))
+        with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+            ring(ids)
+        with pytest.raises(ValueError, match="generate with a model parallelized by"):
+            ring.generate(ids[:, :4], max_new_tokens=2)
+        with pytest.raises(ValueError, match="context-parallel ranks .* were fed different inputs"):
+            ring(ids[:, :8] + dist.get_rank())
+        lm = tiny_lm("llama", kv_heads=1, heads=1)  # 1 head: Ulysses cannot split it over 2 ranks
+        with pytest.raises(ValueError, match="drop sequence_parallel"):
+            tpf.hf_plan(lm, context_parallel="ring", sequence_parallel=True)
+        with pytest.raises(ValueError, match="use 'ring' or 'ulysses'"):
+            tpf.hf_plan(lm, context_parallel="zigzag")
+        with pytest.raises(ValueError, match=r"Ulysses splits .* 1 query heads .* use \[1\] context ranks"):
+            tpf.parallelize(copy.deepcopy(lm), placement=_placement(1),
+                            plan=tpf.hf_plan(lm, context_parallel="ulysses"))
+        named = tpf.placement("cpu", [[0, 1]], names=("dp", "tp"))
+        with pytest.raises(ValueError, match="unnamed 2-D one"):
+            tpf.parallelize(copy.deepcopy(lm), placement=named, plan=tpf.hf_plan(lm, context_parallel="ring"))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_context_parallel_language_models_match_one_device(world):
+    if world == 1:
+        harness.run(1, _matches_one_device, [("llama", "ring"), ("gemma2", "ulysses")], timeout=300)
+    elif world == 2:
+        harness.run(2, _matches_one_device, [(f, k) for f in ("llama", "qwen3", "mistral", "gemma2")
+                                             for k in ("ring", "ulysses")], timeout=600)
+        harness.run(2, _checkpointed_and_embeds, timeout=300)
+    else:
+        harness.run(4, _matches_one_device, [("llama", "ring"), ("qwen3", "ulysses"), ("mistral", "ulysses"),
+                                             ("gemma2", "ring")], timeout=600)
+        harness.run(4, _matches_one_device, [("qwen3", "ring"), ("gemma2", "ulysses")], 2, timeout=600)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_and_ulysses_attention_match_the_reference(world):
+    harness.run(world, _attention_ops, world, timeout=300)
+
+
+def test_context_parallel_refuses_what_it_cannot_split():
+    harness.run(2, _refusals, timeout=300)

@@ -1,0 +1,250 @@
+"""Attention over a sequence split across ranks (context parallelism), on local blocks: no rank holds every token's
+keys or activations, only its own queries' parts of the sequence.
+
+    ring_attention      each rank keeps its queries; the key / value blocks go around the ring, the next one's
+                        transfer posted before this one's attention runs; the blocks' results merge by their
+                        log-sum-exps; backward: key / value blocks around again, their gradients travelling one
+                        step behind, each block's computed from the queries' final output and log-sum-exp
+    ulysses_attention   an all-to-all turns the sequence split into a split of the heads, any attention runs on
+                        whole sequences of this rank's heads, and a second turns it back (4 all-to-alls forward)
+
+A rank's part of the sequence is a list of segments (first position, length) laid end to end in its local tensors:
+``head_tail`` balances causal work (rank r holds parts r and 2W-1-r of 2W, so every rank has as many visible blocks
+as any other), ``contiguous`` is one segment each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+
+from tpflow import comm
+from tpflow.comm.transport import Handle, Transport, as_transport
+from tpflow.kernels.attention import attention, attention_backward, merge
+from tpflow.kernels.epilogue import accumulate_dtype
+
+__all__ = ["Segments", "contiguous", "head_tail", "ring_attention", "ulysses_attention"]
+
+Segments = tuple[tuple[int, int], ...]  # (first position, length) of each part a rank holds, in its local order
+
+
+def head_tail(world: int, seq: int) -> list[Segments]:
+    """Each rank's parts of a ``seq``-token sequence cut into ``2 * world`` equal parts: rank r holds parts r and
+    2W-1-r, so that under causal masking every rank attends to as many keys as any other.
+
+    Args:
+        world: the ranks.
+        seq: the sequence's length, a multiple of ``2 * world``.
+
+    Returns:
+        For each rank, its two segments ``(first position, length)``.
+
+    Example::
+
+        >>> head_tail(2, 8)
+        [((0, 2), (6, 2)), ((2, 2), (4, 2))]
+    """
+    if seq % (2 * world):
+        raise ValueError(f"head_tail cuts {seq} tokens into {2 * world} equal parts: pad to a multiple of {2 * world}")
+    part = seq // (2 * world)
+    return [((r * part, part), ((2 * world - 1 - r) * part, part)) for r in range(world)]
+
+
+def contiguous(world: int, seq: int) -> list[Segments]:
+    """Each rank's one segment of a ``seq``-token sequence cut into ``world`` equal parts.
+
+    Args:
+        world: the ranks.
+        seq: the sequence's length, a multiple of ``world``.
+
+    Returns:
+        For each rank, its segment ``(first position, length)``.
+
+    Example::
+
+        >>> contiguous(2, 8)
+        [((0, 4),), ((4, 4),)]
+    """
+    if seq % world:
+        raise ValueError(f"contiguous cuts {seq} tokens into {world} equal parts: pad to a multiple of {world}")
+    return [((r * (seq // world), seq // world),) for r in range(world)]
+
+
+def _blocks(mine: Segments, theirs: Segments, causal: bool) -> Iterator[tuple[slice, slice, bool, int, int]]:
+    """(this rank's query rows, the key rows, partly masked, q offset, k offset) of every pair of segments in which
+    some query sees some key: a wholly visible block runs unmasked, a wholly hidden one not at all."""
+    q_at = 0
+    for q_start, q_len in mine:
+        k_at = 0
+        for k_start, k_len in theirs:
+            masked = causal and k_start + k_len - 1 > q_start
+            if not causal or k_start <= q_start + q_len - 1:
+                yield slice(q_at, q_at + q_len), slice(k_at, k_at + k_len), masked, q_start, k_start
+            k_at += k_len
+        q_at += q_len
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, segments, transport, causal, scale, softcap):
+        W, r = transport.world_size, transport.rank
+        wide = accumulate_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)
+        kv = torch.stack([k, v])  # one message a step
+        for step in range(W):
+            if step < W - 1:  # the next block crosses the link while this one computes
+                arriving = torch.empty_like(kv)
+                sent, got = transport.post(sends=[(kv, (r + 1) % W)], recvs=[(arriving, (r - 1) % W)], tag=0)
+            for rows, keys, masked, q_offset, k_offset in _blocks(segments[r], segments[(r - step) % W], causal):
+                block = attention(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal=masked, scale=scale,
+                                  q_offset=q_offset, k_offset=k_offset, softcap=softcap)
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *block)
+            if step < W - 1:
+                got.wait()
+                sent.wait()
+                kv = arriving
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.segments, ctx.transport, ctx.causal, ctx.scale, ctx.softcap = segments, transport, causal, scale, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        transport, segments = ctx.transport, ctx.segments
+        W, r = transport.world_size, transport.rank
+        right, left = (r + 1) % W, (r - 1) % W
+        wide = accumulate_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+        kv = torch.stack([k, v])
+        held: torch.Tensor | None = None  # the gradient of the block held, summed by the ranks before this one
+        got_grad, sent_grads = Handle(), []
+        for step in range(W):
+            if step < W - 1:
+                arriving = torch.empty_like(kv)
+                sent, got = transport.post(sends=[(kv, right)], recvs=[(arriving, left)], tag=0)
+            dkv = torch.zeros((2, *k.shape), dtype=wide, device=k.device)
+            for rows, keys, masked, q_offset, k_offset in _blocks(segments[r], segments[(r - step) % W], ctx.causal):
+                dq_b, dk_b, dv_b = attention_backward(
+                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
+                    dout[:, :, rows], causal=masked, scale=ctx.scale, q_offset=q_offset, k_offset=k_offset,
+                    softcap=ctx.softcap)
+                dq[:, :, rows] += dq_b
+                dkv[0][:, :, keys] += dk_b
+                dkv[1][:, :, keys] += dv_b
+            got_grad.wait()
+            if held is not None:
+                dkv += held
+            if W > 1:  # on to the next rank, which holds this block next; the last hop brings each its own
+                held = torch.empty_like(dkv)
+                sent_grad, got_grad = transport.post(sends=[(dkv, right)], recvs=[(held, left)], tag=1)
+                sent_grads.append(sent_grad)
+            else:
+                held = dkv
+            if step < W - 1:
+                got.wait()
+                sent.wait()
+                kv = arriving
+        got_grad.wait()
+        for handle in sent_grads:
+            handle.wait()
+        return dq.to(q.dtype), held[0].to(k.dtype), held[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments: Sequence[Segments],
+                   group: dist.ProcessGroup | Transport | None, causal: bool = True, scale: float | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
+    """Attention of this rank's queries on every rank's keys and values, the key / value blocks passed around the
+    ring of ``group``: ring attention. Differentiable in q, k and v.
+
+    Each step posts the next block's transfer, then computes the blocks it holds (``tpf.kernels.attention``, with
+    global positions, so causal masking is the whole sequence's) and merges them by their log-sum-exps: the
+    transfer hides behind the compute. Blocks a causal mask hides wholly are skipped. The backward sends the key /
+    value blocks around again, and their gradients one step behind them, in fp32 (fp64 for fp64). Key / value heads
+    fewer than the query heads travel as they are (GQA).
+
+    Args:
+        q: ``[B, Hq, L, D]``, this rank's queries: its segments laid end to end (any strides).
+        k, v: ``[B, Hkv, L, D]``, this rank's keys and values, at the same positions.
+        segments: every rank's segments of the sequence (``head_tail`` or ``contiguous``), in group rank order.
+        group: the ranks the sequence is split over: a process group, a ``Transport`` (``tpf.comm.FakeWorld``'s),
+            or None for the world.
+        causal: hide from each query the keys at later positions.
+        scale: the scores' factor (default ``D ** -0.5``).
+        softcap: scores capped to ``softcap * tanh(s / softcap)`` (Gemma 2's), or None.
+
+    Returns:
+        ``[B, Hq, L, D]`` in q's dtype: this rank's queries' attention over the whole sequence.
+
+    Example::
+
+        >>> _ = torch.manual_seed(0)                        # on 2 ranks: the same whole sequence everywhere
+        >>> q, k, v = torch.randn(3, 1, 4, 8, 16).unbind(0)
+        >>> segments = head_tail(2, 8)                      # rank 0: positions 0-1 and 6-7; rank 1: 2-5
+        >>> mine = [torch.cat([t[:, :, a:a + n] for a, n in segments[tpf.get_rank()]], 2) for t in (q, k, v)]
+        >>> out = ring_attention(*mine, segments=segments, group=None)
+        >>> whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> torch.testing.assert_close(out, torch.cat([whole[:, :, a:a + n] for a, n in segments[tpf.get_rank()]], 2))
+    """
+    transport = as_transport(group)
+    if len(segments) != transport.world_size:
+        raise ValueError(f"ring_attention: {len(segments)} ranks' segments for a ring of {transport.world_size}")
+    lengths = {sum(n for _, n in s) for s in segments}
+    if lengths != {q.shape[2]} or k.shape[2] != q.shape[2]:
+        raise ValueError(f"ring_attention: every rank must hold {q.shape[2]} tokens as q does (k {k.shape[2]}); the "
+                         f"segments give {sorted(lengths)}")
+    return _Ring.apply(q, k, v, tuple(map(tuple, segments)), transport, causal, scale, softcap)
+
+
+def _heads_to_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
+    """``[B, H, L, D]`` as ``[W, B, H / W, L, D]``: the rows for each rank, its block of heads."""
+    return rearrange(x, "b (w h) l d -> w b h l d", w=world).contiguous()
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                      group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Attention of a sequence split over ``group`` by turning the split into one of the heads (Ulysses): an
+    all-to-all gives every rank the whole sequence of its block of heads, ``attend`` runs on it unchanged, and an
+    all-to-all brings each rank its tokens of every head back. The ranks must hold contiguous segments in rank
+    order (``contiguous``). Key / value heads fewer than the ranks are repeated so each rank gets the one its query
+    heads read (their gradients summed back); the query heads must split over the ranks.
+
+    Args:
+        q: ``[B, Hq, L, D]``, this rank's tokens of every query head.
+        k, v: ``[B, Hkv, L, D]``: Hkv a multiple of W, or W a multiple of Hkv.
+        attend: ``attend(q, k, v) -> [B, h, S, D]``, causal attention over the whole sequence of ``h`` heads.
+        group: the ranks the sequence is split over; None: one rank.
+
+    Returns:
+        ``[B, Hq, L, D]``: this rank's tokens' attention, every head.
+
+    Example::
+
+        >>> _ = torch.manual_seed(0)                        # on 2 ranks: the same whole sequence everywhere
+        >>> q, k, v = torch.randn(3, 1, 4, 8, 16).unbind(0)
+        >>> def attend(q, k, v):
+        ...     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> mine = [t[:, :, 4 * tpf.get_rank():4 * tpf.get_rank() + 4] for t in (q, k, v)]
+        >>> out = ulysses_attention(*mine, attend, torch.distributed.group.WORLD)
+        >>> torch.testing.assert_close(out, attend(q, k, v)[:, :, 4 * tpf.get_rank():4 * tpf.get_rank() + 4])
+    """
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
+        return attend(q, k, v)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % world or (kv_heads % world and world % kv_heads):
+        raise ValueError(f"ulysses_attention splits the heads over {world} ranks: {heads} query heads must be a "
+                         f"multiple of {world}, and {kv_heads} key/value heads a multiple or a divisor of it")
+    if kv_heads < world:  # each rank gets the key/value head its query heads read
+        k, v = k.repeat_interleave(world // kv_heads, 1), v.repeat_interleave(world // kv_heads, 1)
+    ones = [1] * world
+    parts = comm.all_to_all_mirror([_heads_to_ranks(t, world) for t in (q, k, v)], ones, ones, group)
+    q, k, v = (rearrange(t, "w b h l d -> b h (w l) d") for t in parts)  # rank order is sequence order
+    out = attend(q, k, v)
+    back = comm.all_to_all_mirror(rearrange(out, "b h (w l) d -> w b h l d", w=world).contiguous(), ones, ones, group)
+    return rearrange(back, "w b h l d -> b (w h) l d")

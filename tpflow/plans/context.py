@@ -1,0 +1,288 @@
+"""Context parallelism for a Hugging Face causal LM: the sequence split over the ranks of the context axis through
+every layer, attention included, the model's own code unchanged.
+
+- At the model's entry (a forward pre-hook), the whole ``input_ids`` (or ``inputs_embeds``) every rank was given is
+  cut to this rank's part of the sequence, with its global ``position_ids`` (rotary positions stay right); the
+  labels are shifted over the whole sequence first (``shift_labels``, so the label of a part's last token is the
+  next part's first), and ``num_items_in_batch`` is their count over the whole sequence, so each rank's share of
+  the model's own ``labels=`` loss is its tokens' sum over every rank's count.
+- Attention: the model's attention implementation becomes ``"tpflow_context"`` (registered with transformers'
+  ``AttentionInterface``); on each attention module it runs ``ring_attention`` (the rank's two head-tail parts,
+  key / value blocks around the ring, with the module's scaling and softcap) or ``ulysses_attention`` around the
+  model's original implementation (sdpa or eager), on whole sequences of the rank's heads.
+- Before the head, a ring's head-tail parts are exchanged into contiguous ones (an all-to-all of the hidden
+  states, much smaller than the logits), so that ``.logits`` comes back as a global tensor split over the sequence
+  (``full_tensor()`` gives it whole) and the shifted labels are cut alike.
+- At the exit (a forward hook) the loss is summed over the context ranks (all-reduce forward, identity backward):
+  every rank holds one device's loss, and each rank's backward gives its tokens' share of every gradient, which
+  the weights' partial-sum gradients add up over the context axis.
+
+``generate`` decodes one token at a time, which a sequence split cannot divide: it raises, naming the plan to
+decode with.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpflow import comm
+from tpflow.global_tensor import from_local
+from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention
+from tpflow.placement import Placement
+from tpflow.plans.inputs import InputCheck
+from tpflow.sbp import broadcast, split
+
+__all__ = ["IMPLEMENTATION", "context_parallel", "register"]
+
+IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
+_STATE = "_tpflow_context"
+IGNORE = -100  # transformers' ignore_index of the labels
+
+
+def _cut(x: torch.Tensor, segments) -> torch.Tensor:
+    """This rank's segments of dim 1, laid end to end (contiguous: the model's code may view it)."""
+    return torch.cat([x[:, start:start + length] for start, length in segments], 1)
+
+
+class _Attention:
+    """One attention module's context-parallel attention (transformers calls it through ``IMPLEMENTATION``)."""
+
+    def __init__(self, name: str, kind: str, placement: Placement, original: str) -> None:
+        self.name, self.kind, self.placement, self.original = name, kind, placement, original
+
+    def __call__(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+                 scaling: float | None, sliding_window: int | None, softcap: float | None,
+                 extra: dict) -> tuple[torch.Tensor, None]:
+        group, world = _axis_group(self.placement), self.placement.hierarchy[0]
+        seq = q.shape[2] * world
+        if dropout:
+            raise ValueError(f"{self.name!r}: attention dropout ({dropout}) under context parallelism is not "
+                             f"supported: set config.attention_dropout = 0.0")
+        if extra.get("s_aux") is not None:
+            raise ValueError(f"{self.name!r}: attention sinks (gpt-oss's) under context parallelism are not supported")
+        if sliding_window is not None and sliding_window < seq:
+            raise ValueError(f"{self.name!r} attends over a sliding window of {sliding_window} tokens, which context "
+                             f"parallelism does not split: train on sequences of at most {sliding_window} tokens, or "
+                             f"without the window (config.sliding_window = None)")
+        causal = getattr(module, "is_causal", True)
+        if self.kind == "ring":
+            out = ring_attention(q, k, v, segments=head_tail(world, seq), group=group, causal=causal, scale=scaling,
+                                 softcap=softcap)
+        else:
+            out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, scaling, sliding_window, softcap),
+                                    group)
+        return out.transpose(1, 2), None
+
+    def _whole(self, module, q, k, v, scaling, sliding_window, softcap) -> torch.Tensor:
+        """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out)."""
+        mask = None  # sdpa and the flash kernels: causal from the module
+        if self.original == "eager":
+            seq = q.shape[2]
+            mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
+        groups, module.num_key_value_groups = module.num_key_value_groups, q.shape[1] // k.shape[1]
+        try:
+            out = _original(module, self.original)(module, q, k, v, mask, dropout=0.0, scaling=scaling,
+                                                   sliding_window=sliding_window, softcap=softcap)[0]
+        finally:
+            module.num_key_value_groups = groups
+        return out.transpose(1, 2)
+
+
+def _original(module: nn.Module, name: str):
+    """The attention function transformers would call for ``module`` under implementation ``name``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               sliding_window: int | None = None, softcap: float | None = None, **kwargs) -> tuple:
+    """The attention function registered as ``IMPLEMENTATION``: the module's context-parallel attention (the
+    mask, made for this rank's tokens alone, is not read: causality comes from the global positions)."""
+    state = getattr(module, _STATE, None)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} runs tpflow's context-parallel attention, but parallelize gave it "
+                           f"no tpf.ContextParallel entry: plan every attention module of the model")
+    return state(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs)
+
+
+def register() -> None:
+    """Register ``IMPLEMENTATION`` with transformers' ``AttentionInterface`` (idempotent).
+
+    Example::
+
+        >>> from transformers import AttentionInterface
+        >>> register()
+        >>> IMPLEMENTATION in AttentionInterface._global_mapping
+        True
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, _attention)
+
+
+def _axis_group(placement: Placement):
+    """The context axis' process group (axis 0; of one rank too, which the ring runs on alone), None outside the
+    placement."""
+    return None if placement.coordinate() is None else placement.mesh.get_group(0)
+
+
+class _Context:
+    """The root model's hooks: the inputs cut on entry, the loss summed and the logits made global on exit."""
+
+    def __init__(self, model: nn.Module, kind: str, placement: Placement, logits_placement: Placement) -> None:
+        self.kind, self.placement, self.logits_placement = kind, placement, logits_placement
+        self.signature = inspect.signature(model.forward)
+        self.var_keyword = next((p.name for p in self.signature.parameters.values()
+                                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        self.same_inputs = InputCheck(type(model).__name__, placement, axis=0, kind="context-parallel")
+        model.register_forward_pre_hook(self.enter, with_kwargs=True)
+        model.register_forward_hook(self.leave)
+
+    @property
+    def world(self) -> int:
+        return self.placement.hierarchy[0]
+
+    @property
+    def rank(self) -> int:
+        coord = self.placement.coordinate()
+        return 0 if coord is None else coord[0]
+
+    def layers(self, seq: int):
+        """This rank's segments through the layers."""
+        return (head_tail if self.kind == "ring" else contiguous)(self.world, seq)
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        named = dict(self.signature.bind(*args, **kwargs).arguments)
+        named.update(named.pop(self.var_keyword, None) or {})
+        ids, embeds = named.get("input_ids"), named.get("inputs_embeds")
+        tokens = ids if ids is not None else embeds
+        if tokens is None:
+            raise ValueError("context parallelism cuts input_ids (or inputs_embeds) by the sequence: pass one")
+        if named.get("past_key_values") is not None or named.get("logits_to_keep") not in (None, 0):
+            raise ValueError(_GENERATE)
+        seq, parts = tokens.shape[1], 2 * self.world if self.kind == "ring" else self.world
+        if seq % parts:
+            raise ValueError(f"context parallelism ({self.kind!r}) over {self.world} ranks cuts the sequence into "
+                             f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
+                             f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
+                             f"and the other tokens' logits as they are)")
+        mask = named.pop("attention_mask", None)
+        if mask is not None and not (mask.ndim == 2 and bool(mask.all())):
+            raise ValueError("context parallelism takes no padding mask: right-pad the sequences and give the padding "
+                             f"labels = {IGNORE} (causal attention keeps the real tokens from seeing it), or pass "
+                             "attention_mask=None; packed documents (a 4-D mask) are not supported")
+        self.same_inputs.check(tokens)
+        positions = named.get("position_ids")
+        if positions is None:
+            positions = torch.arange(seq, device=tokens.device).expand(tokens.shape[0], seq)
+        layers = self.layers(seq)[self.rank]
+        named["input_ids" if ids is not None else "inputs_embeds"] = _cut(tokens, layers)
+        named["position_ids"] = _cut(positions, layers)
+        named["use_cache"] = False
+        labels = named.get("labels")
+        if labels is not None:
+            self.same_inputs.check(labels)
+            shift = named.get("shift_labels")
+            shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:] if shift is None else shift
+            if named.get("num_items_in_batch") is None:
+                named["num_items_in_batch"] = (shift != IGNORE).sum()
+            named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
+        return (), named
+
+    def to_contiguous(self, module: nn.Module, args: tuple) -> tuple:
+        """A ring's hidden states before the head: this rank's head-tail parts exchanged for contiguous ones (part p
+        of the 2W goes to rank p // 2)."""
+        world, rank = self.world, self.rank
+        if world == 1:
+            return args
+        holds = [(r, 2 * world - 1 - r) for r in range(world)]  # each rank's parts, in its local order
+        send = [sum(part // 2 == r for part in holds[rank]) for r in range(world)]
+        recv = [sum(part // 2 == rank for part in holds[r]) for r in range(world)]
+        parts = rearrange(args[0], "b (p c) h -> p b c h", p=2).contiguous()
+        got = comm.all_to_all_mirror(parts, send, recv, _axis_group(self.placement))
+        arriving = [part for held in holds for part in held if part // 2 == rank]  # in source rank order
+        if arriving != sorted(arriving):
+            got = got[torch.tensor(sorted(range(len(arriving)), key=arriving.__getitem__), device=got.device)]
+        return (rearrange(got, "p b c h -> b (p c) h"), *args[1:])
+
+    def leave(self, module: nn.Module, args: tuple, output: object) -> object:
+        if isinstance(output, tuple):
+            raise ValueError("context parallelism needs the model's output as a ModelOutput: call it with "
+                             "return_dict=True")
+        group = _axis_group(self.placement)
+        if getattr(output, "loss", None) is not None:
+            output.loss = comm.all_reduce_identity(output.loss, group)
+        logits = getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor):
+            output.logits = self._global(logits)
+        return output
+
+    def _global(self, logits: torch.Tensor) -> DTensor:
+        """This rank's contiguous part of the logits as a global tensor split over the sequence (and over the
+        vocabulary where the head splits it)."""
+        vocab_split = isinstance(logits, DTensor)
+        local = logits.to_local() if vocab_split else logits
+        shape = (local.shape[0], local.shape[1] * self.world, logits.shape[2])
+        if self.logits_placement.ndim == 1:
+            return from_local(local, self.logits_placement, split(1), shape=shape)
+        return from_local(local, self.logits_placement, (split(1), split(2) if vocab_split else broadcast),
+                          shape=shape, sync_data=False)
+
+
+_GENERATE = ("a model parallelized with context_parallel splits whole sequences over its ranks, and decoding runs one "
+             "token at a time (past_key_values, logits_to_keep): generate with a model parallelized by "
+             "tpf.hf_plan(model) (tensor parallelism, without context_parallel), loading the same weights")
+
+
+class _NoGenerate:
+    """``generate`` of a context-parallel model: a clear error (an object, so a copy of the model keeps it)."""
+
+    def __call__(self, *args, **kwargs):
+        raise ValueError(_GENERATE)
+
+
+def context_parallel(model: nn.Module, attention: dict[str, nn.Module], kind: str, placement: Placement,
+                     logits_placement: Placement, head: nn.Module | None) -> None:
+    """Make ``model`` (a transformers causal LM, its layers already parallelized over ``placement``'s second axis)
+    run context-parallel over ``placement``'s first axis (``parallelize`` calls this for ``tpf.ContextParallel``
+    entries).
+
+    Args:
+        model: the model, changed in place.
+        attention: its attention modules by name: every one the model has.
+        kind: ``"ring"`` or ``"ulysses"``.
+        placement: ``(context, tensor)`` ranks.
+        logits_placement: the placement ``.logits`` is global over (the user's: 1-D for context alone).
+        head: the output head, before which a ring's parts become contiguous.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = tpf.parallelize(model, placement=P, plan=tpf.hf_plan(model, context_parallel="ulysses"))
+        >>> model.config._attn_implementation
+        'tpflow_context'
+    """
+    original = model.config._attn_implementation
+    for name, module in attention.items():
+        setattr(module, _STATE, _Attention(name, kind, placement, original))
+    register()
+    model.set_attn_implementation(IMPLEMENTATION)
+    context = _Context(model, kind, placement, logits_placement)
+    if kind == "ring" and head is not None:
+        head.register_forward_pre_hook(context.to_contiguous)
+    model.generate = _NoGenerate()
