@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from tpflow import comm, config, init_distributed
 from tpflow.bench.measure import cpu_name, source_version, step_times
+from tpflow.bench.report import file_slug
 from tpflow.comm import FakeWorld, stats
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
 from tpflow.sbp import chunk_bounds
@@ -46,7 +47,7 @@ def add_late(flag: bool, fn):
 def write(name: str, lines: list[str], out: str) -> pathlib.Path:
     """Append this run to the day's file for ``name`` and this CPU, with the code's commit: repeated runs
     stay side by side, so a range quoted from them is backed by the file."""
-    device = cpu_name().replace(" ", "-").replace("/", "-")
+    device = file_slug(cpu_name())
     path = pathlib.Path(out) / f"{name}_{device}_{datetime.date.today()}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [*lines[:1], "", f"Code: tpflow {source_version()}.", *lines[1:]]

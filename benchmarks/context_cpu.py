@@ -2,7 +2,7 @@
 ring's transfer hidden behind its compute on an emulated slow link.
 
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py train [--tokens 4096 16384 32768]
-    python benchmarks/context_cpu.py overlap [--tokens 4096]
+    python -m tpflow.launch --nproc_per_node 1 benchmarks/context_cpu.py overlap [--tokens 4096]
 
 ``train``: a Hugging Face Llama of tiny width (hidden ``--hidden``, 4 heads of 16, 2 key/value heads, ``--layers``
 layers, vocabulary 512, fp32, one sequence of ``--tokens``) by its own ``labels=`` loss, three ways side by side:
@@ -12,8 +12,9 @@ one device (rank 0 alone, the others waiting), ``context_parallel="ring"`` and `
 memory leaves the resident set), the most on any rank; against one device's, and against one device's / W.
 ``time``: forward + backward + the gradients summed, the median of ``--reps`` after a warm-up, on the slowest rank.
 ``bytes``: what this rank sent in that step (``tpflow.comm.stats``), against the layout's minimum: for the ring, K
-and V once around in the forward, K and V and their fp32 gradients once around in the backward, the head-tail parts
-that move to become contiguous before the head (and their gradients), and the gradients' all-reduce; for Ulysses,
+and V once around in the forward (W - 1 blocks a rank), in the backward the W - 2 blocks between the first (kept from
+the forward) and the last (its own) and the blocks' fp32 gradients W - 1 hops, the head-tail parts that move to
+become contiguous before the head (and their gradients), and the gradients' all-reduce; for Ulysses,
 the 4 all-to-alls of q, k, v (key/value heads repeated up to W) and the output, forward and backward, and the
 gradients' all-reduce.
 
@@ -63,9 +64,9 @@ def _minimum(kind: str, tokens: int, world: int, hidden: int, layers: int, param
     reduce = 2 * (world - 1) * params * 4 // world  # the gradients' ring all-reduce
     if world == 1:
         return 0
-    if kind == "ring":
+    if kind == "ring":  # K, V around forward; backward the W - 2 blocks between again, their gradients W - 1 hops
         kv = 2 * KV_HEADS * local * HEAD_DIM * 4
-        attention = layers * ((world - 1) * kv + (world - 1) * kv + world * kv)
+        attention = layers * ((world - 1) * kv + (world - 2) * kv + (world - 1) * kv)
         rank = dist.get_rank()
         moving = sum(part // 2 != rank for part in (rank, 2 * world - 1 - rank))
         return attention + 2 * moving * (local // 2) * hidden * 4 + reduce
@@ -101,9 +102,8 @@ def _measure(model, ids, reps: int, active: bool) -> tuple[float, float, int, fl
             _step(model, ids, params)
             times.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
-    dist.barrier()
-    slowest = step_times(times) if active else []
-    return peak, statistics.median(slowest) if slowest else 0.0, sent, loss
+    slowest = step_times(times if active else [0.0] * reps)  # a collective: every rank takes part
+    return peak, statistics.median(slowest), sent, loss
 
 
 def train(args) -> None:
@@ -163,9 +163,10 @@ def overlap(args) -> None:
         return statistics.median(samples)
 
     kv = 2 * 8 * (tokens // world) * 64 * 4
-    nbytes = (world - 1) * kv + (world - 1) * kv + world * kv  # per rank: K / V forward, again backward, dK / dV
+    nbytes = (world - 1) * kv + (world - 2) * kv + (world - 1) * kv  # per rank: K / V forward, backward, dK / dV
     lines = [f"# Ring attention on an emulated link ({world} ranks as threads, fp32, {tokens:,} tokens, 8 heads of "
-             "64, causal, head-tail)", "", f"Command: `python benchmarks/context_cpu.py overlap --tokens {tokens} "
+             "64, causal, head-tail)", "", f"Command: `python -m tpflow.launch --nproc_per_node 1 "
+             f"benchmarks/context_cpu.py overlap --tokens {tokens} "
              f"--reps {args.reps}`; median of {args.reps}, forward + backward.", "",
              "Transfer = bytes per rank / bandwidth. Overlap E = (compute + transfer - ring) / min(compute, transfer): "
              "the share of the shorter of the two hidden behind the other (1 = perfect).", "",
@@ -196,7 +197,8 @@ def main() -> None:
         train(args)
     else:
         args.tokens = (args.tokens or [4096])[0]
-        overlap(args)
+        if tpf.get_rank() == 0:  # under the launcher; one process is enough
+            overlap(args)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ class Launches:
                     f"benchmarks/vocab_cpu.py --vocab 101 --tokens 16 --hidden 8 --chunk 4 --reps 1 --out "
                     f"{self.folder('vocab')}",
                     f"benchmarks/loading_cpu.py --dir {self.folder('model')} --out {self.folder('loading')}",
+                    f"benchmarks/context_cpu.py train --tokens 32 --hidden 16 --layers 1 --reps 1 --out "
+                    f"{self.folder('context')}",
+                    f"benchmarks/context_cpu.py overlap --tokens 64 --reps 1 --out {self.folder('context-overlap')}",
                     f"{FINETUNE} --checkpoint {self.folder('checkpoint')}"]
         return [*examples, f"{FINETUNE} --dp 2 --tp 2 --fsdp --checkpoint {self.folder('checkpoint-fsdp')}",
                 f"{FINETUNE} --dp 2 --resume {self.folder('checkpoint')}",

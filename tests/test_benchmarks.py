@@ -25,7 +25,7 @@ def test_pytest_benchmark_suites_run():
 
 
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
-                                         (4, "checks"), (2, "loading")])
+                                         (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     assert launches.get(nproc)[0]  # every script ran (a failed one fails the run)
     written = list(launches.folder(name).glob("*.md"))
@@ -33,6 +33,10 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     text = written[0].read_text()
     if name == "loading":
         assert "bit-identical on every rank: True" in text
+    if name == "context":  # each mode sends its layout's minimum, with one device's loss
+        rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 32 | ")]
+        assert [r[1] for r in rows] == ["one device", "ring", "ulysses"], text
+        assert all(r[8] == "1.000" and abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows[1:]), text
     if name == "checks":  # on 4 ranks, a pipeline of two tensor-parallel stages too
         assert "Pipeline: 2 stages x 2 tensor-parallel ranks" in text, text
 

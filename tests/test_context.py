@@ -1,8 +1,10 @@
 """Context parallelism (``tpf.hf_plan(model, context_parallel=...)``, ``tpflow.ops.context_attention``) against one
 device: Hugging Face causal LMs given whole token ids on every rank, each rank carrying its part of the sequence
 through every layer; the logits (a global tensor split over the sequence), the ``labels=`` loss, every gradient, and
-every parameter after AdamW steps with clipping equal one device's; the ring and Ulysses on their own against the
-fp64 reference (GQA, softcap, not causal, 1 to 4 ranks); what cannot split is refused on every rank."""
+every parameter after AdamW steps with clipping equal one device's (fp64; fp32 through torch's CPU flash kernel, with
+ignored labels at the parts' edges, labels that are not the ids, the user's positions and count); the ring and Ulysses
+on their own against the fp64 reference (GQA, softcap, not causal; the ring through the Triton kernels too); what
+cannot split is refused on every rank."""
 
 from __future__ import annotations
 
@@ -79,6 +81,55 @@ def _checkpointed_and_embeds() -> None:
         _equal(model, ref, kind, TOL, grads=True)
 
 
+def _labels_in_fp32() -> None:
+    """fp32 (the ring's blocks in torch's CPU flash kernel), labels that are not the ids with ignored ones at the
+    parts' edges, the user's own positions and token count: one device's loss, logits and gradients."""
+    ref = tiny_lm("llama").float()
+    g = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)
+    labels[:, [0, 4, 8, 9, 12]] = -100  # the labels of the tokens before 3, 7, 8, 11 (edges of 2 and 4 parts)
+    calls = [{"labels": labels}, {"labels": labels, "num_items_in_batch": torch.tensor(50)},
+             {"labels": labels, "position_ids": torch.arange(5, 21).expand(2, 16)}]
+    for kind in ("ring", "ulysses"):
+        plan = tpf.hf_plan(ref, context_parallel=kind)
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1), plan=plan)
+        for kwargs in calls:
+            out, want = model(ids, **kwargs), ref(ids, **kwargs)
+            what = f"{kind} {sorted(kwargs)}"
+            torch.testing.assert_close(out.logits.full_tensor(), want.logits, rtol=1e-4, atol=1e-5, msg=what)
+            torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6, msg=what)
+            out.loss.backward()
+            want.loss.backward()
+            _equal(model, ref, what, {"rtol": 1e-4, "atol": 1e-5}, grads=True)
+            model.zero_grad()
+            ref.zero_grad()
+
+
+def _ring_on_the_kernels() -> None:
+    """The ring's blocks on the Triton kernels (the interpreter here): fp32, 2 sequences of 4 heads, head-tail, so a
+    block's log-sum-exp is a slice of the rank's rows."""
+    from tpflow.kernels.attention import attention_ref
+    from tpflow.ops import head_tail, ring_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, h, 16, 16, generator=g) for h in (4, 2, 2, 4))
+    whole = [t.double().requires_grad_() for t in (q, k, v)]
+    want, _ = attention_ref(*whole, causal=True)
+    want.backward(dout.double())
+    parts = head_tail(dist.get_world_size(), 16)
+
+    def cut(t):
+        return torch.cat([t[:, :, a:a + n] for a, n in parts[dist.get_rank()]], 2)
+
+    mine = [cut(t).requires_grad_() for t in (q, k, v)]
+    with tpf.config.override(kernels="triton"):
+        out = ring_attention(*mine, segments=parts, group=None)
+        out.backward(cut(dout))
+    torch.testing.assert_close(out.double(), cut(want), rtol=1e-4, atol=1e-5)
+    for got, ref in zip(mine, whole):
+        torch.testing.assert_close(got.grad.double(), cut(ref.grad), rtol=1e-4, atol=1e-5)
+
+
 def _attention_ops(world: int) -> None:
     """``ring_attention`` (head-tail and contiguous parts) and ``ulysses_attention`` against the fp64 reference,
     forward and every gradient: GQA, fewer kv heads than ranks, Gemma 2's softcap, not causal."""
@@ -124,6 +175,10 @@ def _refusals() -> None:
     with within():
         with pytest.raises(ValueError, match="not a multiple of 4; pad it to 16"):
             ring(ids[:, :14], labels=ids[:, :14])
+        with pytest.raises(ValueError, match=r"labels \[2, 15\] must have the tokens' shape \[2, 16\]"):
+            ring(ids, labels=ids[:, 1:])
+        with pytest.raises(ValueError, match="counting up by one"):
+            ring(ids, position_ids=torch.arange(8).repeat(2).expand(2, 16))
         with pytest.raises(ValueError, match="takes no padding mask"):
             ring(ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0))
         with pytest.raises(ValueError, match="sliding window of 8 tokens"):
@@ -153,15 +208,19 @@ def test_context_parallel_language_models_match_one_device(world):
         harness.run(2, _matches_one_device, [(f, k) for f in ("llama", "qwen3", "mistral", "gemma2")
                                              for k in ("ring", "ulysses")], timeout=600)
         harness.run(2, _checkpointed_and_embeds, timeout=300)
+        harness.run(2, _labels_in_fp32, timeout=300)
     else:
-        harness.run(4, _matches_one_device, [("llama", "ring"), ("qwen3", "ulysses"), ("mistral", "ulysses"),
-                                             ("gemma2", "ring")], timeout=600)
+        harness.run(4, _matches_one_device, [(f, k) for f in ("llama", "qwen3", "mistral", "gemma2")
+                                             for k in ("ring", "ulysses")], timeout=600)
         harness.run(4, _matches_one_device, [("qwen3", "ring"), ("gemma2", "ulysses")], 2, timeout=600)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_and_ulysses_attention_match_the_reference(world):
     harness.run(world, _attention_ops, world, timeout=300)
+    if world == 2:
+        pytest.importorskip("triton")
+        harness.run(2, _ring_on_the_kernels, timeout=300)
 
 
 def test_context_parallel_refuses_what_it_cannot_split():

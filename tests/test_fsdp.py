@@ -148,7 +148,7 @@ def _fsdp_stages(v, tp):
 
 
 def _pipeline_of_fsdp_stages(tp, schedule):
-    """Pipeline x FSDP2 (x tensor): prompt-masked labels, 3 AdamW steps with clipping over every stage, against one
+    """Pipeline x FSDP2 (x tensor): prompt-masked labels, 2 AdamW steps with clipping over every stage, against one
     device's losses, norms and every parameter; each data-parallel rank computes its own rows, and holds its share
     of its stages' parameters."""
     v = 2 if schedule == "interleaved" else 1
@@ -161,7 +161,7 @@ def _pipeline_of_fsdp_stages(tp, schedule):
     labels = ids.clone()
     labels[0, :6] = labels[3, :2] = labels[5, :4] = -100  # prompts of different lengths
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4) for m in (pipe, ref))
-    for _ in range(3):
+    for _ in range(2):
         loss = pipe.step(ids, labels)
         norm = tpf.clip_grad_norm_(pipe.parameters(), 0.5)
         opt.step()

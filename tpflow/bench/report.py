@@ -15,8 +15,8 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 
-__all__ = ["COLUMNS", "NARROWER", "Progress", "implementation", "legend", "markdown", "markdown_table", "memory_table",
-           "show", "skipped_line", "time_ratios", "write"]
+__all__ = ["COLUMNS", "NARROWER", "Progress", "file_slug", "implementation", "legend", "markdown", "markdown_table",
+           "memory_table", "show", "skipped_line", "time_ratios", "write"]
 
 try:
     import rich.box
@@ -409,7 +409,21 @@ def memory_table(rows: list[dict]) -> list[str]:
                                 numbers=True)]
 
 
-def _slug(text: str) -> str:
+def file_slug(text: str) -> str:
+    """``text`` (a device's name) as a piece of a results file's name: runs of anything but letters and digits become
+    one ``-``, so that pages can cite the file by a plain pattern.
+
+    Args:
+        text: any text.
+
+    Returns:
+        The slug.
+
+    Example::
+
+        >>> file_slug("Intel(R) Xeon(R) Processor @ 2.50GHz")
+        'Intel-R-Xeon-R-Processor-2-50GHz'
+    """
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
 
 
@@ -442,7 +456,7 @@ def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.fromisoformat(meta["timestamp"]).strftime("%Y-%m-%d_%H%M%S")
-    stem = folder / f"bench_{_slug(meta['device'])}_w{meta['world']}_{stamp}"
+    stem = folder / f"bench_{file_slug(meta['device'])}_w{meta['world']}_{stamp}"
     paths = {"json": stem.with_suffix(".json"), "csv": stem.with_suffix(".csv"), "table": stem.with_suffix(".md")}
     paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     flat_meta = {k: v for k, v in meta.items() if not isinstance(v, (dict, list))}

@@ -52,8 +52,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if k.shape[0] != B or k.shape[3] != D or k.shape[1] == 0 or Hq % k.shape[1]:
         raise ValueError(f"attention sizes differ: q {tuple(q.shape)} against k, v {tuple(k.shape)} (batch and head "
                          f"dim must match, and the query heads be a multiple of the kv heads)")
-    if not 1 <= D <= _MAX_HEAD_DIM:
-        raise ValueError(f"attention takes head dims from 1 to {_MAX_HEAD_DIM}, got {D}")
+    if D < 1:
+        raise ValueError(f"attention takes a head dim of at least 1, got {D}")
     if k.shape[2] == 0:
         raise ValueError("attention needs at least one key")
     if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -157,7 +157,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         scale: the scores' factor (default ``D ** -0.5``).
         q_offset, k_offset: the global positions of the first query and the first key.
         softcap: scores capped to ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's attention), or
-            None; it runs the torch reference, which holds the scores.
+            None; it runs the torch reference, which holds the scores (as do head dims past the kernels' 128).
 
     Returns:
         ``(out, lse)``: out ``[B, Hq, Lq, D]`` in q's dtype (q's strides where q is dense), lse ``[B, Hq, Lq]`` fp32
@@ -182,13 +182,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, *_repeated(q, k, v), 0.0, causal, scale=scale)
         return out, lse
-    if softcap is not None or q.dtype == torch.float64 or not use_triton(q):
+    if not _kernels(q, softcap):
         return attention_ref(q, k, v, causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset,
                              softcap=softcap)
     diag = q_offset - k_offset
     if grads:
         return _Attention.apply(q, k, v, causal, scale, diag)
     return _forward(q, k, v, causal, scale, diag)
+
+
+def _kernels(q: torch.Tensor, softcap: float | None) -> bool:
+    """Whether the Triton kernels compute the block: not fp64, no softcap, a head dim their registers hold."""
+    return softcap is None and q.dtype != torch.float64 and q.shape[-1] <= _MAX_HEAD_DIM and use_triton(q)
 
 
 def _cpu_flash(q: torch.Tensor, k: torch.Tensor, causal: bool, diag: int, softcap: float | None) -> bool:
@@ -236,12 +241,13 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     diag = q_offset - k_offset
     if _cpu_flash(q, k, causal, diag, softcap):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype), q, *_repeated(q, k, v), out.to(q.dtype), lse, 0.0, causal, scale=scale)
+            dout.to(q.dtype), q, *_repeated(q, k, v), out.to(q.dtype), lse.float().contiguous(), 0.0, causal,
+            scale=scale)
         return dq.float(), _per_kv_head(dk, k.shape[1], torch.float32), _per_kv_head(dv, k.shape[1], torch.float32)
-    if softcap is None and q.dtype != torch.float64 and use_triton(q):
+    if _kernels(q, softcap):  # the kernels read lse as contiguous [B, Hq, Lq] (a ring's is a slice of its rows)
         dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-        attention_tiles.backward(q, k, v, out.to(q.dtype), lse, dout.to(q.dtype), None, dq, dk, dv, scale, diag,
-                                 causal)
+        attention_tiles.backward(q, k, v, out.to(q.dtype), lse.float().contiguous(), dout.to(q.dtype), None, dq, dk,
+                                 dv, scale, diag, causal)
         return dq, dk, dv
     return _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap)
 
@@ -264,9 +270,8 @@ def _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offs
     ds = p * (dout @ vw.mT - delta)
     if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
         ds = ds * (1 - (s.masked_fill(s == float("-inf"), 0.0) / softcap) ** 2)
-    keep = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return ((ds @ kw * scale).to(keep), _per_kv_head(ds.mT @ qw * scale, k.shape[1], keep),
-            _per_kv_head(p.mT @ dout, k.shape[1], keep))
+    return (ds @ kw * scale, _per_kv_head(ds.mT @ qw * scale, k.shape[1], wide),
+            _per_kv_head(p.mT @ dout, k.shape[1], wide))
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -12,9 +12,9 @@ from tpflow.ops.collective_matmul import (
     matmul_reduce_scatter,
     matmul_reduce_scatter_ref,
 )
-from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention
+from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention, ulysses_degrees
 from tpflow.ops.cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy
 
 __all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "contiguous", "head_tail", "linear_cross_entropy",
            "matmul_reduce_scatter", "matmul_reduce_scatter_ref", "ring_attention", "ulysses_attention",
-           "vocab_parallel_cross_entropy"]
+           "ulysses_degrees", "vocab_parallel_cross_entropy"]

@@ -3,8 +3,8 @@ keys or activations, only its own queries' parts of the sequence.
 
     ring_attention      each rank keeps its queries; the key / value blocks go around the ring, the next one's
                         transfer posted before this one's attention runs; the blocks' results merge by their
-                        log-sum-exps; backward: key / value blocks around again, their gradients travelling one
-                        step behind, each block's computed from the queries' final output and log-sum-exp
+                        log-sum-exps; backward: the blocks the other way round, their gradients travelling one step
+                        behind, each block's computed from the queries' final output and log-sum-exp
     ulysses_attention   an all-to-all turns the sequence split into a split of the heads, any attention runs on
                         whole sequences of this rank's heads, and a second turns it back (4 all-to-alls forward)
 
@@ -26,7 +26,7 @@ from tpflow.comm.transport import Handle, Transport, as_transport
 from tpflow.kernels.attention import attention, attention_backward, merge
 from tpflow.kernels.epilogue import accumulate_dtype
 
-__all__ = ["Segments", "contiguous", "head_tail", "ring_attention", "ulysses_attention"]
+__all__ = ["Segments", "contiguous", "head_tail", "ring_attention", "ulysses_attention", "ulysses_degrees"]
 
 Segments = tuple[tuple[int, int], ...]  # (first position, length) of each part a rank holds, in its local order
 
@@ -108,27 +108,31 @@ class _Ring(torch.autograd.Function):
                 sent.wait()
                 kv = arriving
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # the last block held (rank r + 1's) is the backward's first: it runs the other way round, so that every
+        # block's gradient ends on its own rank with no last hop to wait for
+        ctx.save_for_backward(q, k, v, out, lse, kv if W > 1 else kv.new_empty(0))
         ctx.segments, ctx.transport, ctx.causal, ctx.scale, ctx.softcap = segments, transport, causal, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, last = ctx.saved_tensors
         transport, segments = ctx.transport, ctx.segments
         W, r = transport.world_size, transport.rank
         right, left = (r + 1) % W, (r - 1) % W
         wide = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)
-        kv = torch.stack([k, v])
-        held: torch.Tensor | None = None  # the gradient of the block held, summed by the ranks before this one
-        got_grad, sent_grads = Handle(), []
-        for step in range(W):
-            if step < W - 1:
+        kv = last if W > 1 else torch.stack([k, v])
+        got_grad, sent_grads, arriving_grad = Handle(), [], None
+        for step in range(W):  # step s holds rank r + s + 1's block: the right neighbour's of the step before
+            if step < W - 2:  # the next block crosses the link while this one computes (the last one is this rank's)
                 arriving = torch.empty_like(kv)
-                sent, got = transport.post(sends=[(kv, right)], recvs=[(arriving, left)], tag=0)
+                sent, got = transport.post(sends=[(kv, left)], recvs=[(arriving, right)], tag=0)
+            elif step == W - 1:
+                kv = torch.stack([k, v])
             dkv = torch.zeros((2, *k.shape), dtype=wide, device=k.device)
-            for rows, keys, masked, q_offset, k_offset in _blocks(segments[r], segments[(r - step) % W], ctx.causal):
+            src = (r + step + 1) % W
+            for rows, keys, masked, q_offset, k_offset in _blocks(segments[r], segments[src], ctx.causal):
                 dq_b, dk_b, dv_b = attention_backward(
                     q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
                     dout[:, :, rows], causal=masked, scale=ctx.scale, q_offset=q_offset, k_offset=k_offset,
@@ -136,23 +140,20 @@ class _Ring(torch.autograd.Function):
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, keys] += dk_b
                 dkv[1][:, :, keys] += dv_b
-            got_grad.wait()
-            if held is not None:
-                dkv += held
-            if W > 1:  # on to the next rank, which holds this block next; the last hop brings each its own
-                held = torch.empty_like(dkv)
-                sent_grad, got_grad = transport.post(sends=[(dkv, right)], recvs=[(held, left)], tag=1)
+            got_grad.wait()  # the block's gradient so far, from the ranks that held it before
+            if arriving_grad is not None:
+                dkv += arriving_grad
+            if step < W - 1:  # on to the left neighbour, which holds this block next
+                arriving_grad = torch.empty_like(dkv)
+                sent_grad, got_grad = transport.post(sends=[(dkv, left)], recvs=[(arriving_grad, right)], tag=1)
                 sent_grads.append(sent_grad)
-            else:
-                held = dkv
-            if step < W - 1:
+            if step < W - 2:
                 got.wait()
                 sent.wait()
                 kv = arriving
-        got_grad.wait()
         for handle in sent_grads:
             handle.wait()
-        return dq.to(q.dtype), held[0].to(k.dtype), held[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments: Sequence[Segments],
@@ -163,9 +164,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment
 
     Each step posts the next block's transfer, then computes the blocks it holds (``tpf.kernels.attention``, with
     global positions, so causal masking is the whole sequence's) and merges them by their log-sum-exps: the
-    transfer hides behind the compute. Blocks a causal mask hides wholly are skipped. The backward sends the key /
-    value blocks around again, and their gradients one step behind them, in fp32 (fp64 for fp64). Key / value heads
-    fewer than the query heads travel as they are (GQA).
+    transfer hides behind the compute. Blocks a causal mask hides wholly are skipped. The backward goes the other way
+    round, starting from the block the forward ended with (kept for it) and ending with this rank's own: the key /
+    value blocks of the W - 2 steps between cross the links again, and each block's gradient (fp32, fp64 for fp64)
+    follows it one step behind, reaching its own rank with its last contribution, so no transfer is left to wait
+    for at the end. Key / value heads fewer than the query heads travel as they are (GQA).
 
     Args:
         q: ``[B, Hq, L, D]``, this rank's queries: its segments laid end to end (any strides).
@@ -198,6 +201,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment
         raise ValueError(f"ring_attention: every rank must hold {q.shape[2]} tokens as q does (k {k.shape[2]}); the "
                          f"segments give {sorted(lengths)}")
     return _Ring.apply(q, k, v, tuple(map(tuple, segments)), transport, causal, scale, softcap)
+
+
+def ulysses_degrees(heads: int, kv_heads: int) -> list[int]:
+    """The rank counts Ulysses can split attention heads over: W dividing the query heads, the key/value heads a
+    multiple or a divisor of W (then repeated, each rank getting the one its query heads read).
+
+    Args:
+        heads: the query heads.
+        kv_heads: the key/value heads.
+
+    Returns:
+        Every such W, ascending.
+
+    Example::
+
+        >>> ulysses_degrees(8, 2)
+        [1, 2, 4, 8]
+        >>> ulysses_degrees(6, 3)
+        [1, 3]
+    """
+    return [w for w in range(1, heads + 1) if heads % w == 0 and (kv_heads % w == 0 or w % kv_heads == 0)]
 
 
 def _heads_to_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
@@ -237,9 +261,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if world == 1:
         return attend(q, k, v)
     heads, kv_heads = q.shape[1], k.shape[1]
-    if heads % world or (kv_heads % world and world % kv_heads):
-        raise ValueError(f"ulysses_attention splits the heads over {world} ranks: {heads} query heads must be a "
-                         f"multiple of {world}, and {kv_heads} key/value heads a multiple or a divisor of it")
+    if world not in ulysses_degrees(heads, kv_heads):
+        raise ValueError(f"ulysses_attention cannot split {heads} query heads and {kv_heads} key/value heads over "
+                         f"{world} ranks: use {ulysses_degrees(heads, kv_heads)} ranks")
     if kv_heads < world:  # each rank gets the key/value head its query heads read
         k, v = k.repeat_interleave(world // kv_heads, 1), v.repeat_interleave(world // kv_heads, 1)
     ones = [1] * world

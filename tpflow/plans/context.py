@@ -45,6 +45,10 @@ __all__ = ["IMPLEMENTATION", "context_parallel", "register"]
 IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
 _STATE = "_tpflow_context"
 IGNORE = -100  # transformers' ignore_index of the labels
+ULYSSES_ORIGINALS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")  # causal without a mask of ours
+# what a model may pass its attention that the split cannot honour: the keyword, and why
+_UNSPLIT = {"s_aux": "attention sinks, gpt-oss's", "position_bias": "a learned position bias over the whole scores",
+            "cu_seq_lens_q": "packed documents", "cu_seq_lens_k": "packed documents"}
 
 
 def _cut(x: torch.Tensor, segments) -> torch.Tensor:
@@ -66,33 +70,40 @@ class _Attention:
         if dropout:
             raise ValueError(f"{self.name!r}: attention dropout ({dropout}) under context parallelism is not "
                              f"supported: set config.attention_dropout = 0.0")
-        if extra.get("s_aux") is not None:
-            raise ValueError(f"{self.name!r}: attention sinks (gpt-oss's) under context parallelism are not supported")
+        for key in _UNSPLIT:
+            if extra.get(key) is not None:
+                raise ValueError(f"{self.name!r} passes {key!r} to its attention, which context parallelism does not "
+                                 f"split ({_UNSPLIT[key]})")
         if sliding_window is not None and sliding_window < seq:
             raise ValueError(f"{self.name!r} attends over a sliding window of {sliding_window} tokens, which context "
                              f"parallelism does not split: train on sequences of at most {sliding_window} tokens, or "
                              f"without the window (config.sliding_window = None)")
-        causal = getattr(module, "is_causal", True)
+        causal = extra.get("is_causal", getattr(module, "is_causal", True))
         if self.kind == "ring":
             out = ring_attention(q, k, v, segments=head_tail(world, seq), group=group, causal=causal, scale=scaling,
                                  softcap=softcap)
         else:
-            out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, scaling, sliding_window, softcap),
-                                    group)
+            out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
+                                                                      softcap), group)
         return out.transpose(1, 2), None
 
-    def _whole(self, module, q, k, v, scaling, sliding_window, softcap) -> torch.Tensor:
-        """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out)."""
-        mask = None  # sdpa and the flash kernels: causal from the module
-        if self.original == "eager":
+    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap) -> torch.Tensor:
+        """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
+        the flash kernels causal by the module, eager by a mask made for the whole sequence."""
+        mask = None
+        if self.original == "eager" and causal:
             seq = q.shape[2]
             mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
-        groups, module.num_key_value_groups = module.num_key_value_groups, q.shape[1] // k.shape[1]
+        groups = getattr(module, "num_key_value_groups", None)
+        module.num_key_value_groups = q.shape[1] // k.shape[1]  # this rank's heads (kv heads maybe repeated)
         try:
             out = _original(module, self.original)(module, q, k, v, mask, dropout=0.0, scaling=scaling,
                                                    sliding_window=sliding_window, softcap=softcap)[0]
         finally:
-            module.num_key_value_groups = groups
+            if groups is None:
+                del module.num_key_value_groups
+            else:
+                module.num_key_value_groups = groups
         return out.transpose(1, 2)
 
 
@@ -124,7 +135,7 @@ def register() -> None:
 
         >>> from transformers import AttentionInterface
         >>> register()
-        >>> IMPLEMENTATION in AttentionInterface._global_mapping
+        >>> IMPLEMENTATION in AttentionInterface()
         True
     """
     from transformers import AttentionInterface
@@ -147,6 +158,7 @@ class _Context:
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         self.same_inputs = InputCheck(type(model).__name__, placement, axis=0, kind="context-parallel")
+        self.reordered = False
         model.register_forward_pre_hook(self.enter, with_kwargs=True)
         model.register_forward_hook(self.leave)
 
@@ -170,9 +182,16 @@ class _Context:
         tokens = ids if ids is not None else embeds
         if tokens is None:
             raise ValueError("context parallelism cuts input_ids (or inputs_embeds) by the sequence: pass one")
+        labels, positions = named.get("labels"), named.get("position_ids")
+        for x in (tokens, labels, positions):  # first, every call: ranks fed other shapes must not part ways
+            self.same_inputs.check(x, always=True)
         if named.get("past_key_values") is not None or named.get("logits_to_keep") not in (None, 0):
             raise ValueError(_GENERATE)
-        seq, parts = tokens.shape[1], 2 * self.world if self.kind == "ring" else self.world
+        if named.get("return_dict") is False:
+            raise ValueError("context parallelism returns .logits as a global tensor on a ModelOutput: call the model "
+                             "with return_dict=True")
+        batch, seq = tokens.shape[:2]
+        parts = 2 * self.world if self.kind == "ring" else self.world
         if seq % parts:
             raise ValueError(f"context parallelism ({self.kind!r}) over {self.world} ranks cuts the sequence into "
                              f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
@@ -183,31 +202,41 @@ class _Context:
             raise ValueError("context parallelism takes no padding mask: right-pad the sequences and give the padding "
                              f"labels = {IGNORE} (causal attention keeps the real tokens from seeing it), or pass "
                              "attention_mask=None; packed documents (a 4-D mask) are not supported")
-        self.same_inputs.check(tokens)
-        positions = named.get("position_ids")
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            if named.get(key) is not None:
+                raise ValueError(f"context parallelism does not split packed documents ({key}=)")
         if positions is None:
-            positions = torch.arange(seq, device=tokens.device).expand(tokens.shape[0], seq)
+            positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+        elif positions.shape != (batch, seq) or not bool((positions.diff(dim=1) == 1).all()):
+            raise ValueError(f"context parallelism takes position_ids [batch, seq] = {[batch, seq]} counting up by one "
+                             f"(got {list(positions.shape)}): positions that restart are packed documents, which it "
+                             f"does not split")
+        for key in ("labels", "shift_labels"):
+            if named.get(key) is not None and named[key].shape != (batch, seq):
+                raise ValueError(f"{key} {list(named[key].shape)} must have the tokens' shape {[batch, seq]} (the "
+                                 f"model shifts the labels itself)")
         layers = self.layers(seq)[self.rank]
         named["input_ids" if ids is not None else "inputs_embeds"] = _cut(tokens, layers)
         named["position_ids"] = _cut(positions, layers)
         named["use_cache"] = False
-        labels = named.get("labels")
         if labels is not None:
-            self.same_inputs.check(labels)
             shift = named.get("shift_labels")
             shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:] if shift is None else shift
             if named.get("num_items_in_batch") is None:
                 named["num_items_in_batch"] = (shift != IGNORE).sum()
             named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
+        self.reordered = False
         return (), named
 
     def to_contiguous(self, module: nn.Module, args: tuple) -> tuple:
         """A ring's hidden states before the head: this rank's head-tail parts exchanged for contiguous ones (part p
         of the 2W goes to rank p // 2)."""
+        self.reordered = True
         world, rank = self.world, self.rank
         if world == 1:
             return args
-        holds = [(r, 2 * world - 1 - r) for r in range(world)]  # each rank's parts, in its local order
+        seq = args[0].shape[1] * world
+        holds = [[start // (seq // (2 * world)) for start, _ in parts] for parts in head_tail(world, seq)]
         send = [sum(part // 2 == r for part in holds[rank]) for r in range(world)]
         recv = [sum(part // 2 == rank for part in holds[r]) for r in range(world)]
         parts = rearrange(args[0], "b (p c) h -> p b c h", p=2).contiguous()
@@ -221,6 +250,9 @@ class _Context:
         if isinstance(output, tuple):
             raise ValueError("context parallelism needs the model's output as a ModelOutput: call it with "
                              "return_dict=True")
+        if self.kind == "ring" and self.world > 1 and not self.reordered:
+            raise RuntimeError("the ring's head-tail parts never reached the output head's forward (the model "
+                               "computed its logits some other way): its loss and logits would be out of order")
         group = _axis_group(self.placement)
         if getattr(output, "loss", None) is not None:
             output.loss = comm.all_reduce_identity(output.loss, group)
@@ -278,11 +310,23 @@ def context_parallel(model: nn.Module, attention: dict[str, nn.Module], kind: st
         'tpflow_context'
     """
     original = model.config._attn_implementation
+    if kind == "ulysses" and original not in ULYSSES_ORIGINALS:
+        raise ValueError(f"Ulysses runs the model's own attention on whole sequences, causal without a mask of its "
+                         f"own: {original!r} is not one of {ULYSSES_ORIGINALS}; load the model with one, or use "
+                         f"context_parallel='ring'")
+    if kind == "ring" and head is None:
+        raise ValueError(f"the ring needs the model's output head (get_output_embeddings()), before which its parts "
+                         f"become contiguous; {type(model).__name__} has none: use context_parallel='ulysses'")
+    if getattr(model.config, "attention_chunk_size", None):
+        raise ValueError("chunked attention (config.attention_chunk_size) is not split by context parallelism")
     for name, module in attention.items():
         setattr(module, _STATE, _Attention(name, kind, placement, original))
     register()
     model.set_attn_implementation(IMPLEMENTATION)
+    if model.config._attn_implementation != IMPLEMENTATION:  # transformers only warns where it cannot switch
+        raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "
+                         f"so context parallelism cannot run it")
     context = _Context(model, kind, placement, logits_placement)
-    if kind == "ring" and head is not None:
+    if kind == "ring":
         head.register_forward_pre_hook(context.to_contiguous)
     model.generate = _NoGenerate()

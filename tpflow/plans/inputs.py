@@ -4,7 +4,7 @@ A column layer, a vocabulary-split embedding or a row layer splitting its own in
 block of the weights and the whole input; ranks fed different rows (a ``DistributedSampler`` over the
 tensor-parallel ranks, unseeded random ids) would train on a mixture of them without an error. The first such
 layer of the model gets a hook that all-gathers a digest of its input over the tensor-parallel ranks (two
-float64 sums a tensor, a few bytes) and raises the same error on every rank when they differ. The ``check_inputs``
+float64 sums and its shape, 32 bytes) and raises the same error on every rank when they differ. The ``check_inputs``
 switch says when: the first call of each of the first 8 input shapes (``first``, the default: a training loop's
 first step, a generation's first steps), every call (``always``), or never (``off``).
 """
@@ -25,16 +25,18 @@ SHAPES = 8  # input shapes checked under "first": then the hook costs a dict loo
 
 
 def _digest(x: torch.Tensor) -> torch.Tensor:
-    """Two float64 numbers that differ, in practice, for different values or orders of ``x``."""
+    """Four float64 numbers that differ, in practice, for different shapes, values or orders of ``x``."""
     flat = x.detach().reshape(-1).to(torch.float64)
     positions = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64).remainder_(1021)
-    return torch.stack([flat.sum(), (flat * positions).sum()])
+    shape = torch.tensor([x.ndim, sum(n * 1021 ** d for d, n in enumerate(x.shape))], dtype=torch.float64,
+                         device=flat.device)
+    return torch.cat([torch.stack([flat.sum(), (flat * positions).sum()]), shape])
 
 
 class InputCheck:
-    """Whether the ranks of one axis of a placement read the same input: the input's digest all-gathered over the
-    axis and compared, when the ``check_inputs`` switch says so, the same error on every rank if they differ (it
-    keeps the placement, not the group, so that a copy or a pickle of the model takes it along).
+    """Whether the ranks of one axis of a placement read the same input: the input's digest (its shape too)
+    all-gathered over the axis and compared, when the ``check_inputs`` switch says so, the same error on every rank if
+    they differ (it keeps the placement, not the group, so that a copy or a pickle of the model takes it along).
 
     Args:
         name: what reads the input, named in the error.
@@ -55,11 +57,13 @@ class InputCheck:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         self.check(args[0] if args else None)
 
-    def check(self, x: object) -> None:
+    def check(self, x: object, always: bool = False) -> None:
         """Compare ``x``'s digest over the axis (a plain tensor, on the calls the switch names; else nothing).
 
         Args:
             x: the input this rank read.
+            always: on every call unless the switch is ``off`` (where ranks may be fed inputs of different shapes,
+                which would make them choose differently under ``first``).
         """
         mode = config.get("check_inputs")
         if mode == "off" or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
@@ -67,7 +71,7 @@ class InputCheck:
                 or self.placement.hierarchy[self.axis] == 1:
             return
         key = (tuple(x.shape), x.dtype)
-        if mode == "first" and (key in self.seen or len(self.seen) >= SHAPES):
+        if mode == "first" and not always and (key in self.seen or len(self.seen) >= SHAPES):
             return
         self.seen.add(key)
         group = self.placement.mesh.get_group(self.axis)

@@ -22,6 +22,7 @@ from tpflow.layers.experts import check_experts, experts_axis, split_experts
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.replicated import replicate
 from tpflow.layers.vocab import ranks_without_rows
+from tpflow.ops import ulysses_degrees
 from tpflow.placement import Placement
 from tpflow.plans.context import context_parallel
 from tpflow.plans.fsdp import expect_fsdp, leaves_data_axes, tensor_slice
@@ -118,7 +119,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     modules = dict(model.named_modules(remove_duplicate=False))  # a module shared under two names has both
     chosen = _match(model, modules, plan)
     contexts = {name: style for name, (_, style) in chosen.items() if isinstance(style, ContextParallel)}
-    given, placement = placement, _context_placement(model, modules, contexts, placement) if contexts else placement
+    given, placement = placement, _context_placement(model, modules, chosen, contexts, placement) if contexts else \
+        placement
     _agree(model, placement, chosen)
     named, placement = placement, tensor_slice(placement)  # a named placement's data axes: FSDP2's
     experts = {name: ("experts", style.axis) if isinstance(style, ExpertParallel) else ("intermediate", None)
@@ -200,8 +202,8 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     return model
 
 
-def _context_placement(model: nn.Module, modules: dict[str, nn.Module], contexts: dict[str, ContextParallel],
-                       placement: Placement) -> Placement:
+def _context_placement(model: nn.Module, modules: dict[str, nn.Module], plan: dict[str, tuple],
+                       contexts: dict[str, ContextParallel], placement: Placement) -> Placement:
     """The ``(context, tensor)`` placement of a context-parallel plan, checked: a 1-D placement's ranks are all
     context parallel (a tensor axis of one rank), a 2-D one's first axis is; every attention module takes the same
     entry; Ulysses' heads split over the context ranks."""
@@ -211,6 +213,11 @@ def _context_placement(model: nn.Module, modules: dict[str, nn.Module], contexts
     if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"tpf.ContextParallel plans a Hugging Face model's attention modules (through its "
                          f"AttentionInterface); {type(model).__name__} is not one")
+    sequence = [pattern for pattern, style in plan.values() if isinstance(style, (SequenceParallel, GatherSequence))
+                or getattr(style, "sequence_parallel", False)]
+    if sequence:
+        raise ValueError(f"context parallelism splits the sequence through every layer already: drop the sequence-"
+                         f"parallel entries {sorted(set(sequence))}")
     kinds = {style.kind for style in contexts.values()}
     missed = [name for name, m in modules.items() if attention_heads(m) is not None and name not in contexts]
     if len(kinds) > 1 or missed:
@@ -223,11 +230,10 @@ def _context_placement(model: nn.Module, modules: dict[str, nn.Module], contexts
         counts = attention_heads(modules[name])
         if kinds == {"ulysses"} and counts is not None:
             heads, kv = counts[0] // tensor, max(counts[1] // tensor, 1)  # this tensor rank's
-            if heads % context or (kv % context and context % kv):
-                works = [w for w in range(1, heads + 1) if heads % w == 0 and (kv % w == 0 or w % kv == 0)]
+            if context not in ulysses_degrees(heads, kv):
                 raise ValueError(f"{name!r}: Ulysses splits each tensor-parallel rank's {heads} query heads and {kv} "
                                  f"key/value heads over the {context} context ranks, which they do not divide: use "
-                                 f"{works} context ranks, or tpf.ContextParallel('ring')")
+                                 f"{ulysses_degrees(heads, kv)} context ranks, or tpf.ContextParallel('ring')")
     return placement
 
 
