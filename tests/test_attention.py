@@ -206,10 +206,13 @@ def test_bad_arguments():
     for args, match in [((q[0], kv, kv), r"takes q \[B, Hq, Lq, D\]"), ((q, kv, kv[:, :, :3]), r"takes q"),
                         ((q, kv[:, :1].expand(1, 3, 7, 16), kv[:, :1].expand(1, 3, 7, 16)), "sizes differ"),
                         ((q, kv[..., :8], kv[..., :8]), "sizes differ"), ((q, kv[:, :, :0], kv[:, :, :0]), "one key"),
-                        ((torch.ones(1, 1, 2, 160),) * 3, "from 1 to 128"),
+                        ((torch.ones(1, 1, 2, 0),) * 3, "head dim of at least 1"),
                         ((q.half(), kv, kv), "one floating dtype"), ((q.int(), kv.int(), kv.int()), "one floating")]:
         with pytest.raises(ValueError, match=match):
             attention(*args, causal=False)
+    wide = [_rand(1, 2, 5, 160, dtype=torch.float32, seed=s) for s in (1, 2, 3)]  # past the kernels' 128: the reference
+    for got_t, want_t in zip(attention(*wide, causal=True), attention_ref(*wide, causal=True)):
+        assert torch.equal(got_t, want_t)
 
 
 # (q_offset, where the keys split, softcap): the ring's blocks of one query part, from the queries' merged result

@@ -218,8 +218,8 @@ def ulysses_degrees(heads: int, kv_heads: int) -> list[int]:
 
         >>> ulysses_degrees(8, 2)
         [1, 2, 4, 8]
-        >>> ulysses_degrees(6, 3)
-        [1, 3]
+        >>> ulysses_degrees(6, 4)                       # 3 and 6 ranks: 4 kv heads neither split nor repeat
+        [1, 2]
     """
     return [w for w in range(1, heads + 1) if heads % w == 0 and (kv_heads % w == 0 or w % kv_heads == 0)]
 
