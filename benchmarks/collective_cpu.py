@@ -24,6 +24,7 @@ import datetime
 import pathlib
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,25 @@ def write(name: str, lines: list[str], out: str) -> pathlib.Path:
     with path.open("a") as f:
         f.write(("\n" if path.stat().st_size else "") + "\n".join(lines) + "\n")
     return path
+
+
+OVERLAP = ("Transfer = bytes per rank / bandwidth. Overlap E = (compute + transfer - ring) / min(compute, transfer): "
+           "the share of the shorter of the two hidden behind the other (1 = perfect).")
+
+
+def median_seconds(run: Callable[[], object], reps: int) -> float:
+    """The median wall time of ``reps`` calls of ``run`` (a FakeWorld's ranks, all of them, each call)."""
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def overlap(compute: float, transfer: float, ring: float) -> float:
+    """The share of the shorter of compute and transfer that the ring hid behind the other: ``OVERLAP``'s E."""
+    return (compute + transfer - ring) / min(compute, transfer)
 
 
 def bench_gloo(size: int, reps: int, out: str) -> None:
@@ -134,19 +154,13 @@ def bench_fake(size: int, world: int, reps: int, out: str) -> None:
         return matmul_reduce_scatter(xs[t.rank], ws[t.rank], t, algo="ring", splits=splits)
 
     def timed(fake: FakeWorld, splits: int, late: bool) -> float:
-        samples = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            add_late(late, fake.run)(step, splits)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        return median_seconds(lambda: add_late(late, fake.run)(step, splits), reps)
 
     nbytes = (world - 1) * (size // world) * size * 4  # per rank, fp32 partials
     lines = [f"# Ring matmul + reduce-scatter on an emulated link ({world} ranks as threads, fp32, M = N = K = {size})",
              "", f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu_name()}, torch {torch.__version__}; median of "
              f"{reps}. Command: `python benchmarks/collective_cpu.py fake --size {size} --world {world}`", "",
-             "Transfer = bytes per rank / bandwidth. Overlap E = (compute + transfer - ring) / min(compute, "
-             "transfer): the share of the shorter of the two hidden behind the other (1 = perfect).", "",
+             OVERLAP, "",
              "| link | msgs/chunk | accumulator added | compute-only ms | transfer ms | ring ms | overlap E |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for splits, late in ((1, True), (2, True), (4, False), (2, False), (1, False)):
@@ -154,9 +168,9 @@ def bench_fake(size: int, world: int, reps: int, out: str) -> None:
         for ratio in (0.5, 2.0):
             transfer = ratio * compute
             ring = timed(FakeWorld(world, bandwidth=nbytes / transfer), splits, late)
-            overlap = (compute + transfer - ring) / min(compute, transfer)
             lines.append(f"| transfer = {ratio}x compute | {splits} | {'late' if late else 'in the epilogue'} | "
-                         f"{compute * 1e3:.1f} | {transfer * 1e3:.1f} | {ring * 1e3:.1f} | {overlap:.0%} |")
+                         f"{compute * 1e3:.1f} | {transfer * 1e3:.1f} | {ring * 1e3:.1f} | "
+                         f"{overlap(compute, transfer, ring):.0%} |")
     print("\n".join(lines))
     print(f"wrote {write('collective_fake', lines, out)}")
 

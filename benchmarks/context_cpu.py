@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import tpflow as tpf
-from benchmarks.collective_cpu import write
+from benchmarks.collective_cpu import OVERLAP, median_seconds, overlap, write
 from benchmarks.vocab_cpu import reset_peak, resident
 from tpflow import comm
 from tpflow.bench.measure import every_rank, step_times
@@ -141,7 +141,7 @@ def train(args) -> None:
         print(f"appended to {write('context_train', lines, args.out)}")
 
 
-def overlap(args) -> None:
+def bench_overlap(args) -> None:
     torch.set_num_threads(1)
     world, tokens = 2, args.tokens
     gen = torch.Generator().manual_seed(0)
@@ -155,12 +155,7 @@ def overlap(args) -> None:
         out.backward(torch.ones_like(out))
 
     def timed(fake: FakeWorld) -> float:
-        samples = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            fake.run(step)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        return median_seconds(lambda: fake.run(step), args.reps)
 
     kv = 2 * 8 * (tokens // world) * 64 * 4
     nbytes = (world - 1) * kv + (world - 2) * kv + (world - 1) * kv  # per rank: K / V forward, backward, dK / dV
@@ -168,16 +163,14 @@ def overlap(args) -> None:
              "64, causal, head-tail)", "", f"Command: `python -m tpflow.launch --nproc_per_node 1 "
              f"benchmarks/context_cpu.py overlap --tokens {tokens} "
              f"--reps {args.reps}`; median of {args.reps}, forward + backward.", "",
-             "Transfer = bytes per rank / bandwidth. Overlap E = (compute + transfer - ring) / min(compute, transfer): "
-             "the share of the shorter of the two hidden behind the other (1 = perfect).", "",
+             OVERLAP, "",
              "| link | compute-only ms | transfer ms | ring ms | overlap E |", "|---|---:|---:|---:|---:|"]
     compute = timed(FakeWorld(world))
     for ratio in (0.5, 1.0):
         transfer = ratio * compute
         ring = timed(FakeWorld(world, bandwidth=nbytes / transfer))
-        e = (compute + transfer - ring) / min(compute, transfer)
         lines.append(f"| transfer = {ratio}x compute | {compute * 1e3:.0f} | {transfer * 1e3:.0f} | {ring * 1e3:.0f} "
-                     f"| {e:.0%} |")
+                     f"| {overlap(compute, transfer, ring):.0%} |")
     print("\n".join(lines))
     print(f"appended to {write('context_overlap', lines, args.out)}")
 
@@ -198,7 +191,7 @@ def main() -> None:
     else:
         args.tokens = (args.tokens or [4096])[0]
         if tpf.get_rank() == 0:  # under the launcher; one process is enough
-            overlap(args)
+            bench_overlap(args)
 
 
 if __name__ == "__main__":
