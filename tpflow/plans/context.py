@@ -98,7 +98,7 @@ class _Attention:
         module.num_key_value_groups = q.shape[1] // k.shape[1]  # this rank's heads (kv heads maybe repeated)
         try:
             out = _original(module, self.original)(module, q, k, v, mask, dropout=0.0, scaling=scaling,
-                                                   sliding_window=sliding_window, softcap=softcap)[0]
+                                                   sliding_window=sliding_window, softcap=softcap, is_causal=causal)[0]
         finally:
             if groups is None:
                 del module.num_key_value_groups
