@@ -25,7 +25,8 @@ def test_pytest_benchmark_suites_run():
 
 
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
-                                         (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap")])
+                                         (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
+                                         (2, "decode")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     assert launches.get(nproc)[0]  # every script ran (a failed one fails the run)
     written = list(launches.folder(name).glob("*.md"))
@@ -37,6 +38,8 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 32 | ")]
         assert [r[1] for r in rows] == ["one device", "ring", "ulysses"], text
         assert all(r[8] == "1.000" and abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows[1:]), text
+    if name == "decode":  # tpflow's tokens equal transformers' and one device's
+        assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "checks":  # on 4 ranks, a pipeline of two tensor-parallel stages too
         assert "Pipeline: 2 stages x 2 tensor-parallel ranks" in text, text
 

@@ -169,7 +169,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"x has {x.shape[-1]} features but weight {tuple(weight.shape)} expects {weight.shape[1]}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}: cast one of them")
-    if dgrad_hook is None and out_dtype in (None, x.dtype) and dgrad_dtype in (None, x.dtype) \
-            and not use_triton(x, x.numel() // max(x.shape[-1], 1)):
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if (not backward or (dgrad_hook is None and dgrad_dtype in (None, x.dtype))) and out_dtype in (None, x.dtype) \
+            and not use_triton(x, x.numel() // max(x.shape[-1], 1)):  # no backward: the hook has nothing to start
         return linear_ref(x, weight, None if bias is None else bias.to(x.dtype), activation)  # see the module doc
     return _Linear.apply(x, weight, bias, activation, dgrad_hook, out_dtype, dgrad_dtype)

@@ -78,6 +78,8 @@ class LocalBlocks:
         """
         if not params:
             return ()
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():  # decoding: no node to build
+            return tuple(p._local_tensor for p in params)
         if torch.compiler.is_compiling():  # traced code takes DTensor's own path
             return tuple(p.to_local(grad_placements=grad_placements(p)) for p in params)
         specs, grad_specs = self._specs.get(key, ((), ()))
