@@ -6,11 +6,11 @@ transformers' own and one device, side by side in one run; and where a tpflow de
 The model (vocabulary ``--vocab``, ``--layers`` layers of width ``--hidden``, 8 heads of 32 with 4 key / value heads,
 fp32, random weights) is saved by rank 0 to a temporary folder and loaded three ways: one device (rank 0 alone, the
 others waiting), ``tpf.parallelize(model, plan="auto")`` and transformers' ``from_pretrained(path, tp_plan="auto")``.
-Each runs ``generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)`` on a 16-token prompt; ms per token
-is the median over ``--reps`` of the whole call's time / N on the slowest rank (prefill included, as a user waits
-for it). The tokens must equal one device's. ``--profile`` adds, for tpflow, the host time of one decode step's
-forward by operator (``torch.profiler``, rank 0), the most expensive first. Each run is appended to
-``benchmarks/results/decode_cpu_<cpu>_<date>.md``.
+Each runs ``generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)`` on a 16-token prompt, the three
+taking turns rep by rep; ms per token is the median over ``--reps`` of the whole call's time / N on the slowest rank
+(prefill included, as a user waits for it). The tokens must equal one device's. ``--profile`` adds, for tpflow, the
+host time of one decode step's forward by operator (``torch.profiler``, rank 0), the most expensive first. Each run
+is appended to ``benchmarks/results/decode_cpu_<cpu>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -44,17 +44,19 @@ def _generate(model, ids, new: int) -> torch.Tensor:
         return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
-def _ms_per_token(model, ids, new: int, reps: int, active: bool) -> tuple[float, torch.Tensor | None]:
-    """(median ms per token on the slowest rank, the tokens) of ``generate``; a rank not ``active`` only waits."""
-    times, tokens = [], None
-    if active:
-        tokens = _generate(model, ids, new)  # warm-up
-        for _ in range(reps):
+def _ms_per_token(models: list, ids, new: int, reps: int, active: list[bool]) -> tuple[list[float], list]:
+    """For each model: the median ms per token of ``generate`` on the slowest rank, and its tokens; the models take
+    turns, rep by rep, so that drift hits them alike. A rank not ``active`` for a model only waits for it."""
+    tokens = [_generate(m, ids, new) if on else None for m, on in zip(models, active)]  # warm-up
+    times: list[list[float]] = [[] for _ in models]
+    for _ in range(reps):
+        for m, on, mine in zip(models, active, times):
             start = time.perf_counter()
-            _generate(model, ids, new)
-            times.append(time.perf_counter() - start)
-    slowest = step_times(times if active else [0.0] * reps)
-    return statistics.median(slowest) * 1e3 / new, tokens
+            if on:
+                _generate(m, ids, new)
+            mine.append(time.perf_counter() - start)
+            dist.barrier()  # the next model starts on every rank at once
+    return [statistics.median(step_times(t)) * 1e3 / new for t in times], tokens
 
 
 def _profile(model, ids) -> list[str]:
@@ -98,9 +100,8 @@ def run(args) -> None:
              "tpflow vs one device | tokens equal |", "|---|---|---|---|---|---|---|"]
     for batch in args.batch:
         ids = torch.randint(1, args.vocab, (batch, 16), generator=torch.Generator().manual_seed(batch))
-        base, want = _ms_per_token(one, ids, args.new_tokens, args.reps, active=rank == 0)
-        hf, theirs_tokens = _ms_per_token(theirs, ids, args.new_tokens, args.reps, active=True)
-        tp, tokens = _ms_per_token(ours, ids, args.new_tokens, args.reps, active=True)
+        (base, hf, tp), (want, theirs_tokens, tokens) = _ms_per_token(
+            [one, theirs, ours], ids, args.new_tokens, args.reps, [rank == 0, True, True])
         equal = [torch.equal(tokens, theirs_tokens)] + ([torch.equal(tokens, want)] if rank == 0 else [])
         lines.append(f"| {batch} | {base:.2f} | {hf:.2f} | {tp:.2f} | {tp / hf:.2f}x | {tp / base:.2f}x | "
                      f"{all(equal)} |")
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
     tpf.init_distributed()
