@@ -173,8 +173,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     own = _model_plan(model)
     if context_parallel is not None and sequence_parallel:
         raise ValueError("context_parallel splits the sequence through every layer already: drop sequence_parallel")
-    if context_parallel is not None:
-        ContextParallel(context_parallel)  # checks the kind
+    context = None if context_parallel is None else ContextParallel(context_parallel)  # the kind checked first
     if not own:
         raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan (no config.base_model_tp_plan or "
                          f"_tp_plan): pass plan={{pattern: style}} to parallelize")
@@ -224,8 +223,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             raise ValueError(f"sequence_parallel=True needs the model's decoder layers (a ModuleList named "
                              f"'layers'); {type(model).__name__} has none")
         plan[first] = SequenceParallel(split_input=True)
-    if context_parallel is not None:
+    if context is not None:
         for name, module in model.named_modules():
             if attention_heads(module) is not None:
-                plan[re.sub(r"\.\d+(?=\.|$)", ".*", name)] = ContextParallel(context_parallel)
+                plan[re.sub(r"\.\d+(?=\.|$)", ".*", name)] = context
     return plan
