@@ -7,6 +7,7 @@ live in ``tpflow.kernels``, and ``tpflow.ops`` combines the two.
     accounting    CommStats: the bytes and messages this rank sent; what a ring pass costs
     p2p           point-to-point transfers posted without waiting (Pending), grouped for NCCL (batch)
     collectives   all-reduce, all-gather / reduce-scatter with uneven chunks, all-to-all by counts
+    shm           those collectives for CPU ranks on one host, through shared memory instead of gloo
     pairs         autograd pairs, a collective forward and its conjugate backward (all_gather_chunk, ...)
     transport     the Transport interface, its torch.distributed implementation, and the two rings
     fake          FakeWorld: ranks as threads joined by emulated links, for tests and benchmarks
@@ -15,7 +16,7 @@ live in ``tpflow.kernels``, and ``tpflow.ops`` combines the two.
 
 from __future__ import annotations
 
-from tpflow.comm import wire
+from tpflow.comm import shm, wire
 from tpflow.comm.accounting import CommStats, count_ring, ring_bytes, stats
 from tpflow.comm.agreement import agree
 from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, exchange_counts, reduce_scatter
@@ -34,4 +35,4 @@ from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 __all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "agree",
            "all_gather", "all_gather_chunk", "all_reduce", "all_reduce_identity", "all_to_all", "all_to_all_mirror",
            "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts", "identity_all_reduce", "post",
-           "reduce_scatter", "reduce_scatter_all_gather", "ring_bytes", "stats", "wire"]
+           "reduce_scatter", "reduce_scatter_all_gather", "ring_bytes", "shm", "stats", "wire"]

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from tpflow.comm import shm
 from tpflow.comm.accounting import count_ring, stats
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "checked_counts", "exchange_counts", "reduce_scatter"]
@@ -30,6 +31,22 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 Chunks = Sequence[tuple[int, int]]
+
+
+class _Done:
+    """The work of a collective that finished before it returned."""
+
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
+
+def _host(group: dist.ProcessGroup, t: torch.Tensor) -> shm.HostGroup | None:
+    """Where ``t``'s collective over ``group`` runs through shared memory: the group's region, else None (gloo, and
+    what torch.compile traces)."""
+    return shm.host_group(group) if shm.carries(t) and not torch.compiler.is_compiling() else None
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
@@ -53,7 +70,11 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
         tensor([2., 2., 2., 2.])
     """
     count_ring(t, dist.get_world_size(group), 2)
-    return dist.all_reduce(t, group=group, async_op=async_op)
+    host = _host(group, t)
+    if host is None:
+        return dist.all_reduce(t, group=group, async_op=async_op)
+    host.all_reduce(t)
+    return _DONE if async_op else None
 
 
 def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:
@@ -90,7 +111,11 @@ def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.Process
     if not even:
         padded[:part.shape[0]] = part
     out = part.new_empty((step * world, *part.shape[1:]))
-    all_gather_single(out, padded, group=group)
+    host = _host(group, padded)
+    if host is None:
+        all_gather_single(out, padded, group=group)
+    else:
+        host.all_gather(out, padded)
     count_ring(out, world, 1)
     if not even:
         out = torch.cat([out[i * step:i * step + e - s] for i, (s, e) in enumerate(chunks)])
@@ -130,7 +155,11 @@ def reduce_scatter(full: torch.Tensor, dim: int, chunks: Chunks, group: dist.Pro
         for i, (s, e) in enumerate(chunks):
             padded[i * step:i * step + e - s] = full[s:e]
     out = full.new_empty((step, *full.shape[1:]))
-    reduce_scatter_single(out, padded, group=group)
+    host = _host(group, padded)
+    if host is None:
+        reduce_scatter_single(out, padded, group=group)
+    else:
+        host.reduce_scatter(out, padded)
     count_ring(padded, world, 1 if full.is_cuda else 2)
     return out[:chunks[rank][1] - chunks[rank][0]].movedim(0, dim)
 

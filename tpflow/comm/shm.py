@@ -1,0 +1,282 @@
+"""The collectives of CPU ranks on one host, through shared memory: a small all-reduce in about 12 us where gloo
+takes about 900 (2 ranks, this repository's 2-core VM, ``benchmarks/README.md``).
+
+Gloo sends every tensor over TCP loopback and runs every collective on a worker thread, so a decode step's
+all-reduces of a few KiB cost the hand-offs, not the bytes. Here the ranks of a group map one file of
+``/dev/shm`` (unlinked as soon as every rank has mapped it, so nothing is left behind) and meet there::
+
+    arrived [W] int64           how many exchanges each rank has published
+    signs   [2, W] int64        each rank's (bytes in all, dtype, collective) packed, for the agreement check
+    slots   [2, W, capacity]    each rank's bytes, in two sets used in turn
+
+An exchange writes this rank's bytes into its slot of set ``n % 2``, publishes ``n + 1``, waits until every rank
+has, and reads every slot. No rank writes set ``n % 2`` again before exchange ``n + 2``, which it starts only once
+every rank published ``n + 1``, that is, finished reading ``n``: one flag a rank per exchange, no second barrier.
+Tensors larger than a slot go in rounds of a slot each. Sums run in rank order on every rank, so every rank holds
+the same bits. Ranks that call a collective with other shapes or dtypes fail together at its first round; a rank
+that died is noticed within a second; a wait longer than the ``timeout`` switch raises.
+
+The flag is published by a plain store after the bytes, which x86's total store order keeps in order for the
+reader: other machines (and groups that span hosts, or a ``/dev/shm`` that cannot hold the region) keep gloo.
+``tpf.config.set(cpu_shared_memory=False)`` turns it off (on every rank alike).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tpflow import config
+
+__all__ = ["HostGroup", "carries", "host_group"]
+
+_CAPACITY = 1 << 20  # bytes a rank's slot holds: larger tensors go in rounds
+_DIR = "/dev/shm"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8)
+_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER = 1, 2, 3  # two bits of a signature
+_NAMES = {_ALL_REDUCE: "all_reduce", _ALL_GATHER: "all_gather", _REDUCE_SCATTER: "reduce_scatter"}
+_HOT_SPINS, _YIELDS = 64, 4096  # checks before yielding the core, yields before sleeping between checks
+
+_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, HostGroup | None] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _numbers(t: torch.Tensor) -> np.ndarray:
+    """``t``'s memory as a flat numpy array, no copy (bfloat16, which numpy lacks, as int16)."""
+    t = t.detach()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1)
+
+
+def _sum(slots: np.ndarray, dtype: torch.dtype, out: np.ndarray) -> None:
+    """``out = slots[0] + slots[1] + ...`` (rank order, so every rank gets the same bits) for slots ``[W, n]``."""
+    if dtype == torch.bfloat16:
+        torch.sum(torch.from_numpy(slots).view(torch.bfloat16), 0, out=torch.from_numpy(out).view(torch.bfloat16))
+    else:
+        np.add.reduce(slots, axis=0, out=out)
+
+
+class HostGroup:
+    """A process group's ranks meeting in one shared-memory region (see the module's docstring).
+
+    Made by ``host_group``, once per group, when its first CPU collective runs; the collectives of
+    ``tpflow.comm`` go through it where it exists.
+
+    Args:
+        group: the process group; every rank of it must construct this at the same point (it runs two of
+            the group's collectives to share the region).
+
+    Example::
+
+        >>> host = tpf.comm.shm.host_group(torch.distributed.group.WORLD)   # on 2 ranks of one host
+        >>> t = torch.ones(3)
+        >>> host.all_reduce(t)
+        >>> t
+        tensor([2., 2., 2.])
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.timeout = float(config.get("timeout"))
+        self.exchanges = 0
+        self.lock = threading.Lock()
+        w = self.world
+        # the first rank's token (64 bytes); arrived; the signatures; each rank's pid and pid namespace; the slots
+        header = -(-(64 + 8 * w + 16 * w + 16 * w) // 64) * 64
+        self.region = _share(header + 2 * w * _CAPACITY, group)
+        self.ok = self.region is not None
+        if not self.ok:
+            return
+        raw = np.frombuffer(self.region, dtype=np.uint8)
+        self.arrived = raw[64:64 + 8 * w].view(np.int64)
+        self.signatures = raw[64 + 8 * w:64 + 24 * w].view(np.int64).reshape(2, w)
+        self.ids = raw[64 + 24 * w:64 + 40 * w].view(np.int64).reshape(w, 2)
+        self.slots = raw[header:].reshape(2, w, _CAPACITY)
+        self.mine = [self.slots[k, self.rank] for k in (0, 1)]
+        self.ids[self.rank] = (os.getpid(), os.stat("/proc/self/ns/pid").st_ino)
+
+    def _wait(self, target: int, what: str) -> None:
+        """Return once every rank has published exchange ``target``."""
+        arrived, spins, start = self.arrived, 0, None
+        while arrived.min() < target:
+            spins += 1
+            if spins < _HOT_SPINS:
+                continue
+            if spins < _YIELDS:
+                os.sched_yield()  # a rank on this core may be the one to wait for
+                continue
+            time.sleep(5e-5)
+            if spins % 1000:
+                continue
+            start = start or time.monotonic()
+            late = [p for p in range(self.world) if arrived[p] < target]
+            dead = [p for p in late if not self._alive(p)]
+            if dead:
+                raise RuntimeError(f"tpflow {what}: rank(s) {dead} of this group died before arriving")
+            if time.monotonic() - start > self.timeout:
+                raise RuntimeError(f"tpflow {what}: rank(s) {late} of this group did not arrive within the timeout "
+                                   f"switch's {self.timeout:.0f} s: every rank must run the same collectives in the "
+                                   "same order")
+
+    def _alive(self, peer: int) -> bool:
+        pid, namespace = (int(v) for v in self.ids[peer])
+        if namespace != os.stat("/proc/self/ns/pid").st_ino:
+            return True  # another pid namespace: its pid means nothing here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def _rounds(self, mine: np.ndarray, dtype: torch.dtype, kind: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Exchange ``mine`` (a flat array) with every rank, a slot at a time: yields each round's offset (in
+        elements) and every rank's elements of it ``[W, n]``, valid until the next round."""
+        raw, size = mine.view(np.uint8), mine.itemsize
+        signature = raw.size << 8 | _DTYPES.index(dtype) << 2 | kind
+        for lo in range(0, max(raw.size, 1), _CAPACITY):
+            hi = min(lo + _CAPACITY, raw.size)
+            k = self.exchanges & 1
+            self.exchanges += 1
+            self.mine[k][:hi - lo] = raw[lo:hi]
+            self.signatures[k, self.rank] = signature
+            self.arrived[self.rank] = self.exchanges
+            if self.arrived.min() < self.exchanges:
+                self._wait(self.exchanges, _NAMES[kind])
+            if lo == 0 and (self.signatures[k] != signature).any():
+                self._disagree(self.signatures[k])
+            yield lo // size, self.slots[k, :, :hi - lo].view(mine.dtype)
+
+    def _disagree(self, signatures: np.ndarray) -> None:
+        said = "; ".join(f"rank {p}: {_NAMES.get(int(s) & 3, '?')} of {int(s) >> 8} bytes of "
+                         f"{_DTYPES[int(s) >> 2 & 63] if (int(s) >> 2 & 63) < len(_DTYPES) else '?'}"
+                         for p, s in enumerate(signatures))
+        raise RuntimeError(f"tpflow collective {self.exchanges} of this group differs between ranks ({said}): every "
+                           "rank must run the same collectives, with the same shapes and dtypes, in the same order")
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum ``t`` (contiguous, on CPU) over the group in place, in rank order."""
+        with self.lock:
+            out = _numbers(t)
+            for lo, slots in self._rounds(out, t.dtype, _ALL_REDUCE):
+                _sum(slots, t.dtype, out[lo:lo + slots.shape[1]])
+
+    def all_gather(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        """Every rank's ``part`` (equal sizes, contiguous) into ``out`` (contiguous), in rank order."""
+        with self.lock:
+            whole = _numbers(out).reshape(self.world, -1)
+            for lo, slots in self._rounds(_numbers(part), part.dtype, _ALL_GATHER):
+                whole[:, lo:lo + slots.shape[1]] = slots
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        """This rank's ``1/W`` of the sum of ``full`` (contiguous, ``W`` equal chunks) into ``out``, in rank
+        order."""
+        with self.lock:
+            mine = _numbers(out)
+            start = self.rank * mine.size
+            for lo, slots in self._rounds(_numbers(full), full.dtype, _REDUCE_SCATTER):
+                a, b = max(lo, start), min(lo + slots.shape[1], start + mine.size)
+                if a < b:
+                    _sum(slots[:, a - lo:b - lo], full.dtype, mine[a - start:b - start])
+
+
+def _share(size: int, group: dist.ProcessGroup) -> mmap.mmap | None:
+    """A ``size``-byte region every rank of ``group`` maps, or None on every rank where one cannot."""
+    rank, path, token = dist.get_rank(group), None, secrets.token_bytes(16)
+    if rank == 0 and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(_DIR):
+        path = os.path.join(_DIR, f"tpflow-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)  # room now, or an error here: not a SIGBUS at the first write
+                os.pwrite(fd, token, 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            _unlink(path)
+            path = None
+    said = [path, token]
+    dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0), group=group)
+    region = None
+    if said[0] is not None:
+        try:
+            with open(said[0], "r+b") as f:
+                region = mmap.mmap(f.fileno(), size)
+            if region[:16] != said[1]:
+                region.close()
+                region = None
+        except OSError:
+            region = None
+    everyone = torch.tensor([region is not None], dtype=torch.int32)
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+    if rank == 0 and path is not None:
+        _unlink(path)
+    if not everyone.item() and region is not None:
+        region.close()
+        region = None
+    return region
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def host_group(group: dist.ProcessGroup) -> HostGroup | None:
+    """The shared-memory meeting place of ``group``'s ranks, made at its first call on every rank; None where
+    the switch ``cpu_shared_memory`` is off, or the ranks cannot share memory (another host, not x86,
+    ``/dev/shm`` missing or full): gloo's collectives then.
+
+    Call it at the same point on every rank of ``group``: the first call runs two of its collectives.
+
+    Args:
+        group: the process group (one with a CPU backend: gloo).
+
+    Returns:
+        The group's ``HostGroup``, or None.
+
+    Example::
+
+        >>> host = tpf.comm.shm.host_group(torch.distributed.group.WORLD)
+        >>> host is tpf.comm.shm.host_group(torch.distributed.group.WORLD)   # one per group
+        True
+    """
+    if not config.get("cpu_shared_memory"):
+        return None
+    try:
+        return _groups[group]
+    except KeyError:
+        pass
+    with _lock:
+        host = HostGroup(group) if dist.get_world_size(group) > 1 else None
+        host = _groups[group] = host if host is not None and host.ok else None
+    return host
+
+
+def carries(t: torch.Tensor) -> bool:
+    """Whether ``t``'s collectives may go through shared memory: a contiguous CPU tensor of a dtype it adds.
+
+    Args:
+        t: the tensor a collective would send.
+
+    Returns:
+        True for contiguous CPU tensors of the floating and integer dtypes the region sums.
+
+    Example::
+
+        >>> tpf.comm.shm.carries(torch.ones(2)), tpf.comm.shm.carries(torch.ones(2, 2).t())
+        (True, False)
+    """
+    return t.device.type == "cpu" and t.is_contiguous() and t.dtype in _DTYPES
