@@ -76,8 +76,14 @@ def test_data_parallel_by_sbp_trains_like_one_device(world, rows, optimizer):
 
 
 def _partial_gradients_in_one_all_reduce(rows, bucket_bytes):
-    """After a data-parallel backward every gradient is a partial sum; the optimizer's pre-step hook sums them all
-    with one all-reduce per bucket (2(W-1) ring messages each), and they equal one device's."""
+    """With ``grad_sync="step"``, after a data-parallel backward every gradient is a partial sum; the optimizer's
+    pre-step hook sums them all with one all-reduce per bucket (2(W-1) ring messages each), and they equal one
+    device's."""
+    with tpf.config.override(grad_sync="step"):
+        return _summed_at_step(rows, bucket_bytes)
+
+
+def _summed_at_step(rows, bucket_bytes):
     world, rank = dist.get_world_size(), dist.get_rank()
     P = tpf.placement("cpu", list(range(world)))
     ref = _mlp(0)
@@ -169,3 +175,73 @@ def _hybrid_training(sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_data_x_tensor_parallel_training_on_2d_placement(sequence_parallel):
     assert all(harness.run(4, _hybrid_training, sequence_parallel))
+
+
+def _sums_during_backward(rows, bucket_bytes):
+    """The default (``grad_sync="backward"``): the backward all-reduces its partial gradients, a bucket at a time, the
+    later layers' before autograd reaches the first layer (from the second backward, which has the buckets' layout);
+    the optimizer's pre-step hook finds them summed and sends nothing. Micro-batches, the first under
+    ``deferred()``, and a zero_grad that keeps the gradients' storage, train like one device."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    P = tpf.placement("cpu", list(range(world)))
+    ref = _mlp(0)
+    model = tpf.to_global(copy.deepcopy(ref), placement=P, sbp=B)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    sent_before_first_layer = []
+    model[0].register_full_backward_pre_hook(lambda *_: sent_before_first_layer.append(tpf.comm.stats.messages_sent))
+    x, y = _data(rows)
+    halves = [slice(0, rows // 2), slice(rows // 2, rows)]
+
+    def loss_of(rows_):
+        xs, ys = x[rows_], y[rows_]
+        part = slice(*chunk_bounds(len(ys), world)[rank])
+        out = tpf.to_global(model(tpf.to_global(xs[part], placement=P, sbp=S0)), sbp=B)
+        return F.cross_entropy(out, tpf.to_global(ys, placement=P, sbp=B), reduction="sum") / rows
+
+    with tpf.config.override(grad_bucket_bytes=bucket_bytes):
+        for step in range(4):
+            opt.zero_grad(set_to_none=step != 2)  # step 2: the gradients zeroed in place, their versions move on
+            opt_ref.zero_grad()
+            tpf.comm.stats.reset()
+            sent_before_first_layer.clear()
+            if step < 2:
+                loss_of(slice(0, rows)).backward()
+                backward_sent = tpf.comm.stats.messages_sent
+                assert backward_sent == 2 * (world - 1) * (1 if bucket_bytes > 1 << 20 else 6)
+                if step == 1 and bucket_bytes == 1:  # the output layer's bucket went before the first layer's backward
+                    assert 0 < sent_before_first_layer[0] < backward_sent
+                assert all(tpf.get_sbp(p.grad) == (tpf.sbp.partial_sum,) for p in model.parameters())
+            else:  # two micro-batches: the first one's backward leaves its sum to the last one's
+                with tpf.gradients.deferred():
+                    loss_of(halves[0]).backward()
+                assert tpf.comm.stats.messages_sent == 0
+                loss_of(halves[1]).backward()
+                backward_sent = tpf.comm.stats.messages_sent
+            tpf.gradients.reduce_partial_gradients(model.parameters())
+            assert tpf.comm.stats.messages_sent == backward_sent, "the pre-step hook found every sum made"
+            assert all(tpf.get_sbp(p.grad) == (B,) for p in model.parameters())
+            opt.step()
+            F.cross_entropy(ref(x), y).backward()
+            opt_ref.step()
+            _assert_same_parameters(model, ref, step)
+    return True
+
+
+@pytest.mark.parametrize("world, bucket_bytes", [(2, 1), (3, 4 << 20)], ids=["2, a bucket each", "3, one bucket"])
+def test_partial_gradients_are_summed_during_the_backward(world, bucket_bytes):
+    assert all(harness.run(world, _sums_during_backward, 9, bucket_bytes))
+
+
+def _different_parameters():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    P = tpf.placement("cpu", list(range(world)))
+    model = tpf.to_global(_mlp(0), placement=P, sbp=B)
+    h = model[0](tpf.to_global(torch.ones(2, 6), placement=P, sbp=S0))
+    out = model[2](h) if rank == 0 else h  # rank 1 leaves a layer out of its graph: partial gradients on rank 0
+    with pytest.raises(ValueError, match="the ranks disagree on gradients summed in the backward"):
+        out.sum().backward()
+    return True
+
+
+def test_ranks_that_compute_other_gradients_fail_together():
+    assert all(harness.run(2, _different_parameters))

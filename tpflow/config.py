@@ -135,6 +135,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("grad_bucket_bytes", "TPFLOW_GRAD_BUCKET_BYTES", 4 << 20, _size,
            "bytes of partial-sum gradients summed by one all-reduce before an optimizer step (the flat copy is the "
            "memory this costs; DDP's first bucket is 1 MiB, the rest 25 MiB)"),
+    Switch("grad_sync", "TPFLOW_GRAD_SYNC", "backward", str,
+           "when tpflow sums its parameters' partial-sum gradients (data parallelism by SBP, a data axis): backward, "
+           "a bucket at a time as the backward fills them, asynchronously where the backend is (as DDP); step, all "
+           "of them before the optimizer's step (tpflow.global_tensor.reducer)", ("backward", "step")),
     Switch("pipeline_pairs", "TPFLOW_PIPELINE_PAIRS", {"cpu": False, "cuda": True}, _flag,
            "how a pipeline's hand-offs are posted: on, a send followed in the schedule by a receive from the same "
            "rank set goes out as one group with it (batch_isend_irecv), so that NCCL, where a rank's sends and "

@@ -1,17 +1,19 @@
-"""Partial-sum gradients of tpflow's parameters, summed together when an optimizer is about to read them.
+"""Partial-sum gradients of tpflow's parameters, summed together before an optimizer reads them.
 
 Data parallelism by SBP leaves each parameter's gradient a partial sum over the ranks that saw
 different rows (OneFlow reduces it when it is read). Left to DTensor, an optimizer step reduces them
-one parameter at a time: an all-reduce and a redistribute per parameter. ``reduce_partial_gradients``
-instead sums them with one all-reduce (per mesh axis) per bucket of up to 4 MiB of gradients that share mesh,
-layout and dtype, as DDP buckets them, while micro-batches still accumulate into partial sums for free. Unlike
-DDP's, the reduction cannot overlap the backward: it waits until the gradients are read.
+one parameter at a time: an all-reduce and a redistribute per parameter. tpflow sums them with one all-reduce
+(per mesh axis) per bucket of up to 4 MiB of gradients that share mesh, layout and dtype, as DDP buckets them:
+during the backward, as each bucket fills (``tpflow.global_tensor.reducer``, the ``grad_sync`` switch's
+default), or when they are read (``grad_sync="step"``), while micro-batches still accumulate into partial
+sums for free.
 
-tpflow runs it before every optimizer step (``torch.optim``'s global step pre-hook, ``HOOK``), for the
-parameters tpflow made (``to_global`` of a module, the parallel layers, stages) and only on the axes
-where the parameter itself is broadcast; any other gradient is left to DTensor. Code that reads
-gradients before the step (``clip_grad_norm_``, ``GradScaler.unscale_``) should call
-``reduce_partial_gradients(params)`` first, or DTensor reduces them one by one there.
+``reduce_partial_gradients`` runs before every optimizer step (``torch.optim``'s global step pre-hook,
+``HOOK``), for the parameters tpflow made (``to_global`` of a module, the parallel layers, stages) and only
+on the axes where the parameter itself is broadcast: it puts the backward's sums in place, and sums what
+has none; any other gradient is left to DTensor. Code that reads gradients before the step
+(``clip_grad_norm_``, ``GradScaler.unscale_``) should call ``reduce_partial_gradients(params)`` first, or
+DTensor reduces them one by one there.
 """
 
 from __future__ import annotations
@@ -19,18 +21,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tpflow import comm, config
+from tpflow.global_tensor.reducer import deferred, summed_axes, take_sum, watch
 
-__all__ = ["HOOK", "adopt", "clip_grad_norm_", "reduce_partial_gradients", "scale_grad"]
+__all__ = ["HOOK", "adopt", "clip_grad_norm_", "deferred", "reduce_partial_gradients", "scale_grad", "summed_axes",
+           "take_sum", "watch"]
 
 _MARK = "_tpflow_sums_partial_grads"  # an attribute, not a WeakSet: a set lookup would compare tensors with ==
 
 
 def adopt(param: torch.Tensor) -> torch.Tensor:
-    """Mark a parameter tpflow made, whose partial-sum gradients the optimizer hook sums before a step.
+    """Mark a parameter tpflow made, whose partial-sum gradients are summed before an optimizer step: during the
+    backward (``watch``), else by the optimizer hook.
 
     Args:
         param: a parameter (a DTensor ``nn.Parameter``).
@@ -46,6 +51,7 @@ def adopt(param: torch.Tensor) -> torch.Tensor:
         True
     """
     setattr(param, _MARK, True)
+    watch(param)
     return param
 
 
@@ -81,22 +87,14 @@ def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGrad.apply(x, factor)
 
 
-def _summed_axes(p: torch.Tensor) -> tuple[int, ...]:
-    """The mesh axes on which ``p``'s gradient is a partial sum that the broadcast ``p`` wants summed."""
-    g = p.grad
-    if not isinstance(g, DTensor) or g.device_mesh.get_coordinate() is None:
-        return ()
-    return tuple(i for i, (gp, pp) in enumerate(zip(g.placements, p.placements))
-                 if type(gp) is Partial and gp.reduce_op == "sum" and isinstance(pp, Replicate))
-
-
 @torch.no_grad()
 def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int | None = None) -> None:
     """Sum the partial-sum gradients of ``params`` where the parameter is broadcast, bucket by bucket.
 
-    One flat all-reduce per mesh axis and bucket of gradients that share mesh, layout and dtype; the
-    flat copy is the memory this costs, so buckets are capped. Each gradient keeps its storage. Other
-    gradients are left as they are.
+    A gradient the last backward summed, unchanged since, takes that sum (``take_sum``). The others go in one
+    flat all-reduce per mesh axis and bucket of gradients that share mesh, layout and dtype; the flat copy
+    is the memory this costs, so buckets are capped. Each gradient keeps its storage. Other gradients are
+    left as they are.
 
     Args:
         params: parameters (global or plain; only global ones with partial-sum gradients are touched).
@@ -119,8 +117,12 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
     groups: dict[tuple, list[list[torch.Tensor]]] = {}
     filled: dict[tuple, int] = {}
     for p in params:
-        axes = _summed_axes(p)
+        axes = summed_axes(p)
         if not axes:
+            continue
+        summed = take_sum(p)
+        if summed is not None:
+            p.grad = summed
             continue
         g = p.grad
         key = (g.device_mesh, g.placements, g.dtype, axes)

@@ -1,0 +1,244 @@
+"""Partial-sum gradients summed during the backward, a bucket at a time as the buckets fill, as DDP does.
+
+Every parameter tpflow adopts gets a hook that runs once autograd has accumulated its gradient. Where that
+gradient is a partial sum over mesh axes on which the parameter is broadcast (data parallelism by SBP, a
+2-D placement's data axis, a replicated norm's weight under sequence parallelism), it joins its bucket:
+parameters that share mesh, layout and dtype, in the reverse of the order tpflow adopted them (about the order
+the backward produces their gradients), cut at the ``grad_bucket_bytes`` switch. Once every parameter of a
+bucket is in, and every bucket before it has gone, the bucket's flat copy is all-reduced, asynchronously where
+the backend is (NCCL), while the backward goes on. When the backward ends, the buckets left go and every
+all-reduce is waited for.
+
+The gradient stays the partial sum, so micro-batches still accumulate into it for free: each parameter keeps its
+sum beside it, and the optimizer's pre-step hook (``tpf.gradients.reduce_partial_gradients``) puts that sum in
+the gradient's place where the gradient has not changed since, and sums the others itself. Each backward sums all
+that has accumulated, so run every micro-batch's backward but the last under ``tpf.gradients.deferred()`` (DDP's
+``no_sync``): one all-reduce a bucket per step.
+
+The buckets are laid out from the parameters whose gradients the first backward produced, and again whenever a
+backward produces another set: then that backward sums its gradients when it ends. Every rank must produce
+gradients for the same parameters, as DDP requires; the layout is checked to agree across the ranks when made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from tpflow import comm, config
+
+__all__ = ["deferred", "summed_axes", "take_sum", "watch"]
+
+_ORDER = "_tpflow_adopted"  # the order tpflow adopted a parameter in: the same on every rank
+_SUM = "_tpflow_sum"  # (the gradient it sums, that gradient's version, the sum's block, the bucket's key)
+_numbers = itertools.count()
+
+
+def summed_axes(p: torch.Tensor) -> tuple[int, ...]:
+    """The mesh axes on which ``p``'s gradient is a partial sum that the broadcast ``p`` wants summed.
+
+    Args:
+        p: a parameter.
+
+    Returns:
+        The axes, in order; none where ``p`` has no such gradient (a plain tensor's, a split one's, none).
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> layer = tpf.to_global(torch.nn.Linear(4, 2), placement=P)
+        >>> layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()
+        >>> tpf.gradients.summed_axes(layer.weight)
+        (0,)
+    """
+    g = p.grad
+    if not isinstance(g, DTensor) or g.device_mesh.get_coordinate() is None:
+        return ()
+    return tuple(i for i, (gp, pp) in enumerate(zip(g.placements, p.placements))
+                 if type(gp) is Partial and gp.reduce_op == "sum" and isinstance(pp, Replicate))
+
+
+@dataclass
+class _Layout:
+    """One key's buckets: lists of parameters, in the order they are all-reduced."""
+
+    buckets: list[list[torch.Tensor]]
+    members: frozenset[int] = field(init=False)
+    bucket_of: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.members = frozenset(self.bucket_of)
+
+
+def _cut(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for p in sorted(params, key=lambda q: -getattr(q, _ORDER)):
+        nbytes = p.grad.to_local().nbytes
+        if buckets[-1] and filled + nbytes > limit:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(p)
+        filled += nbytes
+    return buckets
+
+
+class _Backward:
+    """What the hooks gather during one backward, and the buckets' layouts from one backward to the next."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple, _Layout] = {}
+        self.deferred = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ready: dict[tuple, dict[int, torch.Tensor]] = {}
+        self.missing: dict[tuple, list[int]] = {}  # per key, how many parameters each bucket still waits for
+        self.launched: dict[tuple, int] = {}  # per key, the buckets all-reduced so far, in order
+        self.flights: list[tuple] = []
+        self.task: int | None = None  # the backward whose end runs ``finish``
+
+    @torch.no_grad()
+    def ready_grad(self, p: torch.Tensor) -> None:
+        if self.deferred or config.get("grad_sync") != "backward":
+            return
+        axes = summed_axes(p)
+        if not axes:
+            return
+        g = p.grad
+        key = (g.device_mesh, g.placements, g.dtype, axes)
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self._reset()  # what a backward that raised left behind
+            self.task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.ready.setdefault(key, {})[id(p)] = p
+        layout = self.layouts.get(key)
+        if layout is None or id(p) not in layout.members:
+            return  # a parameter the layout does not know: this backward sums when it ends
+        missing = self.missing.setdefault(key, [len(b) for b in layout.buckets])
+        missing[layout.bucket_of[id(p)]] -= 1
+        n = self.launched.get(key, 0)
+        while n < len(layout.buckets) and missing[n] == 0:
+            self._launch(key, layout.buckets[n])
+            n += 1
+        self.launched[key] = n
+
+    def _launch(self, key: tuple, bucket: list[torch.Tensor]) -> None:
+        mesh, axes = key[0], key[3]
+        grads = [p.grad for p in bucket]
+        flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+        work = None
+        for axis in axes:
+            if work is not None:
+                work.wait()  # the axes' groups are separate streams: one sum after the other
+            work = comm.all_reduce(flat, mesh.get_group(axis), async_op=True)
+        self.flights.append((work, flat, bucket, grads, [g.to_local()._version for g in grads], key))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        try:
+            for key, ready in self.ready.items():
+                layout, launched = self.layouts.get(key), self.launched.get(key, 0)
+                if layout is not None and frozenset(ready) == layout.members:
+                    for bucket in layout.buckets[launched:]:
+                        self._launch(key, bucket)
+                    continue
+                gone = {id(p) for bucket in (layout.buckets[:launched] if layout else ()) for p in bucket}
+                layout = self.layouts[key] = _Layout(_cut(list(ready.values()), config.get("grad_bucket_bytes")))
+                comm.agree("tpflow.gradients", {"gradients summed in the backward": " ".join(
+                    f"{getattr(p, _ORDER)}:{p.grad.to_local().numel()}" for b in layout.buckets for p in b)},
+                    [key[0].get_group(axis) for axis in key[3]],
+                    "every rank must compute gradients for the same parameters (as DDP requires)")
+                for bucket in _cut([p for p in ready.values() if id(p) not in gone], config.get("grad_bucket_bytes")):
+                    self._launch(key, bucket)
+            for work, flat, bucket, grads, versions, key in self.flights:
+                work.wait()
+                offset = 0
+                for p, g, version in zip(bucket, grads, versions):
+                    n = g.to_local().numel()
+                    setattr(p, _SUM, (g, version, flat[offset:offset + n], key))
+                    offset += n
+        finally:
+            self._reset()
+
+
+_BACKWARD = _Backward()
+
+
+def watch(param: torch.Tensor) -> None:
+    """Give ``param`` its order among tpflow's parameters and the hook that sums its partial gradient during the
+    backward (see the module's docstring); ``tpf.gradients.adopt`` calls it.
+
+    Args:
+        param: a parameter tpflow made (a DTensor ``nn.Parameter``).
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> w = torch.nn.Parameter(tpf.zeros(4, placement=P, sbp=tpf.sbp.broadcast))
+        >>> tpf.gradients.watch(w)
+    """
+    if hasattr(param, _ORDER):
+        return
+    setattr(param, _ORDER, next(_numbers))
+    if param.requires_grad:
+        param.register_post_accumulate_grad_hook(_BACKWARD.ready_grad)
+
+
+def take_sum(p: torch.Tensor) -> DTensor | None:
+    """The sum the last backward made of ``p``'s partial gradient, if the gradient has not changed since (no other
+    backward, no ``zero_grad``); None otherwise. The sum is handed over once.
+
+    Args:
+        p: a parameter.
+
+    Returns:
+        Its gradient summed over the axes where it was partial, a DTensor; or None.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> layer = tpf.to_global(torch.nn.Linear(4, 2), placement=P)
+        >>> layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()
+        >>> tpf.get_sbp(tpf.gradients.take_sum(layer.weight))         # summed during the backward
+        (sbp.broadcast,)
+    """
+    kept = p.__dict__.pop(_SUM, None)
+    if kept is None:
+        return None
+    g, version, block, (mesh, placements, _, axes) = kept
+    if p.grad is not g or g.to_local()._version != version:
+        return None
+    summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
+    return DTensor.from_local(block.view(g.to_local().shape), mesh, summed, run_check=False, shape=g.shape,
+                              stride=g.stride())
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Backwards run inside leave their partial gradients to the optimizer's step (DDP's ``no_sync``): for every
+    micro-batch of a step but the last, so that the buckets are summed once, by the last backward.
+
+    Returns:
+        A context manager; backwards inside it (on any thread) sum nothing.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> layer = tpf.to_global(torch.nn.Linear(4, 2), placement=P)
+        >>> with tpf.gradients.deferred():
+        ...     layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()
+        >>> layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()   # sums both
+    """
+    _BACKWARD.deferred += 1
+    try:
+        yield
+    finally:
+        _BACKWARD.deferred -= 1
