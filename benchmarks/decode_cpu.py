@@ -93,7 +93,8 @@ def run(args) -> None:
         shutil.rmtree(holder[0])
     lines = [f"# Greedy decoding: {world} CPU ranks, Qwen3 vocabulary {args.vocab}, {args.layers} layers of "
              f"{args.hidden}, fp32, {args.new_tokens} new tokens after 16", "",
-             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/decode_cpu.py --batch "
+             f"Command: `{'' if tpf.config.get('cpu_shared_memory') else 'TPFLOW_CPU_SHARED_MEMORY=0 '}"
+             f"python -m tpflow.launch --nproc_per_node {world} benchmarks/decode_cpu.py --batch "
              f"{' '.join(map(str, args.batch))} --new-tokens {args.new_tokens} --reps {args.reps}"
              f"{' --profile' if args.profile else ''}`", "",
              "| batch | one device ms/token | transformers' TP ms/token | tpflow ms/token | tpflow vs transformers | "

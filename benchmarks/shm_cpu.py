@@ -49,7 +49,7 @@ def main() -> None:
         part = x[chunks[rank][0]:chunks[rank][1]].clone()
         ops = {"all_reduce": lambda x=x: tpf.comm.all_reduce(x.mul_(0.5), group),
                "all_gather": lambda part=part, chunks=chunks: tpf.comm.all_gather(part, 0, chunks, group)}
-        for name, fn in ops.items():
+        for fn in ops.values():
             rounds: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(10):
                 for on in (True, False):

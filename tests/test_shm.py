@@ -47,6 +47,13 @@ def _collectives() -> None:
                 gloo = parts[rank].clone()
                 tpf.comm.all_reduce(gloo, group)
             torch.testing.assert_close(t, gloo, rtol=tol, atol=tol * world * 4)
+    for sizes in ((3,), (5, 0, 70_000, 1, 200_000), (1 << 18, 1 << 18)):  # pieces across rounds, and on their edges
+        pieces = [[_tensor(n, torch.float32, 100 * seed + i) for i, n in enumerate(sizes)] for seed in range(world)]
+        flat, work = tpf.comm.all_reduce_cat(pieces[rank], group, async_op=True)
+        work.wait()
+        exact = sum(torch.cat(p).double() for p in pieces)
+        torch.testing.assert_close(flat.double(), exact, rtol=1e-6, atol=1e-5)
+        assert _same_everywhere(flat)
     t = torch.ones(2, 3)
     tpf.comm.all_reduce(t, group, async_op=True).wait()  # an async caller gets a finished work
     assert torch.equal(t, torch.full((2, 3), float(world)))

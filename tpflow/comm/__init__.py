@@ -19,7 +19,7 @@ from __future__ import annotations
 from tpflow.comm import shm, wire
 from tpflow.comm.accounting import CommStats, count_ring, ring_bytes, stats
 from tpflow.comm.agreement import agree
-from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, exchange_counts, reduce_scatter
+from tpflow.comm.collectives import all_gather, all_reduce, all_reduce_cat, all_to_all, exchange_counts, reduce_scatter
 from tpflow.comm.fake import FakeTransport, FakeWorld
 from tpflow.comm.p2p import Pending, batch, post
 from tpflow.comm.pairs import (
@@ -33,6 +33,7 @@ from tpflow.comm.pairs import (
 from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 
 __all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "agree",
-           "all_gather", "all_gather_chunk", "all_reduce", "all_reduce_identity", "all_to_all", "all_to_all_mirror",
-           "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts", "identity_all_reduce", "post",
-           "reduce_scatter", "reduce_scatter_all_gather", "ring_bytes", "shm", "stats", "wire"]
+           "all_gather", "all_gather_chunk", "all_reduce", "all_reduce_cat", "all_reduce_identity", "all_to_all",
+           "all_to_all_mirror", "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts",
+           "identity_all_reduce", "post", "reduce_scatter", "reduce_scatter_all_gather", "ring_bytes", "shm", "stats",
+           "wire"]

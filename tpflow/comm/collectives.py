@@ -2,6 +2,7 @@
 call when no ring of their own overlaps the transfer with compute.
 
     all_reduce       the sum of every rank's tensor, in place
+    all_reduce_cat   the sum of every rank's pieces put back to back (a bucket of gradients)
     all_gather       every rank's chunk along a dim, concatenated (chunks of ``torch.chunk``'s rule or any)
     reduce_scatter   this rank's chunk of the sum
     exchange_counts  what every rank will send this one, from what this one sends each (before an all-to-all)
@@ -24,7 +25,8 @@ import torch.distributed as dist
 from tpflow.comm import shm
 from tpflow.comm.accounting import count_ring, stats
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "checked_counts", "exchange_counts", "reduce_scatter"]
+__all__ = ["all_gather", "all_reduce", "all_reduce_cat", "all_to_all", "checked_counts", "exchange_counts",
+           "reduce_scatter"]
 
 # torch 2.13 renames the single-tensor collectives (the old names warn); 2.11 has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -41,6 +43,16 @@ class _Done:
 
 
 _DONE = _Done()
+
+
+class _Queued:
+    """The work of a collective queued on a shared-memory group's worker thread."""
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
 
 
 def _host(group: dist.ProcessGroup, t: torch.Tensor) -> shm.HostGroup | None:
@@ -75,6 +87,39 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
         return dist.all_reduce(t, group=group, async_op=async_op)
     host.all_reduce(t)
     return _DONE if async_op else None
+
+
+def all_reduce_cat(pieces: Sequence[torch.Tensor], group: dist.ProcessGroup, async_op: bool = False):
+    """The sum over ``group`` of the pieces flattened and put back to back: a bucket of gradients. Through shared
+    memory the pieces go straight to the other ranks, without the concatenated copy, and ``async_op`` runs it on
+    the group's worker thread (as gloo and NCCL run theirs) while this one goes on.
+
+    Counted as two ring passes over the concatenation.
+
+    Args:
+        pieces: tensors of one dtype and device.
+        group: the process group to sum over.
+        async_op: return at once with the work instead of waiting for it.
+
+    Returns:
+        ``(flat, work)``: the concatenation (the sum once ``work.wait()`` returns; at once without ``async_op``).
+
+    Example::
+
+        >>> flat, work = tpf.comm.all_reduce_cat([torch.ones(2), torch.zeros(1)], torch.distributed.group.WORLD)
+        >>> work.wait()
+        >>> flat                                        # on 2 ranks
+        tensor([2., 2., 0.])
+    """
+    host = _host(group, pieces[0]) if all(shm.carries(p) and p.dtype == pieces[0].dtype for p in pieces) else None
+    if host is None:
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        work = all_reduce(flat, group, async_op=async_op)
+        return flat, work or _DONE
+    flat = pieces[0].new_empty(sum(p.numel() for p in pieces))
+    count_ring(flat, dist.get_world_size(group), 2)
+    queued = host.all_reduce_cat(list(pieces), flat, async_op=async_op)
+    return flat, _Queued(queued) if async_op else _DONE
 
 
 def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.ProcessGroup) -> torch.Tensor:

@@ -23,6 +23,7 @@ reader: other machines (and groups that span hosts, or a ``/dev/shm`` that canno
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import mmap
 import os
@@ -67,6 +68,22 @@ def _sum(slots: np.ndarray, dtype: torch.dtype, out: np.ndarray) -> None:
         np.add.reduce(slots, axis=0, out=out)
 
 
+def _fill(slot: np.ndarray, pieces: list[np.ndarray], lo: int, hi: int) -> None:
+    """Bytes ``[lo, hi)`` of the pieces back to back into the start of ``slot``."""
+    if len(pieces) == 1:
+        slot[:hi - lo] = pieces[0][lo:hi]
+        return
+    start = 0
+    for piece in pieces:
+        end = start + piece.size
+        if end > lo and start < hi:
+            a, b = max(lo, start), min(hi, end)
+            slot[a - lo:b - lo] = piece[a - start:b - start]
+        if end >= hi:
+            return
+        start = end
+
+
 class HostGroup:
     """A process group's ranks meeting in one shared-memory region (see the module's docstring).
 
@@ -91,6 +108,9 @@ class HostGroup:
         self.timeout = float(config.get("timeout"))
         self.exchanges = 0
         self.lock = threading.Lock()
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs the asynchronous collectives
+        self.thread: threading.Thread | None = None  # the worker's thread
+        self.queued: list[concurrent.futures.Future] = []
         w = self.world
         # the first rank's token (64 bytes); arrived; the signatures; each rank's pid and pid namespace; the slots
         header = -(-(64 + 8 * w + 16 * w + 16 * w) // 64) * 64
@@ -109,12 +129,13 @@ class HostGroup:
     def _wait(self, target: int, what: str) -> None:
         """Return once every rank has published exchange ``target``."""
         arrived, spins, start = self.arrived, 0, None
+        hot = _HOT_SPINS if threading.current_thread() is not self.thread else 0  # the worker leaves the GIL at once
         while arrived.min() < target:
             spins += 1
-            if spins < _HOT_SPINS:
+            if spins < hot:
                 continue
             if spins < _YIELDS:
-                os.sched_yield()  # a rank on this core may be the one to wait for
+                os.sched_yield()  # a rank on this core may be the one to wait for (the GIL is let go meanwhile)
                 continue
             time.sleep(5e-5)
             if spins % 1000:
@@ -129,6 +150,11 @@ class HostGroup:
                                    f"switch's {self.timeout:.0f} s: every rank must run the same collectives in the "
                                    "same order")
 
+    def drain(self) -> None:
+        """Wait for the collectives queued on the worker: a collective called now follows them on every rank."""
+        while self.queued:
+            self.queued.pop(0).result()
+
     def _alive(self, peer: int) -> bool:
         pid, namespace = (int(v) for v in self.ids[peer])
         if namespace != os.stat("/proc/self/ns/pid").st_ino:
@@ -141,23 +167,25 @@ class HostGroup:
             pass
         return True
 
-    def _rounds(self, mine: np.ndarray, dtype: torch.dtype, kind: int) -> Iterator[tuple[int, np.ndarray]]:
-        """Exchange ``mine`` (a flat array) with every rank, a slot at a time: yields each round's offset (in
-        elements) and every rank's elements of it ``[W, n]``, valid until the next round."""
-        raw, size = mine.view(np.uint8), mine.itemsize
-        signature = raw.size << 8 | _DTYPES.index(dtype) << 2 | kind
-        for lo in range(0, max(raw.size, 1), _CAPACITY):
-            hi = min(lo + _CAPACITY, raw.size)
+    def _rounds(self, mine: list[np.ndarray], dtype: torch.dtype, kind: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Exchange the concatenation of ``mine`` (flat arrays of one dtype) with every rank, a slot at a time:
+        yields each round's offset (in elements) and every rank's elements of it ``[W, n]``, valid until the next
+        round."""
+        pieces = [m.view(np.uint8) for m in mine]
+        total, size, numbers = sum(p.size for p in pieces), mine[0].itemsize, mine[0].dtype
+        signature = total << 8 | _DTYPES.index(dtype) << 2 | kind
+        for lo in range(0, max(total, 1), _CAPACITY):
+            hi = min(lo + _CAPACITY, total)
             k = self.exchanges & 1
             self.exchanges += 1
-            self.mine[k][:hi - lo] = raw[lo:hi]
+            _fill(self.mine[k], pieces, lo, hi)
             self.signatures[k, self.rank] = signature
             self.arrived[self.rank] = self.exchanges
             if self.arrived.min() < self.exchanges:
                 self._wait(self.exchanges, _NAMES[kind])
             if lo == 0 and (self.signatures[k] != signature).any():
                 self._disagree(self.signatures[k])
-            yield lo // size, self.slots[k, :, :hi - lo].view(mine.dtype)
+            yield lo // size, self.slots[k, :, :hi - lo].view(numbers)
 
     def _disagree(self, signatures: np.ndarray) -> None:
         said = "; ".join(f"rank {p}: {_NAMES.get(int(s) & 3, '?')} of {int(s) >> 8} bytes of "
@@ -168,25 +196,46 @@ class HostGroup:
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum ``t`` (contiguous, on CPU) over the group in place, in rank order."""
+        self.drain()
         with self.lock:
             out = _numbers(t)
-            for lo, slots in self._rounds(out, t.dtype, _ALL_REDUCE):
+            for lo, slots in self._rounds([out], t.dtype, _ALL_REDUCE):
                 _sum(slots, t.dtype, out[lo:lo + slots.shape[1]])
+
+    def all_reduce_cat(self, pieces: list[torch.Tensor], out: torch.Tensor, async_op: bool = False):
+        """The sum over the group of the pieces (contiguous, on CPU, ``out``'s dtype) back to back, into ``out``
+        (flat, as many elements), without concatenating them first: they go straight into the slot. With
+        ``async_op``, the group's worker thread runs it and the future is returned (``result()`` once done); the
+        pieces must stay unchanged until then."""
+        if async_op:
+            if self.worker is None:
+                self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tpflow-shm")
+                self.thread = self.worker.submit(threading.current_thread).result()
+            self.queued.append(self.worker.submit(self.all_reduce_cat, pieces, out))
+            return self.queued[-1]
+        if threading.current_thread() is not self.thread:
+            self.drain()
+        with self.lock:
+            flat = _numbers(out)
+            for lo, slots in self._rounds([_numbers(p) for p in pieces], out.dtype, _ALL_REDUCE):
+                _sum(slots, out.dtype, flat[lo:lo + slots.shape[1]])
 
     def all_gather(self, out: torch.Tensor, part: torch.Tensor) -> None:
         """Every rank's ``part`` (equal sizes, contiguous) into ``out`` (contiguous), in rank order."""
+        self.drain()
         with self.lock:
             whole = _numbers(out).reshape(self.world, -1)
-            for lo, slots in self._rounds(_numbers(part), part.dtype, _ALL_GATHER):
+            for lo, slots in self._rounds([_numbers(part)], part.dtype, _ALL_GATHER):
                 whole[:, lo:lo + slots.shape[1]] = slots
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """This rank's ``1/W`` of the sum of ``full`` (contiguous, ``W`` equal chunks) into ``out``, in rank
         order."""
+        self.drain()
         with self.lock:
             mine = _numbers(out)
             start = self.rank * mine.size
-            for lo, slots in self._rounds(_numbers(full), full.dtype, _REDUCE_SCATTER):
+            for lo, slots in self._rounds([_numbers(full)], full.dtype, _REDUCE_SCATTER):
                 a, b = max(lo, start), min(lo + slots.shape[1], start + mine.size)
                 if a < b:
                     _sum(slots[:, a - lo:b - lo], full.dtype, mine[a - start:b - start])

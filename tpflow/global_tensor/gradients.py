@@ -137,8 +137,8 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
         summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
         for bucket in buckets:
             blocks = [p.grad.to_local() for p in bucket]  # (no grad mode: the blocks themselves)
-            flat = torch.cat([b.reshape(-1) for b in blocks])
-            for axis in axes:
+            flat, _ = comm.all_reduce_cat(blocks, mesh.get_group(axes[0]))
+            for axis in axes[1:]:
                 comm.all_reduce(flat, mesh.get_group(axis))
             offset = 0
             for p, block in zip(bucket, blocks):

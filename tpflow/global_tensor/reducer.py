@@ -133,11 +133,9 @@ class _Backward:
     def _launch(self, key: tuple, bucket: list[torch.Tensor]) -> None:
         mesh, axes = key[0], key[3]
         grads = [p.grad for p in bucket]
-        flat = torch.cat([g.to_local().reshape(-1) for g in grads])
-        work = None
-        for axis in axes:
-            if work is not None:
-                work.wait()  # the axes' groups are separate streams: one sum after the other
+        flat, work = comm.all_reduce_cat([g.to_local() for g in grads], mesh.get_group(axes[0]), async_op=True)
+        for axis in axes[1:]:
+            work.wait()  # the axes' groups are separate streams: one sum after the other
             work = comm.all_reduce(flat, mesh.get_group(axis), async_op=True)
         self.flights.append((work, flat, bucket, grads, [g.to_local()._version for g in grads], key))
 
