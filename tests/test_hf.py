@@ -207,6 +207,35 @@ def test_compile_with_labels_and_export_failures():
     harness.run(2, _compile_rank, timeout=600)
 
 
+def _captured_decode_rank():
+    """A decode step over a static cache traced whole by torch.compile (fullgraph: no break from tpflow's layers; the
+    unfused plan, whose column layers are each one product), greedy tokens and logits those of one device."""
+    from transformers import StaticCache
+
+    ref = tiny("qwen3").eval()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan=tpf.hf_plan(ref, fuse=False)).eval()
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    tokens = {}
+    for name, forward in (("one device", ref.forward), ("tpflow", model.forward), ("compiled", step)):
+        cache = StaticCache(config=ref.config, max_batch_size=2, max_cache_len=16)
+        with torch.no_grad():
+            logits = forward(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(6)).logits
+            out = [_whole(logits)[:, -1].argmax(-1, keepdim=True)]
+            for t in range(6, 10):  # the decode steps, one token each
+                logits = (step if name == "compiled" else forward)(
+                    out[-1], past_key_values=cache, use_cache=True, cache_position=torch.tensor([t])).logits
+                out.append(_whole(logits)[:, -1].argmax(-1, keepdim=True))
+        tokens[name] = (torch.cat(out, 1), _whole(logits))
+    for name in ("tpflow", "compiled"):
+        assert torch.equal(tokens[name][0], tokens["one device"][0]), name
+        torch.testing.assert_close(tokens[name][1], tokens["one device"][1], rtol=1e-9, atol=1e-9)
+
+
+def test_decode_step_is_captured_whole_by_torch_compile():
+    harness.run(2, _captured_decode_rank, timeout=600)
+
+
 def _errors_rank():
     P = all_ranks()
     with pytest.raises(ValueError, match=r"has 4 attention heads, which do not split over 3 tensor-parallel ranks: "

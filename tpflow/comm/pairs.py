@@ -144,7 +144,13 @@ def all_reduce_identity(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
         >>> x.grad                                      # identity backward
         tensor([1., 1.])
     """
-    return x if _single(group) else _AllReduceIdentity.apply(x, group)
+    if _single(group):
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllReduceIdentity.apply(x, group)
+    x = x if x.is_contiguous() else x.contiguous()  # no backward (decoding): no autograd node, traceable
+    all_reduce(x, group)
+    return x
 
 
 def identity_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
