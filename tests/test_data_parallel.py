@@ -179,9 +179,9 @@ def test_data_x_tensor_parallel_training_on_2d_placement(sequence_parallel):
 
 def _sums_during_backward(rows, bucket_bytes):
     """The default (``grad_sync="backward"``): the backward all-reduces its partial gradients, a bucket at a time, the
-    later layers' before autograd reaches the first layer (from the second backward, which has the buckets' layout);
-    the optimizer's pre-step hook finds them summed and sends nothing. Micro-batches, the first under
-    ``deferred()``, and a zero_grad that keeps the gradients' storage, train like one device."""
+    later layers' before autograd reaches the first layer (from the second backward, which has the buckets' layout),
+    and leaves them summed; the optimizer's pre-step hook sends nothing. Clipping in place, micro-batches with the
+    first under ``deferred()``, and a zero_grad that keeps the gradients' storage all train like one device."""
     world, rank = dist.get_world_size(), dist.get_rank()
     P = tpf.placement("cpu", list(range(world)))
     ref = _mlp(0)
@@ -198,30 +198,36 @@ def _sums_during_backward(rows, bucket_bytes):
         out = tpf.to_global(model(tpf.to_global(xs[part], placement=P, sbp=S0)), sbp=B)
         return F.cross_entropy(out, tpf.to_global(ys, placement=P, sbp=B), reduction="sum") / rows
 
+    buckets = 1 if bucket_bytes > 1 << 20 else 6
     with tpf.config.override(grad_bucket_bytes=bucket_bytes):
-        for step in range(4):
-            opt.zero_grad(set_to_none=step != 2)  # step 2: the gradients zeroed in place, their versions move on
+        for step in range(5):
+            opt.zero_grad(set_to_none=step != 4)  # step 4: the summed gradients zeroed in place, then added to
             opt_ref.zero_grad()
             tpf.comm.stats.reset()
             sent_before_first_layer.clear()
-            if step < 2:
+            if step != 3:
                 loss_of(slice(0, rows)).backward()
-                backward_sent = tpf.comm.stats.messages_sent
-                assert backward_sent == 2 * (world - 1) * (1 if bucket_bytes > 1 << 20 else 6)
+                if step < 2:
+                    assert tpf.comm.stats.messages_sent == 2 * (world - 1) * buckets
                 if step == 1 and bucket_bytes == 1:  # the output layer's bucket went before the first layer's backward
-                    assert 0 < sent_before_first_layer[0] < backward_sent
-                assert all(tpf.get_sbp(p.grad) == (tpf.sbp.partial_sum,) for p in model.parameters())
-            else:  # two micro-batches: the first one's backward leaves its sum to the last one's
+                    assert 0 < sent_before_first_layer[0] < tpf.comm.stats.messages_sent
+            else:  # two micro-batches: the first one's backward leaves its partial sums to the last one's
                 with tpf.gradients.deferred():
                     loss_of(halves[0]).backward()
                 assert tpf.comm.stats.messages_sent == 0
+                assert all(tpf.get_sbp(p.grad) == (tpf.sbp.partial_sum,) for p in model.parameters())
                 loss_of(halves[1]).backward()
-                backward_sent = tpf.comm.stats.messages_sent
-            tpf.gradients.reduce_partial_gradients(model.parameters())
-            assert tpf.comm.stats.messages_sent == backward_sent, "the pre-step hook found every sum made"
+                assert tpf.comm.stats.messages_sent == 2 * (world - 1) * buckets
             assert all(tpf.get_sbp(p.grad) == (B,) for p in model.parameters())
+            sent = tpf.comm.stats.messages_sent
+            if step == 2:  # clipping that bites, in place on the summed gradients
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            tpf.gradients.reduce_partial_gradients(model.parameters())
+            assert tpf.comm.stats.messages_sent == sent, "the pre-step hook found every sum made"
             opt.step()
             F.cross_entropy(ref(x), y).backward()
+            if step == 2:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
             opt_ref.step()
             _assert_same_parameters(model, ref, step)
     return True

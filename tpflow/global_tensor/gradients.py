@@ -5,15 +5,14 @@ different rows (OneFlow reduces it when it is read). Left to DTensor, an optimiz
 one parameter at a time: an all-reduce and a redistribute per parameter. tpflow sums them with one all-reduce
 (per mesh axis) per bucket of up to 4 MiB of gradients that share mesh, layout and dtype, as DDP buckets them:
 during the backward, as each bucket fills (``tpflow.global_tensor.reducer``, the ``grad_sync`` switch's
-default), or when they are read (``grad_sync="step"``), while micro-batches still accumulate into partial
-sums for free.
+default), or when they are read (``grad_sync="step"``, or what a backward under ``deferred()`` left), while
+micro-batches accumulate into partial sums for free.
 
 ``reduce_partial_gradients`` runs before every optimizer step (``torch.optim``'s global step pre-hook,
 ``HOOK``), for the parameters tpflow made (``to_global`` of a module, the parallel layers, stages) and only
-on the axes where the parameter itself is broadcast: it puts the backward's sums in place, and sums what
-has none; any other gradient is left to DTensor. Code that reads gradients before the step
-(``clip_grad_norm_``, ``GradScaler.unscale_``) should call ``reduce_partial_gradients(params)`` first, or
-DTensor reduces them one by one there.
+on the axes where the parameter itself is broadcast; any other gradient is left to DTensor. Code that reads
+gradients the backward left partial before the step (``clip_grad_norm_``, ``GradScaler.unscale_``) should call
+``reduce_partial_gradients(params)`` first, or DTensor reduces them one by one there.
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tpflow import comm, config
-from tpflow.global_tensor.reducer import deferred, summed_axes, take_sum, watch
+from tpflow.global_tensor.reducer import deferred, summed_axes, watch
 
 __all__ = ["HOOK", "adopt", "clip_grad_norm_", "deferred", "reduce_partial_gradients", "scale_grad", "summed_axes",
-           "take_sum", "watch"]
+           "watch"]
 
 _MARK = "_tpflow_sums_partial_grads"  # an attribute, not a WeakSet: a set lookup would compare tensors with ==
 
@@ -91,10 +90,9 @@ def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
 def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int | None = None) -> None:
     """Sum the partial-sum gradients of ``params`` where the parameter is broadcast, bucket by bucket.
 
-    A gradient the last backward summed, unchanged since, takes that sum (``take_sum``). The others go in one
-    flat all-reduce per mesh axis and bucket of gradients that share mesh, layout and dtype; the flat copy
-    is the memory this costs, so buckets are capped. Each gradient keeps its storage. Other gradients are
-    left as they are.
+    One flat all-reduce per mesh axis and bucket of gradients that share mesh, layout and dtype; the flat copy
+    is the memory this costs, so buckets are capped. Each gradient keeps its storage. Other gradients (those the
+    backward summed already) are left as they are.
 
     Args:
         params: parameters (global or plain; only global ones with partial-sum gradients are touched).
@@ -105,7 +103,8 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> model = tpf.to_global(torch.nn.Linear(4, 2), placement=P)          # broadcast parameters
         >>> x = tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))             # data parallel: 3 rows a rank
-        >>> model(x).sum().backward()
+        >>> with tpf.gradients.deferred():                                 # the backward leaves them partial
+        ...     model(x).sum().backward()
         >>> tpf.get_sbp(model.weight.grad)
         (sbp.partial_sum,)
         >>> tpf.gradients.reduce_partial_gradients(model.parameters())  # before reading the gradients
@@ -119,10 +118,6 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
     for p in params:
         axes = summed_axes(p)
         if not axes:
-            continue
-        summed = take_sum(p)
-        if summed is not None:
-            p.grad = summed
             continue
         g = p.grad
         key = (g.device_mesh, g.placements, g.dtype, axes)

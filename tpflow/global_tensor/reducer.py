@@ -9,11 +9,11 @@ bucket is in, and every bucket before it has gone, the bucket's flat copy is all
 the backend is (NCCL), while the backward goes on. When the backward ends, the buckets left go and every
 all-reduce is waited for.
 
-The gradient stays the partial sum, so micro-batches still accumulate into it for free: each parameter keeps its
-sum beside it, and the optimizer's pre-step hook (``tpf.gradients.reduce_partial_gradients``) puts that sum in
-the gradient's place where the gradient has not changed since, and sums the others itself. Each backward sums all
-that has accumulated, so run every micro-batch's backward but the last under ``tpf.gradients.deferred()`` (DDP's
-``no_sync``): one all-reduce a bucket per step.
+When the backward ends each gradient becomes its sum, a view of its bucket (DDP's ``gradient_as_bucket_view``),
+laid out broadcast where it was partial. Micro-batches that should accumulate before one sum run their backward
+under ``tpf.gradients.deferred()`` (DDP's ``no_sync``): their gradients stay partial sums, added to for free, and
+the first backward outside sums them all; a backward that adds to gradients already summed has DTensor sum its
+addition per parameter (correct, slower).
 
 The buckets are laid out from the parameters whose gradients the first backward produced, and again whenever a
 backward produces another set: then that backward sums its gradients when it ends. Every rank must produce
@@ -23,19 +23,20 @@ gradients for the same parameters, as DDP requires; the layout is checked to agr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm, config
 
-__all__ = ["deferred", "summed_axes", "take_sum", "watch"]
+__all__ = ["deferred", "summed_axes", "watch"]
 
-_ORDER = "_tpflow_adopted"  # the order tpflow adopted a parameter in: the same on every rank
-_SUM = "_tpflow_sum"  # (the gradient it sums, that gradient's version, the sum's block, the bucket's key)
+_ORDER = "_tpflow_adopted"  # the order tpflow adopted a parameter in: the same order on every rank
 _numbers = itertools.count()
 
 
@@ -52,7 +53,8 @@ def summed_axes(p: torch.Tensor) -> tuple[int, ...]:
 
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> layer = tpf.to_global(torch.nn.Linear(4, 2), placement=P)
-        >>> layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()
+        >>> with tpf.gradients.deferred():                                  # left partial: split(0) rows
+        ...     layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()
         >>> tpf.gradients.summed_axes(layer.weight)
         (0,)
     """
@@ -77,9 +79,10 @@ class _Layout:
 
 
 def _cut(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``params`` (in order) cut into buckets of at most ``limit`` bytes of gradient (one at least)."""
     buckets: list[list[torch.Tensor]] = [[]]
     filled = 0
-    for p in sorted(params, key=lambda q: -getattr(q, _ORDER)):
+    for p in params:
         nbytes = p.grad.to_local().nbytes
         if buckets[-1] and filled + nbytes > limit:
             buckets.append([])
@@ -87,6 +90,34 @@ def _cut(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
         buckets[-1].append(p)
         filled += nbytes
     return buckets
+
+
+def _fingerprint(p: torch.Tensor) -> str:
+    """A parameter known by its block's shape and values: alike on the ranks it is broadcast over."""
+    block = p.to_local().detach().double()
+    return f"{'x'.join(map(str, block.shape))}:{block.sum().item().hex()}:{block.square().sum().item().hex()}"
+
+
+def _agreed_order(params: list[torch.Tensor], key: tuple) -> list[torch.Tensor]:
+    """``params`` in the reverse adoption order of the first rank of the key's axes (the order the backward about
+    produces them), the same on every rank: a rank may have adopted tied weights in another order. Raises on every
+    rank where the ranks hold other parameters."""
+    mine = sorted(params, key=lambda q: -getattr(q, _ORDER))
+    prints = [_fingerprint(p) for p in mine]
+    groups = [key[0].get_group(axis) for axis in key[3]]
+    shapes = " ".join(sorted(f.split(":")[0] for f in prints))
+    values = hashlib.sha1(" ".join(sorted(prints)).encode()).hexdigest()[:12]
+    comm.agree("tpflow.gradients", {"gradients summed in the backward": shapes, "their parameters' values": values},
+               groups, "every rank must compute gradients for the same parameters (as DDP requires), from the same "
+               "values")
+    first = [prints]
+    for group in groups:  # the first rank's order: that of the rank at coordinate 0 on every axis
+        dist.broadcast_object_list(first, src=dist.get_global_rank(group, 0), group=group)
+    places: dict[str, list[int]] = {}
+    for i, f in enumerate(first[0]):
+        places.setdefault(f, []).append(i)
+    taken = {f: iter(v) for f, v in places.items()}
+    return [p for _, p in sorted(((next(taken[f]), i), p) for i, (f, p) in enumerate(zip(prints, mine)))]
 
 
 class _Backward:
@@ -137,7 +168,7 @@ class _Backward:
         for axis in axes[1:]:
             work.wait()  # the axes' groups are separate streams: one sum after the other
             work = comm.all_reduce(flat, mesh.get_group(axis), async_op=True)
-        self.flights.append((work, flat, bucket, grads, [g.to_local()._version for g in grads], key))
+        self.flights.append((work, flat, bucket, grads, key))
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -149,20 +180,19 @@ class _Backward:
                         self._launch(key, bucket)
                     continue
                 gone = {id(p) for bucket in (layout.buckets[:launched] if layout else ()) for p in bucket}
-                layout = self.layouts[key] = _Layout(_cut(list(ready.values()), config.get("grad_bucket_bytes")))
-                comm.agree("tpflow.gradients", {"gradients summed in the backward": " ".join(
-                    f"{getattr(p, _ORDER)}:{p.grad.to_local().numel()}" for b in layout.buckets for p in b)},
-                    [key[0].get_group(axis) for axis in key[3]],
-                    "every rank must compute gradients for the same parameters (as DDP requires)")
-                for bucket in _cut([p for p in ready.values() if id(p) not in gone], config.get("grad_bucket_bytes")):
+                order = _agreed_order(list(ready.values()), key)
+                self.layouts[key] = _Layout(_cut(order, config.get("grad_bucket_bytes")))
+                for bucket in _cut([p for p in order if id(p) not in gone], config.get("grad_bucket_bytes")):
                     self._launch(key, bucket)
-            for work, flat, bucket, grads, versions, key in self.flights:
+            for work, flat, bucket, grads, (mesh, placements, _, axes) in self.flights:
                 work.wait()
+                summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
                 offset = 0
-                for p, g, version in zip(bucket, grads, versions):
-                    n = g.to_local().numel()
-                    setattr(p, _SUM, (g, version, flat[offset:offset + n], key))
-                    offset += n
+                for p, g in zip(bucket, grads):
+                    block = g.to_local()
+                    p.grad = DTensor.from_local(flat[offset:offset + block.numel()].view(block.shape), mesh, summed,
+                                                run_check=False, shape=g.shape, stride=g.stride())
+                    offset += block.numel()
         finally:
             self._reset()
 
@@ -190,35 +220,6 @@ def watch(param: torch.Tensor) -> None:
         param.register_post_accumulate_grad_hook(_BACKWARD.ready_grad)
 
 
-def take_sum(p: torch.Tensor) -> DTensor | None:
-    """The sum the last backward made of ``p``'s partial gradient, if the gradient has not changed since (no other
-    backward, no ``zero_grad``); None otherwise. The sum is handed over once.
-
-    Args:
-        p: a parameter.
-
-    Returns:
-        Its gradient summed over the axes where it was partial, a DTensor; or None.
-
-    Example::
-
-        >>> P = tpf.placement("cpu", ranks=[0, 1])
-        >>> layer = tpf.to_global(torch.nn.Linear(4, 2), placement=P)
-        >>> layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()
-        >>> tpf.get_sbp(tpf.gradients.take_sum(layer.weight))         # summed during the backward
-        (sbp.broadcast,)
-    """
-    kept = p.__dict__.pop(_SUM, None)
-    if kept is None:
-        return None
-    g, version, block, (mesh, placements, _, axes) = kept
-    if p.grad is not g or g.to_local()._version != version:
-        return None
-    summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
-    return DTensor.from_local(block.view(g.to_local().shape), mesh, summed, run_check=False, shape=g.shape,
-                              stride=g.stride())
-
-
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Backwards run inside leave their partial gradients to the optimizer's step (DDP's ``no_sync``): for every
@@ -233,7 +234,11 @@ def deferred() -> Iterator[None]:
         >>> layer = tpf.to_global(torch.nn.Linear(4, 2), placement=P)
         >>> with tpf.gradients.deferred():
         ...     layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()
+        >>> tpf.get_sbp(layer.weight.grad)
+        (sbp.partial_sum,)
         >>> layer(tpf.randn(6, 4, placement=P, sbp=tpf.sbp.split(0))).sum().backward()   # sums both
+        >>> tpf.get_sbp(layer.weight.grad)
+        (sbp.broadcast,)
     """
     _BACKWARD.deferred += 1
     try:
