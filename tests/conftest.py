@@ -62,6 +62,7 @@ class Launches:
                     f"benchmarks/context_cpu.py overlap --tokens 64 --reps 1 --out {self.folder('context-overlap')}",
                     f"benchmarks/decode_cpu.py --batch 2 --new-tokens 2 --reps 1 --vocab 64 --hidden 32 --layers 1 "
                     f"--out {self.folder('decode')}",
+                    f"benchmarks/shm_cpu.py --reps 10 --out {self.folder('shm')}",
                     f"{FINETUNE} --checkpoint {self.folder('checkpoint')}"]
         return [*examples, f"{FINETUNE} --dp 2 --tp 2 --fsdp --checkpoint {self.folder('checkpoint-fsdp')}",
                 f"{FINETUNE} --dp 2 --resume {self.folder('checkpoint')}",

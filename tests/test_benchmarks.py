@@ -26,7 +26,7 @@ def test_pytest_benchmark_suites_run():
 
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
-                                         (2, "decode")])
+                                         (2, "decode"), (2, "shm")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     assert launches.get(nproc)[0]  # every script ran (a failed one fails the run)
     written = list(launches.folder(name).glob("*.md"))
@@ -40,6 +40,8 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         assert all(r[8] == "1.000" and abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows[1:]), text
     if name == "decode":  # tpflow's tokens equal transformers' and one device's
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
+    if name == "shm":  # both transports measured at every size
+        assert text.count("x |") == 8, text
     if name == "checks":  # on 4 ranks, a pipeline of two tensor-parallel stages too
         assert "Pipeline: 2 stages x 2 tensor-parallel ranks" in text, text
 
