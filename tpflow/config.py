@@ -130,8 +130,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "the kernels at every size"),
     Switch("cpu_shared_memory", "TPFLOW_CPU_SHARED_MEMORY", True, _flag,
            "whether the all-reduces, all-gathers and reduce-scatters of CPU ranks on one host meet in shared memory "
-           "(tpflow.comm.shm) instead of going through gloo: a 1 KiB all-reduce of 2 ranks took 12 us there against "
-           "908 us in gloo (benchmarks/README.md). Read at each collective: set it alike on every rank"),
+           "(tpflow.comm.shm) instead of going through gloo: a 1 KiB all-reduce of 2 ranks took 59 us there against "
+           "1,141 us in gloo (benchmarks/README.md). Read at each collective: set it alike on every rank"),
     Switch("grad_bucket_bytes", "TPFLOW_GRAD_BUCKET_BYTES", 4 << 20, _size,
            "bytes of partial-sum gradients summed by one all-reduce before an optimizer step (the flat copy is the "
            "memory this costs; DDP's first bucket is 1 MiB, the rest 25 MiB)"),
