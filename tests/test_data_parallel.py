@@ -251,3 +251,23 @@ def _different_parameters():
 
 def test_ranks_that_compute_other_gradients_fail_together():
     assert all(harness.run(2, _different_parameters))
+
+
+def _dropped_model_is_freed():
+    import gc
+    import weakref
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    P = tpf.placement("cpu", list(range(world)))
+    model = tpf.to_global(_mlp(0), placement=P, sbp=B)
+    x = tpf.to_global(torch.ones(3, 6) * (rank + 1), placement=P, sbp=S0)
+    for _ in range(2):  # the second backward runs on the buckets' layout
+        model(x).sum().backward()
+    weight = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    return weight() is None
+
+
+def test_the_buckets_layout_does_not_keep_a_dropped_model_alive():
+    assert all(harness.run(2, _dropped_model_is_freed))

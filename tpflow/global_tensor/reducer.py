@@ -25,8 +25,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -65,17 +65,25 @@ def summed_axes(p: torch.Tensor) -> tuple[int, ...]:
                  if type(gp) is Partial and gp.reduce_op == "sum" and isinstance(pp, Replicate))
 
 
-@dataclass
 class _Layout:
-    """One key's buckets: lists of parameters, in the order they are all-reduced."""
+    """One key's buckets, in the order they are all-reduced. It holds its parameters weakly: a model dropped is
+    freed with its gradients, and a new parameter that takes a dropped one's id is not mistaken for it."""
 
-    buckets: list[list[torch.Tensor]]
-    members: frozenset[int] = field(init=False)
-    bucket_of: dict[int, int] = field(init=False)
+    def __init__(self, buckets: list[list[torch.Tensor]]) -> None:
+        self.buckets = [[weakref.ref(p) for p in bucket] for bucket in buckets]
+        self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+        self.refs = {id(p): weakref.ref(p) for bucket in buckets for p in bucket}
 
-    def __post_init__(self) -> None:
-        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.members = frozenset(self.bucket_of)
+    def knows(self, p: torch.Tensor) -> bool:
+        ref = self.refs.get(id(p))
+        return ref is not None and ref() is p
+
+    def holds(self, ready: dict[int, torch.Tensor]) -> bool:
+        """Whether ``ready`` (id -> parameter) is exactly this layout's parameters."""
+        return ready.keys() == self.refs.keys() and all(self.knows(p) for p in ready.values())
+
+    def bucket(self, i: int) -> list[torch.Tensor]:
+        return [ref() for ref in self.buckets[i]]
 
 
 def _cut(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
@@ -151,13 +159,13 @@ class _Backward:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         self.ready.setdefault(key, {})[id(p)] = p
         layout = self.layouts.get(key)
-        if layout is None or id(p) not in layout.members:
+        if layout is None or not layout.knows(p):
             return  # a parameter the layout does not know: this backward sums when it ends
         missing = self.missing.setdefault(key, [len(b) for b in layout.buckets])
         missing[layout.bucket_of[id(p)]] -= 1
         n = self.launched.get(key, 0)
         while n < len(layout.buckets) and missing[n] == 0:
-            self._launch(key, layout.buckets[n])
+            self._launch(key, layout.bucket(n))
             n += 1
         self.launched[key] = n
 
@@ -175,11 +183,11 @@ class _Backward:
         try:
             for key, ready in self.ready.items():
                 layout, launched = self.layouts.get(key), self.launched.get(key, 0)
-                if layout is not None and frozenset(ready) == layout.members:
-                    for bucket in layout.buckets[launched:]:
-                        self._launch(key, bucket)
+                if layout is not None and layout.holds(ready):
+                    for i in range(launched, len(layout.buckets)):
+                        self._launch(key, layout.bucket(i))
                     continue
-                gone = {id(p) for bucket in (layout.buckets[:launched] if layout else ()) for p in bucket}
+                gone = {id(p) for i in range(launched) for p in layout.bucket(i)}  # launched: all alive
                 order = _agreed_order(list(ready.values()), key)
                 self.layouts[key] = _Layout(_cut(order, config.get("grad_bucket_bytes")))
                 for bucket in _cut([p for p in order if id(p) not in gone], config.get("grad_bucket_bytes")):
