@@ -73,7 +73,8 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
     """What tpflow sends beyond the layout's minimum:
     - a pipeline's 1 KiB header per hand-off to each receiving rank (between stages of one rank, in front of the
       blocks in their one message once the first step gave the layout), and one at the end of the step each way
-      (torch's pipelining sends none after its first step's shape inference); in a multi-rank stage, a header
+      between neighbouring rank sets (torch's pipelining sends none after its first step's shape inference); in a
+      multi-rank stage, a header
       to each other rank of the stage after each forward and backward, and before the last stage's loss;
     - the all-gather of an 8-byte row count by which a sequence-parallel column layer (or fused group) fed a
       plain input checks that the ranks split dim 0 evenly;
@@ -86,13 +87,14 @@ def _overhead(row: dict, rank: int, world: int, settings: dict) -> int:
     mode, extra = row["mode"], 0
     if mode.startswith("pipeline") and mode.endswith(", torch"):  # torch's pipelining: the blocks alone
         return 0
-    if mode.startswith("pipeline"):  # a header per hand-off to each receiving rank, and one per link at the end
+    if mode.startswith("pipeline"):  # a header per hand-off to each receiving rank, one per neighbour at the end
         if mode == "pipeline x tensor":
-            stages, receivers, mine, m = 2, world // 2, [rank // (world // 2)], 4
+            stages, receivers, mine, m, sets, r = 2, world // 2, [rank // (world // 2)], 4, 2, rank // (world // 2)
         else:
             stages, receivers, m = world * (2 if "interleaved" in mode else 1), 1, 2 * world
-            mine = range(rank, stages, world)
-        handoffs = HEADER_BYTES * receivers * sum((m + 1) * ((k < stages - 1) + (k > 0)) for k in mine)
+            mine, sets, r = range(rank, stages, world), world, rank
+        ends = (r < sets - 1) + (r > 0)  # the end of the step: to the rank sets before and after
+        handoffs = HEADER_BYTES * receivers * (sum(m * ((k < stages - 1) + (k > 0)) for k in mine) + ends)
         # a multi-rank stage's ranks agree after each forward and backward (and before the last stage's loss)
         # by a header to each other rank of the stage
         agreements = sum(2 * m + m * (k == stages - 1) for k in mine) if receivers > 1 else 0

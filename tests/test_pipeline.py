@@ -768,6 +768,27 @@ def _late_weight_gradient_fails():
     return _failed_step(pipe, x, y)
 
 
+def _interleaved_last_backward_fails():
+    blocks = _chain([4, 6, 5, 3, 4, 5, 3], seed=0)  # 6 stages, two a rank over 3 ranks
+    blocks[0] = nn.Sequential(blocks[0], _LastWeightGradFails(fail_at=6))
+    pipe = tpf.Pipeline([tpf.stage(b, stage_id=i, placement=_on(i % 3)) for i, b in enumerate(blocks)],
+                        micro_batches=6, schedule="interleaved", loss_fn=F.mse_loss)
+    assert str(pipe.table[0][-1]) == "B5" and pipe.table[0][-1].chunk == 0  # stage 0's last: nothing sent after
+    x, y = _batch(12, 4, 3)
+    return _failed_step(pipe, x, y)
+
+
+def test_an_interleaved_pipelines_last_failure_reaches_every_rank():
+    """Stage 0's last backward fails when ranks 1 and 2 have all they need: the end of the step, one wave over the
+    rank sets (not the stages), carries it to both, rank 2 through rank 1."""
+    try:
+        results = harness.run(3, _interleaved_last_backward_fails, timeout=60)
+    finally:
+        harness.discard(3)
+    for rank, text in enumerate(results):
+        assert "stage 0 (ranks [0]) failed on B5: FloatingPointError" in (text or ""), (rank, text)
+
+
 def test_a_late_weight_gradient_failure_reaches_the_stages_before():
     """Stage 1's last W fails after it sent every gradient: stage 0, which has all it needs, learns it from the end of
     the step sent back, and stage 2 from the one sent forward; nobody waits for ever."""

@@ -4,6 +4,8 @@
     creation    randn, rand, full, zeros, ones, tensor: one device's values for any layout
     boxing      layout changes within a placement and across placements (no autograd)
     local       from_local: a global tensor from each rank's block
+    local_blocks  the hot paths' reads of parameter blocks (one autograd node a layer), blocks joined in one
+                storage, and DTensors made from a layout computed once: the one module on DTensor's internals
     convert     to_global, for global tensors, plain tensors and modules (module)
     signatures  the matmul signatures legal on a placement axis, and what boxing to another costs
     matmul      matmul with SBP inference
@@ -11,7 +13,7 @@
     loading     models built without values (meta_parameters), each rank reading its blocks
                 (load_safetensors); a state dict with each tied tensor once (unique_state_dict)
     export      a parallelized model's values whole on its placement's first rank (full_state_dict, export_rank)
-    gradients   partial-sum gradients summed in buckets before an optimizer step
+    gradients   partial-sum gradients summed in buckets during the backward (reducer) or before a step
 """
 
 from __future__ import annotations

@@ -27,12 +27,17 @@ import hashlib
 import itertools
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm, config
+from tpflow.global_tensor.local_blocks import layout_of, placed
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = ["deferred", "summed_axes", "watch"]
 
@@ -73,6 +78,15 @@ class _Layout:
         self.buckets = [[weakref.ref(p) for p in bucket] for bucket in buckets]
         self.bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
         self.refs = {id(p): weakref.ref(p) for bucket in buckets for p in bucket}
+        self.summed: dict[int, tuple[tuple, DTensorSpec]] = {}  # per parameter: its summed gradient's layout
+
+    def summed_layout(self, p: torch.Tensor, g: DTensor, placements: tuple) -> DTensorSpec:
+        """The layout of ``p``'s summed gradient, ``g`` laid out as ``placements``: computed once per parameter."""
+        meta = (g.shape, g.stride(), g.dtype)
+        known = self.summed.get(id(p))
+        if known is None or known[0] != meta:
+            known = self.summed[id(p)] = (meta, layout_of(g, placements))
+        return known[1]
 
     def knows(self, p: torch.Tensor) -> bool:
         ref = self.refs.get(id(p))
@@ -192,14 +206,15 @@ class _Backward:
                 self.layouts[key] = _Layout(_cut(order, config.get("grad_bucket_bytes")))
                 for bucket in _cut([p for p in order if id(p) not in gone], config.get("grad_bucket_bytes")):
                     self._launch(key, bucket)
-            for work, flat, bucket, grads, (mesh, placements, _, axes) in self.flights:
+            for work, flat, bucket, grads, key in self.flights:
                 work.wait()
+                layout, (_, placements, _, axes) = self.layouts[key], key
                 summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
                 offset = 0
                 for p, g in zip(bucket, grads):
                     block = g.to_local()
-                    p.grad = DTensor.from_local(flat[offset:offset + block.numel()].view(block.shape), mesh, summed,
-                                                run_check=False, shape=g.shape, stride=g.stride())
+                    view = flat[offset:offset + block.numel()].view(block.shape)
+                    p.grad = placed(view, layout.summed_layout(p, g, summed))  # DTensor.from_local: 90 us more
                     offset += block.numel()
         finally:
             self._reset()

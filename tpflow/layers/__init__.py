@@ -6,7 +6,6 @@
     column   ColumnParallelLinear: W split(1), a block of output features per rank
     row      RowParallelLinear: W split(0), a block of input features per rank
     fused    column layers of one parent reading one input (q / k / v) run as one product
-    blocks   parameters' local blocks as one autograd node, and blocks joined in one storage
     regions  which activations are split over the ranks, read off tags on the autograd graph
     replicated  modules left whole on every rank, as global parameters with one device's gradient
 """

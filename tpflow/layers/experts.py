@@ -45,7 +45,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpflow import comm
 from tpflow.global_tensor import gradients
-from tpflow.layers.blocks import LocalReads
+from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.placement import Placement
 
 __all__ = ["check_experts", "experts_axis", "over_data", "split_experts"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tpflow.layers.blocks import join
+from tpflow.global_tensor.local_blocks import join
 from tpflow.layers.column import ColumnParallelLinear
 
 __all__ = ["ColumnGroup"]

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm
 from tpflow.global_tensor import from_local, gradients
-from tpflow.layers.blocks import LocalBlocks
+from tpflow.global_tensor.local_blocks import LocalBlocks
 from tpflow.layers.regions import is_split, mark
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow.global_tensor import from_local, get_sbp, gradients, tensor
-from tpflow.layers.blocks import LocalBlocks
+from tpflow.global_tensor.local_blocks import LocalBlocks
 from tpflow.placement import Placement, placement_of_mesh
 from tpflow.sbp import Sbp, broadcast, chunk_bounds, local_region
 

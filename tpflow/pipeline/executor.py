@@ -487,18 +487,21 @@ class Pipeline(nn.Module):
                 self.stages[k].close_step()
             self._action = "the end of the step"
             ended = comm.Pending()
-            for k in mine:  # in stage order: each stage's end follows the one before it
-                prev, nxt = self._links(k)
-                if prev is not None:
-                    prev.wait_end()
-                if nxt is not None:
-                    nxt.end(None, ended)
-            for k in reversed(mine):  # and back: each stage's follows the one after it (a late weight gradient)
-                prev, nxt = self._links(k)
-                if nxt is not None:
-                    nxt.wait_end_up()
-                if prev is not None:
-                    prev.end_up(None, ended)
+            # Every rank set's stages are done: the ones before it say so over the links of chunk 0 (rank set r - 1's
+            # first stage to r's), forward, and the ones after it back, each for itself and all beyond it. Per rank
+            # set, not per stage: the waves of an interleaved pipeline of p rank sets cross p - 1 links each way, not
+            # one per stage (the 2 x 2 stages of the harness: 1 link, not 3, at a gloo message's latency each). The last
+            # rank set's word back waits on no one, so it goes out first and the two waves travel at once.
+            before, after = self.links[r - 1] if r > 0 else None, self.links[r] if r < p - 1 else None
+            if after is None and before is not None:
+                before.end_up(None, ended)
+            if before is not None:
+                before.wait_end()
+            if after is not None:
+                after.end(None, ended)
+                after.wait_end_up()
+                if before is not None:
+                    before.end_up(None, ended)
             for pending in sends.values():
                 pending.wait()
             ended.wait()  # taken at once: the neighbours have finished their work and wait for these

@@ -9,10 +9,11 @@ stage's first rank sends them. A ``tpf.Pipeline`` runs the same stages over micr
 only its own stage.
 
 A plain PyTorch module (no global parameters of its own) fed rows split(0) or broadcast runs on its
-ranks' local blocks, as data parallelism, with one autograd node for its parameters' blocks: DTensor
-dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. In a pipeline's step it reads
-them as plain leaves made once for the step, whose gradients reach the parameters once, at its end.
-Its parameter gradients are partial sums over the axes its rows are split on, reduced when read. Split
+ranks' local blocks, as data parallelism, with one autograd node per layer for its parameters' blocks:
+DTensor dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. In a pipeline's step it
+reads them as plain leaves made once for the step, whose gradients reach the parameters once, at its end.
+Its parameter gradients are partial sums over the axes its rows are split on, summed during the backward
+as each layer's are made (``tpflow.global_tensor.reducer``). Split
 rows must be independent samples; a module with buffers (BatchNorm's statistics mix rows) runs through
 DTensor on them.
 
@@ -32,19 +33,22 @@ output gradient is taken as many times as the rows are split (and its input's di
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow import comm
+from tpflow import comm, config
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import get_placement, get_sbp, gradients, tensor, to_global
 from tpflow.global_tensor.blocks import Block, local_of_full, off_placement
 from tpflow.global_tensor.local import from_block
+from tpflow.global_tensor.local_blocks import LocalBlocks
 from tpflow.layers import ShardedModule
-from tpflow.layers.blocks import LocalBlocks
 from tpflow.layers.regions import is_split
 from tpflow.layers.replicated import replicated_grads
 from tpflow.placement import Placement
@@ -139,6 +143,7 @@ class Stage(nn.Module):
         # parallelize's work on this placement runs its own forward on local tensors; its buffers stay plain
         self.parallel = placement.coordinate() is not None and _parallelized(module, placement)
         self._blocks = LocalBlocks()
+        self._cut: tuple[int | None, list[list[nn.Module]]] | None = None  # _runs' limit and runs
         # during a pipeline's step (open_step): per parameter and layout, the plain leaf the plain path reads (each
         # its own autograd node, so a zero-bubble schedule's weight pass runs each layer's gradient alone)
         self._leaves: dict[tuple[int, tuple[bool, ...]], tuple[DTensor, torch.Tensor]] | None = None
@@ -217,7 +222,8 @@ class Stage(nn.Module):
         # a module with buffers (BatchNorm's statistics) may mix rows: on split rows it runs through DTensor
         if self.plain and local.ndim > 0 and all(s == Split(0) or isinstance(s, Broadcast) for s in sbps) \
                 and not (any(split) and next(self.module.buffers(), None) is not None):
-            y = torch.func.functional_call(self.module, self._local_state(split), (local,))
+            with self._reading_blocks(split):
+                y = self.module(local)
             out = sbps
         elif self.parallel and isinstance(sbps[-1], Broadcast) and \
                 all(s == Split(0) or n == 1 for s, n in zip(sbps[:-1], hierarchy)):
@@ -279,20 +285,56 @@ class Stage(nn.Module):
         else the parameters."""
         return [leaf for _, leaf in self._leaves.values()] if self._leaves else list(self.parameters())
 
-    def _local_state(self, split: tuple[bool, ...]) -> dict[str, torch.Tensor]:
-        """The parameters' and buffers' local blocks; a parameter's gradient is partial over the ``split`` axes."""
-        state = {name: b.to_local() for name, b in self.module.named_buffers()}
-        if self._leaves is not None:  # in a step: a plain leaf per parameter, made at its first micro-batch
-            for name, p in self.module.named_parameters(remove_duplicate=False):
-                key = (id(p), split)
-                if key not in self._leaves:
-                    self._leaves[key] = (p, p.to_local().detach().requires_grad_(p.requires_grad))
-                state[name] = self._leaves[key][1]
-            return state
-        named = list(self.module.named_parameters())
-        placements = _grad_placements(split)
-        blocks = self._blocks(tuple(p for _, p in named), split, lambda p: placements)
-        return state | {n: b for (n, _), b in zip(named, blocks)}
+    @contextlib.contextmanager
+    def _reading_blocks(self, split: tuple[bool, ...]) -> Iterator[None]:
+        """Inside, each submodule holds its parameters' and buffers' local blocks in their places (as
+        ``torch.func.functional_call`` does, without its per-call walk of the module: 1 ms a call on a small MLP);
+        a parameter's gradient is partial over the ``split`` axes."""
+        placements, saved = _grad_placements(split), []
+        try:
+            for index, run in enumerate(self._runs(any(split))):
+                own = [(m, n, p) for m in run for n, p in m._parameters.items() if p is not None]
+                for m in run:
+                    saved.append((m, dict(m._parameters), dict(m._buffers)))
+                    m._buffers.update((n, b.to_local()) for n, b in m._buffers.items() if b is not None)
+                if self._leaves is not None:  # in a step: a plain leaf per parameter, made at its first micro-batch
+                    blocks = [self._leaf(p, split) for *_, p in own]
+                else:
+                    blocks = self._blocks(tuple(p for *_, p in own), (split, index), lambda p: placements)
+                for (m, n, _), block in zip(own, blocks):
+                    m._parameters[n] = block
+            yield
+        finally:
+            for m, params, buffers in saved:
+                m._parameters.update(params)
+                m._buffers.update(buffers)
+
+    def _runs(self, summed: bool) -> list[list[nn.Module]]:
+        """The submodules with tensors of their own, in order, in runs read through one autograd node each. Where
+        the gradients are summed during the backward (``summed``), a run holds about a bucket of them
+        (``grad_bucket_bytes``), so that each bucket's sum starts as soon as the backward made it; else one run
+        (a node costs 0.1 ms a step)."""
+        limit = config.get("grad_bucket_bytes") if summed and config.get("grad_sync") == "backward" else None
+        if self._cut is None or self._cut[0] != limit:
+            runs: list[list[nn.Module]] = [[]]
+            filled = 0
+            for m in self.module.modules():
+                if not (m._parameters or m._buffers):
+                    continue
+                if limit is not None and runs[-1] and filled >= limit:
+                    runs.append([])
+                    filled = 0
+                runs[-1].append(m)
+                filled += sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
+            self._cut = (limit, runs)
+        return self._cut[1]
+
+    def _leaf(self, p: DTensor, split: tuple[bool, ...]) -> torch.Tensor:
+        """The step's plain leaf of ``p``'s block, made at its first micro-batch (shared by tied slots)."""
+        key = (id(p), split)
+        if key not in self._leaves:
+            self._leaves[key] = (p, p.to_local().detach().requires_grad_(p.requires_grad))
+        return self._leaves[key][1]
 
     def forward(self, x: torch.Tensor) -> DTensor:
         """Ranks outside the placement skip the module: its first rank sends them the output's shape and SBP,

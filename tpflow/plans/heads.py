@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Shard
 
 from tpflow import comm
 from tpflow.global_tensor import from_local, gradients
-from tpflow.layers.blocks import LocalReads
+from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast, split
