@@ -238,6 +238,39 @@ def test_partial_gradients_are_summed_during_the_backward(world, bucket_bytes):
     assert all(harness.run(world, _sums_during_backward, 9, bucket_bytes))
 
 
+def _models_in_turn():
+    """Two models whose backwards take turns (a GAN's generator and critic) keep a buckets' layout each: only their
+    first backwards lay them out (each a collective check), and both train like one device."""
+    from tpflow.global_tensor import reducer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    P = tpf.placement("cpu", list(range(world)))
+    refs = [_mlp(0), _mlp(1)]
+    models = [tpf.to_global(copy.deepcopy(ref), placement=P, sbp=B) for ref in refs]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in [*models, *refs]]
+    x, y = _data(9)
+    part = slice(*chunk_bounds(len(y), world)[rank])
+    laid_out, own = [], reducer._agreed_order
+    reducer._agreed_order = lambda *args: laid_out.append(1) or own(*args)
+    try:
+        for step in range(3):
+            for model, ref, opt, opt_ref in zip(models, refs, opts[:2], opts[2:]):
+                out = tpf.to_global(model(tpf.to_global(x[part], placement=P, sbp=S0)), sbp=B)
+                (F.cross_entropy(out, tpf.to_global(y, placement=P, sbp=B), reduction="sum") / len(y)).backward()
+                F.cross_entropy(ref(x), y).backward()
+                for o in (opt, opt_ref):
+                    o.step()
+                    o.zero_grad()
+                _assert_same_parameters(model, ref, step)
+    finally:
+        reducer._agreed_order = own
+    return len(laid_out) == 2
+
+
+def test_models_trained_in_turn_keep_their_buckets_layouts():
+    assert all(harness.run(2, _models_in_turn))
+
+
 def _different_parameters():
     world, rank = dist.get_world_size(), dist.get_rank()
     P = tpf.placement("cpu", list(range(world)))

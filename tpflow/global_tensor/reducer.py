@@ -16,8 +16,10 @@ the first backward outside sums them all; a backward that adds to gradients alre
 addition per parameter (correct, slower).
 
 The buckets are laid out from the parameters whose gradients the first backward produced, and again whenever a
-backward produces another set: then that backward sums its gradients when it ends. Every rank must produce
-gradients for the same parameters, as DDP requires; the layout is checked to agree across the ranks when made.
+backward produces another set: then that backward sums its gradients when it ends. The last eight layouts are kept,
+so that models (or parts of one) whose backwards take turns, a GAN's generator and critic, each keep theirs. Every
+rank must produce gradients for the same parameters, as DDP requires; a layout is checked to agree across the ranks
+when made (a collective).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = ["deferred", "summed_axes", "watch"]
 
 _ORDER = "_tpflow_adopted"  # the order tpflow adopted a parameter in: the same order on every rank
 _numbers = itertools.count()
+_LAYOUTS = 8  # layouts kept per mesh, layout and dtype: models (or parts of one) whose backwards take turns
 
 
 def summed_axes(p: torch.Tensor) -> tuple[int, ...]:
@@ -91,6 +94,9 @@ class _Layout:
     def knows(self, p: torch.Tensor) -> bool:
         ref = self.refs.get(id(p))
         return ref is not None and ref() is p
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.refs.values())
 
     def holds(self, ready: dict[int, torch.Tensor]) -> bool:
         """Whether ``ready`` (id -> parameter) is exactly this layout's parameters."""
@@ -146,7 +152,7 @@ class _Backward:
     """What the hooks gather during one backward, and the buckets' layouts from one backward to the next."""
 
     def __init__(self) -> None:
-        self.layouts: dict[tuple, _Layout] = {}
+        self.layouts: dict[tuple, list[_Layout]] = {}  # per key, the latest ones last (models trained in turn)
         self.deferred = 0
         self._reset()
 
@@ -154,6 +160,7 @@ class _Backward:
         self.ready: dict[tuple, dict[int, torch.Tensor]] = {}
         self.missing: dict[tuple, list[int]] = {}  # per key, how many parameters each bucket still waits for
         self.launched: dict[tuple, int] = {}  # per key, the buckets all-reduced so far, in order
+        self.chosen: dict[tuple, _Layout | None] = {}  # per key, the layout this backward follows
         self.flights: list[tuple] = []
         self.task: int | None = None  # the backward whose end runs ``finish``
 
@@ -172,7 +179,9 @@ class _Backward:
             self.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         self.ready.setdefault(key, {})[id(p)] = p
-        layout = self.layouts.get(key)
+        if key not in self.chosen:  # the latest layout with this parameter in it
+            self.chosen[key] = next((lay for lay in reversed(self.layouts.get(key, [])) if lay.knows(p)), None)
+        layout = self.chosen[key]
         if layout is None or not layout.knows(p):
             return  # a parameter the layout does not know: this backward sums when it ends
         missing = self.missing.setdefault(key, [len(b) for b in layout.buckets])
@@ -195,20 +204,25 @@ class _Backward:
     @torch.no_grad()
     def finish(self) -> None:
         try:
+            made: dict[tuple, _Layout] = {}
             for key, ready in self.ready.items():
-                layout, launched = self.layouts.get(key), self.launched.get(key, 0)
+                layout, launched = self.chosen.get(key), self.launched.get(key, 0)
                 if layout is not None and layout.holds(ready):
                     for i in range(launched, len(layout.buckets)):
                         self._launch(key, layout.bucket(i))
+                    made[key] = layout
                     continue
                 gone = {id(p) for i in range(launched) for p in layout.bucket(i)}  # launched: all alive
                 order = _agreed_order(list(ready.values()), key)
-                self.layouts[key] = _Layout(_cut(order, config.get("grad_bucket_bytes")))
+                made[key] = _Layout(_cut(order, config.get("grad_bucket_bytes")))
                 for bucket in _cut([p for p in order if id(p) not in gone], config.get("grad_bucket_bytes")):
                     self._launch(key, bucket)
+            for key, layout in made.items():  # the one used last goes last; a layout of a dropped model goes
+                kept = [lay for lay in self.layouts.get(key, []) if lay is not layout and lay.alive()]
+                self.layouts[key] = (kept + [layout])[-_LAYOUTS:]
             for work, flat, bucket, grads, key in self.flights:
                 work.wait()
-                layout, (_, placements, _, axes) = self.layouts[key], key
+                layout, (_, placements, _, axes) = made[key], key
                 summed = tuple(Replicate() if i in axes else pl for i, pl in enumerate(placements))
                 offset = 0
                 for p, g in zip(bucket, grads):
