@@ -131,13 +131,12 @@ class HostGroup:
     def _wait(self, target: int, what: str) -> None:
         """Return once every rank has published exchange ``target``."""
         arrived, spins, start = self.arrived, 0, None
-        worker = threading.current_thread() is self.thread
-        hot, yields = (0, 16) if worker else (_HOT_SPINS, _YIELDS)
+        hot = _HOT_SPINS if threading.current_thread() is not self.thread else 0  # the worker leaves the GIL at once
         while arrived.min() < target:
             spins += 1
             if spins < hot:
                 continue
-            if spins < yields:
+            if spins < _YIELDS:
                 os.sched_yield()  # a rank on this core may be the one to wait for (the GIL is let go meanwhile)
                 continue
             time.sleep(5e-5)
