@@ -26,7 +26,7 @@ def test_pytest_benchmark_suites_run():
 
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
-                                         (2, "decode"), (2, "shm")])
+                                         (2, "decode"), (2, "shm"), (2, "profile")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     assert launches.get(nproc)[0]  # every script ran (a failed one fails the run)
     written = list(launches.folder(name).glob("*.md"))
@@ -42,6 +42,9 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "shm":  # both transports measured at every size
         assert text.count("x |") == 8, text
+    if name == "profile":  # both pairs timed and profiled, and the posts of a send
+        assert text.count("self CPU time under torch.profiler") == 4 and "| pipeline, 1F1B, torch |" in text, text
+        assert "with the receive posted before it" in text, text
     if name == "checks":  # on 4 ranks, a pipeline of two tensor-parallel stages too
         assert "Pipeline: 2 stages x 2 tensor-parallel ranks" in text, text
 
