@@ -238,6 +238,40 @@ def test_partial_gradients_are_summed_during_the_backward(world, bucket_bytes):
     assert all(harness.run(world, _sums_during_backward, 9, bucket_bytes))
 
 
+def _plain_stage_reads_blocks_in_place(rows):
+    """A plain module in a data-parallel stage (split(0) rows, uneven) reads its parameters' blocks in their
+    places, a weight tied across two layers once, summed in a bucket each: 3 SGD steps equal one device's, and the
+    module holds its global parameters again after each call."""
+    world = dist.get_world_size()
+    P = tpf.placement("cpu", list(range(world)))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 6), nn.Tanh(),
+                        nn.Linear(6, 6))
+    ref[6].weight = ref[0].weight  # tied: read in two runs
+    st = tpf.stage(copy.deepcopy(ref), stage_id=0, placement=P, sbp=S0)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (st, ref))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 6, generator=g)
+    target = tpf.to_global(y, placement=P, sbp=B)
+    with tpf.config.override(grad_bucket_bytes=1):
+        for step in range(3):
+            out = st(x)
+            assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in st.module.parameters())
+            (tpf.to_global(out, sbp=B) - target).square().sum().backward()
+            assert all(tpf.get_sbp(p.grad) == (B,) for p in st.parameters())
+            (ref(x) - y).square().sum().backward()
+            for o in (opt, opt_ref):
+                o.step()
+                o.zero_grad()
+            _assert_same_parameters(st.module, ref, step)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_plain_data_parallel_stage_reads_its_blocks_in_place(world):
+    assert all(harness.run(world, _plain_stage_reads_blocks_in_place, 7))
+
+
 def _models_in_turn():
     """Two models whose backwards take turns (a GAN's generator and critic) keep a buckets' layout each: only their
     first backwards lay them out (each a collective check), and both train like one device."""

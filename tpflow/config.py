@@ -134,9 +134,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "1,141 us in gloo (benchmarks/README.md). Read at each collective: set it alike on every rank"),
     Switch("grad_bucket_bytes", "TPFLOW_GRAD_BUCKET_BYTES", 4 << 20, _size,
            "bytes of partial-sum gradients summed by one all-reduce, a bucket (the flat copy is the memory this "
-           "costs; DDP's first bucket is 1 MiB, the rest 25 MiB); a plain data-parallel stage reads its parameters "
-           "through one autograd node per bucket of layers, so that each bucket is summed once the backward made "
-           "it"),
+           "costs; DDP's first bucket is 1 MiB, the rest 25 MiB)"),
     Switch("grad_sync", "TPFLOW_GRAD_SYNC", "backward", str,
            "when tpflow sums its parameters' partial-sum gradients (data parallelism by SBP, a data axis): backward, "
            "a bucket at a time as the backward fills them, asynchronously where the backend is (as DDP); step, all "

@@ -9,11 +9,11 @@ stage's first rank sends them. A ``tpf.Pipeline`` runs the same stages over micr
 only its own stage.
 
 A plain PyTorch module (no global parameters of its own) fed rows split(0) or broadcast runs on its
-ranks' local blocks, as data parallelism, with one autograd node per layer for its parameters' blocks:
-DTensor dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. In a pipeline's step it
-reads them as plain leaves made once for the step, whose gradients reach the parameters once, at its end.
-Its parameter gradients are partial sums over the axes its rows are split on, summed during the backward
-as each layer's are made (``tpflow.global_tensor.reducer``). Split
+ranks' local blocks, as data parallelism, with one autograd node for its parameters' blocks: DTensor
+dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. In a pipeline's step it reads
+them as plain leaves made once for the step, whose gradients reach the parameters once, at its end.
+Its parameter gradients are partial sums over the axes its rows are split on, summed when the backward
+ends (``tpflow.global_tensor.reducer``): the one node runs after the module's whole backward. Split
 rows must be independent samples; a module with buffers (BatchNorm's statistics mix rows) runs through
 DTensor on them.
 
@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow import comm, config
+from tpflow import comm
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import get_placement, get_sbp, gradients, tensor, to_global
 from tpflow.global_tensor.blocks import Block, local_of_full, off_placement
@@ -143,7 +143,7 @@ class Stage(nn.Module):
         # parallelize's work on this placement runs its own forward on local tensors; its buffers stay plain
         self.parallel = placement.coordinate() is not None and _parallelized(module, placement)
         self._blocks = LocalBlocks()
-        self._cut: tuple[int | None, list[list[nn.Module]]] | None = None  # _runs' limit and runs
+        self._holders: list[nn.Module] | None = None  # the submodules with tensors of their own
         # during a pipeline's step (open_step): per parameter and layout, the plain leaf the plain path reads (each
         # its own autograd node, so a zero-bubble schedule's weight pass runs each layer's gradient alone)
         self._leaves: dict[tuple[int, tuple[bool, ...]], tuple[DTensor, torch.Tensor]] | None = None
@@ -288,46 +288,29 @@ class Stage(nn.Module):
     @contextlib.contextmanager
     def _reading_blocks(self, split: tuple[bool, ...]) -> Iterator[None]:
         """Inside, each submodule holds its parameters' and buffers' local blocks in their places (as
-        ``torch.func.functional_call`` does, without its walk of the whole module on every call);
-        a parameter's gradient is partial over the ``split`` axes."""
-        placements, saved = _grad_placements(split), []
+        ``torch.func.functional_call`` does, without its walk of the whole module on every call), read through one
+        autograd node; a parameter's gradient is partial over the ``split`` axes, a tied one's summed once."""
+        if self._holders is None:  # the submodules with tensors of their own, found once
+            self._holders = [m for m in self.module.modules() if m._parameters or m._buffers]
+        saved = [(m, dict(m._parameters), dict(m._buffers)) for m in self._holders]
         try:
-            for index, run in enumerate(self._runs(any(split))):
-                own = [(m, n, p) for m in run for n, p in m._parameters.items() if p is not None]
-                for m in run:
-                    saved.append((m, dict(m._parameters), dict(m._buffers)))
-                    m._buffers.update((n, b.to_local()) for n, b in m._buffers.items() if b is not None)
-                if self._leaves is not None:  # in a step: a plain leaf per parameter, made at its first micro-batch
-                    blocks = [self._leaf(p, split) for *_, p in own]
-                else:
-                    blocks = self._blocks(tuple(p for *_, p in own), (split, index), lambda p: placements)
-                for (m, n, _), block in zip(own, blocks):
-                    m._parameters[n] = block
+            slots = [(m, n, p) for m in self._holders for n, p in m._parameters.items() if p is not None]
+            params = list({id(p): p for *_, p in slots}.values())
+            if self._leaves is not None:  # in a step: a plain leaf per parameter, made at its first micro-batch
+                blocks = [self._leaf(p, split) for p in params]
+            else:
+                placements = _grad_placements(split)
+                blocks = self._blocks(tuple(params), split, lambda p: placements)
+            block_of = {id(p): b for p, b in zip(params, blocks)}
+            for m in self._holders:
+                m._buffers.update((n, b.to_local()) for n, b in m._buffers.items() if b is not None)
+            for m, n, p in slots:
+                m._parameters[n] = block_of[id(p)]
             yield
         finally:
-            for m, params, buffers in saved:
-                m._parameters.update(params)
+            for m, params_of, buffers in saved:
+                m._parameters.update(params_of)
                 m._buffers.update(buffers)
-
-    def _runs(self, summed: bool) -> list[list[nn.Module]]:
-        """The submodules with tensors of their own, in order, in runs read through one autograd node each. Where
-        the gradients are summed during the backward (``summed``), a run holds about a bucket of them
-        (``grad_bucket_bytes``), so that each bucket's sum starts as soon as the backward made it; else one run
-        (a node costs 0.1 ms a step)."""
-        limit = config.get("grad_bucket_bytes") if summed and config.get("grad_sync") == "backward" else None
-        if self._cut is None or self._cut[0] != limit:
-            runs: list[list[nn.Module]] = [[]]
-            filled = 0
-            for m in self.module.modules():
-                if not (m._parameters or m._buffers):
-                    continue
-                if limit is not None and runs[-1] and filled >= limit:
-                    runs.append([])
-                    filled = 0
-                runs[-1].append(m)
-                filled += sum(p.numel() * p.element_size() for p in m._parameters.values() if p is not None)
-            self._cut = (limit, runs)
-        return self._cut[1]
 
     def _leaf(self, p: DTensor, split: tuple[bool, ...]) -> torch.Tensor:
         """The step's plain leaf of ``p``'s block, made at its first micro-batch (shared by tied slots)."""
