@@ -239,9 +239,9 @@ def test_partial_gradients_are_summed_during_the_backward(world, bucket_bytes):
 
 
 def _plain_stage_reads_blocks_in_place(rows):
-    """A plain module in a data-parallel stage (split(0) rows, uneven) reads its parameters' blocks in their
-    places, a weight tied across two layers once, summed in a bucket each: 3 SGD steps equal one device's, and the
-    module holds its global parameters again after each call."""
+    """A plain module in a data-parallel stage (split(0) rows, uneven over 2 and 4 ranks) reads its parameters'
+    blocks in their places, a weight tied across two layers once, summed in a bucket each: 3 SGD steps equal one
+    device's, and the module holds its global parameters again after each call."""
     world = dist.get_world_size()
     P = tpf.placement("cpu", list(range(world)))
     torch.manual_seed(0)
@@ -267,7 +267,7 @@ def _plain_stage_reads_blocks_in_place(rows):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_a_plain_data_parallel_stage_reads_its_blocks_in_place(world):
     assert all(harness.run(world, _plain_stage_reads_blocks_in_place, 7))
 

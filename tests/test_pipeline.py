@@ -778,23 +778,17 @@ def _interleaved_last_backward_fails():
     return _failed_step(pipe, x, y)
 
 
-def test_an_interleaved_pipelines_last_failure_reaches_every_rank():
-    """Stage 0's last backward fails when ranks 1 and 2 have all they need: the end of the step, one wave over the
-    rank sets (not the stages), carries it to both, rank 2 through rank 1."""
+@pytest.mark.parametrize("case, error", [
+    (_late_weight_gradient_fails, "stage 1 (ranks [1]) failed on W3: FloatingPointError"),
+    (_interleaved_last_backward_fails, "stage 0 (ranks [0]) failed on B5: FloatingPointError"),
+], ids=["zb-h1, stage 1's last W", "interleaved, stage 0's last B"])
+def test_a_failure_after_the_last_hand_off_reaches_every_rank(case, error):
+    """A stage fails after it sent all it sends (ZB-H1's last weight gradient on stage 1; on the interleaved schedule
+    stage 0's last backward, when ranks 1 and 2 have all they need): the end of the step, a wave each way over the
+    rank sets, carries it to every rank (rank 2 through rank 1); nobody waits for ever."""
     try:
-        results = harness.run(3, _interleaved_last_backward_fails, timeout=60)
+        results = harness.run(3, case, timeout=60)
     finally:
         harness.discard(3)
     for rank, text in enumerate(results):
-        assert "stage 0 (ranks [0]) failed on B5: FloatingPointError" in (text or ""), (rank, text)
-
-
-def test_a_late_weight_gradient_failure_reaches_the_stages_before():
-    """Stage 1's last W fails after it sent every gradient: stage 0, which has all it needs, learns it from the end of
-    the step sent back, and stage 2 from the one sent forward; nobody waits for ever."""
-    try:
-        results = harness.run(3, _late_weight_gradient_fails, timeout=60)
-    finally:
-        harness.discard(3)
-    for rank, text in enumerate(results):
-        assert "stage 1 (ranks [1]) failed on W3: FloatingPointError" in (text or ""), (rank, text)
+        assert error in (text or ""), (rank, text)

@@ -4,7 +4,7 @@
     creation    randn, rand, full, zeros, ones, tensor: one device's values for any layout
     boxing      layout changes within a placement and across placements (no autograd)
     local       from_local: a global tensor from each rank's block
-    local_blocks  the hot paths' reads of parameter blocks (one autograd node a layer), blocks joined in one
+    local_blocks  the hot paths' reads of parameter blocks (one autograd node a module), blocks joined in one
                 storage, and DTensors made from a layout computed once: the one module on DTensor's internals
     convert     to_global, for global tensors, plain tensors and modules (module)
     signatures  the matmul signatures legal on a placement axis, and what boxing to another costs

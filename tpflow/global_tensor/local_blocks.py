@@ -6,8 +6,9 @@ per parameter: 0.15-0.3 ms a parameter per step on a 2-core CPU, by torch.profil
 reads a module's parameter blocks through one autograd function and wraps each gradient with a
 layout computed once per parameter. ``join`` puts blocks back to back in one storage, so that sibling
 layers' weights can be read as one tensor (fused column groups). ``layout_of`` and ``placed`` make a DTensor
-from a block and a layout computed once (10 us, where ``DTensor.from_local`` takes 90). This is the one module
-of tpflow that touches DTensor's internals (``_spec``, ``_local_tensor``).
+from a block and a layout computed once, with no autograd function and no checks (``DTensor.from_local`` runs
+both on every call). This is the one module of tpflow that touches DTensor's internals (``_spec``,
+``_local_tensor``).
 """
 
 from __future__ import annotations
