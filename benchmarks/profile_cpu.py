@@ -3,12 +3,13 @@ CPU time a step, ``torch.profiler``'s self CPU time by op, and what posting a gl
 
     python -m tpflow.launch --nproc_per_node 2 benchmarks/profile_cpu.py [--steps 40] [--tiny]
 
-Two pairs of harness modes (``tpflow.bench``) on its MLP workload: tpflow's SBP data parallelism against DDP, and
-tpflow's 1F1B against ``torch.distributed.pipelining``'s. The two modes of a pair take turns step by step, each
-step after a barrier; a step's time is the slowest rank's, its CPU time each rank's process time (every thread).
-Then 5 steps of each mode under ``torch.profiler`` give rank 0's self CPU time by op, a step's worth. Last, a 64 KiB
-``dist.isend`` of rank 0 to rank 1 is timed as it is posted, with rank 1's receive posted before it (as tpflow's
-pipeline posts its receives) and after it. Each run is appended to ``benchmarks/results/profile_cpu_<cpu>_<date>.md``.
+Pairs of harness modes (``tpflow.bench``): tpflow's SBP data parallelism against DDP on its MLP and transformer
+workloads, and tpflow's 1F1B against ``torch.distributed.pipelining``'s on the MLP. The two modes of a pair take
+turns step by step, each step after a barrier; a step's time is the slowest rank's, its CPU time each rank's process
+time (every thread). Then 5 steps of each mode under ``torch.profiler`` give rank 0's self CPU time by op, a step's
+worth. Last, a 64 KiB ``dist.isend`` of rank 0 to rank 1 is timed as it is posted, with rank 1's receive posted
+before it (as tpflow's pipeline posts its receives) and after it. Each run is appended to
+``benchmarks/results/profile_cpu_<cpu>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from tpflow.bench.modes import build
 from tpflow.bench.trainer import Context
 from tpflow.bench.workloads import build as build_workload
 
-PAIRS = (("data, tpflow SBP", "data, DDP"), ("pipeline, 1F1B", "pipeline, 1F1B, torch"))
-TOP = 8  # ops listed per mode
+PAIRS = (("mlp", ("data, tpflow SBP", "data, DDP")), ("transformer", ("data, tpflow SBP", "data, DDP")),
+         ("mlp", ("pipeline, 1F1B", "pipeline, 1F1B, torch")))
+TOP = 10  # ops listed per mode
 
 
 def _timed(trainers: dict, steps: int) -> dict[str, tuple[list[float], list[float]]]:
@@ -98,8 +100,8 @@ def main() -> None:
     size = dict(dim=32, hidden=64, tokens=64) if args.tiny else dict(dim=256, hidden=1024, tokens=256)
     steps = 2 if args.tiny else args.steps
     lines = []
-    for pair in PAIRS:
-        trainers = {name: build(name, build_workload("mlp", depth=4, seq=32, heads=8, kv_heads=4, **size), ctx)
+    for workload, pair in PAIRS:
+        trainers = {name: build(name, build_workload(workload, depth=4, seq=32, heads=8, kv_heads=4, **size), ctx)
                     for name in pair}
         for trainer in trainers.values():
             for _ in range(3):
@@ -109,7 +111,7 @@ def main() -> None:
         every = [torch.zeros_like(cpu) for _ in range(world)]
         dist.all_gather(every, cpu)
         ratios = [a / b for a, b in zip(times[pair[0]][0], times[pair[1]][0])]
-        lines += [f"## {pair[0]} against {pair[1]}, MLP (dim {size['dim']}), {steps} steps each", "",
+        lines += [f"## {pair[0]} against {pair[1]}, {workload} (dim {size['dim']}), {steps} steps each", "",
                   "| mode | step ms (slowest rank, median) | CPU ms a step, per rank (median) |", "|---|---|---|"]
         for i, name in enumerate(pair):
             per_rank = ", ".join(f"{float(c[i]) * 1e3:.1f}" for c in every)

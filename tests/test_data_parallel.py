@@ -238,17 +238,33 @@ def test_partial_gradients_are_summed_during_the_backward(world, bucket_bytes):
     assert all(harness.run(world, _sums_during_backward, 9, bucket_bytes))
 
 
+class _Reads(nn.Module):
+    """Calls its layer twice, and reads another layer's weight without calling it (as ``nn.MultiheadAttention`` its
+    ``out_proj``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.side = nn.Linear(6, 6), nn.Linear(6, 6, bias=False)
+
+    def forward(self, x):
+        return self.layer(torch.tanh(self.layer(x))) + F.linear(x, self.side.weight)
+
+
 def _plain_stage_reads_blocks_in_place(rows):
     """A plain module in a data-parallel stage (split(0) rows, uneven over 2 and 4 ranks) reads its parameters'
-    blocks in their places, a weight tied across two layers once, summed in a bucket each: 3 SGD steps equal one
-    device's, and the module holds its global parameters again after each call."""
+    blocks in their places: a weight tied across two layers once, a layer called twice, a weight read without its
+    layer's call; summed in a bucket each, the later layers' (from the second step) before the backward reaches the
+    first layer. 3 SGD steps equal one device's, and the module holds its global parameters again after each call."""
     world = dist.get_world_size()
     P = tpf.placement("cpu", list(range(world)))
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 6), nn.Tanh(),
-                        nn.Linear(6, 6))
-    ref[6].weight = ref[0].weight  # tied: read in two runs
+    ref = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), _Reads(), nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 6),
+                        nn.Tanh(), nn.Linear(6, 6))
+    ref[7].weight = ref[0].weight  # tied: read in two runs
     st = tpf.stage(copy.deepcopy(ref), stage_id=0, placement=P, sbp=S0)
+    sent_before_first_layer = []
+    st.module[0].register_full_backward_pre_hook(lambda *_: sent_before_first_layer.append(
+        tpf.comm.stats.messages_sent))
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (st, ref))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 6, generator=g)
@@ -257,7 +273,11 @@ def _plain_stage_reads_blocks_in_place(rows):
         for step in range(3):
             out = st(x)
             assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in st.module.parameters())
+            tpf.comm.stats.reset()
+            sent_before_first_layer.clear()
             (tpf.to_global(out, sbp=B) - target).square().sum().backward()
+            if step > 0 and world > 1:
+                assert 0 < sent_before_first_layer[0] < tpf.comm.stats.messages_sent
             assert all(tpf.get_sbp(p.grad) == (B,) for p in st.parameters())
             (ref(x) - y).square().sum().backward()
             for o in (opt, opt_ref):

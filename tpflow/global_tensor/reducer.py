@@ -153,6 +153,7 @@ class _Backward:
 
     def __init__(self) -> None:
         self.layouts: dict[tuple, list[_Layout]] = {}  # per key, the latest ones last (models trained in turn)
+        self.keys: dict[int, tuple] = {}  # per parameter (id): its gradient's layout object, and the key it gives
         self.deferred = 0
         self._reset()
 
@@ -164,15 +165,12 @@ class _Backward:
         self.flights: list[tuple] = []
         self.task: int | None = None  # the backward whose end runs ``finish``
 
-    @torch.no_grad()
     def ready_grad(self, p: torch.Tensor) -> None:
         if self.deferred or config.get("grad_sync") != "backward":
             return
-        axes = summed_axes(p)
-        if not axes:
+        key = self._key(p)
+        if key is None:
             return
-        g = p.grad
-        key = (g.device_mesh, g.placements, g.dtype, axes)
         task = torch._C._current_graph_task_id()
         if task != self.task:
             self._reset()  # what a backward that raised left behind
@@ -192,6 +190,20 @@ class _Backward:
             n += 1
         self.launched[key] = n
 
+    def _key(self, p: torch.Tensor) -> tuple | None:
+        """The bucket key of ``p``'s gradient (mesh, layout, dtype, summed axes), None where nothing is summed: kept
+        per gradient layout (the hot paths make each backward's gradients from one layout object)."""
+        g = p.grad
+        spec = g._spec if isinstance(g, DTensor) else None
+        known = self.keys.get(id(p))
+        if known is None or known[0] is not spec or spec is None:
+            axes = summed_axes(p)
+            known = (spec, (g.device_mesh, g.placements, g.dtype, axes) if axes else None)
+            if spec is not None:
+                self.keys[id(p)] = known
+        return known[1]
+
+    @torch.no_grad()
     def _launch(self, key: tuple, bucket: list[torch.Tensor]) -> None:
         mesh, axes = key[0], key[3]
         grads = [p.grad for p in bucket]

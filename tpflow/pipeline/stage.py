@@ -9,13 +9,13 @@ stage's first rank sends them. A ``tpf.Pipeline`` runs the same stages over micr
 only its own stage.
 
 A plain PyTorch module (no global parameters of its own) fed rows split(0) or broadcast runs on its
-ranks' local blocks, as data parallelism, with one autograd node for its parameters' blocks: DTensor
-dispatch costs 0.1-0.4 ms an op, which a stage's hot path does not pay. In a pipeline's step it reads
-them as plain leaves made once for the step, whose gradients reach the parameters once, at its end.
-Its parameter gradients are partial sums over the axes its rows are split on, summed when the backward
-ends (``tpflow.global_tensor.reducer``): the one node runs after the module's whole backward. Split
-rows must be independent samples; a module with buffers (BatchNorm's statistics mix rows) runs through
-DTensor on them.
+ranks' local blocks, as data parallelism: DTensor dispatch costs 0.1-0.4 ms an op, which a stage's hot
+path does not pay. Its parameter gradients are partial sums over the axes its rows are split on, summed
+a bucket at a time during the backward (``tpflow.global_tensor.reducer``): each submodule reads its
+parameters' blocks through an autograd node of its own made as it is entered, which autograd runs as
+soon as that submodule's backward is done. In a pipeline's step it reads them as plain leaves made once
+for the step, whose gradients reach the parameters once, at its end. Split rows must be independent
+samples; a module with buffers (BatchNorm's statistics mix rows) runs through DTensor on them.
 
 A module ``parallelize`` made on the stage's placement (every parameter in a tpflow parallel layer or a
 replicated module there) runs its own forward on the local blocks too, as tensor parallelism does without
@@ -34,6 +34,7 @@ output gradient is taken as many times as the rows are split (and its input's di
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -144,6 +145,9 @@ class Stage(nn.Module):
         self.parallel = placement.coordinate() is not None and _parallelized(module, placement)
         self._blocks = LocalBlocks()
         self._holders: list[nn.Module] | None = None  # the submodules with tensors of their own
+        self._holder_ids: frozenset[int] = frozenset()
+        # per split axes, the submodules (ids) whose forward ran in the first call: they read their blocks as entered
+        self._entered: dict[tuple[bool, ...], frozenset[int]] = {}
         # during a pipeline's step (open_step): per parameter and layout, the plain leaf the plain path reads (each
         # its own autograd node, so a zero-bubble schedule's weight pass runs each layer's gradient alone)
         self._leaves: dict[tuple[int, tuple[bool, ...]], tuple[DTensor, torch.Tensor]] | None = None
@@ -288,26 +292,35 @@ class Stage(nn.Module):
     @contextlib.contextmanager
     def _reading_blocks(self, split: tuple[bool, ...]) -> Iterator[None]:
         """Inside, each submodule holds its parameters' and buffers' local blocks in their places (as
-        ``torch.func.functional_call`` does, without its walk of the whole module on every call), read through one
-        autograd node; a parameter's gradient is partial over the ``split`` axes, a tied one's summed once."""
+        ``torch.func.functional_call`` does, without its walk of the whole module on every call); a parameter's
+        gradient is partial over the ``split`` axes, a tied one's summed once.
+
+        A submodule whose forward ran in the first call with these ``split`` axes reads its parameters from then on
+        as it is entered (``_on_entry``), through an autograd node of its own made just before its ops: autograd
+        runs it as soon as the submodule's backward is done, so its gradients join their bucket (and the bucket is
+        summed) while the backward goes on. The others' parameters (a child's weight its parent reads without
+        calling the child) are read before the call, through one node, which autograd runs last."""
         if self._holders is None:  # the submodules with tensors of their own, found once
             self._holders = [m for m in self.module.modules() if m._parameters or m._buffers]
+            self._holder_ids = frozenset(map(id, self._holders))
+            for m in self._holders:
+                m.register_forward_pre_hook(_on_entry)
         saved = [(m, dict(m._parameters), dict(m._buffers)) for m in self._holders]
+        outer = _reading.call
         try:
-            slots = [(m, n, p) for m in self._holders for n, p in m._parameters.items() if p is not None]
-            params = list({id(p): p for *_, p in slots}.values())
-            if self._leaves is not None:  # in a step: a plain leaf per parameter, made at its first micro-batch
-                blocks = [self._leaf(p, split) for p in params]
-            else:
-                placements = _grad_placements(split)
-                blocks = self._blocks(tuple(params), split, lambda p: placements)
-            block_of = {id(p): b for p, b in zip(params, blocks)}
             for m in self._holders:
                 m._buffers.update((n, b.to_local()) for n, b in m._buffers.items() if b is not None)
-            for m, n, p in slots:
-                m._parameters[n] = block_of[id(p)]
+            learn = split not in self._entered
+            entered = () if learn or not any(split) or self._leaves is not None or not torch.is_grad_enabled() \
+                else self._entered[split]
+            call = _Call(self, split, entered, set() if learn else None)
+            call.read([m for m in self._holders if id(m) not in entered], ("before", split))
+            _reading.call = call
             yield
+            if call.ran is not None:
+                self._entered[split] = frozenset(call.ran)
         finally:
+            _reading.call = outer
             for m, params_of, buffers in saved:
                 m._parameters.update(params_of)
                 m._buffers.update(buffers)
@@ -350,6 +363,51 @@ class Stage(nn.Module):
     def extra_repr(self) -> str:
         sbp = "" if self.sbp is None else f", sbp={self.sbp}"
         return f"stage_id={self.stage_id}, placement={self.placement.type}:{self.placement.ranks}{sbp}"
+
+
+class _Call:
+    """One call of a plain stage's module on local blocks: which submodules hold their blocks so far, and (in the
+    first call with its split axes) whose forward ran."""
+
+    def __init__(self, stage: Stage, split: tuple[bool, ...], entered: frozenset[int] | tuple,
+                 ran: set[int] | None) -> None:
+        self.stage, self.split, self.entered, self.ran = stage, split, entered, ran
+        self.block_of: dict[int, torch.Tensor] = {}  # per parameter (id), its block in this call
+        self.done: set[int] = set()  # the submodules (ids) holding their blocks
+
+    def read(self, holders: list[nn.Module], key: tuple) -> None:
+        """Put ``holders``' parameters' blocks in their places, those not read yet in this call read through one
+        autograd node (a pipeline step's leaves: each its own)."""
+        slots = [(m, n, p) for m in holders if id(m) not in self.done for n, p in m._parameters.items()
+                 if p is not None]
+        new = list({id(p): p for *_, p in slots if id(p) not in self.block_of}.values())
+        if self.stage._leaves is not None:
+            blocks = [self.stage._leaf(p, self.split) for p in new]
+        else:
+            placements = _grad_placements(self.split)
+            blocks = self.stage._blocks(tuple(new), key, lambda p: placements)
+        self.block_of.update((id(p), b) for p, b in zip(new, blocks))
+        for m, n, p in slots:
+            m._parameters[n] = self.block_of[id(p)]
+        self.done.update(id(m) for m in holders)
+
+
+class _Current(threading.local):
+    call: _Call | None = None  # the plain stage's call running on this thread
+
+
+_reading = _Current()
+
+
+def _on_entry(module: nn.Module, args: tuple) -> None:
+    """A plain stage's submodule is entered: in the stage's first call, note it; later, read its blocks now."""
+    call = _reading.call
+    if call is None or id(module) not in call.stage._holder_ids:
+        return
+    if call.ran is not None:
+        call.ran.add(id(module))
+    elif id(module) in call.entered and id(module) not in call.done:
+        call.read([module], ("entered", id(module), call.split))
 
 
 def _grad_placements(split: tuple[bool, ...]) -> tuple:
