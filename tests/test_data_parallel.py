@@ -177,10 +177,11 @@ def test_data_x_tensor_parallel_training_on_2d_placement(sequence_parallel):
     assert all(harness.run(4, _hybrid_training, sequence_parallel))
 
 
-def _sums_during_backward(rows, bucket_bytes):
-    """The default (``grad_sync="backward"``): the backward all-reduces its partial gradients, a bucket at a time, the
-    later layers' before autograd reaches the first layer (from the second backward, which has the buckets' layout),
-    and leaves them summed; the optimizer's pre-step hook sends nothing. Clipping in place, micro-batches with the
+def _sums_during_backward(rows, bucket_bytes, sync):
+    """With ``grad_sync="backward"`` (CUDA's default) the backward all-reduces its partial gradients, a bucket at a
+    time, the later layers' before autograd reaches the first layer (from the second backward, which has the buckets'
+    layout); with ``"end"`` (CPU's) every bucket once it ends. Both leave them summed; the optimizer's pre-step hook
+    sends nothing. Clipping in place, micro-batches with the
     first under ``deferred()``, and a zero_grad that keeps the gradients' storage all train like one device."""
     world, rank = dist.get_world_size(), dist.get_rank()
     P = tpf.placement("cpu", list(range(world)))
@@ -199,7 +200,7 @@ def _sums_during_backward(rows, bucket_bytes):
         return F.cross_entropy(out, tpf.to_global(ys, placement=P, sbp=B), reduction="sum") / rows
 
     buckets = 1 if bucket_bytes > 1 << 20 else 6
-    with tpf.config.override(grad_bucket_bytes=bucket_bytes):
+    with tpf.config.override(grad_bucket_bytes=bucket_bytes, grad_sync=sync):
         for step in range(5):
             opt.zero_grad(set_to_none=step != 4)  # step 4: the summed gradients zeroed in place, then added to
             opt_ref.zero_grad()
@@ -210,7 +211,8 @@ def _sums_during_backward(rows, bucket_bytes):
                 if step < 2:
                     assert tpf.comm.stats.messages_sent == 2 * (world - 1) * buckets
                 if step == 1 and bucket_bytes == 1:  # the output layer's bucket went before the first layer's backward
-                    assert 0 < sent_before_first_layer[0] < tpf.comm.stats.messages_sent
+                    assert 0 < sent_before_first_layer[0] < tpf.comm.stats.messages_sent if sync == "backward" \
+                        else sent_before_first_layer[0] == 0
             else:  # two micro-batches: the first one's backward leaves its partial sums to the last one's
                 with tpf.gradients.deferred():
                     loss_of(halves[0]).backward()
@@ -233,9 +235,10 @@ def _sums_during_backward(rows, bucket_bytes):
     return True
 
 
-@pytest.mark.parametrize("world, bucket_bytes", [(2, 1), (3, 4 << 20)], ids=["2, a bucket each", "3, one bucket"])
-def test_partial_gradients_are_summed_during_the_backward(world, bucket_bytes):
-    assert all(harness.run(world, _sums_during_backward, 9, bucket_bytes))
+@pytest.mark.parametrize("world, bucket_bytes, sync", [(2, 1, "backward"), (3, 4 << 20, "backward"), (2, 1, "end")],
+                         ids=["2, a bucket each", "3, one bucket", "2, at the end"])
+def test_partial_gradients_are_summed_by_the_backward(world, bucket_bytes, sync):
+    assert all(harness.run(world, _sums_during_backward, 9, bucket_bytes, sync))
 
 
 class _Reads(nn.Module):
@@ -250,11 +253,12 @@ class _Reads(nn.Module):
         return self.layer(torch.tanh(self.layer(x))) + F.linear(x, self.side.weight)
 
 
-def _plain_stage_reads_blocks_in_place(rows):
+def _plain_stage_reads_blocks_in_place(rows, sync):
     """A plain module in a data-parallel stage (split(0) rows, uneven over 2 and 4 ranks) reads its parameters'
     blocks in their places: a weight tied across two layers once, a layer called twice, a weight read without its
-    layer's call; summed in a bucket each, the later layers' (from the second step) before the backward reaches the
-    first layer. 3 SGD steps equal one device's, and the module holds its global parameters again after each call."""
+    layer's call; summed in a bucket each, under ``grad_sync="backward"`` the later layers' (from the second step)
+    before the backward reaches the first layer, under ``"end"`` all after it. 3 SGD steps equal one device's, and the
+    module holds its global parameters again after each call."""
     world = dist.get_world_size()
     P = tpf.placement("cpu", list(range(world)))
     torch.manual_seed(0)
@@ -269,7 +273,7 @@ def _plain_stage_reads_blocks_in_place(rows):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 6, generator=g)
     target = tpf.to_global(y, placement=P, sbp=B)
-    with tpf.config.override(grad_bucket_bytes=1):
+    with tpf.config.override(grad_bucket_bytes=1, grad_sync=sync):
         for step in range(3):
             out = st(x)
             assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in st.module.parameters())
@@ -277,7 +281,8 @@ def _plain_stage_reads_blocks_in_place(rows):
             sent_before_first_layer.clear()
             (tpf.to_global(out, sbp=B) - target).square().sum().backward()
             if step > 0 and world > 1:
-                assert 0 < sent_before_first_layer[0] < tpf.comm.stats.messages_sent
+                assert 0 < sent_before_first_layer[0] < tpf.comm.stats.messages_sent if sync == "backward" \
+                    else sent_before_first_layer[0] == 0
             assert all(tpf.get_sbp(p.grad) == (B,) for p in st.parameters())
             (ref(x) - y).square().sum().backward()
             for o in (opt, opt_ref):
@@ -287,9 +292,9 @@ def _plain_stage_reads_blocks_in_place(rows):
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_a_plain_data_parallel_stage_reads_its_blocks_in_place(world):
-    assert all(harness.run(world, _plain_stage_reads_blocks_in_place, 7))
+@pytest.mark.parametrize("world, sync", [(1, "backward"), (2, "backward"), (2, "end"), (4, "backward")])
+def test_a_plain_data_parallel_stage_reads_its_blocks_in_place(world, sync):
+    assert all(harness.run(world, _plain_stage_reads_blocks_in_place, 7, sync))
 
 
 def _models_in_turn():

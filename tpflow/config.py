@@ -135,10 +135,14 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("grad_bucket_bytes", "TPFLOW_GRAD_BUCKET_BYTES", 4 << 20, _size,
            "bytes of partial-sum gradients summed by one all-reduce, a bucket (the flat copy is the memory this "
            "costs; DDP's first bucket is 1 MiB, the rest 25 MiB)"),
-    Switch("grad_sync", "TPFLOW_GRAD_SYNC", "backward", str,
+    Switch("grad_sync", "TPFLOW_GRAD_SYNC", {"cpu": "end", "cuda": "backward"}, str,
            "when tpflow sums its parameters' partial-sum gradients (data parallelism by SBP, a data axis): backward, "
-           "a bucket at a time as the backward fills them, asynchronously where the backend is (as DDP); step, all "
-           "of them before the optimizer's step (tpflow.global_tensor.reducer)", ("backward", "step")),
+           "a bucket at a time as the backward fills them, asynchronously, while it goes on (as DDP); end, every "
+           "bucket once the backward ends; step, all of them before the optimizer's step (tpflow.global_tensor."
+           "reducer). CPU: end, since CPU ranks share a host's cores with the collectives' threads: on 2 ranks, "
+           "summed at the end the harness's SBP rows ran 0.90-0.95x DDP's step, during the backward 0.93-1.16x "
+           "(benchmarks/README.md, data parallelism); CUDA: backward, where NCCL sums beside the compute",
+           ("backward", "end", "step")),
     Switch("pipeline_pairs", "TPFLOW_PIPELINE_PAIRS", {"cpu": False, "cuda": True}, _flag,
            "how a pipeline's hand-offs are posted: on, a send followed in the schedule by a receive from the same "
            "rank set goes out as one group with it (batch_isend_irecv), so that NCCL, where a rank's sends and "

@@ -69,11 +69,12 @@ def settings(args: argparse.Namespace) -> dict[str, int]:
 
 
 def command(argv: list[str], world: int) -> str:
-    """The command that repeats this run."""
+    """The command that repeats this run, after the tpflow switches the environment sets."""
     def launcher_flag(i: int) -> bool:  # --nproc_per_node N or --nproc_per_node=N
         return argv[i].startswith("--nproc") or (i > 0 and argv[i - 1].startswith("--nproc") and "=" not in argv[i - 1])
     flags = [a for i, a in enumerate(argv) if not launcher_flag(i)]
-    return " ".join(["python -m tpflow.bench --nproc_per_node", str(world), *flags])
+    switches = [f"{s.env}={os.environ[s.env]}" for s in tpf.config.SWITCHES.values() if s.env in os.environ]
+    return " ".join([*switches, "python -m tpflow.bench --nproc_per_node", str(world), *flags])
 
 
 def device_for_ranks() -> torch.device:

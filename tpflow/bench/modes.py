@@ -2,7 +2,7 @@
 
     one device          the plain model on rank 0 (the others wait)
     data, tpflow SBP    parameters broadcast, the batch split(0), the module on local rows (tpf.stage);
-                        the partial gradients summed in one all-reduce before the optimizer reads them
+                        the partial gradients summed in buckets by the backward (the grad_sync switch)
     data, DDP           DistributedDataParallel, each rank its rows
     tensor, tpflow      column / row layers over all ranks (tpf.parallelize), the batch whole everywhere;
                         the column layers reading one input (q / k / v, gate / up) run as one product
@@ -126,7 +126,7 @@ def data_sbp(w: Workload, ctx: Context) -> Trainer:
     st = tpf.stage(w.model.to(ctx.device), stage_id=0, placement=P, sbp=S0)
     x, y = w.inputs.to(ctx.device), tpf.tensor(w.targets.to(ctx.device), placement=P, sbp=S0)
     params = list(st.parameters())
-    # the optimizer's pre-step hook sums the partial gradients in one all-reduce (tpflow.gradients)
+    # the backward sums the partial gradients in buckets (tpflow.global_tensor.reducer)
     return make_trainer(params, forward_backward(st, x, y, rows_share(y.numel())),
                         ring_bytes(block_bytes(params), ctx.world, 2), range(ctx.world))
 

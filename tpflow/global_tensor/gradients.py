@@ -4,9 +4,9 @@ Data parallelism by SBP leaves each parameter's gradient a partial sum over the 
 different rows (OneFlow reduces it when it is read). Left to DTensor, an optimizer step reduces them
 one parameter at a time: an all-reduce and a redistribute per parameter. tpflow sums them with one all-reduce
 (per mesh axis) per bucket of up to 4 MiB of gradients that share mesh, layout and dtype, as DDP buckets them:
-during the backward, as each bucket fills (``tpflow.global_tensor.reducer``, the ``grad_sync`` switch's
-default), or when they are read (``grad_sync="step"``, or what a backward under ``deferred()`` left), while
-micro-batches accumulate into partial sums for free.
+by the backward, as each bucket fills or when it ends (``tpflow.global_tensor.reducer``, the ``grad_sync``
+switch's defaults on CUDA and CPU), or when they are read (``grad_sync="step"``, or what a backward under
+``deferred()`` left), while micro-batches accumulate into partial sums for free.
 
 ``reduce_partial_gradients`` runs before every optimizer step (``torch.optim``'s global step pre-hook,
 ``HOOK``), for the parameters tpflow made (``to_global`` of a module, the parallel layers, stages) and only

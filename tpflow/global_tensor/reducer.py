@@ -5,9 +5,10 @@ gradient is a partial sum over mesh axes on which the parameter is broadcast (da
 2-D placement's data axis, a replicated norm's weight under sequence parallelism), it joins its bucket:
 parameters that share mesh, layout and dtype, in the reverse of the order tpflow adopted them (about the order
 the backward produces their gradients), cut at the ``grad_bucket_bytes`` switch. Once every parameter of a
-bucket is in, and every bucket before it has gone, the bucket's flat copy is all-reduced, asynchronously where
-the backend is (NCCL), while the backward goes on. When the backward ends, the buckets left go and every
-all-reduce is waited for.
+bucket is in, and every bucket before it has gone, the bucket's flat copy is all-reduced, asynchronously, while
+the backward goes on (``grad_sync="backward"``, the default on CUDA, where NCCL sums beside the compute). When the
+backward ends, the buckets left go (all of them under ``grad_sync="end"``, the default on CPU ranks, which share
+their host's cores with the collectives' threads) and every all-reduce is waited for.
 
 When the backward ends each gradient becomes its sum, a view of its bucket (DDP's ``gradient_as_bucket_view``),
 laid out broadcast where it was partial. Micro-batches that should accumulate before one sum run their backward
@@ -166,10 +167,13 @@ class _Backward:
         self.task: int | None = None  # the backward whose end runs ``finish``
 
     def ready_grad(self, p: torch.Tensor) -> None:
-        if self.deferred or config.get("grad_sync") != "backward":
+        if self.deferred:
             return
         key = self._key(p)
         if key is None:
+            return
+        sync = config.get("grad_sync", key[0].device_type)
+        if sync == "step":
             return
         task = torch._C._current_graph_task_id()
         if task != self.task:
@@ -180,8 +184,8 @@ class _Backward:
         if key not in self.chosen:  # the latest layout with this parameter in it
             self.chosen[key] = next((lay for lay in reversed(self.layouts.get(key, [])) if lay.knows(p)), None)
         layout = self.chosen[key]
-        if layout is None or not layout.knows(p):
-            return  # a parameter the layout does not know: this backward sums when it ends
+        if sync == "end" or layout is None or not layout.knows(p):
+            return  # summed when the backward ends (a parameter the layout does not know: this backward's all)
         missing = self.missing.setdefault(key, [len(b) for b in layout.buckets])
         missing[layout.bucket_of[id(p)]] -= 1
         n = self.launched.get(key, 0)

@@ -11,11 +11,11 @@ only its own stage.
 A plain PyTorch module (no global parameters of its own) fed rows split(0) or broadcast runs on its
 ranks' local blocks, as data parallelism: DTensor dispatch costs 0.1-0.4 ms an op, which a stage's hot
 path does not pay. Its parameter gradients are partial sums over the axes its rows are split on, summed
-a bucket at a time during the backward (``tpflow.global_tensor.reducer``): each submodule reads its
-parameters' blocks through an autograd node of its own made as it is entered, which autograd runs as
-soon as that submodule's backward is done. In a pipeline's step it reads them as plain leaves made once
-for the step, whose gradients reach the parameters once, at its end. Split rows must be independent
-samples; a module with buffers (BatchNorm's statistics mix rows) runs through DTensor on them.
+by the backward (``tpflow.global_tensor.reducer``); where a bucket at a time during it (``grad_sync="backward"``,
+CUDA's default), each submodule reads its parameters' blocks through an autograd node of its own made as it is
+entered, which autograd runs as soon as that submodule's backward is done. In a pipeline's step it reads them
+as plain leaves made once for the step, whose gradients reach the parameters once, at its end. Split rows must be
+independent samples; a module with buffers (BatchNorm's statistics mix rows) runs through DTensor on them.
 
 A module ``parallelize`` made on the stage's placement (every parameter in a tpflow parallel layer or a
 replicated module there) runs its own forward on the local blocks too, as tensor parallelism does without
@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from tpflow import comm
+from tpflow import comm, config
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import get_placement, get_sbp, gradients, tensor, to_global
 from tpflow.global_tensor.blocks import Block, local_of_full, off_placement
@@ -295,10 +295,11 @@ class Stage(nn.Module):
         ``torch.func.functional_call`` does, without its walk of the whole module on every call); a parameter's
         gradient is partial over the ``split`` axes, a tied one's summed once.
 
-        A submodule whose forward ran in the first call with these ``split`` axes reads its parameters from then on
-        as it is entered (``_on_entry``), through an autograd node of its own made just before its ops: autograd
-        runs it as soon as the submodule's backward is done, so its gradients join their bucket (and the bucket is
-        summed) while the backward goes on. The others' parameters (a child's weight its parent reads without
+        Where the gradients are summed during the backward (``grad_sync="backward"``), a submodule whose forward ran
+        in the first call with these ``split`` axes reads its parameters from then on as it is entered
+        (``_on_entry``), through an autograd node of its own made just before its ops: autograd runs it as soon as
+        the submodule's backward is done, so its gradients join their bucket (and the bucket is summed) while the
+        backward goes on. The others' parameters (a child's weight its parent reads without
         calling the child) are read before the call, through one node, which autograd runs last."""
         if self._holders is None:  # the submodules with tensors of their own, found once
             self._holders = [m for m in self.module.modules() if m._parameters or m._buffers]
@@ -311,8 +312,9 @@ class Stage(nn.Module):
             for m in self._holders:
                 m._buffers.update((n, b.to_local()) for n, b in m._buffers.items() if b is not None)
             learn = split not in self._entered
-            entered = () if learn or not any(split) or self._leaves is not None or not torch.is_grad_enabled() \
-                else self._entered[split]
+            overlap = any(split) and self._leaves is None and torch.is_grad_enabled() and \
+                config.get("grad_sync", self.placement.type) == "backward"
+            entered = self._entered[split] if overlap and not learn else ()
             call = _Call(self, split, entered, set() if learn else None)
             call.read([m for m in self._holders if id(m) not in entered], ("before", split))
             _reading.call = call
