@@ -242,23 +242,25 @@ def test_partial_gradients_are_summed_by_the_backward(world, bucket_bytes, sync)
 
 
 class _Reads(nn.Module):
-    """Calls its layer twice, and reads another layer's weight without calling it (as ``nn.MultiheadAttention`` its
-    ``out_proj``)."""
+    """Calls its layer three times, the first without gradients, and reads another layer's weight without calling it
+    (as ``nn.MultiheadAttention`` its ``out_proj``)."""
 
     def __init__(self):
         super().__init__()
         self.layer, self.side = nn.Linear(6, 6), nn.Linear(6, 6, bias=False)
 
     def forward(self, x):
-        return self.layer(torch.tanh(self.layer(x))) + F.linear(x, self.side.weight)
+        with torch.no_grad():
+            gate = torch.sigmoid(self.layer(x))
+        return (self.layer(torch.tanh(self.layer(x))) + F.linear(x, self.side.weight)) * gate
 
 
 def _plain_stage_reads_blocks_in_place(rows, sync):
     """A plain module in a data-parallel stage (split(0) rows, uneven over 2 and 4 ranks) reads its parameters'
-    blocks in their places: a weight tied across two layers once, a layer called twice, a weight read without its
-    layer's call; summed in a bucket each, under ``grad_sync="backward"`` the later layers' (from the second step)
-    before the backward reaches the first layer, under ``"end"`` all after it. 3 SGD steps equal one device's, and the
-    module holds its global parameters again after each call."""
+    blocks in their places: a weight tied across two layers once, a layer called with gradients after a call
+    without, a weight read without its layer's call; summed in a bucket each, under ``grad_sync="backward"`` the
+    later layers' (from the second step) before the backward reaches the first layer, under ``"end"`` all after it.
+    3 SGD steps equal one device's, and the module holds its global parameters again after each call."""
     world = dist.get_world_size()
     P = tpf.placement("cpu", list(range(world)))
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,8 @@ def command(argv: list[str], world: int) -> str:
     def launcher_flag(i: int) -> bool:  # --nproc_per_node N or --nproc_per_node=N
         return argv[i].startswith("--nproc") or (i > 0 and argv[i - 1].startswith("--nproc") and "=" not in argv[i - 1])
     flags = [a for i, a in enumerate(argv) if not launcher_flag(i)]
-    switches = [f"{s.env}={os.environ[s.env]}" for s in tpf.config.SWITCHES.values() if s.env in os.environ]
+    switches = [f"{s.env}={shlex.quote(os.environ[s.env])}" for s in tpf.config.SWITCHES.values()
+                if s.env in os.environ]
     return " ".join([*switches, "python -m tpflow.bench --nproc_per_node", str(world), *flags])
 
 

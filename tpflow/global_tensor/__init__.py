@@ -13,7 +13,7 @@
     loading     models built without values (meta_parameters), each rank reading its blocks
                 (load_safetensors); a state dict with each tied tensor once (unique_state_dict)
     export      a parallelized model's values whole on its placement's first rank (full_state_dict, export_rank)
-    gradients   partial-sum gradients summed in buckets during the backward (reducer) or before a step
+    gradients   partial-sum gradients summed in buckets by the backward (reducer) or before a step
 """
 
 from __future__ import annotations

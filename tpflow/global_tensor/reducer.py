@@ -1,4 +1,4 @@
-"""Partial-sum gradients summed during the backward, a bucket at a time as the buckets fill, as DDP does.
+"""Partial-sum gradients summed by the backward, in buckets as DDP does: as they fill, or when it ends.
 
 Every parameter tpflow adopts gets a hook that runs once autograd has accumulated its gradient. Where that
 gradient is a partial sum over mesh axes on which the parameter is broadcast (data parallelism by SBP, a
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["deferred", "summed_axes", "watch"]
 
 _ORDER = "_tpflow_adopted"  # the order tpflow adopted a parameter in: the same order on every rank
+_KEY = "_tpflow_grad_key"  # a parameter's last gradient layout object, and its bucket key
 _numbers = itertools.count()
 _LAYOUTS = 8  # layouts kept per mesh, layout and dtype: models (or parts of one) whose backwards take turns
 
@@ -154,7 +155,6 @@ class _Backward:
 
     def __init__(self) -> None:
         self.layouts: dict[tuple, list[_Layout]] = {}  # per key, the latest ones last (models trained in turn)
-        self.keys: dict[int, tuple] = {}  # per parameter (id): its gradient's layout object, and the key it gives
         self.deferred = 0
         self._reset()
 
@@ -194,17 +194,18 @@ class _Backward:
             n += 1
         self.launched[key] = n
 
-    def _key(self, p: torch.Tensor) -> tuple | None:
+    @staticmethod
+    def _key(p: torch.Tensor) -> tuple | None:
         """The bucket key of ``p``'s gradient (mesh, layout, dtype, summed axes), None where nothing is summed: kept
-        per gradient layout (the hot paths make each backward's gradients from one layout object)."""
+        on ``p`` per gradient layout (the hot paths make each backward's gradients from one layout object)."""
         g = p.grad
         spec = g._spec if isinstance(g, DTensor) else None
-        known = self.keys.get(id(p))
+        known = getattr(p, _KEY, None)
         if known is None or known[0] is not spec or spec is None:
             axes = summed_axes(p)
             known = (spec, (g.device_mesh, g.placements, g.dtype, axes) if axes else None)
             if spec is not None:
-                self.keys[id(p)] = known
+                setattr(p, _KEY, known)
         return known[1]
 
     @torch.no_grad()

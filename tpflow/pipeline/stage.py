@@ -145,7 +145,7 @@ class Stage(nn.Module):
         self.parallel = placement.coordinate() is not None and _parallelized(module, placement)
         self._blocks = LocalBlocks()
         self._holders: list[nn.Module] | None = None  # the submodules with tensors of their own
-        self._holder_ids: frozenset[int] = frozenset()
+        self._holder_ids: frozenset[int] = frozenset()  # theirs, to tell a copy of the stage (deepcopy, pickle)
         # per split axes, the submodules (ids) whose forward ran in the first call: they read their blocks as entered
         self._entered: dict[tuple[bool, ...], frozenset[int]] = {}
         # during a pipeline's step (open_step): per parameter and layout, the plain leaf the plain path reads (each
@@ -296,26 +296,31 @@ class Stage(nn.Module):
         gradient is partial over the ``split`` axes, a tied one's summed once.
 
         Where the gradients are summed during the backward (``grad_sync="backward"``), a submodule whose forward ran
-        in the first call with these ``split`` axes reads its parameters from then on as it is entered
-        (``_on_entry``), through an autograd node of its own made just before its ops: autograd runs it as soon as
-        the submodule's backward is done, so its gradients join their bucket (and the bucket is summed) while the
-        backward goes on. The others' parameters (a child's weight its parent reads without
-        calling the child) are read before the call, through one node, which autograd runs last."""
+        in the first call with these ``split`` axes that computed gradients reads its parameters from the next such
+        call on as it is entered (``_on_entry``), through an autograd node of its own made just before its ops:
+        autograd runs it as soon as the submodule's backward is done, so its gradients join their bucket (and the
+        bucket is summed) while the backward goes on. The others' parameters (a child's weight its parent reads
+        without calling the child) are read before the call, through one node, which autograd runs last. So the
+        module must enter the same submodules on every call, each before its weights are read elsewhere, on the
+        calling thread: a weight read otherwise is the global parameter there, and DTensor refuses to mix it with the
+        blocks (``grad_sync="end"``, CPU's default, reads every block before the call)."""
         if self._holders is None:  # the submodules with tensors of their own, found once
             self._holders = [m for m in self.module.modules() if m._parameters or m._buffers]
-            self._holder_ids = frozenset(map(id, self._holders))
-            for m in self._holders:
-                m.register_forward_pre_hook(_on_entry)
+            for m in self._holders:  # first: another pre-hook (weight_norm's) may read the blocks
+                m.register_forward_pre_hook(_on_entry, prepend=True)
+        ids = frozenset(map(id, self._holders))
+        if ids != self._holder_ids:  # a copy of the stage (deepcopy, pickle): what it learned named other modules
+            self._holder_ids, self._entered = ids, {}
         saved = [(m, dict(m._parameters), dict(m._buffers)) for m in self._holders]
         outer = _reading.call
         try:
             for m in self._holders:
                 m._buffers.update((n, b.to_local()) for n, b in m._buffers.items() if b is not None)
-            learn = split not in self._entered
             overlap = any(split) and self._leaves is None and torch.is_grad_enabled() and \
                 config.get("grad_sync", self.placement.type) == "backward"
+            learn = overlap and split not in self._entered  # learned from a call that computes gradients
             entered = self._entered[split] if overlap and not learn else ()
-            call = _Call(self, split, entered, set() if learn else None)
+            call = _Call(self, split, entered, set() if learn else None, {id(m): params for m, params, _ in saved})
             call.read([m for m in self._holders if id(m) not in entered], ("before", split))
             _reading.call = call
             yield
@@ -372,15 +377,16 @@ class _Call:
     first call with its split axes) whose forward ran."""
 
     def __init__(self, stage: Stage, split: tuple[bool, ...], entered: frozenset[int] | tuple,
-                 ran: set[int] | None) -> None:
+                 ran: set[int] | None, params: dict[int, dict[str, torch.Tensor | None]]) -> None:
         self.stage, self.split, self.entered, self.ran = stage, split, entered, ran
+        self.params = params  # per submodule (id), its own parameters (the global ones)
         self.block_of: dict[int, torch.Tensor] = {}  # per parameter (id), its block in this call
         self.done: set[int] = set()  # the submodules (ids) holding their blocks
 
     def read(self, holders: list[nn.Module], key: tuple) -> None:
         """Put ``holders``' parameters' blocks in their places, those not read yet in this call read through one
         autograd node (a pipeline step's leaves: each its own)."""
-        slots = [(m, n, p) for m in holders if id(m) not in self.done for n, p in m._parameters.items()
+        slots = [(m, n, p) for m in holders if id(m) not in self.done for n, p in self.params[id(m)].items()
                  if p is not None]
         new = list({id(p): p for *_, p in slots if id(p) not in self.block_of}.values())
         if self.stage._leaves is not None:
@@ -388,10 +394,12 @@ class _Call:
         else:
             placements = _grad_placements(self.split)
             blocks = self.stage._blocks(tuple(new), key, lambda p: placements)
-        self.block_of.update((id(p), b) for p, b in zip(new, blocks))
+        read = {**self.block_of, **{id(p): b for p, b in zip(new, blocks)}}
         for m, n, p in slots:
-            m._parameters[n] = self.block_of[id(p)]
-        self.done.update(id(m) for m in holders)
+            m._parameters[n] = read[id(p)]
+        if torch.is_grad_enabled() or self.stage._leaves is not None:  # blocks read without a node are not kept:
+            self.block_of = read  # an entry under no_grad, then one with gradients, reads them again
+            self.done.update(id(m) for m in holders)
 
 
 class _Current(threading.local):
