@@ -6,9 +6,9 @@ CPU time a step, ``torch.profiler``'s self CPU time by op, and what posting a gl
 Pairs of harness modes (``tpflow.bench``): tpflow's SBP data parallelism against DDP on its MLP and transformer
 workloads, and tpflow's 1F1B against ``torch.distributed.pipelining``'s on the MLP. The two modes of a pair take
 turns step by step, each step after a barrier; a step's time is the slowest rank's, its CPU time each rank's process
-time (every thread). Then 5 steps of each mode under ``torch.profiler`` give rank 0's self CPU time by op, a step's
-worth. Last, a 64 KiB ``dist.isend`` of rank 0 to rank 1 is timed as it is posted, with rank 1's receive posted
-before it (as tpflow's pipeline posts its receives) and after it. Each run is appended to
+time (every thread). Then 5 steps of each mode under ``torch.profiler`` give the first and the last rank's self CPU
+time by op, a step's worth. Last, a 64 KiB ``dist.isend`` of rank 0 to rank 1 is timed as it is posted, with rank
+1's receive posted before it (as tpflow's pipeline posts its receives) and after it. Each run is appended to
 ``benchmarks/results/profile_cpu_<cpu>_<date>.md``.
 """
 
@@ -49,7 +49,7 @@ def _timed(trainers: dict, steps: int) -> dict[str, tuple[list[float], list[floa
 
 
 def _ops(trainer, steps: int = 5) -> tuple[float, list[tuple[str, float, float]]]:
-    """Rank 0's self CPU ms a step under ``torch.profiler``, and the top ops: (name, ms a step, calls a step)."""
+    """This rank's self CPU ms a step under ``torch.profiler``, and the top ops: (name, ms a step, calls a step)."""
     with profile() as prof:
         for _ in range(steps):
             trainer.step()
@@ -120,10 +120,13 @@ def main() -> None:
                   f"{statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f}."
                   if len(ratios) > 1 else "", ""]
         for name, trainer in trainers.items():
-            total, top = _ops(trainer)
-            lines += [f"Rank 0's self CPU time under torch.profiler, {name}: {total:.1f} ms a step.", "",
-                      "| op | self CPU ms a step | calls a step |", "|---|---|---|",
-                      *(f"| {key} | {ms:.2f} | {calls:g} |" for key, ms, calls in top), ""]
+            found = [None] * world
+            dist.all_gather_object(found, _ops(trainer))
+            for r in sorted({0, world - 1}):  # the first rank, and the last (a pipeline's last stage: the loss)
+                total, top = found[r]
+                lines += [f"Rank {r}'s self CPU time under torch.profiler, {name}: {total:.1f} ms a step.", "",
+                          "| op | self CPU ms a step | calls a step |", "|---|---|---|",
+                          *(f"| {key} | {ms:.2f} | {calls:g} |" for key, ms, calls in top), ""]
         del trainers
     reps = 5 if args.tiny else 50
     ahead, late = (_isend_posts(1 << 16, on, reps) for on in (True, False))

@@ -42,8 +42,9 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "shm":  # both transports measured at every size
         assert text.count("x |") == 8, text
-    if name == "profile":  # the three pairs timed and profiled, and the posts of a send
-        assert text.count("self CPU time under torch.profiler") == 6 and "| pipeline, 1F1B, torch |" in text, text
+    if name == "profile":  # the three pairs timed and profiled on both ranks, and the posts of a send
+        assert text.count("self CPU time under torch.profiler") == 12 and "| pipeline, 1F1B, torch |" in text, text
+        assert "Rank 1's self CPU time under torch.profiler, pipeline, 1F1B:" in text, text
         assert "against data, DDP, transformer (dim 32)" in text, text
         assert "with the receive posted before it" in text, text
     if name == "checks":  # on 4 ranks, a pipeline of two tensor-parallel stages too
