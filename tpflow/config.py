@@ -141,7 +141,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "bucket once the backward ends; step, all of them before the optimizer's step (tpflow.global_tensor."
            "reducer). CPU: end, since CPU ranks share a host's cores with the collectives' threads: on 2 ranks, "
            "summed at the end the harness's SBP rows ran 0.90-0.95x DDP's step, during the backward 0.93-1.16x "
-           "(benchmarks/README.md, data parallelism); CUDA: backward, where NCCL sums beside the compute",
+           "(benchmarks/README.md, At the end of issue 31); CUDA: backward, where NCCL sums beside the compute",
            ("backward", "end", "step")),
     Switch("pipeline_pairs", "TPFLOW_PIPELINE_PAIRS", {"cpu": False, "cuda": True}, _flag,
            "how a pipeline's hand-offs are posted: on, a send followed in the schedule by a receive from the same "
