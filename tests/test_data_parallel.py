@@ -256,7 +256,7 @@ class _Reads(nn.Module):
 
 
 def _plain_stage_reads_blocks_in_place(rows, sync):
-    """A plain module in a data-parallel stage (split(0) rows, uneven over 2 and 4 ranks) reads its parameters'
+    """A plain module in a data-parallel stage (split(0) rows, uneven over 2, 3 and 4 ranks) reads its parameters'
     blocks in their places: a weight tied across two layers once, a layer called with gradients after a call
     without, a weight read without its layer's call; summed in a bucket each, under ``grad_sync="backward"`` the
     later layers' (from the second step) before the backward reaches the first layer, under ``"end"`` all after it.
@@ -294,7 +294,7 @@ def _plain_stage_reads_blocks_in_place(rows, sync):
     return True
 
 
-@pytest.mark.parametrize("world, sync", [(1, "backward"), (2, "backward"), (2, "end"), (4, "backward")])
+@pytest.mark.parametrize("world, sync", [(1, "backward"), (2, "backward"), (3, "end"), (4, "backward")])
 def test_a_plain_data_parallel_stage_reads_its_blocks_in_place(world, sync):
     assert all(harness.run(world, _plain_stage_reads_blocks_in_place, 7, sync))
 
