@@ -11,7 +11,8 @@ from torch import nn
 from tests.checks import ints
 from tpflow.bench.workloads import LLAMA_PLAN, DecoderLayer, RMSNorm
 
-__all__ = ["LLAMA_PLAN", "MLP", "MOE_KINDS", "WIDTHS", "DecoderLayer", "Stack", "TinyLlama", "Trio", "int_linear"]
+__all__ = ["LLAMA_PLAN", "MLP", "MOE_KINDS", "WIDTHS", "DecoderLayer", "Stack", "TinyLlama", "TitanLlama", "Trio",
+           "int_linear"]
 
 
 class TinyLlama(nn.Module):
@@ -147,3 +148,62 @@ def train_lm(model: nn.Module, ids: torch.Tensor, steps: int = 2) -> tuple[list[
         losses.append(loss.item())
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
     return losses, norms
+
+
+class TitanAttention(nn.Module):
+    """torchtitan's Llama attention, shortened: wq / wk / wv / wo, heads inferred from the projections (-1), a
+    positional table read for the input's length (torchtitan's ``freqs_cis``), causal SDPA."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = q * positions[:seqlen], k * positions[:seqlen]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attention, self.feed_forward = TitanAttention(dim, heads), TitanFeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    """torchtitan's Llama in miniature, with its module names (``tok_embeddings``, ``layers`` a ``ModuleDict``,
+    ``attention.wq``, ``feed_forward.w1``, ``output``), so that its ``apply_tp`` plan applies as written."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16, heads: int = 4, hidden: int = 22, layers: int = 2,
+                 max_seq: int = 32) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(dim, heads, hidden) for i in range(layers)})
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        angles = torch.arange(max_seq, dtype=torch.float64)[:, None] / (1 + torch.arange(dim // heads))
+        self.register_buffer("positions", 1 + 0.1 * torch.cos(angles), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.positions.to(h.dtype))
+        return self.output(self.norm(h))

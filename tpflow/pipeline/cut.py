@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 from tpflow.global_tensor.loading import tensor_names
 from tpflow.pipeline.stage import Stage
 from tpflow.placement import Placement
-from tpflow.plans import ColumnParallel, RowParallel, VocabParallel, hf_plan, parallelize
+from tpflow.plans import VocabParallel, hf_plan, parallelize
+from tpflow.plans.names import style_of
 
 __all__ = ["CausalLMStage", "balanced_runs", "causal_lm_loss", "cut"]
 
@@ -94,9 +95,10 @@ def _matching(model: nn.Module, plan: dict) -> dict:
     """The entries of ``plan`` that match a module of this stage (the others live on other stages)."""
     layers = (nn.Linear, nn.Embedding)
 
-    def fits(pattern: str, entry: object) -> bool:
-        wants = layers if isinstance(entry, (str, ColumnParallel, RowParallel, VocabParallel)) else nn.Module
-        return any(fnmatch.fnmatchcase(n, pattern) and isinstance(m, wants) for n, m in model.named_modules())
+    def fits(pattern: str, entry: object) -> bool:  # an entry that remakes a layer fits the layers alone
+        return any(fnmatch.fnmatchcase(n, pattern) and (isinstance(m, layers) or not (
+            isinstance(entry, str) or style_of(pattern, entry, m).layout(m) is not None))
+            for n, m in model.named_modules())
     return {pattern: entry for pattern, entry in plan.items() if fits(pattern, entry)}
 
 

@@ -1,33 +1,35 @@
 """Plans: which modules of a model become which parallel layers, applied to an unchanged model.
 
-    styles        plan entries: "column", "row", HF's names, ColumnParallel(...), RowParallel(...), ...
+    style         tpf.Style: a plan entry checks a matched module, then applies itself to it
+    matched       the plan matched against a model: what every entry's check and apply read
+    parallelize   the driver: match, check every match, apply every match, replicate the rest
+    linear        entries ColumnParallel, RowParallel (with the attention heads' rules, heads)
+    vocab         entry VocabParallel: an embedding or a head split over the vocabulary (its loss: logits)
+    sequence      entries SequenceParallel, GatherSequence: sequence-parallel regions
+    replicated    entry Replicated: whole, with how its gradient is found
+    experts       entries ExpertTensorParallel, ExpertParallel
+    context       entry ContextParallel: the sequence cut at the model's entry, attention over the whole of it
+    names         "column", "row", HF's style strings; torch_styles: torch's own styles, read as entries
+    fusion, ties, agreement    what entries share: fused column groups, tied parameters, the ranks' agreement
     hf            plan="auto": a Hugging Face model's own plan, as entries
-    logits        a vocabulary-parallel head's model: its own loss routed vocab-parallel, generate on whole logits
     inputs        the tensor-parallel ranks fed the same data: checked at the first layer reading it whole
-    context       context parallelism: the sequence cut at the model's entry, attention over the whole of it
     pretrained    save_pretrained of a parallelized Hugging Face model: whole tensors, rank 0 writing
-    heads         attention heads checked against the ranks; key/value heads replicated when too few
-    parallelize   glob patterns over module names -> layers swapped in place, fused groups joined, the rest
-                  replicated as global tensors
+    fsdp          a named placement's data axes left to FSDP2
 """
 
 from __future__ import annotations
 
+from tpflow.plans.context import ContextParallel
+from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.fsdp import fsdp_ignored_params
 from tpflow.plans.hf import hf_plan
+from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.parallelize import parallelize
-from tpflow.plans.styles import (
-    ColumnParallel,
-    ContextParallel,
-    ExpertParallel,
-    ExpertTensorParallel,
-    GatherSequence,
-    Replicated,
-    RowParallel,
-    SequenceParallel,
-    VocabParallel,
-)
+from tpflow.plans.replicated import Replicated
+from tpflow.plans.sequence import GatherSequence, SequenceParallel
+from tpflow.plans.style import Style
+from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["ColumnParallel", "ContextParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence",
-           "Replicated", "RowParallel", "SequenceParallel", "VocabParallel", "fsdp_ignored_params", "hf_plan",
+           "Replicated", "RowParallel", "SequenceParallel", "Style", "VocabParallel", "fsdp_ignored_params", "hf_plan",
            "parallelize"]

@@ -23,9 +23,11 @@ decode with.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +37,18 @@ from torch.distributed.tensor import DTensor
 
 from tpflow import comm
 from tpflow.global_tensor import from_local
+from tpflow.ops import ulysses_degrees
 from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention
 from tpflow.placement import Placement
+from tpflow.plans import heads
 from tpflow.plans.inputs import InputCheck
+from tpflow.plans.style import Style
 from tpflow.sbp import broadcast, split
 
-__all__ = ["IMPLEMENTATION", "context_parallel", "register"]
+if TYPE_CHECKING:
+    from tpflow.plans.matched import Plan
+
+__all__ = ["IMPLEMENTATION", "ContextParallel", "context_parallel", "register"]
 
 IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
 _STATE = "_tpflow_context"
@@ -285,19 +293,20 @@ class _NoGenerate:
         raise ValueError(_GENERATE)
 
 
-def context_parallel(model: nn.Module, attention: dict[str, nn.Module], kind: str, placement: Placement,
-                     logits_placement: Placement, head: nn.Module | None) -> None:
-    """Make ``model`` (a transformers causal LM, its layers already parallelized over ``placement``'s second axis)
-    run context-parallel over ``placement``'s first axis (``parallelize`` calls this for ``tpf.ContextParallel``
-    entries).
+def _head(model: nn.Module) -> nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_placement: Placement) -> None:
+    """Make ``model`` (a transformers causal LM, its layers already parallelized over ``placement``'s second axis and
+    each attention module given its ``tpf.ContextParallel`` entry) run context-parallel over ``placement``'s first
+    axis: what the entries do once every one has applied itself.
 
     Args:
         model: the model, changed in place.
-        attention: its attention modules by name: every one the model has.
         kind: ``"ring"`` or ``"ulysses"``.
         placement: ``(context, tensor)`` ranks.
         logits_placement: the placement ``.logits`` is global over (the user's: 1-D for context alone).
-        head: the output head, before which a ring's parts become contiguous.
 
     Example::
 
@@ -309,18 +318,6 @@ def context_parallel(model: nn.Module, attention: dict[str, nn.Module], kind: st
         >>> model.config._attn_implementation
         'tpflow_context'
     """
-    original = model.config._attn_implementation
-    if kind == "ulysses" and original not in ULYSSES_ORIGINALS:
-        raise ValueError(f"Ulysses runs the model's own attention on whole sequences, causal without a mask of its "
-                         f"own: {original!r} is not one of {ULYSSES_ORIGINALS}; load the model with one, or use "
-                         f"context_parallel='ring'")
-    if kind == "ring" and head is None:
-        raise ValueError(f"the ring needs the model's output head (get_output_embeddings()), before which its parts "
-                         f"become contiguous; {type(model).__name__} has none: use context_parallel='ulysses'")
-    if getattr(model.config, "attention_chunk_size", None):
-        raise ValueError("chunked attention (config.attention_chunk_size) is not split by context parallelism")
-    for name, module in attention.items():
-        setattr(module, _STATE, _Attention(name, kind, placement, original))
     register()
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:  # transformers only warns where it cannot switch
@@ -328,5 +325,96 @@ def context_parallel(model: nn.Module, attention: dict[str, nn.Module], kind: st
                          f"so context parallelism cannot run it")
     context = _Context(model, kind, placement, logits_placement)
     if kind == "ring":
-        head.register_forward_pre_hook(context.to_contiguous)
+        _head(model).register_forward_pre_hook(context.to_contiguous)
     model.generate = _NoGenerate()
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel(Style):
+    """Plan entry for a Hugging Face attention module under context parallelism (``tpf.hf_plan(model,
+    context_parallel="ring")``): the sequence is split over the context axis (a 1-D placement's ranks, or the first
+    axis of a 2-D one, the second being tensor parallel), every layer runs on this rank's part of it, and the
+    attention module's own code runs with its attention computed over the whole sequence (``tpflow.plans.context``).
+    Every attention module of the model takes the same entry.
+
+    Args:
+        kind: ``"ring"``: the key / value blocks go around the ranks (``tpflow.ops.ring_attention``), each rank
+            holding two parts of the sequence (head-tail) so causal work is balanced; ``"ulysses"``: an all-to-all
+            turns the sequence split into a split of the heads around the model's own attention
+            (``tpflow.ops.ulysses_attention``), the heads (per tensor-parallel rank) a multiple of the ranks.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                            # the same model on every rank
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> model(ids, labels=ids).loss                                         # one device's
+        tensor(4.1710, grad_fn=<NllLossBackward0>)
+        >>> plan = tpf.hf_plan(model, context_parallel="ring")
+        >>> plan["model.layers.*.self_attn"]
+        ContextParallel(kind='ring')
+        >>> model = tpf.parallelize(model, placement=P, plan=plan)
+        >>> out = model(ids, labels=ids)                                        # whole ids in, 4 tokens a rank
+        >>> out.loss, tpf.get_sbp(out.logits)
+        (tensor(4.1710, grad_fn=<_AllReduceIdentityBackward>), (sbp.split(dim=1),))
+    """
+
+    kind: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ring", "ulysses"):
+            raise ValueError(f"ContextParallel(kind={self.kind!r}): use 'ring' or 'ulysses'")
+
+    def arrange(self, placement: Placement) -> Placement:
+        """``(context, tensor)``: a 1-D placement's ranks all context parallel (a tensor axis of one rank), a 2-D
+        one's first axis."""
+        if placement.names is not None or placement.ndim > 2:
+            raise ValueError(f"context parallelism runs on a 1-D placement (context alone) or an unnamed 2-D one "
+                             f"(context x tensor), got {placement!r}")
+        if placement.ndim == 1:
+            return Placement(placement.type, [[rank] for rank in placement.flat_ranks])
+        return placement
+
+    def check(self, name: str, module: nn.Module, plan: Plan) -> None:
+        model = plan.model
+        if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
+            raise ValueError(f"tpf.ContextParallel plans a Hugging Face model's attention modules (through its "
+                             f"AttentionInterface); {type(model).__name__} is not one")
+        sequence = sorted({pattern for pattern, entry in plan.matches.values() if entry.splits_sequence})
+        if sequence:
+            raise ValueError(f"context parallelism splits the sequence through every layer already: drop the "
+                             f"sequence-parallel entries {sequence}")
+        kinds = {entry.kind for _, entry in plan.matches.values() if isinstance(entry, ContextParallel)}
+        missed = [n for n, m in plan.modules.items()
+                  if heads.attention_heads(m) is not None and not isinstance(plan.entry(n), ContextParallel)]
+        if len(kinds) > 1 or missed:
+            raise ValueError(f"context parallelism splits the sequence through every attention module alike: plan "
+                             f"each with the same tpf.ContextParallel entry (got kinds {sorted(kinds)}; unplanned: "
+                             f"{missed})")
+        original = model.config._attn_implementation
+        if self.kind == "ulysses" and original not in ULYSSES_ORIGINALS:
+            raise ValueError(f"Ulysses runs the model's own attention on whole sequences, causal without a mask of its "
+                             f"own: {original!r} is not one of {ULYSSES_ORIGINALS}; load the model with one, or use "
+                             f"context_parallel='ring'")
+        if self.kind == "ring" and _head(model) is None:
+            raise ValueError(f"the ring needs the model's output head (get_output_embeddings()), before which its "
+                             f"parts become contiguous; {type(model).__name__} has none: use context_parallel="
+                             f"'ulysses'")
+        if getattr(model.config, "attention_chunk_size", None):
+            raise ValueError("chunked attention (config.attention_chunk_size) is not split by context parallelism")
+        context, tensor = plan.named.hierarchy
+        counts = heads.attention_heads(module)
+        if self.kind == "ulysses" and counts is not None:
+            local, kv = counts[0] // tensor, max(counts[1] // tensor, 1)  # this tensor rank's
+            if context not in ulysses_degrees(local, kv):
+                raise ValueError(f"{name!r}: Ulysses splits each tensor-parallel rank's {local} query heads and {kv} "
+                                 f"key/value heads over the {context} context ranks, which they do not divide: use "
+                                 f"{ulysses_degrees(local, kv)} context ranks, or tpf.ContextParallel('ring')")
+
+    def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
+        setattr(module, _STATE, _Attention(name, self.kind, plan.placement, plan.model.config._attn_implementation))
+        plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given))

@@ -23,7 +23,7 @@ from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast, split
 
-__all__ = ["PER_HEAD", "attention_heads", "check", "keep_columns", "split_per_head"]
+__all__ = ["PER_HEAD", "attention_heads", "check", "keep_columns", "keep_head", "split_per_head"]
 
 
 def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -132,6 +132,34 @@ def check(name: str, counts: tuple[int, int, int], world: int) -> bool:
         raise ValueError(f"{name!r} has {kv} key/value heads: {world} tensor-parallel ranks must be a multiple or a "
                          f"divisor of them, so that each rank holds whole key/value heads")
     return kv % world == 0
+
+
+def keep_head(projection: nn.Linear, attention: nn.Module, counts: tuple[int, int, int], placement: Placement) -> None:
+    """Keep a k / v projection whole on every rank, each rank computing only its key/value head's columns (there are
+    fewer key/value heads than ranks), and set the attention module's ``num_key_value_groups`` to the rank's query
+    heads per key/value head.
+
+    Args:
+        projection: the k or v projection, whole on every rank.
+        attention: its attention module.
+        counts: the module's ``attention_heads``.
+        placement: the ranks; the last axis is the tensor-parallel one, a multiple of the key/value heads.
+
+    Example (4 ranks)::
+
+        >>> from transformers import LlamaConfig
+        >>> from transformers.models.llama.modeling_llama import LlamaAttention
+        >>> attention = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2), 0)
+        >>> keep_head(attention.k_proj, attention, (4, 2, 4), tpf.placement("cpu", ranks=[0, 1, 2, 3]))
+        >>> attention.k_proj(torch.randn(3, 16)).shape, attention.num_key_value_groups
+        (torch.Size([3, 4]), 1)
+    """
+    heads, kv, head_dim = counts
+    world, coord = placement.hierarchy[-1], placement.coordinate()
+    attention.num_key_value_groups = heads // world  # the rank's query heads share its one key/value head
+    if coord is not None:
+        head = coord[-1] // (world // kv)
+        keep_columns(projection, head * head_dim, (head + 1) * head_dim, placement)
 
 
 # an attention module's own parameters known to hold one entry per query head (by name: a shape can match by

@@ -29,19 +29,14 @@ import re
 
 from torch import nn
 
+from tpflow.plans.context import ContextParallel
+from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.heads import attention_heads
-from tpflow.plans.styles import (
-    ColumnParallel,
-    ContextParallel,
-    Entry,
-    ExpertParallel,
-    ExpertTensorParallel,
-    GatherSequence,
-    RowParallel,
-    SequenceParallel,
-    VocabParallel,
-    style_of,
-)
+from tpflow.plans.linear import ColumnParallel, RowParallel
+from tpflow.plans.names import style_of
+from tpflow.plans.sequence import GatherSequence, SequenceParallel
+from tpflow.plans.style import Style
+from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["hf_plan"]
 
@@ -134,7 +129,7 @@ def _tied(model: nn.Module, name: str) -> bool:
 
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
             vocab_parallel: bool = True, expert_parallel: bool | str = False,
-            context_parallel: str | None = None) -> dict[str, Entry]:
+            context_parallel: str | None = None) -> dict[str, Style]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries.
 
     Args:
@@ -177,7 +172,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     if not own:
         raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan (no config.base_model_tp_plan or "
                          f"_tp_plan): pass plan={{pattern: style}} to parallelize")
-    plan: dict[str, Entry] = {}
+    plan: dict[str, Style] = {}
     embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
     names = [name for name, _ in model.named_modules()]
     own.update(_shared_experts(model, own))

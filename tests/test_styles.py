@@ -1,0 +1,178 @@
+"""Plan entries that apply themselves: a user's own ``tpf.Style`` (the one docs/layers-and-plans.md writes) and torch's
+own styles in the shape of torchtitan's Llama ``apply_tp``, each against one device: the loss, every parameter's
+gradient and every parameter after AdamW steps, on 1, 2 and 4 ranks; and torch's styles tpflow cannot honour refused
+before the model changes."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+import tpflow as tpf
+from tests import harness
+from tests.checks import all_ranks
+from tests.harness import ROOT
+from tests.models import TitanLlama
+
+
+def titan_plan(loss_parallel: bool) -> dict:
+    """torchtitan's ``apply_tp`` for Llama (sequence parallel), written as it writes it: the model's plan and each
+    block's, here one dict."""
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    layer_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    return {**plan, **{f"layers.*.{name}": style for name, style in layer_plan.items()}}
+
+
+def plain_plan() -> dict:
+    """The same model without sequence parallelism, as torch's tutorial plans it."""
+    return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+            "layers.*.attention.w[qkv]": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.feed_forward.w[13]": ColwiseParallel(), "layers.*.feed_forward.w2": RowwiseParallel()}
+
+
+PLANS = {"sequence-parallel": lambda: titan_plan(False), "loss-parallel": lambda: titan_plan(True),
+         "plain": plain_plan}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _trains_like_one_device(model: nn.Module, reference: nn.Module, batch: torch.Tensor, loss_of, steps: int = 2):
+    """AdamW steps of ``model`` and ``reference`` side by side: the losses, every gradient and every parameter after
+    each step equal one device's."""
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, reference))
+    for step in range(steps):
+        loss, ref_loss = loss_of(model, batch, tpf.cross_entropy), loss_of(reference, batch, F.cross_entropy)
+        torch.testing.assert_close(_whole(loss), ref_loss, msg=f"step {step}: the loss")
+        loss.backward()
+        ref_loss.backward()
+        pairs = list(zip(model.named_parameters(), reference.named_parameters(), strict=True))
+        for (name, p), (_, r) in pairs:
+            torch.testing.assert_close(_whole(p.grad), r.grad, msg=f"step {step}: the gradient of {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (name, p), (_, r) in pairs:
+            torch.testing.assert_close(_whole(p.detach()), r.detach(), msg=f"step {step}: {name} after AdamW")
+
+
+def _lm_loss(model: nn.Module, ids: torch.Tensor, cross_entropy) -> torch.Tensor:
+    return cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _titan_rank(variant: str) -> None:
+    torch.manual_seed(0)
+    model = TitanLlama().double()  # the same on every rank
+    reference = copy.deepcopy(model)
+    tpf.parallelize(model, placement=all_ranks(), plan=PLANS[variant]())
+    assert isinstance(model.layers["0"].attention.wq, tpf.ColumnParallelLinear)
+    assert isinstance(model.tok_embeddings, tpf.VocabParallelEmbedding)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    _trains_like_one_device(model, reference, ids, _lm_loss)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("variant", sorted(PLANS))
+def test_torchtitan_plan_runs_on_tpflow_layers(world, variant):
+    if world == 1 and variant != "loss-parallel":
+        pytest.skip("one rank: the variants differ only in their collectives")
+    harness.run(world, _titan_rank, variant)
+
+
+def documented_style() -> dict:
+    """The namespace of docs/layers-and-plans.md's snippet that writes a ``tpf.Style`` from scratch."""
+    text = (ROOT / "docs" / "layers-and-plans.md").read_text()
+    code = next(block for block in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+                if "(tpf.Style)" in block)
+    namespace: dict = {"__name__": __name__}  # dataclasses look their module up
+    exec(code, namespace)
+    return namespace
+
+
+def _mlp_loss(model: nn.Module, x: torch.Tensor, cross_entropy) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def _user_style_rank() -> None:
+    ScaledGradient = documented_style()["ScaledGradient"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12), nn.Linear(12, 5)).double()
+    reference = copy.deepcopy(model)
+    reference[3] = ScaledGradient(0.25).apply("3", reference[3], None)  # one device: the same layer, unsplit
+    tpf.parallelize(model, placement=all_ranks(), plan={"0": "column", "2": "row", "3": ScaledGradient(0.25)})
+    assert type(model[3]) is type(reference[3]) and tpf.get_sbp(model[3].weight) == (tpf.sbp.broadcast,)
+    x = torch.randn(6, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    _trains_like_one_device(model, reference, x, _mlp_loss, steps=3)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_style_users_write_runs_like_a_builtin_one(world):
+    harness.run(world, _user_style_rank)
+
+
+class _Refuses(tpf.Style):
+    def check(self, name, module, plan):
+        raise ValueError(f"{name!r}: refused")
+
+    def apply(self, name, module, plan):
+        raise AssertionError("apply after a failed check")
+
+
+def _refusals_rank() -> None:
+    placement = all_ranks()
+    refused = {
+        "tpflow does not": ({"tok_embeddings": ColwiseParallel()}, "'vocab'"),
+        "PrepareModuleOutput": ({"layers.*.attention": PrepareModuleOutput(output_layouts=Replicate(),
+                                                                            desired_output_layouts=Shard(1))},
+                                "GatherSequence"),
+        "turns Shard(dim=1) into Shard(dim=0)": ({"norm": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                desired_input_layouts=(Shard(0),))}, "tpflow gathers"),
+        "refused": ({"layers.*.attention.wq": "column", "output": _Refuses()}, "'output'"),
+    }
+    for what, (plan, fix) in refused.items():
+        torch.manual_seed(0)
+        model = TitanLlama()
+        before = {name: type(m) for name, m in model.named_modules()}
+        with pytest.raises(ValueError) as error:
+            tpf.parallelize(model, placement=placement, plan=plan)
+        message = str(error.value)
+        assert what in message and fix in message, message
+        assert {name: type(m) for name, m in model.named_modules()} == before, f"{what}: the model changed"
+        assert not any(isinstance(p, DTensor) for p in model.parameters()), f"{what}: a parameter changed"
+
+
+def test_torch_styles_tpflow_cannot_honour_are_refused_before_any_change():
+    harness.run(2, _refusals_rank)
