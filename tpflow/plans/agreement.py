@@ -38,10 +38,18 @@ def agree(plan: Plan) -> None:
     facts = {"the placement": repr(placement),
              "the model": f"{type(plan.model).__name__} of {len(shapes)} parameters "
                           f"(digest {hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]})"}
-    facts.update({f"the plan entry of {name!r}": f"{pattern!r}: {entry!r}"
+    facts.update({f"the plan entry of {name!r}": f"{pattern!r}: {_described(entry)}"
                   for name, (pattern, entry) in plan.matches.items()})
     groups = [placement.mesh.get_group(axis) for axis in range(placement.ndim)] if len(placement.flat_ranks) > 1 else []
     comm.agree("parallelize", facts, groups, "call parallelize with the same model, placement and plan on every rank")
+
+
+def _described(entry: object) -> str:
+    """The entry as every rank shows it alike: its ``repr``, or, where that is ``object``'s (an address, which differs
+    by rank), its class and fields."""
+    if type(entry).__repr__ is object.__repr__:
+        return f"{type(entry).__module__}.{type(entry).__qualname__}{vars(entry)!r}"
+    return repr(entry)
 
 
 def check_buffers(model: nn.Module) -> None:
