@@ -1,7 +1,7 @@
 """Plans: which modules of a model become which parallel layers, applied to an unchanged model.
 
-    style         tpf.Style: a plan entry checks a matched module, then applies itself to it
-    matched       the plan matched against a model: what every entry's check and apply read
+    style         tpf.Style: a plan entry checks a matched module, then applies itself to it; Plan: what they read
+    matching      the plan read (names, "auto", torch's styles) and matched against a model
     parallelize   the driver: match, check every match, apply every match, replicate the rest
     linear        entries ColumnParallel, RowParallel (with the attention heads' rules, heads)
     vocab         entry VocabParallel: an embedding or a head split over the vocabulary (its loss: logits)

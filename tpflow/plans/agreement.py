@@ -5,14 +5,11 @@ train on with other gradients. And a model built so that no checkpoint can fill 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from tpflow import comm
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan
 
 __all__ = ["agree", "check_buffers"]
 
@@ -27,9 +24,9 @@ def agree(plan: Plan) -> None:
     Example::
 
         >>> from torch import nn
-        >>> from tpflow.plans.matched import Plan
+        >>> from tpflow.plans.matching import match
         >>> model = nn.Sequential(nn.Linear(4, 8))
-        >>> agree(Plan(model, tpf.placement("cpu", ranks=[0, 1]), {"0": "column"}))   # the same on both: passes
+        >>> agree(match(model, tpf.placement("cpu", ranks=[0, 1]), {"0": "column"}))   # the same on both: passes
     """
     placement = plan.named
     if placement.coordinate() is None:

@@ -27,7 +27,6 @@ import dataclasses
 import inspect
 import math
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +41,8 @@ from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, 
 from tpflow.placement import Placement
 from tpflow.plans import heads
 from tpflow.plans.inputs import InputCheck
-from tpflow.plans.style import Style
+from tpflow.plans.style import Plan, Style
 from tpflow.sbp import broadcast, split
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
 
 __all__ = ["IMPLEMENTATION", "ContextParallel", "context_parallel", "register"]
 

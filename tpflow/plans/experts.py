@@ -4,15 +4,11 @@ dim (``"moe_tp_experts"``) or whole experts shared out (``"ep_dispatch_experts"`
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from tpflow.layers.experts import check_experts, experts_axis, split_experts
-from tpflow.plans.style import Style
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan, Style
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel"]
 

@@ -8,13 +8,10 @@ named placement, whose weights FSDP2 owns (``tpflow.plans.fsdp``): each layer th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from tpflow.layers import ColumnGroup
 from tpflow.plans.fsdp import leaves_data_axes
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan
 
 __all__ = ["fused_groups", "join_group"]
 
@@ -33,10 +30,10 @@ def fused_groups(plan: Plan, fusing: Mapping[str, bool]) -> dict[str, list[str]]
     Example::
 
         >>> from torch import nn
-        >>> from tpflow.plans.matched import Plan
+        >>> from tpflow.plans.matching import match
         >>> attn = nn.Module()
         >>> attn.q_proj, attn.k_proj = nn.Linear(8, 8), nn.Linear(8, 4)
-        >>> plan = Plan(nn.ModuleDict({"attn": attn}), tpf.placement("cpu", ranks=[0, 1]),
+        >>> plan = match(nn.ModuleDict({"attn": attn}), tpf.placement("cpu", ranks=[0, 1]),
         ...             {"attn.[qk]_proj": tpf.ColumnParallel(fuse=True)})
         >>> fused_groups(plan, {"attn.q_proj": True, "attn.k_proj": True})
         {'attn': ['attn.q_proj', 'attn.k_proj']}

@@ -10,7 +10,6 @@ Column entries with ``fuse=True`` under one parent run as one product (``tpflow.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -18,10 +17,7 @@ from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinea
 from tpflow.placement import Placement
 from tpflow.plans import heads
 from tpflow.plans.fusion import fused_groups, join_group
-from tpflow.plans.style import Style
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan, Style
 
 __all__ = ["ColumnParallel", "RowParallel"]
 

@@ -1,11 +1,13 @@
-"""``parallelize(model, placement=, plan=)``: swap a model's ``nn.Linear`` layers for parallel ones, in place.
+"""``parallelize(model, placement=, plan=)``: a plan's entries applied to a model, in place.
 
     plan = {"*.fc1": "column", "*.fc2": "row"}                       # fnmatch patterns of module names
     plan = {"*.q_proj": "column", "*.o_proj": tpf.RowParallel(sequence_parallel=True)}
     plan = {"*.[qkv]_proj": tpf.ColumnParallel(fuse=True), "*.o_proj": "row"}   # q, k, v as one product
+    plan = {"*.wq": ColwiseParallel(), "*.wo": RowwiseParallel()}   # torch's own styles
 
-Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block),
-so a model built and loaded on one device, the same on every rank, becomes a tensor-parallel one.
+The driver of the entries' two steps (``tpf.Style``): the plan matched, every match checked, every match applied,
+what no entry split replicated. What an entry does is the entry's; what entries share has its own module (fusion,
+ties, agreement).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tpflow.placement import Placement
 from tpflow.plans.agreement import agree, check_buffers
 from tpflow.plans.fsdp import expect_fsdp
 from tpflow.plans.inputs import check_inputs
-from tpflow.plans.matched import Plan
+from tpflow.plans.matching import match
 from tpflow.plans.pretrained import export_whole
 from tpflow.plans.ties import Ties
 
@@ -27,15 +29,16 @@ __all__ = ["parallelize"]
 
 
 def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object] | str) -> nn.Module:
-    """Replace the ``nn.Linear`` (and, for ``"vocab"`` entries, ``nn.Embedding``) modules whose names match
-    ``plan``'s patterns, and make every other parameter a global tensor too; returns ``model``.
+    """Apply ``plan``'s entries to the modules whose names match its patterns (column and row entries replace
+    ``nn.Linear`` modules, ``"vocab"`` ones an ``nn.Embedding`` or a head, ...), and make every other parameter a
+    global tensor too; returns ``model``.
 
     Patterns are ``fnmatch`` patterns over ``named_modules()`` names (``*`` crosses dots, so
-    ``"*.fc1"`` matches ``"blocks.0.mlp.fc1"``). Every pattern must match at least one module,
-    each match of a column or row entry must be an ``nn.Linear`` (of a ``"vocab"`` entry, an ``nn.Embedding`` or an
-    ``nn.Linear`` head), and no module may match two patterns:
-    anything else is an error naming the pattern, raised before the model is changed. So is an attention
-    module whose heads do not split over the tensor-parallel ranks.
+    ``"*.fc1"`` matches ``"blocks.0.mlp.fc1"``). Every pattern must match at least one module, and no module may
+    match two patterns. Then every match's entry checks its module (a column or row entry takes an ``nn.Linear``,
+    an attention module's heads must split over the tensor-parallel ranks, ...): any error names the pattern and
+    the fix, and is raised before the model is changed, on every rank alike. Then every entry applies itself
+    (``tpf.Style.apply``); an entry of the user's own (a ``tpf.Style`` subclass) goes through the same steps.
 
     Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block), so a
     model built and loaded on one device, the same on every rank, becomes a tensor-parallel one. A module
@@ -65,12 +68,14 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
             module names, each mapped to its entry: ``"column"`` (W split(1)), ``"row"`` (W split(0)),
             ``"vocab"`` (an embedding or a head split over the vocabulary), Hugging Face's names (``"colwise"``,
             ``"rowwise"``, ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"replicated_with_grad_allreduce"``,
-            ``"sequence_parallel"``, ...; ``tpflow.plans.styles.STYLES``), or ``tpf.ColumnParallel(...)`` /
-            ``tpf.RowParallel(...)`` / ``tpf.VocabParallel(...)`` / ``tpf.Replicated(...)`` /
-            ``tpf.SequenceParallel(...)`` with options.
+            ``"sequence_parallel"``, ...; ``tpflow.plans.names.STYLES``), entries with options
+            (``tpf.ColumnParallel(...)``, ``tpf.RowParallel(...)``, ``tpf.VocabParallel(...)``, ``tpf.Replicated(...)``,
+            ``tpf.SequenceParallel(...)``, ...), a ``tpf.Style`` of the user's own, or torch's own styles
+            (``ColwiseParallel()``, ``RowwiseParallel(...)``, ``SequenceParallel()``, ``PrepareModuleInput(...)``:
+            ``tpflow.plans.torch_styles``), read as tpflow's entries or refused with what to write instead.
 
     Returns:
-        ``model`` itself, its matched ``nn.Linear`` modules replaced.
+        ``model`` itself, its matched modules parallelized.
 
     Example::
 
@@ -91,7 +96,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
     check_buffers(model)
-    matched = Plan(model, placement, plan)  # names, "auto" and torch's styles read as entries; patterns matched
+    matched = match(model, placement, plan)  # names, "auto" and torch's styles read as entries; patterns matched
     agree(matched)
     ties = Ties(matched)
     for name, module, entry in matched.each():  # every check before the first change

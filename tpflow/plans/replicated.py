@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from tpflow.layers.replicated import GRADS
-from tpflow.plans.style import Style
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan, Style
 
 __all__ = ["Replicated"]
 

@@ -5,17 +5,13 @@ by its input's shape; a mixture of experts' block)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from tpflow import comm
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.placement import Placement
-from tpflow.plans.style import Style
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan, Style
 
 __all__ = ["GatherSequence", "SequenceParallel"]
 

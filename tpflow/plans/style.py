@@ -1,5 +1,5 @@
 """``tpf.Style``: a plan entry, which checks a matched module and applies itself to it (torch's ``ParallelStyle`` with
-a check before any change).
+a check before any change); ``Plan``: the plan matched against a model, which every entry's steps read.
 
 ``parallelize`` matches a plan's patterns to module names, calls every match's ``check`` (which raises, naming the
 fix, before the model changes), then every match's ``apply`` (which swaps the module for a layer it returns, or
@@ -10,16 +10,14 @@ two steps; what the driver and the other entries read of an entry are the few pr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable, Iterator
 
 from torch import nn
 
 from tpflow.placement import Placement
+from tpflow.plans.fsdp import tensor_slice
 
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
-
-__all__ = ["Style"]
+__all__ = ["Plan", "Style"]
 
 
 class Style:
@@ -66,7 +64,7 @@ from tpflow.placement import Placement
         Args:
             name: the module's name in the model (its first, if it has several).
             module: the matched module.
-            plan: the plan matched against the model (``tpflow.plans.matched.Plan``): its placement, the other
+            plan: the plan matched against the model (``Plan``): its placement, the other
                 entries, the model.
         """
 
@@ -125,3 +123,110 @@ from tpflow.placement import Placement
         """Whether this entry splits the activations over the ranks by tokens (sequence parallelism), which context
         parallelism, splitting the sequence through every layer already, refuses beside it (default False)."""
         return False
+
+
+class Plan:
+    """The plan ``parallelize`` applies to ``model``: each matched module with its pattern and entry.
+
+    Args:
+        model: the model the plan is for.
+        placement: the ranks, as the user gave them.
+        matches: each matched module's name with its pattern and entry (``tpflow.plans.matching.match`` finds them).
+
+    Attributes:
+        model: the model.
+        modules: every module by name (a module shared under two names under both).
+        matches: each matched module's name with ``(pattern, entry)``.
+        given: the placement as given (a context-parallel model's ``.logits`` are global over it).
+        named: the placement the entries arranged (context parallelism makes a 1-D one ``(context, tensor)``):
+            on a named placement its data axes are FSDP2's.
+        placement: where the layers live: ``named``'s tensor-parallel slice on a named placement, else ``named``;
+            its last axis is tensor parallel.
+        grads: per module name, how the gradients of parameters it keeps whole are found (``"partial"``,
+            ``"whole"``, ``"auto"``: ``tpflow.layers.replicated``).
+        layers: each swapped module's replacement, by ``id`` of the module it replaced.
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        >>> plan = Plan(model, tpf.placement("cpu", ranks=[0, 1]), {"0": ("0", tpf.ColumnParallel())})
+        >>> plan.matches["0"], plan.world
+        (('0', ColumnParallel(gather_output=False, sequence_parallel=False, algo='auto', keep_gathered=True, \
+sequence_dim=0, fuse=False)), 2)
+    """
+
+    def __init__(self, model: nn.Module, placement: Placement, matches: dict[str, tuple[str, Style]]) -> None:
+        self.model, self.given, self.matches = model, placement, matches
+        self.modules = dict(model.named_modules(remove_duplicate=False))
+        arranged = placement
+        for entry in self._distinct():
+            arranged = entry.arrange(arranged)
+        self.named, self.placement = arranged, tensor_slice(arranged)
+        self.grads: dict[str, str] = {}
+        self.layers: dict[int, nn.Module] = {}
+        self._finally: dict[Hashable, Callable[[], None]] = {}
+        self._shared: dict[Hashable, object] = {}
+
+    @property
+    def world(self) -> int:
+        """The tensor-parallel degree: the last axis of ``placement``."""
+        return self.placement.hierarchy[-1]
+
+    def entry(self, name: str) -> Style | None:
+        """The entry the module ``name`` matched, or None."""
+        return self.matches.get(name, (None, None))[1]
+
+    def pattern(self, name: str) -> str:
+        """The plan pattern the module ``name`` matched."""
+        return self.matches[name][0]
+
+    def each(self) -> Iterator[tuple[str, nn.Module, Style]]:
+        """Every matched module once (a shared one under its first name), with its name and entry."""
+        seen: set[int] = set()
+        for name, (_, entry) in self.matches.items():
+            module = self.modules[name]
+            if id(module) not in seen:
+                seen.add(id(module))
+                yield name, module, entry
+
+    def swap(self, module: nn.Module, layer: nn.Module) -> None:
+        """Put ``layer`` in ``module``'s place under every name it has in the model."""
+        self.layers[id(module)] = layer
+        for alias in (n for n, m in self.modules.items() if m is module):
+            parent, _, child = alias.rpartition(".")
+            setattr(self.model.get_submodule(parent), child, layer)
+
+    def layer(self, name: str) -> nn.Module:
+        """What the module named ``name`` is now: its replacement, or itself."""
+        module = self.modules[name]
+        return self.layers.get(id(module), module)
+
+    def shared(self, key: Hashable, compute: Callable[[], object]) -> object:
+        """What several entries read alike (the fused groups), computed by the first that asks."""
+        if key not in self._shared:
+            self._shared[key] = compute()
+        return self._shared[key]
+
+    def at_end(self, key: Hashable, step: Callable[[], None]) -> None:
+        """Run ``step`` once (the first given under ``key``) after every entry has applied itself: what joins
+        several entries' layers (a fused group) or needs the model whole (the context's hooks)."""
+        self._finally.setdefault(key, step)
+
+    def finish(self) -> None:
+        """Run the steps ``at_end`` collected, in the order they came."""
+        for step in self._finally.values():
+            step()
+
+    def first_whole_reader(self) -> str | None:
+        """The name of the model's first planned module whose layer reads the same whole input on every tensor-parallel
+        rank (where the ranks' data is checked alike), or None."""
+        return next((name for name, module in self.modules.items()
+                     if name in self.matches and self.entry(name).reads_whole(module)), None)
+
+    def _distinct(self) -> list[Style]:
+        distinct: list[Style] = []
+        for _, entry in self.matches.values():
+            if not any(entry is seen or entry == seen for seen in distinct):
+                distinct.append(entry)
+        return distinct

@@ -7,10 +7,7 @@ differently cannot be one block: both are errors naming the fix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan
 
 __all__ = ["Ties"]
 
@@ -25,10 +22,10 @@ class Ties:
     Example::
 
         >>> from torch import nn
-        >>> from tpflow.plans.matched import Plan
+        >>> from tpflow.plans.matching import match
         >>> model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": nn.Linear(4, 10, bias=False)})
         >>> model.head.weight = model.embed.weight                     # tied
-        >>> plan = Plan(model, tpf.placement("cpu", ranks=[0, 1]), {"embed": "vocab", "head": "vocab"})
+        >>> plan = match(model, tpf.placement("cpu", ranks=[0, 1]), {"embed": "vocab", "head": "vocab"})
         >>> len(Ties(plan).tied)                                        # one parameter, two owners
         1
     """

@@ -131,8 +131,8 @@ def _prepare(have: object, want: object) -> Style:
         return GatherSequence(sequence_dim=dim)
     if isinstance(have, Replicate) and (dim := _tokens(want)) is not None:
         return SequenceParallel(split_input=True, sequence_dim=dim)
-    raise _Refused(f"it turns {have!r} into {want!r}; tpflow gathers a sequence split whole (Shard(d) -> Replicate()) or "
-                   f"cuts a whole input to this rank's tokens (Replicate() -> Shard(d))")
+    raise _Refused(f"it turns {have!r} into {want!r}; tpflow gathers a sequence split whole (Shard(d) -> "
+                   f"Replicate()) or cuts a whole input to this rank's tokens (Replicate() -> Shard(d))")
 
 
 def _prepare_both(style: PrepareModuleInputOutput) -> Style:

@@ -4,7 +4,6 @@ Face's ``"embedding_rowwise"``); a head's logits come back split, and the model'
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -12,10 +11,7 @@ from tpflow.layers import ColumnParallelLinear, ShardedModule, VocabParallelEmbe
 from tpflow.layers.vocab import ranks_without_rows
 from tpflow.placement import Placement
 from tpflow.plans.logits import route_loss
-from tpflow.plans.style import Style
-
-if TYPE_CHECKING:
-    from tpflow.plans.matched import Plan
+from tpflow.plans.style import Plan, Style
 
 __all__ = ["VocabParallel"]
 
