@@ -8,7 +8,7 @@ live in ``tpflow.kernels``, and ``tpflow.ops`` combines the two.
     p2p           point-to-point transfers posted without waiting (Pending), grouped for NCCL (batch)
     collectives   all-reduce, all-gather / reduce-scatter with uneven chunks, all-to-all by counts
     shm           those collectives for CPU ranks on one host, through shared memory instead of gloo
-    pairs         autograd pairs, a collective forward and its conjugate backward (all_gather_chunk, ...)
+    pairs         autograd pairs, a collective forward and its conjugate backward (gather_from_ranks, ...)
     transport     the Transport interface, its torch.distributed implementation, and the two rings
     fake          FakeWorld: ranks as threads joined by emulated links, for tests and benchmarks
     wire          a tensor's shape, dtype and SBP (or an error) as a fixed-size message
@@ -23,17 +23,42 @@ from tpflow.comm.collectives import all_gather, all_reduce, all_reduce_cat, all_
 from tpflow.comm.fake import FakeTransport, FakeWorld
 from tpflow.comm.p2p import Pending, batch, post
 from tpflow.comm.pairs import (
-    all_gather_chunk,
-    all_reduce_identity,
     all_to_all_mirror,
-    chunk_all_gather,
-    identity_all_reduce,
-    reduce_scatter_all_gather,
+    copy_to_ranks,
+    gather_from_ranks,
+    reduce_from_ranks,
+    reduce_scatter_to_ranks,
+    scatter_to_ranks,
 )
 from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 
-__all__ = ["CommStats", "DistTransport", "FakeTransport", "FakeWorld", "Handle", "Pending", "Transport", "agree",
-           "all_gather", "all_gather_chunk", "all_reduce", "all_reduce_cat", "all_reduce_identity", "all_to_all",
-           "all_to_all_mirror", "as_transport", "batch", "chunk_all_gather", "count_ring", "exchange_counts",
-           "identity_all_reduce", "post", "reduce_scatter", "reduce_scatter_all_gather", "ring_bytes", "shm", "stats",
-           "wire"]
+__all__ = [
+    "CommStats",
+    "DistTransport",
+    "FakeTransport",
+    "FakeWorld",
+    "Handle",
+    "Pending",
+    "Transport",
+    "agree",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_cat",
+    "all_to_all",
+    "all_to_all_mirror",
+    "as_transport",
+    "batch",
+    "copy_to_ranks",
+    "count_ring",
+    "exchange_counts",
+    "gather_from_ranks",
+    "post",
+    "reduce_from_ranks",
+    "reduce_scatter",
+    "reduce_scatter_to_ranks",
+    "ring_bytes",
+    "scatter_to_ranks",
+    "shm",
+    "stats",
+    "wire",
+]

@@ -1,17 +1,18 @@
-"""Autograd pairs for the parallel layers' hot path: a collective forward and its conjugate backward, each
-named forward first, then backward, and each a no-op on a group of one (or None), so one code path serves every
-degree of parallelism.
+"""Autograd pairs for the parallel layers' hot path: a collective forward and its conjugate backward, each a no-op
+on a group of one (or None), so one code path serves every degree of parallelism. Named by what the forward does
+between a region split over the ranks and the whole (Megatron's ``copy_to`` / ``reduce_from`` / ``scatter_to`` /
+``gather_from`` regions), so that the two of a pair read apart:
 
     name                        forward                           backward
-    all_reduce_identity         all-reduce: partial sums -> sum   identity
-    identity_all_reduce         identity                          all-reduce of the gradient
-    all_gather_chunk            all-gather along a dim            this rank's chunk of the gradient
-    chunk_all_gather            this rank's chunk (no transfer)   all-gather of the gradient
-    reduce_scatter_all_gather   reduce-scatter along a dim        all-gather of the gradient
+    copy_to_ranks               identity: x enters a split region all-reduce of the gradient
+    reduce_from_ranks           all-reduce: partial sums -> sum   identity
+    scatter_to_ranks            this rank's chunk (no transfer)   all-gather of the gradient
+    gather_from_ranks           all-gather along a dim            this rank's chunk of the gradient
+    reduce_scatter_to_ranks     reduce-scatter along a dim        all-gather of the gradient
     all_to_all_mirror           rows to ranks by counts           the mirror all-to-all (counts swapped)
 
 Chunks follow ``torch.chunk``'s rule (``tpf.sbp.chunk_bounds``). A column layer's identity forward / all-reduce
-backward is ``kernels.linear``'s ``dgrad_hook``, so that it overlaps the weight gradient; ``identity_all_reduce`` is
+backward is ``kernels.linear``'s ``dgrad_hook``, so that it overlaps the weight gradient; ``copy_to_ranks`` is
 the same pair for inputs that do not enter a linear layer (an expert split's tokens and routing weights). The
 all-gather / reduce-scatter pairs fused with a matmul are the rings of ``tpflow.ops``.
 """
@@ -26,8 +27,14 @@ import torch.distributed as dist
 from tpflow.comm.collectives import all_gather, all_reduce, all_to_all, checked_counts, reduce_scatter
 from tpflow.sbp import chunk_bounds
 
-__all__ = ["all_gather_chunk", "all_reduce_identity", "all_to_all_mirror", "chunk_all_gather", "identity_all_reduce",
-           "reduce_scatter_all_gather"]
+__all__ = [
+    "all_to_all_mirror",
+    "copy_to_ranks",
+    "gather_from_ranks",
+    "reduce_from_ranks",
+    "reduce_scatter_to_ranks",
+    "scatter_to_ranks",
+]
 
 
 def _chunks(size: int, group: dist.ProcessGroup) -> list[tuple[int, int]]:
@@ -39,7 +46,7 @@ def _own_chunk(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Ten
     return t.narrow(dim, start, end - start).contiguous()
 
 
-class _AllReduceIdentity(torch.autograd.Function):
+class _ReduceFromRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         if x.is_contiguous():  # in place: autograd raises if anything still needed the partial sum
@@ -54,7 +61,7 @@ class _AllReduceIdentity(torch.autograd.Function):
         return dy, None
 
 
-class _IdentityAllReduce(torch.autograd.Function):
+class _CopyToRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -67,7 +74,7 @@ class _IdentityAllReduce(torch.autograd.Function):
         return dy, None
 
 
-class _AllGatherChunk(torch.autograd.Function):
+class _GatherFromRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, size, group):
         ctx.dim, ctx.group = dim, group
@@ -78,7 +85,7 @@ class _AllGatherChunk(torch.autograd.Function):
         return _own_chunk(dy, ctx.dim, ctx.group), None, None, None
 
 
-class _ChunkAllGather(torch.autograd.Function):
+class _ScatterToRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group, ctx.size = dim, group, x.shape[dim]
@@ -89,7 +96,7 @@ class _ChunkAllGather(torch.autograd.Function):
         return all_gather(dy, ctx.dim, _chunks(ctx.size, ctx.group), ctx.group), None, None
 
 
-class _ReduceScatterAllGather(torch.autograd.Function):
+class _ReduceScatterToRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group, ctx.size = dim, group, x.shape[dim]
@@ -120,7 +127,7 @@ def _single(group: dist.ProcessGroup | None) -> bool:
     return group is None or dist.get_world_size(group) == 1
 
 
-def all_reduce_identity(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reduce_from_ranks(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-reduce forward, identity backward: partial sums leaving as one replicated value (a row-parallel
     layer's output).
 
@@ -137,9 +144,9 @@ def all_reduce_identity(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     Example::
 
         >>> x = torch.ones(2, requires_grad=True)
-        >>> y = tpf.comm.all_reduce_identity(x * 1, torch.distributed.group.WORLD)
+        >>> y = tpf.comm.reduce_from_ranks(x * 1, torch.distributed.group.WORLD)
         >>> y                                           # on 2 ranks
-        tensor([2., 2.], grad_fn=<_AllReduceIdentityBackward>)
+        tensor([2., 2.], grad_fn=<_ReduceFromRanksBackward>)
         >>> y.sum().backward()
         >>> x.grad                                      # identity backward
         tensor([1., 1.])
@@ -147,13 +154,13 @@ def all_reduce_identity(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     if _single(group):
         return x
     if torch.is_grad_enabled() and x.requires_grad:
-        return _AllReduceIdentity.apply(x, group)
+        return _ReduceFromRanks.apply(x, group)
     x = x if x.is_contiguous() else x.contiguous()  # no backward (decoding): no autograd node, traceable
     all_reduce(x, group)
     return x
 
 
-def identity_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def copy_to_ranks(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Identity forward, all-reduce backward: a value every rank holds whole, read by computations whose gradients
     are this rank's partial sums (the tokens and routing weights an expert split's slices read).
 
@@ -167,15 +174,15 @@ def identity_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     Example::
 
         >>> x = torch.ones(2, requires_grad=True)
-        >>> y = tpf.comm.identity_all_reduce(x, torch.distributed.group.WORLD)
+        >>> y = tpf.comm.copy_to_ranks(x, torch.distributed.group.WORLD)
         >>> (y * 3).sum().backward()
         >>> x.grad                                      # on 2 ranks: both ranks' partial gradients
         tensor([6., 6.])
     """
-    return x if _single(group) else _IdentityAllReduce.apply(x, group)
+    return x if _single(group) else _CopyToRanks.apply(x, group)
 
 
-def all_gather_chunk(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_from_ranks(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather along ``dim`` (of whole ``size``) forward; backward keeps this rank's chunk of the gradient
     (a column layer's ``gather_output``).
 
@@ -191,17 +198,17 @@ def all_gather_chunk(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGr
     Example::
 
         >>> x = torch.full((1, 2), float(tpf.get_rank()), requires_grad=True)   # on 2 ranks: 2 of 3 columns
-        >>> y = tpf.comm.all_gather_chunk(x[:, :2 - tpf.get_rank()], 1, 3, torch.distributed.group.WORLD)
+        >>> y = tpf.comm.gather_from_ranks(x[:, :2 - tpf.get_rank()], 1, 3, torch.distributed.group.WORLD)
         >>> y.detach()
         tensor([[0., 0., 1.]])
         >>> (y * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
         >>> x.grad                                      # on rank 0: its columns' gradient
         tensor([[1., 2.]])
     """
-    return x if _single(group) else _AllGatherChunk.apply(x, dim, size, group)
+    return x if _single(group) else _GatherFromRanks.apply(x, dim, size, group)
 
 
-def chunk_all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def scatter_to_ranks(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's chunk along ``dim`` forward (no transfer); all-gather of the gradient backward (a whole
     input entering a row layer, or a sequence split where every rank held the whole sequence).
 
@@ -216,13 +223,13 @@ def chunk_all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None)
     Example::
 
         >>> x = torch.arange(6.0)
-        >>> tpf.comm.chunk_all_gather(x, 0, torch.distributed.group.WORLD)   # on rank 1 of 2
+        >>> tpf.comm.scatter_to_ranks(x, 0, torch.distributed.group.WORLD)   # on rank 1 of 2
         tensor([3., 4., 5.])
     """
-    return x if _single(group) else _ChunkAllGather.apply(x, dim, group)
+    return x if _single(group) else _ScatterToRanks.apply(x, dim, group)
 
 
-def reduce_scatter_all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reduce_scatter_to_ranks(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward: this rank's chunk of the sum of every rank's ``x``; all-gather of
     the gradient backward. Partial sums leaving as one sequence-parallel value (a vocabulary-parallel
     embedding's).
@@ -238,11 +245,11 @@ def reduce_scatter_all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGrou
     Example::
 
         >>> x = torch.ones(4, 2)
-        >>> tpf.comm.reduce_scatter_all_gather(x, 0, torch.distributed.group.WORLD)   # on rank 0 of 2
+        >>> tpf.comm.reduce_scatter_to_ranks(x, 0, torch.distributed.group.WORLD)   # on rank 0 of 2
         tensor([[2., 2.],
                 [2., 2.]])
     """
-    return x if _single(group) else _ReduceScatterAllGather.apply(x, dim, group)
+    return x if _single(group) else _ReduceScatterToRanks.apply(x, dim, group)
 
 
 def all_to_all_mirror(x: torch.Tensor | Sequence[torch.Tensor], send_counts: Sequence[int],

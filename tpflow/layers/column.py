@@ -139,7 +139,7 @@ class ColumnParallelLinear(ParallelLinear):
                 else self.fused_group.output
             return output(self, x, data_split)
         y = self.product(x, *self.local_blocks(data_split), rows)
-        return comm.all_gather_chunk(y, -1, self.out_features, self.group) if self.gather_output else y
+        return comm.gather_from_ranks(y, -1, self.out_features, self.group) if self.gather_output else y
 
     def product(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int | None) -> torch.Tensor:
         """``x @ w.T + b`` for weight and bias blocks ``w``, ``b`` with this layer's collectives: what a fused

@@ -169,7 +169,7 @@ class _Slices:
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         views = list(self.reads.enter(module))
         if self.once is not None:  # the whole bias, added once over the ranks, its gradient summed over them
-            views[self.once] = comm.identity_all_reduce(views[self.once], self.group) * int(self.first)
+            views[self.once] = comm.copy_to_ranks(views[self.once], self.group) * int(self.first)
         if self.exchange is not None:  # each expert's gradient sums every data rank's tokens: FSDP2 averages
             views = [gradients.scale_grad(v, self.scale) for v in views]
         for name, view in zip(self.reads.names, views):
@@ -177,7 +177,7 @@ class _Slices:
         given = {**dict(zip(self.inputs, args)), **kwargs}
         tokens, ids, weights = (given[n] for n in self.inputs)
         # the tokens and the routing weights: whole here, their gradients this rank's partial sums
-        tokens, weights = (comm.identity_all_reduce(t, self.group) for t in (tokens, weights))
+        tokens, weights = (comm.copy_to_ranks(t, self.group) for t in (tokens, weights))
         if self.exchange is not None:
             tokens, ids, weights, self.back = self._dispatch(module, tokens, ids, weights)
         else:
@@ -252,7 +252,7 @@ class _Slices:
             output = output + sum(t.reshape(-1)[:0].sum() for t in routing)
         if back is not None:  # the outputs of this rank's tokens (or of the tokens it received), in their places
             output = back(output)
-        return comm.all_reduce_identity(output, self.group)
+        return comm.reduce_from_ranks(output, self.group)
 
 
 def split_experts(module: nn.Module, placement: Placement, by: str = "intermediate",

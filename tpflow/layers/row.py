@@ -116,7 +116,7 @@ class RowParallelLinear(ParallelLinear):
                                  f"this rank's block of the {self.in_features} input features")
         else:
             self._check_features(x, self.in_features, "the whole input features")
-            x = comm.chunk_all_gather(x, -1, group)
+            x = comm.scatter_to_ranks(x, -1, group)
         w, b = self.local_blocks(data_split)
         if group is None:
             return linear(x, w, b)
@@ -129,7 +129,7 @@ class RowParallelLinear(ParallelLinear):
             # the ring scatters dim 0: a batch-first input is read as [seq, batch, ...]
             return matmul_reduce_scatter(x.movedim(d, 0), w.mT, group, bias=b, algo=self.algo).movedim(0, d)
         # partial sums travel in fp32 at least
-        y = comm.all_reduce_identity(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)
+        y = comm.reduce_from_ranks(linear(x, w, out_dtype=accumulate_dtype(x.dtype)), group)
         return (y if b is None else y.add_(b)).to(x.dtype)  # the reduced sum is this layer's own: add in place
 
     def extra_repr(self) -> str:

@@ -183,8 +183,8 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
                 raise ValueError(f"sequence parallelism splits dim {self.sequence_dim} ({y.shape[self.sequence_dim]} "
                                  f"tokens) over {self._tp_size} ranks: pad the sequence to a multiple of "
                                  f"{self._tp_size}")
-            return tag(comm.reduce_scatter_all_gather(y, self.sequence_dim, self._group), SPLIT)
-        return tag(comm.all_reduce_identity(y, self._group), WHOLE)
+            return tag(comm.reduce_scatter_to_ranks(y, self.sequence_dim, self._group), SPLIT)
+        return tag(comm.reduce_from_ranks(y, self._group), WHOLE)
 
     def extra_repr(self) -> str:
         where = "not on this rank"

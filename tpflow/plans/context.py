@@ -259,7 +259,7 @@ class _Context:
                                "computed its logits some other way): its loss and logits would be out of order")
         group = _axis_group(self.placement)
         if getattr(output, "loss", None) is not None:
-            output.loss = comm.all_reduce_identity(output.loss, group)
+            output.loss = comm.reduce_from_ranks(output.loss, group)
         logits = getattr(output, "logits", None)
         if isinstance(logits, torch.Tensor):
             output.logits = self._global(logits)
@@ -356,7 +356,7 @@ class ContextParallel(Style):
         >>> model = tpf.parallelize(model, placement=P, plan=plan)
         >>> out = model(ids, labels=ids)                                        # whole ids in, 4 tokens a rank
         >>> out.loss, tpf.get_sbp(out.logits)
-        (tensor(4.1710, grad_fn=<_AllReduceIdentityBackward>), (sbp.split(dim=1),))
+        (tensor(4.1710, grad_fn=<_ReduceFromRanksBackward>), (sbp.split(dim=1),))
     """
 
     kind: str = "ring"

@@ -92,7 +92,7 @@ class _SummedInput:
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         group = self.placement.mesh.get_group(self.placement.ndim - 1)
-        return (comm.identity_all_reduce(args[0], group), *args[1:])
+        return (comm.copy_to_ranks(args[0], group), *args[1:])
 
 
 class _KeptColumns:

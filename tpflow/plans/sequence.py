@@ -128,13 +128,13 @@ class _Tokens:
         args, kwargs = list(args), dict(kwargs)
         x = args[0] if args else kwargs["hidden_states"]
         if self.gather:  # contiguous: the module's own code may view it (an MoE block flattens its tokens)
-            x = tag(comm.all_gather_chunk(x, dim, x.shape[dim] * world, group).contiguous(), WHOLE)
+            x = tag(comm.gather_from_ranks(x, dim, x.shape[dim] * world, group).contiguous(), WHOLE)
         elif x.shape[dim] % world:
             raise ValueError(f"sequence parallelism splits dim {dim} ({x.shape[dim]} tokens) over {world} ranks: pad "
                              f"the sequence to a multiple of {world}, or parallelize without sequence_parallel "
                              f"(generation)")
         else:
-            x = tag(comm.chunk_all_gather(x, dim, group), SPLIT)
+            x = tag(comm.scatter_to_ranks(x, dim, group), SPLIT)
         if args:
             args[0] = x
         else:
@@ -152,5 +152,5 @@ class _OutputTokens:
     def __call__(self, module: nn.Module, args: tuple, output: object) -> object:
         group = _tp_group(self.placement)
         if isinstance(output, tuple):
-            return (tag(comm.chunk_all_gather(output[0], self.dim, group), SPLIT), *output[1:])
-        return tag(comm.chunk_all_gather(output, self.dim, group), SPLIT)
+            return (tag(comm.scatter_to_ranks(output[0], self.dim, group), SPLIT), *output[1:])
+        return tag(comm.scatter_to_ranks(output, self.dim, group), SPLIT)
