@@ -9,6 +9,7 @@ those below it:
     kernels                  Triton kernels and their torch references (nothing distributed)
     ops                      kernels x transports: the ring matmul collectives, the vocabulary-parallel loss
     global_tensor            creation, boxing, to_global / from_local, matmul with SBP inference
+    checkpoint               safetensors read block by block into a parallelized model; whole tensors out
     layers                   ColumnParallelLinear, RowParallelLinear, fused column groups, VocabParallelEmbedding
     plans                    parallelize: plans of module-name patterns
     pipeline                 stages, schedules as tables, the executor
@@ -18,25 +19,22 @@ those below it:
 from __future__ import annotations
 
 from tpflow import comm, config, kernels, ops, sbp
+from tpflow.checkpoint import full_state_dict, load_safetensors, meta_parameters, unique_state_dict
 from tpflow.global_tensor import (
     clip_grad_norm_,
     cross_entropy,
     from_local,
     full,
-    full_state_dict,
     get_placement,
     get_sbp,
     gradients,
-    load_safetensors,
     matmul,
-    meta_parameters,
     ones,
     rand,
     randn,
     tensor,
     to_global,
     to_local,
-    unique_state_dict,
     vocab_parallel_loss,
     zeros,
 )

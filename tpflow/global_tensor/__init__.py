@@ -10,9 +10,6 @@
     signatures  the matmul signatures legal on a placement axis, and what boxing to another costs
     matmul      matmul with SBP inference
     cross_entropy  the loss of logits split over the classes, and the mode routing F.cross_entropy to it
-    loading     models built without values (meta_parameters), each rank reading its blocks
-                (load_safetensors); a state dict with each tied tensor once (unique_state_dict)
-    export      a parallelized model's values whole on its placement's first rank (full_state_dict, export_rank)
     gradients   partial-sum gradients summed in buckets by the backward (reducer) or before a step
 """
 
@@ -23,12 +20,9 @@ from tpflow.global_tensor.blocks import get_placement, get_sbp, to_local
 from tpflow.global_tensor.convert import to_global
 from tpflow.global_tensor.creation import full, ones, rand, randn, tensor, zeros
 from tpflow.global_tensor.cross_entropy import cross_entropy, vocab_parallel_loss
-from tpflow.global_tensor.export import export_rank, full_state_dict
 from tpflow.global_tensor.gradients import clip_grad_norm_
-from tpflow.global_tensor.loading import load_safetensors, meta_parameters, unique_state_dict
 from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
 
-__all__ = ["clip_grad_norm_", "cross_entropy", "export_rank", "from_local", "full", "full_state_dict",
-           "get_placement", "get_sbp", "gradients", "load_safetensors", "matmul", "meta_parameters", "ones", "rand",
-           "randn", "tensor", "to_global", "to_local", "unique_state_dict", "vocab_parallel_loss", "zeros"]
+__all__ = ["clip_grad_norm_", "cross_entropy", "from_local", "full", "get_placement", "get_sbp", "gradients", "matmul",
+           "ones", "rand", "randn", "tensor", "to_global", "to_local", "vocab_parallel_loss", "zeros"]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpflow.global_tensor.loading import tensor_names
+from tpflow.checkpoint.load import tensor_names
 from tpflow.pipeline.stage import Stage
 from tpflow.placement import Placement
 from tpflow.plans import VocabParallel, hf_plan, parallelize

@@ -15,7 +15,7 @@ import os
 import torch.distributed as dist
 from torch import nn
 
-from tpflow.global_tensor.export import export_rank, full_state_dict
+from tpflow.checkpoint.export import export_rank, full_state_dict
 
 __all__ = ["export_whole"]
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tpflow.checkpoint.sources import checkpoint_sources, read_block, read_stacked
 from tpflow.global_tensor.blocks import get_placement
-from tpflow.global_tensor.converted import checkpoint_sources, read_block, read_stacked
 
 __all__ = ["load_safetensors", "meta_parameters", "tensor_names", "unique_state_dict"]
 
@@ -121,7 +121,7 @@ def tensor_names(model: nn.Module) -> frozenset[str]:
     Example::
 
         >>> from torch import nn
-        >>> from tpflow.global_tensor.loading import tensor_names
+        >>> from tpflow.checkpoint.load import tensor_names
         >>> sorted(tensor_names(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))))
         ['0.bias', '0.weight', '1.bias', '1.num_batches_tracked', '1.running_mean', '1.running_var', '1.weight']
     """
@@ -184,7 +184,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
     A Hugging Face model's checkpoint in its original layout loads as ``from_pretrained`` converts it: a mixture of
     experts' per-expert tensors (``mlp.experts.3.gate_proj.weight``) are stacked into the model's fused experts, each
     rank reading only its experts' tensors and of each its slice, and renamed modules (Mixtral's
-    ``block_sparse_moe``) are found under their new names (``tpflow.global_tensor.converted``).
+    ``block_sparse_moe``) are found under their new names (``tpflow.checkpoint.sources``).
 
     A stage of ``tpf.pipeline.cut`` takes a checkpoint of the whole model: it reads the tensors of its own
     layers by the whole model's names (``model.layers.5.mlp.up_proj.weight``) and leaves the other stages'

@@ -42,7 +42,7 @@ def block_ranges(t: torch.Tensor) -> Ranges:
 
         >>> from torch.distributed.tensor import DTensor
         >>> from torch.distributed.tensor.placement_types import _StridedShard
-        >>> from tpflow.global_tensor.converted import block_ranges
+        >>> from tpflow.checkpoint.sources import block_ranges
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> packed = DTensor.from_local(torch.zeros(4, 6, 8), P.mesh, [_StridedShard(1, split_factor=2)],
         ...                             shape=(4, 12, 8), stride=(96, 8, 1))
@@ -106,7 +106,7 @@ def read_block(handle, key: str, t: torch.Tensor) -> torch.Tensor:
         >>> import tempfile
         >>> from safetensors import safe_open
         >>> from safetensors.torch import save_file
-        >>> from tpflow.global_tensor.converted import read_block
+        >>> from tpflow.checkpoint.sources import read_block
         >>> folder = tempfile.TemporaryDirectory()
         >>> path = os.path.join(folder.name, "w.safetensors")
         >>> save_file({"w": torch.arange(8.).reshape(4, 2)}, path)
@@ -136,7 +136,7 @@ class Stacked:
 
     Example::
 
-        >>> from tpflow.global_tensor.converted import Stacked
+        >>> from tpflow.checkpoint.sources import Stacked
         >>> down = Stacked(keys=(("experts.0.down_proj.weight", "experts.1.down_proj.weight"),), dim=None)
         >>> len(down.keys[0])                                           # two experts
         2
@@ -160,7 +160,7 @@ def checkpoint_sources(model: nn.Module, keys: list[str]) -> tuple[dict[str, str
     Example::
 
         >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-        >>> from tpflow.global_tensor.converted import checkpoint_sources
+        >>> from tpflow.checkpoint.sources import checkpoint_sources
         >>> model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=16, hidden_size=8, moe_intermediate_size=4,
         ...     num_experts=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4))
         >>> keys = [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up")]
@@ -227,7 +227,7 @@ def read_stacked(handles: dict, source: Stacked, t: torch.Tensor) -> torch.Tenso
         >>> import tempfile
         >>> from safetensors import safe_open
         >>> from safetensors.torch import save_file
-        >>> from tpflow.global_tensor.converted import Stacked, read_stacked
+        >>> from tpflow.checkpoint.sources import Stacked, read_stacked
         >>> folder = tempfile.TemporaryDirectory()
         >>> path = os.path.join(folder.name, "experts.safetensors")
         >>> save_file({f"e.{i}.w": torch.full((2, 3), float(i)) for i in range(2)}, path)

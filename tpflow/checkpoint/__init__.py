@@ -1,0 +1,15 @@
+"""Checkpoints in and out of a parallelized model: each rank reads only its blocks, and whole tensors come out.
+
+    load      models built without values (meta_parameters), each rank reading its blocks of safetensors files
+              (load_safetensors); a state dict with each tied tensor once (unique_state_dict)
+    sources   where a parameter's values lie in a checkpoint written for another layout (experts stored one
+              tensor each, or fused): the blocks read and converted
+    export    a parallelized model's values whole on its placement's first rank (full_state_dict, export_rank)
+"""
+
+from __future__ import annotations
+
+from tpflow.checkpoint.export import export_rank, full_state_dict
+from tpflow.checkpoint.load import load_safetensors, meta_parameters, unique_state_dict
+
+__all__ = ["export_rank", "full_state_dict", "load_safetensors", "meta_parameters", "unique_state_dict"]
