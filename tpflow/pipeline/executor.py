@@ -16,38 +16,28 @@ its own sum by it.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import itertools
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm, config
-from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
-from tpflow.global_tensor import to_global
 from tpflow.global_tensor.blocks import Block
-from tpflow.global_tensor.local import from_block
 from tpflow.pipeline import actions, replay
 from tpflow.pipeline import schedule as schedules
-from tpflow.pipeline.backward import WeightGrad, input_grad
-from tpflow.pipeline.handoff import Link, Paired, PeerDied, closed_connection
+from tpflow.pipeline.guard import UNFINISHED, Guard
+from tpflow.pipeline.handoff import Link, PeerDied, closed_connection
+from tpflow.pipeline.loss import BatchLoss
 from tpflow.pipeline.stage import _TAG as _EAGER_TAG
 from tpflow.pipeline.stage import PipelineError, Stage
+from tpflow.pipeline.step import StepRun
 from tpflow.placement import Placement
-from tpflow.sbp import broadcast
 
 __all__ = ["Pipeline"]
-
-# A failed step's sends, for the process's lifetime: a peer may take them after the pipeline is gone, and gloo
-# drops a send whose work and buffer are freed before it is taken.
-_UNFINISHED = comm.Pending()
 
 # Each Pipeline a process builds takes tags no pipeline before it used (every rank builds the same pipelines in
 # the same order, which Pipeline checks): a pipeline built over the same stages after a failed step never takes
@@ -101,50 +91,6 @@ def _still(fail: Callable, *args: object) -> object:
         return fail(*args)
     except Exception:  # the step's own error is raised; this one only stops this link's messages
         return False
-
-
-_COMPUTE = ("F", "B", "W")
-
-
-class _Guard:
-    """The ranks of one multi-rank stage agree, after each forward and backward, whether every one of them
-    computed it: each sends every other a header (tag ``tag``, over the world group: no process group of its own,
-    which every rank would have to make), OK or a failed rank's error, and waits for theirs, so that none goes on
-    into a hand-off or collective the failed rank never joins. Messages between two ranks under one tag arrive in
-    order, so every agreement of every step shares the tag. (A rank stuck in a collective of the stage's own
-    module, a tensor-parallel layer's all-reduce that the failed rank never reached, still waits there until the
-    ``timeout`` switch's seconds.)"""
-
-    def __init__(self, ranks: list[int], tag: int) -> None:
-        self.peers, self.tag = [r for r in ranks if r != dist.get_rank()], tag
-        self.ok = header(OK)
-        self.seconds = 0.0  # spent agreeing, this step
-
-    def check(self, message: str | None) -> None:
-        """Agree on an action: ``message`` (this rank's error, None if it computed the action) goes to the others;
-        raises the first peer's error where one failed."""
-        start = time.perf_counter()
-        try:
-            self._exchange(message)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def _exchange(self, message: str | None) -> None:
-        buf = self.ok if message is None else header(FAILED, message=message)
-        bufs = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in self.peers]
-        pending = comm.post([], list(zip(self.peers, bufs, strict=True)), tag=self.tag)
-        for r in self.peers:
-            with contextlib.suppress(RuntimeError):  # a peer that died: the others still hear of it
-                comm.post([(r, buf)], [], tag=self.tag, pending=pending)
-        if message is not None:  # the peers may never take it (one died): kept alive, never waited on
-            _UNFINISHED.works += pending.works
-            _UNFINISHED.buffers += [*pending.buffers, *bufs]
-            return
-        pending.wait()
-        for b in bufs:
-            status, *_, text, _ = read_header(b)
-            if status == FAILED:
-                raise PipelineError(text)
 
 
 def _collect(stages: object) -> list[Stage]:
@@ -204,75 +150,6 @@ def _agree(found: list[Stage], sets: list[Placement], **arguments: object) -> No
     facts["the stages"] = "; ".join(f"stage {st.stage_id} on {st.placement!r}" for st in found)
     comm.agree("Pipeline", facts, [dist.group.WORLD],
                "build the Pipeline with the same stages, micro_batches, schedule and loss on every rank")
-
-
-def _takes_count(loss_fn: Callable) -> bool:
-    """Whether ``loss_fn`` takes ``num_items_in_batch`` (Hugging Face's convention: its sum over that count)."""
-    try:
-        params = inspect.signature(loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return "num_items_in_batch" in params
-
-
-def _ignore_index(loss_fn: Callable, given: int | None, takes_count: bool) -> int | None:
-    """The target value ``loss_fn`` leaves out of its mean: ``given``, or a torch loss module's own
-    (``nn.CrossEntropyLoss``, ``nn.NLLLoss``), or -100 for ``F.cross_entropy`` and ``F.nll_loss`` called with two
-    arguments and for a loss that takes ``num_items_in_batch``, else None (every row counts)."""
-    if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
-        raise TypeError(f"ignore_index must be an int (the target value a mean leaves out), got {given!r}")
-    if given is not None and callable(getattr(loss_fn, "num_items", None)):
-        raise ValueError(f"ignore_index={given}, but loss_fn counts its own items (its num_items): give the ignored "
-                         f"label to the loss itself (tpf.pipeline.causal_lm_loss(model, ignore_index={given}))")
-    own = getattr(loss_fn, "ignore_index", None) if isinstance(loss_fn, nn.Module) else None
-    if own is None and any(loss_fn is f for f in (F.cross_entropy, F.nll_loss)):
-        own = -100
-        if given is not None and given != own:
-            raise ValueError(f"ignore_index={given}, but loss_fn {loss_fn.__name__}(output, target) leaves out -100: "
-                             f"pass loss_fn=lambda y, t: F.{loss_fn.__name__}(y, t, ignore_index={given}) with it")
-    if given is not None and own is not None and given != own:
-        raise ValueError(f"ignore_index={given}, but loss_fn {type(loss_fn).__name__} has ignore_index={own}: leave "
-                         "ignore_index out, and the loss module's own is used")
-    if given is None and own is None and takes_count:
-        return -100
-    return given if given is not None else own
-
-
-def _counter(loss_fn: Callable, ignore_index: int | None) -> Callable[[torch.Tensor], float]:
-    """How many items a batch of targets holds for ``loss_fn``'s mean: its own ``num_items(targets)`` where it has one
-    (``causal_lm_loss`` counts the labels after the causal shift); the integer targets other than ``ignore_index``
-    (weighted by a loss module's class ``weight``, as its mean divides by); else the rows."""
-    own = getattr(loss_fn, "num_items", None)
-    if callable(own):
-        return lambda t: _number(own(t))
-    weight = getattr(loss_fn, "weight", None) if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) else None
-
-    def count(t: torch.Tensor) -> float:
-        if ignore_index is None or t.is_floating_point():  # class probabilities: every row counts
-            return t.shape[0]
-        kept = t != ignore_index
-        return _number(kept.sum() if weight is None else weight.to(t.device)[t[kept]].sum())
-    return count
-
-
-def _number(n: object) -> float:
-    """A count as a Python number: an int where it is whole (a token count), a float where it is weighted."""
-    n = n.item() if isinstance(n, torch.Tensor) else n
-    return n if isinstance(n, int) else float(n)
-
-
-def _reduction(loss_fn: Callable, given: str | None) -> str:
-    """How ``loss_fn`` reduces its rows: ``given``, or a torch loss module's own ``reduction``, or "mean"."""
-    own = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, nn.Module) else None
-    if own is not None and own not in ("mean", "sum"):
-        raise ValueError(f"loss_fn {type(loss_fn).__name__}(reduction={own!r}) must return a scalar: give it "
-                         f"reduction='mean' or 'sum'")
-    if given is not None and given not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be 'mean' (loss_fn averages over its rows) or 'sum', got {given!r}")
-    if given is not None and own is not None and given != own:
-        raise ValueError(f"loss_reduction={given!r}, but loss_fn {type(loss_fn).__name__} has reduction={own!r}: "
-                         f"leave loss_reduction out, and the loss module's own is used")
-    return given or own or "mean"
 
 
 class Pipeline(nn.Module):
@@ -379,21 +256,14 @@ class Pipeline(nn.Module):
         if schedule == "interleaved" and micro_batches % p:
             raise ValueError(f"schedule='interleaved' takes the micro-batches in groups of the {p} rank sets: use a "
                              f"multiple of {p}, got micro_batches={micro_batches}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
-        takes_count = _takes_count(loss_fn)
-        if takes_count and loss_reduction == "sum":
-            raise ValueError("loss_reduction='sum', but loss_fn takes num_items_in_batch, and so divides its sum by "
-                             "the batch's items: leave loss_reduction out (a mean), or give a loss_fn without it")
-        loss_reduction = _reduction(loss_fn, loss_reduction)
-        self.ignore_index = _ignore_index(loss_fn, ignore_index, takes_count)
+        self.batch_loss = BatchLoss(loss_fn, loss_reduction, ignore_index)
+        self.ignore_index = self.batch_loss.ignore_index
         self.stages = nn.ModuleList(found)
         self.micro_batches, self.schedule, self.loss_fn, self.loss_reduction = \
-            micro_batches, schedule, loss_fn, loss_reduction
-        self._takes_count, self._count = takes_count, _counter(loss_fn, self.ignore_index)
+            micro_batches, schedule, loss_fn, self.batch_loss.reduction
         self.rank_sets, self.chunks = sets, v
         self.table = schedules.build(schedule, p, micro_batches, chunks=v)
-        self.split_backward = any(a.kind == "W" for row in self.table for a in row)
+        self.split_backward = any(a.kind is actions.Kind.W for row in self.table for a in row)
         for st in found:  # process groups are made by every rank, in one order: here, not lazily inside a stage
             _ = st.placement.mesh
         rank = dist.get_rank()
@@ -412,22 +282,23 @@ class Pipeline(nn.Module):
         if self.pairs and sets[0].type == "cuda":  # batched transfers use the world's communicator: made here, by all
             dist.all_reduce(torch.zeros(1, device=sets[0].device))
         first = _fresh_tags(max(len(found) - 1, 1) * (3 * micro_batches + 1) + 1)  # the last: the guards'
-        guards = [_Guard(pl.flat_ranks, first + max(len(found) - 1, 1) * (3 * micro_batches + 1))
+        guards = [Guard(pl.flat_ranks, first + max(len(found) - 1, 1) * (3 * micro_batches + 1))
                   if len(pl.flat_ranks) > 1 else None for pl in sets]
         self.links = [Link(a, b, base=first + k * (3 * micro_batches + 1), micro_batches=micro_batches,
                            ahead=not self.pairs) for k, (a, b) in enumerate(itertools.pairwise(found))]
         self.trace: list[tuple[actions.Action, float, float]] = []
         self._failed: str | None = None
-        self._guard = None if self.stage_index is None else guards[self.stage_index]
-        self._released = {} if self.stage_index is None else _released(self.table, self.stage_index)
-        self._pairs = {} if self.stage_index is None or not self.pairs else \
+        # this rank set's: its stage's agreement, the receives that prove sends taken, the receives paired with sends
+        self.guard = None if self.stage_index is None else guards[self.stage_index]
+        self.released = {} if self.stage_index is None else _released(self.table, self.stage_index)
+        self.recv_pairs = {} if self.stage_index is None or not self.pairs else \
             replay.pairs(self.table, self.stage_index)
 
     @property
     def agreement_seconds(self) -> float:
         """The seconds this rank's last step spent on its multi-rank stage's agreement (sending its word and
         waiting for its peers'); 0.0 on a one-rank stage."""
-        return 0.0 if self._guard is None else self._guard.seconds
+        return 0.0 if self.guard is None else self.guard.seconds
 
     def schedule_table(self) -> str:
         """The step as a grid of rank sets by time steps (unit time per forward, per backward and per weight
@@ -451,8 +322,8 @@ class Pipeline(nn.Module):
             raise ValueError(f"a batch of {batch.shape[0]} rows cannot make {self.micro_batches} micro-batches")
         return torch.tensor_split(batch, self.micro_batches)
 
-    def _links(self, k: int) -> tuple[Link | None, Link | None]:
-        """Stage ``k``'s links to the stage before and the stage after."""
+    def links_of(self, k: int) -> tuple[Link | None, Link | None]:
+        """Stage ``k``'s links to the stage before and the stage after (None at the ends)."""
         return self.links[k - 1] if k > 0 else None, self.links[k] if k < len(self.stages) - 1 else None
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
@@ -469,23 +340,27 @@ class Pipeline(nn.Module):
         p = len(self.rank_sets)
         mine = range(r, len(self.stages), p)  # this rank set's stages, chunk by chunk
         for k in mine:
-            prev, nxt = self._links(k)
+            prev, nxt = self.links_of(k)
             for link, src in ((prev, False), (nxt, True)):
                 if link is not None:
                     link.reset()
                     link.start(rank_in_src=src)
         sends: dict[actions.Action, comm.Pending] = {}  # each send's transfers, until known to be taken
         outputs: dict[int, dict[int, Block]] = {k: {} for k in mine}  # per stage, outputs until their backward
-        self.trace, self._action = [], None
-        if self._guard is not None:
-            self._guard.seconds = 0.0
+        self.trace, run, where = [], None, None
+        if self.guard is not None:
+            self.guard.seconds = 0.0
         for k in mine:
             self.stages[k].open_step()
         try:
-            loss = self._run(r, inputs, targets, sends, outputs)
+            self._check_fsdp(r)
+            n = len(self.stages)
+            run = StepRun(self, r, self._micro(inputs, "inputs") if r == 0 else None,
+                          self._micro(targets, "targets") if r == (n - 1) % p else None, targets, sends, outputs)
+            loss = run.run()
             for k in mine:  # every micro-batch's gradients are in: to the parameters
                 self.stages[k].close_step()
-            self._action = "the end of the step"
+            where = "the end of the step"
             ended = comm.Pending()
             # Every rank set's stages are done: the ones before it say so over the links of chunk 0 (rank set r - 1's
             # first stage to r's), forward, and the ones after it back, each for itself and all beyond it. Per rank
@@ -507,20 +382,21 @@ class Pipeline(nn.Module):
             ended.wait()  # taken at once: the neighbours have finished their work and wait for these
             return loss
         except Exception as e:
-            message = str(e) if isinstance(e, PipelineError) else self._message(r, e)
+            where = where or (run.action if run is not None else None)
+            message = str(e) if isinstance(e, PipelineError) else self.failure_message(r, e, where)
             self._failed = message
             for pending in sends.values():  # a peer that failed may never take them: kept alive, never waited on
-                _UNFINISHED.works += pending.works
-                _UNFINISHED.buffers += pending.buffers
+                UNFINISHED.works += pending.works
+                UNFINISHED.buffers += pending.buffers
             drains = []
             for k in mine:  # every error header first, then the links that still send to this rank
-                prev, nxt = self._links(k)
+                prev, nxt = self.links_of(k)
                 if prev is not None:
-                    _still(prev.fail, message, "src", _UNFINISHED)
-                if nxt is not None and _still(nxt.fail, message, "dst", _UNFINISHED):
+                    _still(prev.fail, message, "src", UNFINISHED)
+                if nxt is not None and _still(nxt.fail, message, "dst", UNFINISHED):
                     drains.append((nxt, outputs[k]))
             for link, outs in drains:
-                _still(link.drain, message, outs, _UNFINISHED)
+                _still(link.drain, message, outs, UNFINISHED)
             if isinstance(e, PipelineError):
                 raise
             raise PipelineError(message) from e
@@ -528,65 +404,17 @@ class Pipeline(nn.Module):
             for k in mine:  # a step that failed (or was interrupted) leaves no leaves behind
                 self.stages[k].close_step(keep=False)
 
-    def _message(self, r: int, e: BaseException) -> str:
-        """Rank set ``r``'s error ``e``, naming its stage, ranks, action and (in a multi-rank stage) rank."""
-        where = "" if self._action is None else f" on {self._action}"
-        return (f"stage {self._stage_of(r)} (ranks {self.rank_sets[r].ranks}) failed{where}{self._which()}: "
-                f"{_cause(e, self.rank_sets[r])}")
+    def failure_message(self, r: int, e: BaseException, where: actions.Action | str | None) -> str:
+        """Rank set ``r``'s error ``e`` on ``where`` (an action, or a part of the step), naming its stage, ranks,
+        action and (in a multi-rank stage) rank."""
+        on = "" if where is None else f" on {where}"
+        chunk = where.chunk if isinstance(where, actions.Action) else 0
+        return (f"stage {r + len(self.rank_sets) * chunk} (ranks {self.rank_sets[r].ranks}) failed{on}"
+                f"{self._which()}: {_cause(e, self.rank_sets[r])}")
 
     def _which(self) -> str:
         """Which rank of a multi-rank stage failed (a one-rank stage's ranks say it)."""
         return f" (rank {dist.get_rank()})" if len(self.rank_sets[self.stage_index].flat_ranks) > 1 else ""
-
-    def _stage_of(self, r: int) -> int:
-        """The stage rank set ``r`` was at when it failed."""
-        action = self._action if isinstance(self._action, actions.Action) else None
-        return r + len(self.rank_sets) * (action.chunk if action is not None else 0)
-
-    def _paired(self, r: int, index: int, outputs: dict[int, dict[int, Block]]) -> Paired | None:
-        """With ``pipeline_pairs``: the receive to post in one group with send ``index`` of rank set ``r``'s table."""
-        if index not in self._pairs:
-            return None
-        recv, p = self.table[r][self._pairs[index]], len(self.rank_sets)
-        k, i = recv.chunk * p + r, recv.micro_batch
-        prev, nxt = self._links(k)
-        return prev.paired_act(i) if recv.kind == "recv_act" else nxt.paired_grad(outputs[k][i], i)
-
-    def _forward(self, stage: Stage, x: Block) -> Block:
-        """``stage`` on the block ``x``: on local tensors where it can, else on global ones (its own global
-        parameters), with the autograd graph reaching ``x``'s block either way."""
-        got = stage.compute_block(x)
-        return got if got is not None else Block.of(stage.check_output(stage.module(from_block(x, stage.placement))))
-
-    def _items(self, micro_targets: tuple[torch.Tensor, ...], targets: torch.Tensor) -> tuple[list[float], float]:
-        """Each micro-batch's items and the whole batch's, for a mean: counted before any loss is taken."""
-        if self.loss_reduction == "sum":
-            return [1] * len(micro_targets), 1
-        total = self._count(targets)
-        if self._takes_count:
-            return [total] * len(micro_targets), total
-        if total == 0:  # nothing to average: each micro-batch's mean is NaN, and so is the batch's, as on one device
-            return [t.shape[0] for t in micro_targets], targets.shape[0]
-        return [self._count(t) for t in micro_targets], total
-
-    def _loss(self, stage: Stage, y: Block, target: torch.Tensor, items: float, total: float) -> torch.Tensor:
-        """The micro-batch's loss on the last stage's ranks, on its whole output (gathered where the stage left it
-        split): a mean weighted by the micro-batch's share of the batch's items (rows, or targets other than
-        ``ignore_index``); a loss that takes ``num_items_in_batch`` is handed the batch's count instead."""
-        whole, local = (broadcast,) * stage.placement.ndim, y.local
-        if y.sbp != whole:  # DTensor's mean over uneven split(0) blocks averages the blocks' means (biased)
-            local = to_global(from_block(y, stage.placement), sbp=whole).to_local()
-        target = target.to(local.device)
-        if local.shape[:1] != target.shape[:1]:
-            raise ValueError(f"a micro-batch of the last stage's output has {local.shape[0]} rows but its targets "
-                             f"{target.shape[0]}: step(inputs, targets) takes as many target rows as input rows")
-        if self._takes_count:
-            return self.loss_fn(local, target, num_items_in_batch=torch.tensor(total, device=local.device))
-        if self.loss_reduction == "sum":
-            return self.loss_fn(local, target)
-        if items == 0:  # nothing to average (its mean would be NaN): no loss, and zero gradients
-            return local.reshape(-1)[:0].sum()
-        return self.loss_fn(local, target) * (items / total)
 
     def _check_fsdp(self, r: int) -> None:
         """FSDP2 over rank set ``r``'s stages: each stage's module is its root, and the whole backward runs at once
@@ -602,67 +430,3 @@ class Pipeline(nn.Module):
                              "weights', but FSDP2 reduces a module's gradients as soon as its input's gradient is "
                              "computed, before the weights' exist: use '1f1b', 'gpipe' or 'interleaved' with FSDP2 "
                              "stages")
-
-    def _run(self, r: int, inputs: object, targets: object, sends: dict[actions.Action, comm.Pending],
-             outputs: dict[int, dict[int, Block]]) -> torch.Tensor | None:
-        p, n = len(self.rank_sets), len(self.stages)
-        self._check_fsdp(r)
-        micro_inputs = self._micro(inputs, "inputs") if r == 0 else None
-        micro_targets = self._micro(targets, "targets") if r == (n - 1) % p else None
-        items, total_items = self._items(micro_targets, targets) if micro_targets is not None else ([], 0)
-        received: dict[tuple[int, int], Block] = {}  # input activations' blocks, kept for their gradients
-        grads: dict[tuple[int, int], torch.Tensor] = {}
-        later: dict[tuple[int, int], WeightGrad] = {}  # what each micro-batch's W needs, after its B
-        total = None
-        start = time.perf_counter()
-        for index, action in enumerate(self.table[r]):
-            i, began, self._action = action.micro_batch, time.perf_counter(), action
-            k = action.chunk * p + r
-            stage, (prev, nxt), key = self.stages[k], self._links(k), (k, i)
-            try:
-                if action.kind == "recv_act":
-                    received[key] = prev.recv_act(i)
-                elif action.kind == "F":
-                    if k == 0:  # the batch's rows: data, the same on every rank, laid out as the stage takes them
-                        received[key] = stage.enter_block(micro_inputs[i])
-                    y = self._forward(stage, received[key])
-                    if k == n - 1:
-                        if self._guard is not None:  # every rank computed the output, before its gathering
-                            self._guard.check(None)
-                        loss = self._loss(stage, y, micro_targets[i], items[i], total_items)
-                        total = loss.detach().float() if total is None else total + loss.detach().float()
-                        y = Block(loss, (), ())  # a plain value: its backward starts the stage's
-                    outputs[k][i] = y
-                elif action.kind == "send_act":
-                    sends[action] = comm.Pending()
-                    nxt.send_act(outputs[k][i], i, sends[action], self._paired(r, index, outputs))
-                elif action.kind == "recv_grad":
-                    grads[key] = nxt.recv_grad(outputs[k][i], i)
-                elif action.kind == "B":
-                    y = outputs[k].pop(i).local
-                    if y.requires_grad:  # a frozen stage (or one before it) has nothing to differentiate
-                        if self.split_backward:  # the input's gradient now, the weights' at this micro-batch's W
-                            x = received[key].local if k > 0 else None
-                            later[key] = input_grad(y, grads.pop(key, None), x, stage.weights())
-                        else:
-                            torch.autograd.backward(y, grads.pop(key, None))
-                elif action.kind == "W":
-                    if key in later:
-                        later.pop(key).run()
-                elif action.kind == "send_grad":
-                    sends[action] = comm.Pending()
-                    x = received.pop(key).local
-                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                    prev.send_grad(grad, i, sends[action], self._paired(r, index, outputs))
-            except Exception as e:  # a multi-rank stage's other ranks must not go on without this one
-                if self._guard is not None and action.kind in _COMPUTE and not isinstance(e, PipelineError):
-                    self._guard.check(self._message(r, e))
-                raise
-            if self._guard is not None and action.kind in _COMPUTE:
-                self._guard.check(None)
-            if action.kind == "B" and k == 0:
-                received.pop(key, None)
-            for taken in self._released.get(action, ()):  # sends this receive proves taken: free their buffers
-                sends.pop(taken).wait()
-            self.trace.append((action, began - start, time.perf_counter() - start))
-        return total

@@ -14,7 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tpflow.pipeline.actions import COMPUTE, RECVS, SENDS, UNIT_COSTS, Action, backward_actions, forward_actions, route
+from tpflow.pipeline.actions import (
+    COMPUTE,
+    RECVS,
+    SENDS,
+    UNIT_COSTS,
+    Action,
+    Kind,
+    backward_actions,
+    forward_actions,
+    route,
+)
 
 __all__ = ["check_streams", "pairs", "peak_activations", "render", "simulate"]
 
@@ -139,19 +149,19 @@ def simulate(table: Sequence[Sequence[Action]],
     micro_batches = 1 + max((a.micro_batch for actions in table for a in actions), default=-1)
     chunks = 1 + max((a.chunk for actions in table for a in actions), default=0)
     virtual = stages * chunks
-    split = any(a.kind == "W" for actions in table for a in actions)  # backwards split in B and W
+    split = any(a.kind is Kind.W for actions in table for a in actions)  # backwards split in B and W
     for s, actions in enumerate(table):
         want = sorted(str(a) for c in range(chunks) for i in range(micro_batches)
                       for a in forward_actions(c * stages + s, virtual, i, c)
-                      + backward_actions(c * stages + s, virtual, i, c) + ([Action("W", i, c)] if split else []))
+                      + backward_actions(c * stages + s, virtual, i, c) + ([Action(Kind.W, i, c)] if split else []))
         if sorted(str(a) for a in actions) != want:
             raise ValueError(f"stage {s} must do each forward, backward and transfer of micro-batches "
                              f"0..{micro_batches - 1} exactly once, got {[str(a) for a in actions]}")
-    sent: dict[tuple[str, int, int], int] = {}  # (kind, receiving virtual stage, micro-batch) -> time it is there
+    sent: dict[tuple[Kind, int, int], int] = {}  # (kind, receiving virtual stage, micro-batch) -> time it is there
     position, clock = [0] * stages, [0] * stages
     timeline: list[list[tuple[int, Action]]] = [[] for _ in range(stages)]
     computed: list[set[Action]] = [set() for _ in range(stages)]
-    peer = {"send_act": ("recv_act", 1), "send_grad": ("recv_grad", -1)}
+    peer = {Kind.SEND_ACT: (Kind.RECV_ACT, 1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
     while any(p < len(actions) for p, actions in zip(position, table)):
         progressed = False
         for s, actions in enumerate(table):
@@ -159,8 +169,8 @@ def simulate(table: Sequence[Sequence[Action]],
                 a = actions[position[s]]
                 at = a.chunk * stages + s  # the virtual stage
                 if a.kind in COMPUTE:
-                    before = {"B": ("F", "the backward", "forward"),
-                              "W": ("B", "the weight gradient (W)", "input gradient (B)")}.get(a.kind)
+                    before = {Kind.B: (Kind.F, "the backward", "forward"),
+                              Kind.W: (Kind.B, "the weight gradient (W)", "input gradient (B)")}.get(a.kind)
                     if before and Action(before[0], a.micro_batch, a.chunk) not in computed[s]:
                         raise ValueError(f"stage {s} runs {before[1]} of micro-batch {a.micro_batch} before its "
                                          f"{before[2]}")
@@ -200,12 +210,12 @@ def peak_activations(table: Sequence[Sequence[Action]]) -> list[int]:
         >>> peak_activations(build("1f1b", stages=4, micro_batches=8))
         [4, 3, 2, 1]
     """
-    last = "W" if any(a.kind == "W" for actions in table for a in actions) else "B"  # what frees them
+    last = Kind.W if any(a.kind is Kind.W for actions in table for a in actions) else Kind.B  # what frees them
     peaks = []
     for actions in table:
         live = peak = 0
         for a in actions:
-            live += 1 if a.kind == "F" else -1 if a.kind == last else 0
+            live += 1 if a.kind is Kind.F else -1 if a.kind is last else 0
             peak = max(peak, live)
         peaks.append(peak)
     return peaks

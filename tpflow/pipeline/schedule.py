@@ -26,7 +26,7 @@ most p micro-batches (1F1B's stage 0), and with F, B and W of one cost the bubbl
 
 from __future__ import annotations
 
-from tpflow.pipeline.actions import Action, Table, backward_actions, forward_actions
+from tpflow.pipeline.actions import Action, Kind, Table, backward_actions, forward_actions
 from tpflow.pipeline.replay import simulate
 
 __all__ = ["SCHEDULES", "bubble", "build", "build_interleaved", "build_zero_bubble"]
@@ -177,13 +177,13 @@ def build_interleaved(ranks: int, chunks: int, micro_batches: int) -> Table:
 
 def _zero_bubble(stage: int, stages: int, micro_batches: int) -> list[Action]:
     actions, weights = [], 0
-    last = "send_grad" if stage > 0 else "B"  # a backward's last action: W goes after its gradient is sent
+    last = Kind.SEND_GRAD if stage > 0 else Kind.B  # a backward's last action: W goes after its gradient is sent
     for a in _one_f_one_b(stage, stages, micro_batches):
         actions.append(a)
-        if a.kind == last and a.micro_batch >= stage:  # stage s's W lags its B by s micro-batches
-            actions.append(Action("W", a.micro_batch - stage))
+        if a.kind is last and a.micro_batch >= stage:  # stage s's W lags its B by s micro-batches
+            actions.append(Action(Kind.W, a.micro_batch - stage))
             weights += 1
-    return actions + [Action("W", i) for i in range(weights, micro_batches)]
+    return actions + [Action(Kind.W, i) for i in range(weights, micro_batches)]
 
 
 def build_zero_bubble(stages: int, micro_batches: int) -> Table:
