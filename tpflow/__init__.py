@@ -4,7 +4,7 @@ Every global tensor has a placement (which ranks) and an SBP (split / broadcast 
 placement axis); underneath it is a ``DTensor``. The package is layered, each folder using only
 those below it:
 
-    config, placement, sbp   switches; which ranks; how a tensor is laid out over them
+    config, world, placement, sbp   switches; the process group; which ranks; how a tensor is laid out
     comm                     collectives on local shards with byte counters; transports; metadata messages
     kernels                  Triton kernels and their torch references (nothing distributed)
     ops                      kernels x transports: the ring matmul collectives, the vocabulary-parallel loss
@@ -40,7 +40,7 @@ from tpflow.global_tensor import (
 )
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_cross_entropy
 from tpflow.pipeline import Pipeline, PipelineError, Stage, stage
-from tpflow.placement import Placement, get_rank, get_world_size, init_distributed, placement
+from tpflow.placement import Placement, placement
 from tpflow.plans import (
     ColumnParallel,
     ContextParallel,
@@ -56,6 +56,7 @@ from tpflow.plans import (
     hf_plan,
     parallelize,
 )
+from tpflow.world import get_rank, get_world_size, init_distributed
 
 __all__ = [
     "ColumnParallel",

@@ -132,12 +132,12 @@ def _run_worker(kind: str, target: str, args: list[str]) -> int:
 
     Under the launcher (``TPFLOW_LAUNCH_ERRORS`` set), an exception is recorded for the launcher and for
     torchrun instead of printed, and the rank exits with status 1 as an uncaught exception would (the
-    script's exit hooks run, then tpflow's, which leaves at once, see ``tpflow.placement._shutdown``).
+    script's exit hooks run, then tpflow's, which leaves at once, see ``tpflow.world``).
     Without it (torchrun started this module itself) the exception goes up as before.
     """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-    from tpflow.placement import init_distributed
+    from tpflow.world import init_distributed
 
     errors = os.environ.get(_ERRORS_ENV)
 
