@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tpflow import comm, config, init_distributed
 from tpflow.bench.measure import cpu_name, source_version, step_times
-from tpflow.bench.report import file_slug
+from tpflow.bench.results import file_slug
 from tpflow.comm import FakeWorld, stats
 from tpflow.ops import all_gather_matmul, matmul_reduce_scatter
 from tpflow.sbp import chunk_bounds

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.harness import ROOT, run_python
-from tpflow.bench import report
+from tpflow.bench import terminal
 from tpflow.bench.modes import HF_ONLY, MOE_ONLY
 from tpflow.comm.wire import HEADER_BYTES
 
@@ -201,7 +201,7 @@ def test_the_table_fits_the_terminal(width, capsys):
     """A committed run shown within the terminal's width: narrower terminals get fewer columns, not wrapped rows;
     the skipped modes in one line; the time ratio printed beside the medians it is the ratio of."""
     data = json.loads((ROOT / "benchmarks/results/bench_AMD-EPYC_w4_2026-11-22_200918.json").read_text())
-    report.show(data["rows"], data["meta"], width=width)
+    terminal.show(data["rows"], data["meta"], width=width)
     lines = capsys.readouterr().out.splitlines()
     table = [line for line in lines if line.startswith(("one device ", "tensor, tpflow "))]
     assert len(table) == 2 * len(data["meta"]["workloads"]) and all(len(line) <= width for line in table)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import tpflow as tpf
-from tpflow.bench import report
+from tpflow.bench import results, terminal
 from tpflow.bench.measure import (
     counting,
     device_name,
@@ -96,7 +96,7 @@ class Measured:
     peak: int = 0  # the profiled step's peak above its start
 
 
-def measure(trainers: dict[str, Trainer], cfg: dict, ctx: Context, progress: report.Progress, task) -> dict:
+def measure(trainers: dict[str, Trainer], cfg: dict, ctx: Context, progress: terminal.Progress, task) -> dict:
     """Warm-up steps, a counted one, a profiled one, then the timed ones: the modes interleaved step by step."""
     found = {n: Measured() for n in trainers}
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
@@ -152,7 +152,7 @@ def summarize(workload: str, samples: int, trainers: dict[str, Trainer], found: 
 
 
 def run_workload(name: str, cfg: dict, modes: list[str], ctx: Context,
-                 progress: report.Progress) -> tuple[list[dict], str]:
+                 progress: terminal.Progress) -> tuple[list[dict], str]:
     """Every mode that can run on workload ``name``: its rows (skipped modes with their reason) and the
     workload's description."""
     w = build_workload(name, **{k: cfg[k] for k in ("dim", "hidden", "depth", "tokens", "seq", "heads", "kv_heads")})
@@ -197,15 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                 cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                 settings=cfg, dtype="float32", optimizer="SGD", loss="MSE")
     rows, workloads = [], []
-    with report.Progress(enabled=rank == 0) as progress:
+    with terminal.Progress(enabled=rank == 0) as progress:
         for name in args.workload:
             found, described = run_workload(name, cfg, modes, ctx, progress)
             rows += found
             workloads.append(described)
     meta["workloads"] = workloads
     if rank == 0:
-        report.show(rows, meta)
-        paths = report.write(rows, meta, args.out)
+        terminal.show(rows, meta)
+        paths = results.write(rows, meta, args.out)
         print("\n".join(f"{kind}: {path}" for kind, path in paths.items()))
         print(f"to plot: python -m tpflow.bench.plot {paths['json']}")
     return 0

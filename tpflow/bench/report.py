@@ -1,5 +1,6 @@
-"""The harness's outputs: a progress bar, the tables and their legend on the terminal (rich, when installed), and
-the rows as JSON, CSV and a Markdown file in the results folder, each naming the device and the command.
+"""What the harness's tables say, whatever shows them: the columns and how a row's values print, the time ratios, the
+legend, the skipped modes' line and the tables as Markdown. ``tpflow.bench.terminal`` draws them on the terminal,
+``tpflow.bench.results`` writes them to the results folder.
 
 One ratio everywhere (the terminal, the files, the plot): a mode's time against one device's is its median step
 time over one device's median step time, so below 1 is faster and the ratio agrees with the medians beside it.
@@ -7,24 +8,10 @@ time over one device's median step time, so below 1 is faster and the ratio agre
 
 from __future__ import annotations
 
-import csv
-import datetime
-import json
-import pathlib
-import re
-import shutil
 from collections.abc import Callable, Iterator
 
-__all__ = ["COLUMNS", "NARROWER", "Progress", "file_slug", "implementation", "legend", "markdown", "markdown_table",
-           "memory_table", "show", "skipped_line", "time_ratios", "write"]
-
-try:
-    import rich.box
-    import rich.console
-    import rich.progress
-    import rich.table
-except ImportError:  # the GPU machines have no rich: plain text there
-    rich = None
+__all__ = ["COLUMNS", "NARROWER", "implementation", "legend", "markdown", "markdown_table", "memory_table",
+           "skipped_line", "time_ratios"]
 
 Cell = Callable[[dict], str]
 
@@ -115,7 +102,7 @@ def time_ratios(rows: list[dict]) -> list[dict]:
             {**r, "time_vs_one_device": r["step_ms"] / base[r["workload"]]} for r in rows]
 
 
-def _cells(row: dict, columns: dict[str, Cell]) -> list[str]:
+def cells(row: dict, columns: dict[str, Cell]) -> list[str]:
     return [fmt(row) for fmt in columns.values()]
 
 
@@ -144,14 +131,14 @@ def skipped_line(rows: list[dict]) -> str:
         else ""
 
 
-def _by_workload(rows: list[dict], meta: dict) -> Iterator[tuple[str, list[dict]]]:
+def by_workload(rows: list[dict], meta: dict) -> Iterator[tuple[str, list[dict]]]:
     """(title, rows, with their time ratios) per workload."""
     rows = time_ratios(rows)
     for workload, described in zip(dict.fromkeys(r["workload"] for r in rows), meta["workloads"]):
         yield described, [r for r in rows if r["workload"] == workload]
 
 
-def _layouts() -> Iterator[tuple[dict[str, Cell], list[str]]]:
+def layouts() -> Iterator[tuple[dict[str, Cell], list[str]]]:
     """``COLUMNS``, then ever narrower sets of columns (``NARROWER``), each with what it left out or shortened."""
     columns, changed = dict(COLUMNS), []
     yield columns, changed
@@ -165,7 +152,7 @@ def _layouts() -> Iterator[tuple[dict[str, Cell], list[str]]]:
         yield columns, changed
 
 
-def _run_line(meta: dict) -> str:
+def run_line(meta: dict) -> str:
     steps = meta.get("settings", {}).get("reps")
     steps = f", {steps} timed steps a mode" if steps else ""
     if meta.get("device_type", "cpu") == "cpu":
@@ -216,123 +203,6 @@ def legend(meta: dict, colors: bool = False, rows: list[dict] | None = None) -> 
     return lines
 
 
-class Progress:
-    """A bar per workload on rank 0's terminal; nothing elsewhere.
-
-    A context manager around ``rich.progress.Progress`` (transient: the bars go when it exits). Disabled, or
-    without rich installed, it does nothing, so every rank makes the same calls: ``add(description, total)``
-    starts a bar and returns its task (None when it does nothing), ``advance(task)`` moves that bar one step.
-
-    Args:
-        enabled: show the bars; the harness passes ``rank == 0``.
-
-    Example::
-
-        >>> with Progress(enabled=tpf.get_rank() == 0) as progress:     # bars on rank 0's terminal only
-        ...     task = progress.add("mlp on 2 ranks", total=24)
-        ...     for _ in range(24):
-        ...         progress.advance(task)
-    """
-
-    def __init__(self, enabled: bool) -> None:
-        self.bar = rich.progress.Progress(transient=True) if enabled and rich is not None else None
-
-    def __enter__(self) -> Progress:
-        if self.bar is not None:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def add(self, description: str, total: int) -> object:
-        return None if self.bar is None else self.bar.add_task(description, total=total)
-
-    def advance(self, task: object) -> None:
-        if self.bar is not None:
-            self.bar.advance(task)
-
-
-def _rich_table(title: str, columns: dict[str, Cell], part: list[dict]) -> rich.table.Table:
-    table = rich.table.Table(title=title, title_justify="left", box=rich.box.SIMPLE_HEAD, pad_edge=False,
-                             show_edge=False, padding=(0, 1, 0, 0))
-    for i, header in enumerate(columns):
-        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=True)
-    for row in part:
-        table.add_row(*_cells(row, columns), style=TERMINAL_STYLE[implementation(row["mode"])] or None)
-    return table
-
-
-def _fitting(width: int, measure: Callable[[dict[str, Cell], list[dict]], int],
-             ran: list[dict]) -> tuple[dict[str, Cell], list[str]]:
-    """The widest layout whose table of ``ran`` ``measure`` finds within ``width`` (else the narrowest)."""
-    layouts = list(_layouts())
-    return next((layout for layout in layouts if measure(layout[0], ran) <= width), layouts[-1])
-
-
-def show(rows: list[dict], meta: dict, width: int | None = None) -> None:
-    """The tables on the terminal, within its width, and their legend.
-
-    A line on the run (ranks, device, time), then a table per workload titled with its description, with the
-    skipped modes folded into one line under it; then :func:`legend`'s three lines and the command that repeats
-    the run. A table too wide for the terminal leaves out or shortens columns (``NARROWER``, the least read first)
-    rather than wrapping, and says which. Drawn with rich where it is installed (tpflow's rows in blue, the peers'
-    in orange and green), else as :func:`markdown`'s lines.
-
-    Args:
-        rows: the result rows of every workload: dicts with ``workload`` and the keys ``COLUMNS`` reads, or,
-            for a skipped mode, ``workload``, ``mode`` and ``skipped`` (the reason). Rows without
-            ``time_vs_one_device`` get it from :func:`time_ratios`.
-        meta: the run's metadata: ``workloads`` (their descriptions, in the rows' order), ``world``,
-            ``device``, ``device_type``, ``timestamp``, ``command``, ``code`` and ``torch``.
-        width: the columns to fit in; None for the terminal's (``shutil.get_terminal_size``, 80 when not a
-            terminal, or the ``COLUMNS`` environment variable).
-
-    Example::
-
-        >>> data = json.loads(pathlib.Path("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json").read_text())
-        >>> import contextlib
-        >>> import io
-        >>> with contextlib.redirect_stdout(io.StringIO()) as out:
-        ...     show(data["rows"], data["meta"], width=100)
-        >>> lines = out.getvalue().splitlines()
-        >>> max(len(line) for line in lines) <= 100      # fitted: no line wider than the terminal
-        True
-        >>> lines[-1]                                    # after the tables, the command that repeats the run
-        'command: python -m tpflow.bench --nproc_per_node 2  (commit 8cf5d8a, torch 2.13.0+cpu)'
-    """
-    width = width or shutil.get_terminal_size().columns
-    console = rich.console.Console(width=width, highlight=False, soft_wrap=False) if rich is not None else None
-    emit = console.print if console is not None else print
-
-    def measure(columns: dict[str, Cell], ran: list[dict]) -> int:  # the table's own width, not the terminal's
-        if console is None:
-            return max(len(line) for line in markdown(ran, columns))
-        return console.measure(_rich_table("", columns, ran), options=console.options.update_width(10**4)).maximum
-    emit(_run_line(meta))
-    changed: list[str] = []
-    for title, part in _by_workload(rows, meta):
-        ran, skipped = [r for r in part if not r.get("skipped")], skipped_line(part)
-        columns, now = _fitting(width, measure, ran)
-        emit("")
-        if console is None:
-            print("\n".join([title, *markdown(ran, columns)]))
-        else:
-            console.print(_rich_table(title, columns, ran))
-        changed = now if len(now) > len(changed) else changed
-        if LOSS not in columns and ran:  # the column left out: its worst value
-            emit(f"loss vs one device: at most {max(r['loss_rel_diff'] for r in ran):.1e} in every mode and step")
-        if skipped:
-            emit(skipped)
-    emit("")
-    for line in legend(meta, colors=console is not None, rows=[r for r in rows if not r.get("skipped")]):
-        emit(line)
-    if changed:
-        emit(f"(narrowed to {width} columns, without: {'; '.join(changed)}; the results files have every column)")
-    print(f"command: {meta['command']}  ({meta['code']}, torch {meta['torch']})")
-
-
 def markdown_table(header: list[str], rows: list[list], numbers: bool = False) -> list[str]:
     """A Markdown table's lines; ``numbers`` right-aligns every column but the first.
 
@@ -375,7 +245,7 @@ def markdown(rows: list[dict], columns: dict[str, Cell] | None = None) -> list[s
     """
     columns = COLUMNS if columns is None else columns
     ran = [r for r in rows if not r.get("skipped")]
-    lines = markdown_table([" ".join(h.split()) for h in columns], [_cells(r, columns) for r in ran], numbers=True)
+    lines = markdown_table([" ".join(h.split()) for h in columns], [cells(r, columns) for r in ran], numbers=True)
     skipped = skipped_line(rows)
     return lines + ["", skipped] if skipped else lines
 
@@ -407,73 +277,3 @@ def memory_table(rows: list[dict]) -> list[str]:
             "", *markdown_table(["mode", "parameters", "gradients", "AdamW state", "activations and buffers"],
                                 [[r["mode"], *(f"{r[k] / 2**20:.1f}" for k in keys)] for r in split],
                                 numbers=True)]
-
-
-def file_slug(text: str) -> str:
-    """``text`` (a device's name) as a piece of a results file's name: runs of anything but letters and digits become
-    one ``-``, so that pages can cite the file by a plain pattern.
-
-    Args:
-        text: any text.
-
-    Returns:
-        The slug.
-
-    Example::
-
-        >>> file_slug("Intel(R) Xeon(R) Processor @ 2.50GHz")
-        'Intel-R-Xeon-R-Processor-2-50GHz'
-    """
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
-
-
-def write(rows: list[dict], meta: dict, out: str) -> dict[str, pathlib.Path]:
-    """``bench_<device>_w<W>_<time>.json`` (meta and rows), ``.csv`` (a row per mode, meta repeated) and
-    ``.md`` (the tables with their device, date, command and legend).
-
-    The folder is created when missing. ``<device>`` is the device's name with each run of characters other
-    than letters and digits made one hyphen, ``<time>`` the run's timestamp as ``YYYY-mm-dd_HHMMSS``. The CSV
-    leaves out list values (per-rank bytes, losses) and the meta's nested values (settings, workloads).
-
-    Args:
-        rows: the result rows, as for :func:`show`.
-        meta: the run's metadata, as for :func:`show`, with ``allocator`` as well; ``timestamp`` in ISO format.
-        out: the results folder.
-
-    Returns:
-        The files' paths by kind: ``"json"``, ``"csv"`` and ``"table"`` (the Markdown).
-
-    Example::
-
-        >>> import tempfile
-        >>> data = json.loads(pathlib.Path("benchmarks/results/bench_AMD-EPYC_w2_2026-11-22_200828.json").read_text())
-        >>> folder = tempfile.TemporaryDirectory()          # the harness writes to benchmarks/results
-        >>> paths = write(data["rows"], data["meta"], folder.name)
-        >>> sorted(paths), paths["json"].name
-        (['csv', 'json', 'table'], 'bench_AMD-EPYC_w2_2026-11-22_200828.json')
-        >>> folder.cleanup()
-    """
-    folder = pathlib.Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.fromisoformat(meta["timestamp"]).strftime("%Y-%m-%d_%H%M%S")
-    stem = folder / f"bench_{file_slug(meta['device'])}_w{meta['world']}_{stamp}"
-    paths = {"json": stem.with_suffix(".json"), "csv": stem.with_suffix(".csv"), "table": stem.with_suffix(".md")}
-    paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    flat_meta = {k: v for k, v in meta.items() if not isinstance(v, (dict, list))}
-    fields = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], list))) + list(flat_meta)
-    with paths["csv"].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**flat_meta, **row})
-    lines = [f"# tpflow.bench, {meta['world']} ranks on {meta['device']}", "",
-             f"{_run_line(meta)}; tpflow {meta['code']}; torch {meta['torch']}; {meta['allocator']}.", "",
-             f"Command: `{meta['command']}`", "",
-             "Step: forward, backward and SGD of an MSE loss (hf: the model's own labels= loss), fp32; modes "
-             "interleaved step by step, so drift hits all alike. Bytes are every rank's sends counted by tpflow "
-             "(torch's collectives included), the most on any rank.", "",
-             *(f"- {line}" for line in legend(meta, rows=[r for r in rows if not r.get("skipped")]))]
-    for title, part in _by_workload(rows, meta):
-        lines += ["", f"## {title}", "", *markdown(part), "", *memory_table(part)]
-    paths["table"].write_text("\n".join(lines) + "\n")
-    return paths
