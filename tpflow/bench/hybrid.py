@@ -26,8 +26,7 @@ from tpflow.bench.workloads import CausalLMLoss, Workload
 from tpflow.comm import ring_bytes
 from tpflow.sbp import chunk_bounds
 
-__all__ = ["data_x_tensor", "ddp_x_tensor", "experts_over_data_tpflow", "experts_over_data_transformers",
-           "fsdp_x_tensor", "fsdp_x_tensor_transformers", "pipeline_x_tensor"]
+__all__: list[str] = []  # the modes are reached through tpflow.bench.modes.MODES
 
 
 def _halves(ctx: Context) -> list[list[int]]:
