@@ -32,8 +32,7 @@ from tpflow.pipeline import schedule as schedules
 from tpflow.pipeline.guard import UNFINISHED, Guard
 from tpflow.pipeline.handoff import Link, PeerDied, closed_connection
 from tpflow.pipeline.loss import BatchLoss
-from tpflow.pipeline.stage import _TAG as _EAGER_TAG
-from tpflow.pipeline.stage import PipelineError, Stage
+from tpflow.pipeline.stage import EAGER_TAG, PipelineError, Stage
 from tpflow.pipeline.step import StepRun
 from tpflow.placement import Placement
 
@@ -51,8 +50,8 @@ def _fresh_tags(span: int) -> int:
     start = _BUILT[1]
     if start + span > _TAG_LIMIT:  # after some billions of tags: from the start again
         start = 0
-    if start <= _EAGER_TAG < start + span:
-        start = _EAGER_TAG + 1
+    if start <= EAGER_TAG < start + span:
+        start = EAGER_TAG + 1
     _BUILT[0], _BUILT[1] = _BUILT[0] + 1, start + span
     return start
 

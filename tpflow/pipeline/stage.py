@@ -58,7 +58,7 @@ from tpflow.sbp import Broadcast, Sbp, Split, broadcast, normalize
 
 __all__ = ["PipelineError", "Stage", "stage"]
 
-_TAG = 1 << 24  # the output header of an eager call, apart from a pipeline's per-micro-batch tags
+EAGER_TAG = 1 << 24  # the output header of an eager call, apart from a pipeline's per-micro-batch tags
 
 
 class PipelineError(RuntimeError):
@@ -349,7 +349,7 @@ class Stage(nn.Module):
         root = pl.flat_ranks[0]
         if pl.coordinate() is None:
             buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-            comm.post([], [(root, buf)], tag=_TAG).wait()
+            comm.post([], [(root, buf)], tag=EAGER_TAG).wait()
             status, shape, dtype, sbps, message, requires_grad = read_header(buf)
             if status == FAILED:
                 raise PipelineError(message)
@@ -360,11 +360,11 @@ class Stage(nn.Module):
             if dist.get_rank() == root:
                 failed = header(FAILED, message=f"stage {self.stage_id} (ranks {pl.ranks}) failed: "
                                                 f"{type(e).__name__}: {e}")
-                comm.post([(r, failed) for r in outside], [], tag=_TAG).wait()
+                comm.post([(r, failed) for r in outside], [], tag=EAGER_TAG).wait()
             raise
         if dist.get_rank() == root:
             done = header(OK, y.shape, y.dtype, get_sbp(y), requires_grad=y.requires_grad)
-            comm.post([(r, done) for r in outside], [], tag=_TAG).wait()
+            comm.post([(r, done) for r in outside], [], tag=EAGER_TAG).wait()
         return y
 
     def extra_repr(self) -> str:
