@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -176,3 +177,62 @@ def _refusals_rank() -> None:
 
 def test_torch_styles_tpflow_cannot_honour_are_refused_before_any_change():
     harness.run(2, _refusals_rank)
+
+
+class _TwoHeads(nn.Module):
+    """A model whose own loss reads its second vocabulary head's logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h1, self.h2 = nn.Linear(8, 10, bias=False), nn.Linear(8, 10, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.h1(x)
+        return F.cross_entropy(self.h2(x), y)
+
+
+def _entries_apply_alike_rank() -> None:
+    """What the driver shares between entries: every vocabulary head routes the model's own loss; a module shared
+    under two names takes its gradient rule under both; fused groups and the layers' options are checked before any
+    change, on a named placement too; torch's keyword-only input preparation is read."""
+    placement = all_ranks()
+    torch.manual_seed(0)
+    heads = _TwoHeads()
+    reference = copy.deepcopy(heads)
+    tpf.parallelize(heads, placement=placement, plan={"h*": "vocab"})
+    x, y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    torch.testing.assert_close(heads(x, y), reference(x, y))
+
+    norm = nn.LayerNorm(4)
+    shared = nn.ModuleDict({"a": nn.Sequential(norm), "b": nn.Sequential(norm)})
+    tpf.parallelize(shared, placement=placement,
+                    plan={"b.0": tpf.Replicated(grads="partial"), "a.0": tpf.Replicated(grads="partial")})
+    from tpflow.layers.replicated import replicated_grads
+    assert replicated_grads(shared.a[0]) == "partial"
+
+    def attention() -> nn.Module:
+        attn = nn.Module()
+        attn.q_proj, attn.k_proj = nn.Linear(8, 8), nn.Linear(6, 4)
+        return nn.ModuleDict({"attn": attn})
+
+    named = tpf.placement("cpu", [[r] for r in range(dist.get_world_size())], names=("dp", "tp"))
+    for where in (placement, named):
+        model = attention()
+        with pytest.raises(ValueError, match="fuse=True joins"):
+            tpf.parallelize(model, placement=where, plan={"attn.[qk]_proj": tpf.ColumnParallel(fuse=True)})
+        assert type(model.attn.q_proj) is nn.Linear
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="needs sequence_parallel=True"):
+        tpf.parallelize(model, placement=placement, plan={"0": "column", "1": tpf.RowParallel(algo="ring")})
+    assert type(model[0]) is nn.Linear, "the column layer was built before the row entry's options were checked"
+
+    from tpflow.plans.torch_styles import from_torch
+    gather = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    assert from_torch("attn", gather, nn.Identity()) == tpf.GatherSequence(sequence_dim=1)
+    with pytest.raises(ValueError, match="output head"):
+        from_torch("wq", ColwiseParallel(use_local_output=False), nn.Linear(4, 4))
+
+
+def test_entries_share_what_they_must_and_check_before_any_change():
+    harness.run(2, _entries_apply_alike_rank)

@@ -93,14 +93,20 @@ class ColumnParallelLinear(ParallelLinear):
 
     _weight_split = 0
 
+    @classmethod
+    def check_options(cls, *, gather_output: bool = False, keep_gathered: bool = True, global_output: bool = False,
+                      **options: object) -> None:
+        if not keep_gathered and not options.get("sequence_parallel", False):
+            raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
+                             "the backward: it needs sequence_parallel=True")
+        super().check_options(**options)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
                  gather_output: bool = False, sequence_parallel: bool = False, algo: str = "auto",
                  keep_gathered: bool = True, sequence_dim: int = 0, global_output: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        if not keep_gathered and not sequence_parallel:
-            raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
-                             "the backward: it needs sequence_parallel=True")
-        self._check_sequence_dim(sequence_dim, sequence_parallel)
+        self.check_options(sequence_parallel=sequence_parallel, algo=algo, sequence_dim=sequence_dim,
+                           keep_gathered=keep_gathered)
         self.gather_output, self.keep_gathered, self.sequence_dim = gather_output, keep_gathered, sequence_dim
         self.fused_group = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)

@@ -83,13 +83,6 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
                  sequence_parallel: bool, algo: str, device: torch.device | str | None,
                  dtype: torch.dtype | None) -> None:
         super().__init__(placement, device)
-        if algo not in ALGOS:
-            raise ValueError(f"algo must be one of {ALGOS} (the sequence-parallel collectives: fused into a ring "
-                             f"that overlaps the matmul, the plain collective then the matmul, or by size), "
-                             f"got {algo!r}")
-        if algo != "auto" and not sequence_parallel:
-            raise ValueError(f"algo={algo!r} chooses how sequence parallelism's collectives run: it needs "
-                             "sequence_parallel=True")
         self.algo = algo
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel
@@ -118,7 +111,23 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
         """Whether sequence parallelism applies to ``x``: it has a sequence dim besides its features."""
         return self.sequence_parallel and x.ndim > self.sequence_dim + 1
 
-    def _check_sequence_dim(self, sequence_dim: int, sequence_parallel: bool) -> None:
+    @classmethod
+    def check_options(cls, *, sequence_parallel: bool = False, algo: str = "auto", sequence_dim: int = 0,
+                      **options: object) -> None:
+        """Raise a ValueError naming the fix for options this layer cannot take, building nothing (``parallelize``'s
+        entries check every match so before the model changes; the constructor checks the same).
+
+        Args:
+            sequence_parallel, algo, sequence_dim: as the layer takes them.
+            options: the subclass's own options, which its ``check_options`` reads.
+        """
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS} (the sequence-parallel collectives: fused into a ring "
+                             f"that overlaps the matmul, the plain collective then the matmul, or by size), "
+                             f"got {algo!r}")
+        if algo != "auto" and not sequence_parallel:
+            raise ValueError(f"algo={algo!r} chooses how sequence parallelism's collectives run: it needs "
+                             "sequence_parallel=True")
         if sequence_dim not in (0, 1):
             raise ValueError(f"sequence_dim must be 0 ([seq, batch, hidden], Megatron's layout) or 1 ([batch, seq, "
                              f"hidden], Hugging Face's), got {sequence_dim!r}")

@@ -85,14 +85,19 @@ class RowParallelLinear(ParallelLinear):
 
     _weight_split = 1
 
+    @classmethod
+    def check_options(cls, *, input_is_parallel: bool = True, **options: object) -> None:
+        if options.get("sequence_parallel", False) and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
+                             "feature-split output of a column layer)")
+        super().check_options(**options)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, algo: str = "auto",
                  sequence_dim: int = 0, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
-                             "feature-split output of a column layer)")
-        self._check_sequence_dim(sequence_dim, sequence_parallel)
+        self.check_options(input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel, algo=algo,
+                           sequence_dim=sequence_dim)
         self.input_is_parallel, self.sequence_dim = input_is_parallel, sequence_dim
         super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
 

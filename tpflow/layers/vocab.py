@@ -97,9 +97,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
                  placement: Placement, sequence_parallel: bool = False, sequence_dim: int = 0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         ShardedModule.__init__(self, placement, device)
-        if sequence_dim not in (0, 1):
-            raise ValueError(f"sequence_dim must be 0 ([seq, batch, hidden]) or 1 ([batch, seq, hidden]), got "
-                             f"{sequence_dim!r}")
+        _check_sequence_dim(sequence_dim)
         empty = ranks_without_rows(num_embeddings, self._tp_size)
         if empty:
             raise ValueError(f"a vocabulary of {num_embeddings} rows over {self._tp_size} ranks leaves ranks {empty} "
@@ -110,6 +108,30 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.weight = self._parameter(full.weight, self._axes(split(0)))
+
+    @classmethod
+    def check_embedding(cls, module: nn.Module, *, sequence_parallel: bool = False, sequence_dim: int = 0) -> None:
+        """Raise, naming the fix, unless ``from_embedding`` can convert ``module`` with these options; builds nothing
+        (``parallelize``'s vocabulary entries check every match so before the model changes).
+
+        Args:
+            module: the embedding to convert.
+            sequence_parallel, sequence_dim: as the layer takes them.
+
+        Example::
+
+            >>> VocabParallelEmbedding.check_embedding(nn.Embedding(101, 16, max_norm=1.0))  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+                ...
+            ValueError: Embedding has max_norm=1.0, which needs the whole table on one rank: ...
+        """
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"from_embedding takes an nn.Embedding, got {type(module).__name__}")
+        for name, plain in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+            if getattr(module, name) != plain:
+                raise ValueError(f"{type(module).__name__} has {name}={getattr(module, name)!r}, which needs the whole "
+                                 f"table on one rank: a vocabulary-parallel embedding takes {name}={plain!r}")
+        _check_sequence_dim(sequence_dim)
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding, *, placement: Placement, **options) -> VocabParallelEmbedding:
@@ -137,12 +159,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
             >>> torch.equal(emb.weight.full_tensor(), plain.weight), isinstance(emb, nn.Embedding)
             (True, True)
         """
-        if not isinstance(module, nn.Embedding):
-            raise TypeError(f"from_embedding takes an nn.Embedding, got {type(module).__name__}")
-        for name, plain in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
-            if getattr(module, name) != plain:
-                raise ValueError(f"{type(module).__name__} has {name}={getattr(module, name)!r}, which needs the whole "
-                                 f"table on one rank: a vocabulary-parallel embedding takes {name}={plain!r}")
+        cls.check_embedding(module, **options)
         kind = cls if type(module) is nn.Embedding else _mixed(type(module))
         layer = kind.__new__(kind)
         cls.__init__(layer, module.num_embeddings, module.embedding_dim, module.padding_idx, placement=placement,
@@ -271,3 +288,9 @@ def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.L
     return ops_ce.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1),
                                        start=start, classes=classes, group=group, ignore_index=ignore_index,
                                        label_smoothing=label_smoothing, reduction=reduction, chunk=chunk)
+
+
+def _check_sequence_dim(sequence_dim: int) -> None:
+    if sequence_dim not in (0, 1):
+        raise ValueError(f"sequence_dim must be 0 ([seq, batch, hidden]) or 1 ([batch, seq, hidden]), got "
+                         f"{sequence_dim!r}")

@@ -38,8 +38,6 @@ def fused_groups(plan: Plan, fusing: Mapping[str, bool]) -> dict[str, list[str]]
         >>> fused_groups(plan, {"attn.q_proj": True, "attn.k_proj": True})
         {'attn': ['attn.q_proj', 'attn.k_proj']}
     """
-    if leaves_data_axes(plan.named):
-        return {}
     siblings: dict[str, dict[int, str]] = {}
     for name in fusing:
         siblings.setdefault(name.rpartition(".")[0], {}).setdefault(id(plan.modules[name]), name)  # shared: once
@@ -59,7 +57,7 @@ def fused_groups(plan: Plan, fusing: Mapping[str, bool]) -> dict[str, list[str]]
                 raise ValueError(f"fuse=True joins the column layers under {parent!r} into one product, so they must "
                                  f"read the same input alike (same in_features, bias or none, dtype and options, no "
                                  f"gather_output): {name!r} differs from {names[0]!r}; give one of them fuse=False")
-    return groups
+    return {} if leaves_data_axes(plan.named) else groups  # checked alike: FSDP2 owns the weights there
 
 
 def join_group(plan: Plan, parent: str, names: list[str]) -> None:

@@ -48,13 +48,16 @@ class _LinearEntry(Style):
             >>> type(fc2).__name__, fc2.sequence_parallel
             ('RowParallelLinear', True)
         """
-        options = {k: v for k, v in dataclasses.asdict(self).items() if k not in self._plan_only}
-        return self.layer.from_linear(module, placement=placement, **options)
+        return self.layer.from_linear(module, placement=placement, **self._options())
+
+    def _options(self) -> dict[str, object]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self._plan_only}
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         if type(module) is not nn.Linear:
             raise ValueError(f"plan pattern {plan.pattern(name)!r} matches {name!r}, a {type(module).__name__}, not an "
                              f"nn.Linear")
+        self.layer.check_options(**self._options())
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> nn.Module | None:
         layer = self.build(module, plan.placement)
@@ -147,7 +150,7 @@ class ColumnParallel(_LinearEntry):
         attention = _attention(name, plan)
         if attention is not None and _whole_head(name, plan):
             heads.keep_head(module, plan.modules[parent], attention[1], plan.placement)
-            plan.grads[name] = "partial"
+            plan.replicate_as(name, "partial")
             return None
         layer = super().apply(name, module, plan)
         if attention is not None and child == "q_proj" and not self.gather_output:

@@ -111,8 +111,11 @@ def route_loss(model: nn.Module, heads: Sequence[ColumnParallelLinear]) -> None:
         >>> torch.allclose(loss, F.cross_entropy(model.lm_head(h).full_tensor(), labels))
         True
     """
-    if hasattr(model, _STATE):
-        getattr(model, _STATE).heads.extend(h for h in heads if h not in getattr(model, _STATE).heads)
+    if hasattr(model, _STATE):  # another head of the same model (parallelize routes each vocab head as it builds it)
+        state = getattr(model, _STATE)
+        for head in (h for h in heads if h not in state.heads):
+            state.heads.append(head)
+            head.register_forward_hook(state.after_head)
         return
     setattr(model, _STATE, _Logits(model, heads))
     if callable(getattr(type(model), "generate", None)):

@@ -44,6 +44,7 @@ def match(model: nn.Module, placement: Placement, plan: Mapping[str, object] | s
             raise ValueError(f"plan must be 'auto' or a dict of module-name patterns to entries, got {plan!r}")
         plan = hf_plan(model)
     modules = dict(model.named_modules(remove_duplicate=False))
+    head = _output_head(model, modules)
     chosen: dict[str, tuple[str, Style]] = {}
     for pattern, value in plan.items():  # every entry's kind checked before any match
         if not is_torch_style(value):
@@ -57,7 +58,7 @@ def match(model: nn.Module, placement: Placement, plan: Mapping[str, object] | s
         for name in names:
             if name in chosen:
                 raise ValueError(f"{name!r} matches both plan patterns {chosen[name][0]!r} and {pattern!r}")
-            chosen[name] = (pattern, style_of(pattern, value, modules[name]))
+            chosen[name] = (pattern, style_of(pattern, value, modules[name], head=modules[name] is head))
     first: dict[int, tuple[str, Style]] = {}
     for name, (pattern, entry) in chosen.items():  # a shared module is one layer: its names must agree
         seen = first.setdefault(id(modules[name]), (pattern, entry))
@@ -65,3 +66,11 @@ def match(model: nn.Module, placement: Placement, plan: Mapping[str, object] | s
             raise ValueError(f"{name!r} is the same module as one matched by {seen[0]!r}, but plan pattern "
                              f"{pattern!r} gives it another style")
     return Plan(model, placement, chosen)
+
+
+def _output_head(model: nn.Module, modules: dict[str, nn.Module]) -> nn.Module | None:
+    """The model's output head: a Hugging Face model's ``get_output_embeddings()``, else its last ``nn.Linear``
+    (torchtitan's ``output``)."""
+    found = getattr(model, "get_output_embeddings", lambda: None)()
+    return found if found is not None else next((m for m in reversed(modules.values()) if isinstance(m, nn.Linear)),
+                                                None)

@@ -45,7 +45,7 @@ STYLES: dict[str, Style] = {
 }
 
 
-def style_of(pattern: str, style: object, module: nn.Module | None = None) -> Style:
+def style_of(pattern: str, style: object, module: nn.Module | None = None, head: bool = False) -> Style:
     """The plan entry ``style`` stands for: an entry itself (``tpf.Style``: tpflow's or a user's own), a name from
     ``STYLES`` (tpflow's ``"column"`` / ``"row"`` or Hugging Face's ``"colwise"``, ``"rowwise"``, ...), or one of
     torch's own styles (``ColwiseParallel()``, ...) read as tpflow's; anything else is a ValueError naming
@@ -56,6 +56,8 @@ def style_of(pattern: str, style: object, module: nn.Module | None = None) -> St
         style: the plan's value.
         module: the matched module, which torch's styles are read against (``RowwiseParallel`` splits an
             ``nn.Embedding`` by its vocabulary, an ``nn.Linear`` by its input features).
+        head: whether ``module`` is the model's output head (torch's loss-parallel ``ColwiseParallel`` is read
+            there alone).
 
     Returns:
         The entry.
@@ -79,7 +81,7 @@ def style_of(pattern: str, style: object, module: nn.Module | None = None) -> St
         if module is None:
             raise ValueError(f"plan[{pattern!r}]: torch's {type(style).__name__} is read against the module it "
                              f"matches: pass module=")
-        return from_torch(pattern, style, module)
+        return from_torch(pattern, style, module, head)
     names = ", ".join(repr(n) for n in STYLES)
     raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style tpflow knows: use one of {names}, an entry "
                      f"(tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.VocabParallel(...), tpf.Replicated(...), "

@@ -47,4 +47,4 @@ class Replicated(Style):
             raise ValueError(f"Replicated(grads={self.grads!r}): use one of {GRADS}")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        plan.grads[name] = self.grads  # parallelize then replicates it, with the rest
+        plan.replicate_as(name, self.grads)  # parallelize then replicates it, with the rest

@@ -53,7 +53,7 @@ class SequenceParallel(Style):
     sequence_dim: int = 1
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        plan.grads[name] = "partial"
+        plan.replicate_as(name, "partial")
         if self.split_input:
             module.register_forward_pre_hook(_Tokens(self.sequence_dim, plan.placement, gather=False),
                                              with_kwargs=True)

@@ -35,8 +35,6 @@ class Style:
         >>> import tpflow as tpf
         >>> import torch.nn.functional as F
         >>> from torch import nn
-
-from tpflow.placement import Placement
         >>> class Halved(nn.Linear):                      # whole on every rank, half its weight's gradient
         ...     def forward(self, x):
         ...         w = self.weight * 0.5 + (self.weight * 0.5).detach()
@@ -196,6 +194,20 @@ sequence_dim=0, fuse=False)), 2)
         for alias in (n for n, m in self.modules.items() if m is module):
             parent, _, child = alias.rpartition(".")
             setattr(self.model.get_submodule(parent), child, layer)
+
+    def replicate_as(self, name: str, grads: str) -> None:
+        """How the parameters module ``name`` keeps whole (made global by ``parallelize`` after every entry) find
+        their gradients (``"partial"``, ``"whole"``, ``"auto"``: ``tpflow.layers.replicated``), under every name the
+        module has."""
+        module = self.modules[name]
+        for alias in (n for n, m in self.modules.items() if m is module):
+            self.grads[alias] = grads
+
+    def by_id(self, key: int) -> nn.Module:
+        """What the module of ``id`` ``key`` is now: its replacement, or itself."""
+        if key in self.layers:
+            return self.layers[key]
+        return next(m for m in self.modules.values() if id(m) == key)
 
     def layer(self, name: str) -> nn.Module:
         """What the module named ``name`` is now: its replacement, or itself."""

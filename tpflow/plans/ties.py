@@ -63,6 +63,6 @@ class Ties:
             plan: the matched plan, every entry applied.
         """
         for owners in self.tied:
-            first = getattr(plan.layers[owners[0][0]], owners[0][1])
+            first = getattr(plan.by_id(owners[0][0]), owners[0][1])
             for key, attr in owners[1:]:
-                setattr(plan.layers[key], attr, first)
+                setattr(plan.by_id(key), attr, first)

@@ -83,21 +83,26 @@ def _features(layout: object) -> bool:
     return isinstance(layout, Shard) and layout.dim in (-1, 2)
 
 
-def _colwise(style: ColwiseParallel, module: nn.Module) -> Style:
+def _colwise(style: ColwiseParallel, module: nn.Module, head: bool) -> Style:
     if not isinstance(module, nn.Linear):
         raise _Refused("ColwiseParallel splits an nn.Embedding's embedding dim, which tpflow does not: split it by "
                        "its vocabulary, RowwiseParallel(input_layouts=Replicate()) or 'vocab'" if isinstance(
                            module, nn.Embedding) else "tpflow's column entry takes an nn.Linear")
     tokens = _tokens(style.input_layouts[0])
     output = style.output_layouts[0]
+    if _features(output) and style.use_local_output:
+        return ColumnParallel(**_sequence(tokens))
+    if _features(output) and head:  # a loss-parallel head: its logits global, split over the vocabulary
+        return VocabParallel(**_sequence(tokens))
     if _features(output):
-        return ColumnParallel(**_sequence(tokens)) if style.use_local_output else VocabParallel(**_sequence(tokens))
+        raise _Refused("tpflow hands a layer's block on as a plain tensor (use_local_output=True); a global output "
+                       "split over the last dim is the model's output head's (loss parallelism), read as 'vocab'")
     if isinstance(output, Replicate):
         return ColumnParallel(gather_output=True, **_sequence(tokens))
     raise _Refused(f"its output {output!r} is neither its features' split (Shard(-1)) nor whole (Replicate())")
 
 
-def _rowwise(style: RowwiseParallel, module: nn.Module) -> Style:
+def _rowwise(style: RowwiseParallel, module: nn.Module, head: bool) -> Style:
     tokens = _tokens(style.output_layouts[0])
     source = style.input_layouts[0]
     if isinstance(module, nn.Embedding):
@@ -116,8 +121,8 @@ def _rowwise(style: RowwiseParallel, module: nn.Module) -> Style:
 
 def _input_pair(style: PrepareModuleInput) -> tuple[object, object]:
     """The one input it prepares, ``(layout, desired)``: the first positional one or ``hidden_states``."""
-    pairs = [(i, (have, want)) for i, (have, want) in enumerate(zip(style.input_layouts, style.desired_input_layouts))
-             if have is not None or want is not None]
+    given = zip(style.input_layouts or (), style.desired_input_layouts or ())  # None where only kwargs are given
+    pairs = [(i, (have, want)) for i, (have, want) in enumerate(given) if have is not None or want is not None]
     kwargs = style.input_kwarg_layouts or {}
     if not pairs and set(kwargs) == {"hidden_states"}:
         return kwargs["hidden_states"], style.desired_input_kwarg_layouts.get("hidden_states")
@@ -146,7 +151,7 @@ def _prepare_both(style: PrepareModuleInputOutput) -> Style:
                    "(Shard(d) -> Replicate() in, Replicate() -> Shard(d) out), nothing else")
 
 
-def from_torch(pattern: str, style: ParallelStyle, module: nn.Module) -> Style:
+def from_torch(pattern: str, style: ParallelStyle, module: nn.Module, head: bool = False) -> Style:
     """The tpflow entry that does what torch's ``style`` does to ``module`` (the table in this module's docstring);
     a ValueError naming ``pattern``, the style and what to write instead where there is none.
 
@@ -154,6 +159,8 @@ def from_torch(pattern: str, style: ParallelStyle, module: nn.Module) -> Style:
         pattern: the plan's key, named in errors.
         style: one of torch's styles.
         module: the module it matched.
+        head: whether ``module`` is the model's output head, where ``ColwiseParallel(output_layouts=Shard(-1),
+            use_local_output=False)`` (loss parallelism) is read as ``VocabParallel``; elsewhere it is refused.
 
     Returns:
         The entry.
@@ -171,16 +178,16 @@ fuse=False)
         VocabParallel(sequence_parallel=True, sequence_dim=1)
     """
     readers = {ColwiseParallel: _colwise, RowwiseParallel: _rowwise,
-               TorchSequenceParallel: lambda s, m: SequenceParallel(sequence_dim=s.sequence_sharding[0].dim),
-               PrepareModuleInput: lambda s, m: _prepare(*_input_pair(s)),
-               PrepareModuleInputOutput: lambda s, m: _prepare_both(s)}
+               TorchSequenceParallel: lambda s, m, h: SequenceParallel(sequence_dim=s.sequence_sharding[0].dim),
+               PrepareModuleInput: lambda s, m, h: _prepare(*_input_pair(s)),
+               PrepareModuleInputOutput: lambda s, m, h: _prepare_both(s)}
     reader = readers.get(type(style))
     try:
         if reader is None:
             raise _Refused("tpflow reads torch's ColwiseParallel, RowwiseParallel, SequenceParallel, "
                            "PrepareModuleInput and PrepareModuleInputOutput (a PrepareModuleOutput alone: write "
                            "tpf.GatherSequence(split_output=True) on the module whose input it gathers)")
-        return reader(style, module)
+        return reader(style, module, head)
     except _Refused as why:
         raise ValueError(f"plan[{pattern!r}] = torch's {type(style).__name__} ({_layouts(style)}) on "
                          f"{type(module).__name__}: {why}. Write a tpflow entry instead (tpf.ColumnParallel, "

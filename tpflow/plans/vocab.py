@@ -83,6 +83,10 @@ class VocabParallel(Style):
             raise ValueError(f"plan pattern {plan.pattern(name)!r}: {name!r} has {module.num_embeddings} rows, which "
                              f"leave ranks {empty} of {plan.world} none (torch.chunk's blocks): use fewer "
                              f"tensor-parallel ranks, or leave it out of the plan")
+        if isinstance(module, nn.Embedding):
+            VocabParallelEmbedding.check_embedding(module, **dataclasses.asdict(self))
+        else:
+            ColumnParallelLinear.check_options(global_output=True, **dataclasses.asdict(self))
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> nn.Module:
         layer = self.build(module, plan.placement)
