@@ -88,6 +88,7 @@ def _trains_like_one_device(model: nn.Module, reference: nn.Module, batch: torch
         ref_opt.zero_grad()
         for (name, p), (_, r) in pairs:
             torch.testing.assert_close(_whole(p.detach()), r.detach(), msg=f"step {step}: {name} after AdamW")
+        tpf.check_replicas(model)  # the broadcast parameters' copies bit for bit alike
 
 
 def _lm_loss(model: nn.Module, ids: torch.Tensor, cross_entropy) -> torch.Tensor:
@@ -236,3 +237,21 @@ def _entries_apply_alike_rank() -> None:
 
 def test_entries_share_what_they_must_and_check_before_any_change():
     harness.run(2, _entries_apply_alike_rank)
+
+
+def _drifted_replica_rank() -> None:
+    """On 2 x 2 ranks (data x tensor), a column layer's block drifts on rank 3 only: its copy on rank 1 (the same
+    tensor-parallel block, the other data-parallel row) differs, and every rank says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4), nn.LayerNorm(4))
+    tpf.parallelize(model, placement=tpf.placement("cpu", [[0, 1], [2, 3]]), plan={"0": "column", "2": "row"})
+    tpf.check_replicas(model)
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            model[0].weight.to_local()[0, 0] += 1e-6
+    with pytest.raises(ValueError, match=r"'0.weight' is broadcast over ranks \[1, 3\]"):
+        tpf.check_replicas(model)
+
+
+def test_a_replica_that_drifts_is_named_on_every_rank():
+    harness.run(4, _drifted_replica_rank)

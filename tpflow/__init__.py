@@ -21,6 +21,7 @@ from __future__ import annotations
 from tpflow import comm, config, kernels, ops, sbp
 from tpflow.checkpoint import full_state_dict, load_safetensors, meta_parameters, unique_state_dict
 from tpflow.global_tensor import (
+    check_replicas,
     clip_grad_norm_,
     cross_entropy,
     from_local,
@@ -76,6 +77,7 @@ __all__ = [
     "Style",
     "VocabParallel",
     "VocabParallelEmbedding",
+    "check_replicas",
     "clip_grad_norm_",
     "comm",
     "config",

@@ -11,6 +11,7 @@
     matmul      matmul with SBP inference
     cross_entropy  the loss of logits split over the classes, and the mode routing F.cross_entropy to it
     gradients   partial-sum gradients summed in buckets by the backward (reducer) or before a step
+    replicas    check_replicas: the copies of a broadcast parameter compared bit for bit over its ranks
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from tpflow.global_tensor.cross_entropy import cross_entropy, vocab_parallel_los
 from tpflow.global_tensor.gradients import clip_grad_norm_
 from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
+from tpflow.global_tensor.replicas import check_replicas
 
-__all__ = ["clip_grad_norm_", "cross_entropy", "from_local", "full", "get_placement", "get_sbp", "gradients", "matmul",
-           "ones", "rand", "randn", "tensor", "to_global", "to_local", "vocab_parallel_loss", "zeros"]
+__all__ = ["check_replicas", "clip_grad_norm_", "cross_entropy", "from_local", "full", "get_placement", "get_sbp",
+           "gradients", "matmul", "ones", "rand", "randn", "tensor", "to_global", "to_local", "vocab_parallel_loss",
+           "zeros"]
