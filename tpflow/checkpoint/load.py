@@ -17,6 +17,7 @@ its own part of it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -24,9 +25,11 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tpflow import comm
 from tpflow.checkpoint.sources import checkpoint_sources, read_block, read_stacked
 from tpflow.global_tensor.blocks import get_placement
 
@@ -77,13 +80,16 @@ def meta_parameters() -> Iterator[None]:
 
 def _files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """The safetensors files of ``path``: a file, a list of files, or a directory as ``from_pretrained`` reads one
-    (``model.safetensors``, or the shards its ``model.safetensors.index.json`` lists, or every ``*.safetensors``)."""
+    (``model.safetensors`` where it is there, even beside an index; else the shards its
+    ``model.safetensors.index.json`` lists; else every ``*.safetensors``)."""
     if not isinstance(path, (str, os.PathLike)):
         return [os.fspath(p) for p in path]
     path = os.fspath(path)
     if not os.path.isdir(path):
         return [path]
-    index = os.path.join(path, "model.safetensors.index.json")
+    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):  # from_pretrained's order: the single file first, though an index lies beside it
+        return [single]
     if os.path.exists(index):
         with open(index) as f:
             return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
@@ -91,6 +97,42 @@ def _files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     if not found:
         raise FileNotFoundError(f"no .safetensors file in {path}")
     return found
+
+
+def _fingerprint(file: str) -> str:
+    """A file's size and a digest of its header (names, dtypes, shapes, offsets) and of four 4 KiB windows spread
+    over its data: two checkpoints of one architecture differ there, whatever their names and dates."""
+    size = os.path.getsize(file)
+    digest = hashlib.sha1()
+    with open(file, "rb") as f:
+        head = f.read(8)
+        header = int.from_bytes(head, "little") if len(head) == 8 else 0
+        digest.update(head + f.read(min(header, size)))
+        start = 8 + header
+        for k in range(4):
+            f.seek(start + (size - start) * k // 4)
+            digest.update(f.read(4096))
+    return f"{size} bytes, digest {digest.hexdigest()[:12]}"
+
+
+def _agree_on_files(model: nn.Module, files: list[str]) -> None:
+    """The ranks holding the model's global tensors read the same checkpoint, or all of them stop here, naming the
+    ranks and files: a rank pointed at another checkpoint of the same architecture (a node's stale copy) would load
+    a model mixed from two. Compared over the world where the model spans it, else over its one placement's axes."""
+    placements = {get_placement(p) for p in model.parameters() if isinstance(p, DTensor)}
+    if not placements or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    ranks = sorted({r for pl in placements for r in pl.flat_ranks})
+    if ranks == list(range(dist.get_world_size())):
+        groups = [dist.group.WORLD]
+    elif len(placements) == 1 and (pl := next(iter(placements))).coordinate() is not None:
+        groups = [pl.mesh.get_group(axis) for axis in range(pl.ndim)]
+    else:
+        return
+    facts = {"the files": ", ".join(os.path.basename(f) for f in files)}
+    facts.update({f"the file {os.path.basename(f)}": _fingerprint(f) for f in files})
+    comm.agree("load_safetensors", facts, groups, "point every rank at the same checkpoint (a stale copy on one "
+               "node?), or copy the checkpoint to every node anew")
 
 
 def _tensors(model: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, list[tuple[nn.Module, str]]]]:
@@ -259,12 +301,19 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
                          "model is built, as a rotary embedding's frequencies): the model was built under "
                          "torch.device('meta'). Build it under tpf.meta_parameters() instead, which puts only the "
                          "parameters on meta")
-    handles = {}
+    handles, names = {}, {}
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
     with contextlib.ExitStack() as stack:
-        for file in _files(path):
-            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        files = _files(path)
+        _agree_on_files(model, files)
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            except Exception as e:  # safetensors' own words name neither the file nor what is wrong with it
+                raise ValueError(f"{file} is not a readable safetensors file (corrupt or truncated?): "
+                                 f"{type(e).__name__}: {e}") from e
             handles.update(dict.fromkeys(handle.keys(), handle))
+            names.update(dict.fromkeys(handle.keys(), file))
         renamed, stacked = checkpoint_sources(model, list(handles))  # transformers' own conversions (MoE experts)
         tensors = []
         for names, t, owners in _tensors(model).values():
@@ -293,12 +342,17 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         for key, _, t, owners in tensors:
             if isinstance(t, DTensor) and get_placement(t).coordinate() is None:
                 continue  # a rank outside the tensor's placement holds nothing of it
-            if key in handles:
-                value = read_block(handles[key], key, t)
-            elif key in renamed:
-                value = read_block(handles[renamed[key]], renamed[key], t)
-            else:  # per-expert tensors, stacked
-                value = read_stacked(handles, stacked[key], t)
+            try:
+                if key in handles:
+                    value = read_block(handles[key], key, t)
+                elif key in renamed:
+                    value = read_block(handles[renamed[key]], renamed[key], t)
+                else:  # per-expert tensors, stacked
+                    value = read_stacked(handles, stacked[key], t)
+            except Exception as e:
+                source = names.get(key) or names.get(renamed.get(key)) or where
+                raise ValueError(f"reading {key!r} from {source} failed (a corrupt or truncated file?): "
+                                 f"{type(e).__name__}: {e}") from e
             if isinstance(t, DTensor):
                 if t.to_local().is_meta:  # made global without a plan: its block was never allocated
                     _allocate(t, value)

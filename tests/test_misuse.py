@@ -1,0 +1,81 @@
+"""Faults and misuse that must give one device's numbers or a clear error on every rank, never a silently wrong
+model nor a hang (issue 42's matrix): checkpoints that differ between ranks, a folder holding a single file and an
+index, corrupt and truncated files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tpflow as tpf
+from tests import harness
+from tests.checks import all_ranks, within
+
+safetensors = pytest.importorskip("safetensors.torch")
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+
+
+def _shared_folder() -> str:
+    """A temporary folder rank 0 makes, the same on every rank."""
+    holder = [tempfile.mkdtemp(prefix="tpflow-misuse-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _checkpoints_rank() -> None:
+    folder = _shared_folder()
+    try:
+        states = {}
+        for name, seed in (("good", 0), ("stale", 1)):
+            torch.manual_seed(seed)
+            states[name] = _model().state_dict()
+            if dist.get_rank() == 0:
+                os.makedirs(os.path.join(folder, name))
+                safetensors.save_file(states[name], os.path.join(folder, name, "model.safetensors"))
+        # a folder with both a single file (the good values) and an index of shards (the stale ones)
+        both = os.path.join(folder, "both")
+        if dist.get_rank() == 0:
+            os.makedirs(both)
+            safetensors.save_file(states["good"], os.path.join(both, "model.safetensors"))
+            safetensors.save_file(states["stale"], os.path.join(both, "model-00001-of-00001.safetensors"))
+            with open(os.path.join(both, "model.safetensors.index.json"), "w") as f:
+                json.dump({"weight_map": dict.fromkeys(states["stale"], "model-00001-of-00001.safetensors")}, f)
+            truncated = os.path.join(folder, "truncated.safetensors")
+            shutil.copy(os.path.join(folder, "good", "model.safetensors"), truncated)
+            with open(truncated, "r+b") as f:
+                f.truncate(os.path.getsize(truncated) - 40)
+        dist.barrier()
+        placement = all_ranks()
+        with within(30):
+            model = tpf.parallelize(_model(), placement=placement, plan={"0": "column", "2": "row"})
+            tpf.load_safetensors(model, os.path.join(folder, "good"))
+            mine = "stale" if dist.get_rank() == 1 else "good"  # a node's stale copy
+            with pytest.raises(ValueError, match=r"load_safetensors: the ranks disagree on the file model.safetensors "
+                                                 r"\(rank 0: .*; rank 1: .*\)"):
+                tpf.load_safetensors(model, os.path.join(folder, mine))
+
+            model = tpf.parallelize(_model(), placement=placement, plan={"0": "column", "2": "row"})
+            tpf.load_safetensors(model, both)  # from_pretrained's choice: the single file
+            for key, value in states["good"].items():
+                torch.testing.assert_close(model.state_dict()[key].full_tensor(), value, rtol=0, atol=0)
+
+            with pytest.raises(ValueError, match=r"truncated.safetensors .*(corrupt or truncated)"):
+                tpf.load_safetensors(model, os.path.join(folder, "truncated.safetensors"))
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder)
+
+
+def test_checkpoints_that_differ_between_ranks_or_are_torn_are_refused():
+    harness.run(2, _checkpoints_rank)
