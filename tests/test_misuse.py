@@ -77,5 +77,16 @@ def _checkpoints_rank() -> None:
             shutil.rmtree(folder)
 
 
+def _dtypes_rank() -> None:
+    model = _model().to(torch.float64 if dist.get_rank() == 1 else torch.float32)
+    with within(30), pytest.raises(ValueError, match=r"the ranks disagree on the model's dtypes \(rank 0: "
+                                                     r"torch.float32; rank 1: torch.float64\)"):
+        tpf.parallelize(model, placement=all_ranks(), plan={"0": "column", "2": "row"})
+
+
+def test_a_model_of_another_dtype_on_one_rank_is_named_as_such():
+    harness.run(2, _dtypes_rank)
+
+
 def test_checkpoints_that_differ_between_ranks_or_are_torn_are_refused():
     harness.run(2, _checkpoints_rank)

@@ -33,6 +33,7 @@ def agree(plan: Plan) -> None:
         return
     shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in plan.model.named_parameters()]
     facts = {"the placement": repr(placement),
+             "the model's dtypes": ", ".join(sorted({dtype for *_, dtype in shapes})),  # named before the digest
              "the model": f"{type(plan.model).__name__} of {len(shapes)} parameters "
                           f"(digest {hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]})"}
     facts.update({f"the plan entry of {name!r}": f"{pattern!r}: {_described(entry)}"
