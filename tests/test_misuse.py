@@ -4,6 +4,7 @@ index, corrupt and truncated files."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -82,6 +83,34 @@ def _dtypes_rank() -> None:
     with within(30), pytest.raises(ValueError, match=r"the ranks disagree on the model's dtypes \(rank 0: "
                                                      r"torch.float32; rank 1: torch.float64\)"):
         tpf.parallelize(model, placement=all_ranks(), plan={"0": "column", "2": "row"})
+
+
+def _sampling_rank() -> None:
+    """Ranks seeded apart sample the same tokens, rank 0's one device's under its seed, on every call (the second
+    too), with the vocabulary split or the head gathering whole logits."""
+    from tests.models import tiny_lm
+
+    prompt = torch.tensor([[5, 17, 3, 42]])
+    reference = tiny_lm("llama")
+    torch.manual_seed(1000)
+    want = [reference.generate(prompt, do_sample=True, max_new_tokens=6, pad_token_id=0) for _ in range(2)]
+    for vocab_parallel in (True, False):
+        model = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(),
+                                plan=tpf.hf_plan(reference, vocab_parallel=vocab_parallel))
+        torch.manual_seed(1000 + dist.get_rank())  # the DDP habit
+        with within(60):
+            got = [model.generate(prompt, do_sample=True, max_new_tokens=6, pad_token_id=0) for _ in range(2)]
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, [g.tolist() for g in got])
+        assert all(e == every[0] for e in every), f"the ranks sampled apart: {every}"
+        if dist.get_rank() == 0:
+            assert [g.tolist() for g in got] == [w.tolist() for w in want], (got, want)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_seeded_apart_sample_the_same_tokens(world):
+    pytest.importorskip("transformers")
+    harness.run(world, _sampling_rank)
 
 
 def test_a_model_of_another_dtype_on_one_rank_is_named_as_such():

@@ -23,6 +23,7 @@ from tpflow.plans.fsdp import expect_fsdp
 from tpflow.plans.inputs import check_inputs
 from tpflow.plans.matching import match
 from tpflow.plans.pretrained import export_whole
+from tpflow.plans.sampling import sample_alike
 from tpflow.plans.ties import Ties
 
 __all__ = ["parallelize"]
@@ -109,6 +110,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     matched.finish()
     replicate(model, matched.placement, matched.grads)  # what no entry split: whole on every rank
     export_whole(model)
+    sample_alike(model, matched.placement)
     reader = matched.first_whole_reader()
     if reader is not None:
         check_inputs(model.get_submodule(reader), reader, matched.placement)

@@ -1,0 +1,72 @@
+"""Sampling alike on the tensor-parallel ranks: a parallelized model's ``generate`` runs, on every rank of a
+tensor-parallel group, from the random state of the group's first rank.
+
+The ranks of a tensor-parallel group compute one model on the same tokens, so the tokens they sample must be the
+same: a rank that draws another token feeds the next step other inputs than its peers, and the group decodes a
+mixture. Users seed ranks apart (the DDP habit, ``torch.manual_seed(1000 + rank)``), so ``generate`` cannot trust the
+ranks' own streams: at each call the first rank's random state (CPU, and CUDA's on a CUDA placement) is sent to the
+others, which decode from it in a fork of their own (left as it was afterwards). The first rank draws from its own
+stream, so its tokens are one device's under the same seed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpflow.placement import Placement
+
+__all__ = ["sample_alike"]
+
+
+class _SampleAlike:
+    """The model's ``generate`` (its own, or what tpflow put there before) from the group's first rank's random state
+    (an object, not a bound method: a copy or a pickle of the model takes it along)."""
+
+    def __init__(self, model: nn.Module, placement: Placement, inner) -> None:
+        self.model, self.placement, self.inner = model, placement, inner
+
+    def __call__(self, *args, **kwargs):
+        pl = self.placement
+        inner = self.inner if self.inner is not None else type(self.model).generate.__get__(self.model)
+        if pl.hierarchy[-1] == 1 or pl.coordinate() is None:
+            return inner(*args, **kwargs)
+        group = pl.mesh.get_group(pl.ndim - 1)
+        first = dist.get_process_group_ranks(group)[0]
+        cuda = pl.type == "cuda"
+        state = [[torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None]]
+        dist.broadcast_object_list(state, src=first, group=group)
+        if dist.get_rank() == first:
+            return inner(*args, **kwargs)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+            torch.set_rng_state(state[0][0])
+            if cuda:
+                torch.cuda.set_rng_state(state[0][1])
+            return inner(*args, **kwargs)
+
+
+def sample_alike(model: nn.Module, placement: Placement) -> None:
+    """Make ``model.generate`` (a Hugging Face model's) sample the same tokens on every tensor-parallel rank of
+    ``placement``, whatever each rank seeded: those of the group's first rank.
+
+    Args:
+        model: a model after ``parallelize`` (changed in place; models without ``generate`` are left alone).
+        placement: its placement; the last axis is the tensor-parallel one.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = tpf.parallelize(model, placement=tpf.placement("cpu", ranks=[0, 1]), plan="auto")  # calls it
+        >>> _ = torch.manual_seed(1000 + tpf.get_rank())                   # ranks seeded apart
+        >>> out = model.generate(torch.tensor([[1, 2, 3]]), do_sample=True, max_new_tokens=4, pad_token_id=0)
+        >>> every = [None, None]
+        >>> torch.distributed.all_gather_object(every, out.tolist())
+        >>> every[0] == every[1]
+        True
+    """
+    if callable(getattr(type(model), "generate", None)):
+        model.generate = _SampleAlike(model, placement, model.__dict__.get("generate"))
