@@ -174,12 +174,14 @@ def main() -> None:
             train(model, opt, windows[:half], 0, P, data)
             directory = shared_folder(args.checkpoint, temporary)
             model_state, opt_state = get_state_dict(model, opt)
-            dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=directory)
+            with tpf.checkpoint.atomic_folder(directory) as folder:  # visible at directory once every rank is done
+                dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=folder)
             if tpf.get_rank() == 0:
                 print(f"saved to {directory}", flush=True)
         model, opt, tokenizer = fresh(args, P, data)  # a new model and optimizer, filled from the checkpoint
         model_state, opt_state = get_state_dict(model, opt)
         state = {"model": model_state, "optim": opt_state}
+        tpf.checkpoint.check_complete(directory)  # a save killed half way is refused, not read as a mixture
         dcp.load(state, checkpoint_id=directory)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         train(model, opt, windows[half:], half, P, data)

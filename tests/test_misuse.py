@@ -117,5 +117,72 @@ def test_a_model_of_another_dtype_on_one_rank_is_named_as_such():
     harness.run(2, _dtypes_rank)
 
 
+def _torn_saves_rank() -> None:
+    """A dcp save that fails on one rank leaves the earlier checkpoint whole at its path, on every rank; its staging
+    folder, and a safetensors folder holding the marker, are refused as incomplete; save_pretrained into a folder
+    keeps the files it does not write."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = _shared_folder()
+    try:
+        path = os.path.join(folder, "step")
+        model = tpf.parallelize(_model(), placement=all_ranks(), plan={"0": "column", "2": "row"})
+        first = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        with within(30):
+            with tpf.checkpoint.atomic_folder(path) as staging:
+                dcp.save(model.state_dict(), checkpoint_id=staging)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            with pytest.raises((RuntimeError, OSError), match="killed|failed on rank 1"), \
+                    tpf.checkpoint.atomic_folder(path) as staging:
+                dcp.save(model.state_dict(), checkpoint_id=staging)
+                if dist.get_rank() == 1:
+                    raise OSError("killed half way")
+            tpf.checkpoint.check_complete(path)
+            dcp.load(state := model.state_dict(), checkpoint_id=path)
+            for key, value in state.items():
+                torch.testing.assert_close(value.full_tensor(), first[key], rtol=0, atol=0, msg=key)
+            with pytest.raises(ValueError, match="incomplete checkpoint"):
+                tpf.checkpoint.check_complete(staging)
+            if dist.get_rank() == 0:
+                safetensors.save_file({k: v for k, v in first.items()}, os.path.join(staging, "model.safetensors"))
+            dist.barrier()
+            with pytest.raises(ValueError, match="incomplete checkpoint"):
+                tpf.load_safetensors(model, staging)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder)
+
+
+def _save_pretrained_keeps_others_rank() -> None:
+    from tests.models import tiny_lm
+
+    folder = _shared_folder()
+    try:
+        model = tpf.parallelize(tiny_lm("llama"), placement=all_ranks(), plan="auto")
+        if dist.get_rank() == 0:
+            with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+                f.write("{}")
+        dist.barrier()
+        with within(60):
+            model.save_pretrained(folder)
+            model.save_pretrained(folder)  # again, over the first
+        assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors",
+                                              "tokenizer.json"], os.listdir(folder)
+        assert not os.path.exists(folder + ".incomplete") and not os.path.exists(folder + ".old")
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder)
+
+
+def test_saves_cannot_tear():
+    harness.run(2, _torn_saves_rank)
+    pytest.importorskip("transformers")
+    harness.run(2, _save_pretrained_keeps_others_rank)
+
+
 def test_checkpoints_that_differ_between_ranks_or_are_torn_are_refused():
     harness.run(2, _checkpoints_rank)

@@ -5,11 +5,14 @@
     sources   where a parameter's values lie in a checkpoint written for another layout (experts stored one
               tensor each, or fused): the blocks read and converted
     export    a parallelized model's values whole on its placement's first rank (full_state_dict, export_rank)
+    atomic    saves that cannot tear: written into a staging folder, made the checkpoint once complete (atomic_folder)
 """
 
 from __future__ import annotations
 
+from tpflow.checkpoint.atomic import atomic_folder, check_complete
 from tpflow.checkpoint.export import export_rank, full_state_dict
 from tpflow.checkpoint.load import load_safetensors, meta_parameters, unique_state_dict
 
-__all__ = ["export_rank", "full_state_dict", "load_safetensors", "meta_parameters", "unique_state_dict"]
+__all__ = ["atomic_folder", "check_complete", "export_rank", "full_state_dict", "load_safetensors",
+           "meta_parameters", "unique_state_dict"]

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm
+from tpflow.checkpoint.atomic import check_complete
 from tpflow.checkpoint.sources import checkpoint_sources, read_block, read_stacked
 from tpflow.global_tensor.blocks import get_placement
 
@@ -301,6 +302,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
                          "model is built, as a rotary embedding's frequencies): the model was built under "
                          "torch.device('meta'). Build it under tpf.meta_parameters() instead, which puts only the "
                          "parameters on meta")
+    if isinstance(path, (str, os.PathLike)):
+        check_complete(path if os.path.isdir(path) or not os.path.exists(path) else os.path.dirname(path) or ".")
     handles, names = {}, {}
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
     with contextlib.ExitStack() as stack:

@@ -5,7 +5,9 @@ after ``parallelize`` the model's instance calls it with the whole tensors inste
 writes (transformers writes from rank 0 only, so the model's placement must include it), and every rank returns
 once the files are written, or raises if rank 0 failed to write them. So it is called on every rank, as is
 transformers' ``push_to_hub``, which calls it: on one rank alone it waits in the first gather until the
-collective timeout (``TPFLOW_TIMEOUT``).
+collective timeout (``TPFLOW_TIMEOUT``). Rank 0 writes into a staging folder beside ``save_directory`` and makes it
+the folder once complete (``tpflow.checkpoint.atomic``; the files of an earlier save there that this one does not
+rewrite, a tokenizer's, are kept), so a save killed half way leaves the earlier checkpoint whole.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import torch.distributed as dist
 from torch import nn
 
+from tpflow.checkpoint.atomic import publish, stage
 from tpflow.checkpoint.export import export_rank, full_state_dict
 
 __all__ = ["export_whole"]
@@ -41,7 +44,9 @@ class _SavePretrained:
         failure = None
         if dist.get_rank() == 0:
             try:
-                type(self.model).save_pretrained(self.model, save_directory, True, state_dict=state, **kwargs)
+                folder = stage(save_directory)  # written whole aside, then made the folder: a kill cannot tear it
+                type(self.model).save_pretrained(self.model, folder, True, state_dict=state, **kwargs)
+                publish(folder, save_directory, keep_others=True)
             except Exception as e:  # every rank must hear of it, or the others return as if it had been written
                 failure = e
         outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]

@@ -1,0 +1,190 @@
+"""Saves that cannot tear: a checkpoint is written into a staging folder beside its place (``<path>.incomplete``, a
+marker file inside) and made the folder at ``<path>`` only once every rank has written its part, as torchtitan and
+Lightning do. A save killed half way leaves ``<path>`` as it was (the earlier checkpoint, whole, or nothing), never a
+mixture of new and old blocks; loading the staging folder, or a path whose save never finished, is refused as an
+incomplete checkpoint.
+
+    with tpf.checkpoint.atomic_folder(path) as folder:      # on every rank
+        dcp.save(state, checkpoint_id=folder)                # visible at path only when every rank is done
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+__all__ = ["INCOMPLETE", "atomic_folder", "check_complete", "publish", "stage"]
+
+INCOMPLETE = "INCOMPLETE"  # the marker file of a folder still being written
+_WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def _staging(path: str) -> str:
+    return os.path.normpath(path) + ".incomplete"
+
+
+def stage(path: str | os.PathLike) -> str:
+    """A fresh staging folder for ``path`` (an earlier torn one removed), holding the marker; returns it. One process
+    calls it (``atomic_folder`` does, on rank 0).
+
+    Args:
+        path: where the checkpoint goes.
+
+    Returns:
+        The staging folder to write into.
+
+    Example::
+
+        >>> import tempfile
+        >>> root = tempfile.TemporaryDirectory()
+        >>> folder = stage(os.path.join(root.name, "step-100"))
+        >>> os.path.basename(folder), os.listdir(folder)
+        ('step-100.incomplete', ['INCOMPLETE'])
+        >>> root.cleanup()
+    """
+    folder = _staging(os.fspath(path))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    with open(os.path.join(folder, INCOMPLETE), "w") as f:
+        f.write("a checkpoint being written; made the folder beside it (without this suffix) once complete\n")
+    return folder
+
+
+def publish(folder: str, path: str | os.PathLike, *, keep_others: bool = False) -> None:
+    """Make the complete staging ``folder`` the checkpoint at ``path`` by renames alone: an earlier ``path`` is moved
+    aside, ``folder`` takes its name, the earlier one is removed. One process calls it.
+
+    Args:
+        folder: the staging folder ``stage`` gave, every part written.
+        path: where the checkpoint goes.
+        keep_others: first copy into ``folder`` the files of an earlier ``path`` that this save did not write and that
+            are no model weights (a tokenizer saved into the same folder), as writing into ``path`` itself would keep
+            them; the weights of an earlier save are dropped, so that ``from_pretrained`` never reads a stale single
+            file beside a new index.
+
+    Example::
+
+        >>> import tempfile
+        >>> root = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(root.name, "model")
+        >>> folder = stage(path)
+        >>> with open(os.path.join(folder, "model.safetensors"), "w") as f:   # the save writes its files
+        ...     _ = f.write("...")
+        >>> publish(folder, path)
+        >>> os.listdir(path), os.path.exists(folder)
+        (['model.safetensors'], False)
+        >>> root.cleanup()
+    """
+    path = os.fspath(path)
+    if keep_others and os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            for name in files:
+                source = os.path.join(root, name)
+                relative = os.path.relpath(source, path)
+                target = os.path.join(folder, relative)
+                if not os.path.exists(target) and not _WEIGHTS.match(name):
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copy2(source, target)
+    os.remove(os.path.join(folder, INCOMPLETE))
+    old = None
+    if os.path.lexists(path):
+        old = os.path.normpath(path) + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(folder, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_complete(path: str | os.PathLike) -> None:
+    """Refuse a checkpoint whose save did not finish: a staging folder (its marker inside), or a path whose staging
+    folder lies beside it while it does not exist.
+
+    Args:
+        path: a checkpoint folder or file about to be read.
+
+    Raises:
+        ValueError: "incomplete checkpoint", naming the folder.
+
+    Example::
+
+        >>> import tempfile
+        >>> root = tempfile.TemporaryDirectory()
+        >>> folder = stage(os.path.join(root.name, "step-100"))
+        >>> check_complete(folder)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: incomplete checkpoint: .../step-100.incomplete holds the marker of a save that did not finish ...
+        >>> root.cleanup()
+    """
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, INCOMPLETE)):
+        raise ValueError(f"incomplete checkpoint: {path} holds the marker of a save that did not finish ({INCOMPLETE});"
+                         f" load the checkpoint saved before it, or save again")
+    if not os.path.exists(path) and (os.path.isdir(_staging(path)) or os.path.isdir(os.path.normpath(path) + ".old")):
+        raise ValueError(f"incomplete checkpoint: the save to {path} did not finish (its parts are in "
+                         f"{_staging(path)}, an earlier one may be in {os.path.normpath(path)}.old); load the "
+                         f"checkpoint saved before it, or save again")
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[str]:
+    """A staging folder to save a checkpoint into on every rank, made the folder at ``path`` when every rank left the
+    block without an error; where one rank raised, every rank raises and ``path`` is left as it was.
+
+    Every rank enters it with the same ``path`` (on one filesystem: rank 0 stages and publishes).
+
+    Args:
+        path: where the checkpoint goes.
+
+    Returns:
+        A context manager giving the staging folder.
+
+    Example::
+
+        >>> import tempfile
+        >>> import torch.distributed.checkpoint as dcp
+        >>> root = [tempfile.mkdtemp() if tpf.get_rank() == 0 else None]
+        >>> torch.distributed.broadcast_object_list(root, src=0)
+        >>> path = os.path.join(root[0], "step-100")
+        >>> with atomic_folder(path) as folder:
+        ...     _ = dcp.save({"x": tpf.randn(4, placement=tpf.placement("cpu", ranks=[0, 1]), sbp=tpf.sbp.split(0))},
+        ...                  checkpoint_id=folder)
+        >>> sorted(os.listdir(path))
+        ['.metadata', '__0_0.distcp', '__1_0.distcp']
+        >>> torch.distributed.barrier()
+        >>> shutil.rmtree(root[0]) if tpf.get_rank() == 0 else None
+    """
+    path = os.fspath(path)
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if first:
+        stage(path)
+    if ranks > 1:
+        dist.barrier()
+    failure: BaseException | None = None
+    try:
+        yield _staging(path)
+    except BaseException as e:  # every rank must hear of it before any publishes
+        failure = e
+    outcome: list = [None] * ranks
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    if ranks > 1:
+        dist.all_gather_object(outcome, mine)
+    else:
+        outcome = [mine]
+    if failure is not None:
+        raise failure
+    failed = [(r, why) for r, why in enumerate(outcome) if why is not None]
+    if failed:
+        raise RuntimeError(f"the save to {path} failed on rank {failed[0][0]} ({failed[0][1]}): {path} is left as it "
+                           f"was")
+    if first:
+        publish(_staging(path), path)
+    if ranks > 1:
+        dist.barrier()
