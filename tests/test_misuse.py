@@ -113,6 +113,28 @@ def test_ranks_seeded_apart_sample_the_same_tokens(world):
     harness.run(world, _sampling_rank)
 
 
+def _cast_after_parallelize_rank() -> None:
+    """A model parallelized on a named placement casts (it failed: a weak reference kept its parameters from being
+    swapped), still refuses its first forward without FSDP2, and runs once sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    placement = tpf.placement("cpu", [[r] for r in range(dist.get_world_size())], names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    tpf.parallelize(model, placement=placement, plan={"0": "vocab", "1": "column", "3": "row"})
+    with within(30):
+        model.to(torch.float64)
+        assert all(p.dtype == torch.float64 for p in model.parameters())
+        with pytest.raises(RuntimeError, match="not sharded by FSDP2"):
+            model(torch.tensor([[1, 2]]))
+        fully_shard(model, mesh=placement.mesh["dp"])
+        assert model(torch.tensor([[1, 2]])).dtype == torch.float64
+
+
+def test_a_model_casts_after_parallelize_on_a_named_placement():
+    harness.run(2, _cast_after_parallelize_rank)
+
+
 def test_a_model_of_another_dtype_on_one_rank_is_named_as_such():
     harness.run(2, _dtypes_rank)
 

@@ -10,12 +10,12 @@ Each column layer then computes on its own, as PyTorch's and transformers' tenso
 
 from __future__ import annotations
 
-import weakref
-
 from torch import nn
 
 from tpflow.layers.experts import over_data
 from tpflow.placement import Placement
+
+_AWAITS_FSDP = "_tpflow_awaits_fsdp"  # on a parameter parallelize left to FSDP2, until FSDP2 swaps it for its own
 
 
 def leaves_data_axes(placement: Placement) -> bool:
@@ -40,11 +40,15 @@ def expect_fsdp(model: nn.Module, placement: Placement) -> None:
     data = placement.names[:-1]
     mesh = f'P.mesh["{data[0]}"]' if len(data) == 1 else f"P.mesh[{data!r}]"
     # FSDP2 swaps each parameter it manages for its own (sharded, and gathered around each forward): one still
-    # here at the first forward was left out. Weak references, so that the replaced ones are freed.
-    given = {name: weakref.ref(p) for name, p in model.named_parameters() if not over_data(p)}
+    # marked at the first forward was left out. A mark on the parameter, not a reference to it: a weak reference
+    # would keep model.to(dtype) from swapping the parameter's tensor in place
+    for p in model.parameters():
+        if not over_data(p):
+            setattr(p, _AWAITS_FSDP, True)
+    model._apply = _MarksKept(model)  # model.to(dtype) swaps each global parameter's contents, its attributes too
 
     def check(module: nn.Module, args: object) -> None:
-        left = [name for name, p in module.named_parameters() if name in given and given[name]() is p]
+        left = [name for name, p in module.named_parameters() if getattr(p, _AWAITS_FSDP, False)]
         # the blocks' sharded parameters show their meshes (the root's are gathered by now): they span the data axes
         meshes = {getattr(p, "device_mesh", None) for p in module.parameters()}
         names = {m.mesh_dim_names for m in meshes if m is not None and m.ndim > 1}
@@ -61,6 +65,23 @@ def expect_fsdp(model: nn.Module, placement: Placement) -> None:
         handle.remove()
 
     handle = model.register_forward_pre_hook(check)
+
+
+class _MarksKept:
+    """A model's ``_apply`` (what ``to``, ``double``, ``cuda`` call) that gives its parameters back their marks
+    awaiting FSDP2: ``torch.utils.swap_tensors``, which casts a DTensor parameter in place, swaps its ``__dict__``
+    away (an object, not a bound method: a copy of the model takes it along)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, fn, recurse: bool = True) -> nn.Module:
+        marked = {id(p) for p in self.model.parameters() if getattr(p, _AWAITS_FSDP, False)}
+        out = type(self.model)._apply(self.model, fn, recurse)
+        for p in self.model.parameters():  # the same objects: swapped in place
+            if id(p) in marked:
+                setattr(p, _AWAITS_FSDP, True)
+        return out
 
 
 def fsdp_ignored_params(model: nn.Module) -> set[nn.Parameter]:
