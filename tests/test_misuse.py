@@ -135,6 +135,21 @@ def test_a_model_casts_after_parallelize_on_a_named_placement():
     harness.run(2, _cast_after_parallelize_rank)
 
 
+def _unsynced_decoding_rank() -> None:
+    from tests.models import tiny_moe
+
+    placement = tpf.placement("cpu", [[r] for r in range(dist.get_world_size())], names=("dp", "tp"))
+    ref = tiny_moe("qwen3_moe", layers=1)
+    model = tpf.parallelize(ref, placement=placement, plan=tpf.hf_plan(ref, expert_parallel="dp"))
+    with within(30), pytest.raises(ValueError, match="synced_gpus=False"):
+        model.generate(torch.tensor([[1, 2, 3]]), synced_gpus=False, max_new_tokens=2, pad_token_id=0)
+
+
+def test_decoding_that_would_leave_ranks_waiting_is_refused():
+    pytest.importorskip("transformers")
+    harness.run(2, _unsynced_decoding_rank)
+
+
 def test_a_model_of_another_dtype_on_one_rank_is_named_as_such():
     harness.run(2, _dtypes_rank)
 

@@ -14,7 +14,7 @@
     hf            plan="auto": a Hugging Face model's own plan, as entries
     inputs        the tensor-parallel ranks fed the same data: checked at the first layer reading it whole
     pretrained    save_pretrained of a parallelized Hugging Face model: whole tensors, rank 0 writing
-    sampling      generate on the tensor-parallel ranks from one random state: the same tokens on each
+    decoding      generate alike on every rank: one random state per tensor-parallel group, no rank left waiting
     fsdp          a named placement's data axes left to FSDP2
 """
 

@@ -19,11 +19,11 @@ from torch import nn
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
 from tpflow.plans.agreement import agree, check_buffers
+from tpflow.plans.decoding import decode_alike
 from tpflow.plans.fsdp import expect_fsdp
 from tpflow.plans.inputs import check_inputs
 from tpflow.plans.matching import match
 from tpflow.plans.pretrained import export_whole
-from tpflow.plans.sampling import sample_alike
 from tpflow.plans.ties import Ties
 
 __all__ = ["parallelize"]
@@ -110,7 +110,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     matched.finish()
     replicate(model, matched.placement, matched.grads)  # what no entry split: whole on every rank
     export_whole(model)
-    sample_alike(model, matched.placement)
+    decode_alike(model, matched.placement)
     reader = matched.first_whole_reader()
     if reader is not None:
         check_inputs(model.get_submodule(reader), reader, matched.placement)

@@ -1,5 +1,5 @@
-"""Sampling alike on the tensor-parallel ranks: a parallelized model's ``generate`` runs, on every rank of a
-tensor-parallel group, from the random state of the group's first rank.
+"""Decoding alike on every rank: a parallelized model's ``generate`` runs, on every rank of a tensor-parallel group,
+from the random state of the group's first rank, and refuses what would leave ranks waiting on each other.
 
 The ranks of a tensor-parallel group compute one model on the same tokens, so the tokens they sample must be the
 same: a rank that draws another token feeds the next step other inputs than its peers, and the group decodes a
@@ -7,6 +7,10 @@ mixture. Users seed ranks apart (the DDP habit, ``torch.manual_seed(1000 + rank)
 ranks' own streams: at each call the first rank's random state (CPU, and CUDA's on a CUDA placement) is sent to the
 others, which decode from it in a fork of their own (left as it was afterwards). The first rank draws from its own
 stream, so its tokens are one device's under the same seed.
+
+Experts shared out over a data axis exchange tokens at every decoding step, so every rank must step until the last
+one is done: transformers' ``synced_gpus`` (on by default for a model FSDP2 shards). ``synced_gpus=False`` there is
+refused: a rank that finished first would leave the others waiting in the next exchange until the timeout.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpflow.layers.experts import over_data
 from tpflow.placement import Placement
 
-__all__ = ["sample_alike"]
+__all__ = ["decode_alike"]
 
 
-class _SampleAlike:
+class _DecodeAlike:
     """The model's ``generate`` (its own, or what tpflow put there before) from the group's first rank's random state
     (an object, not a bound method: a copy or a pickle of the model takes it along)."""
 
@@ -28,6 +33,11 @@ class _SampleAlike:
         self.model, self.placement, self.inner = model, placement, inner
 
     def __call__(self, *args, **kwargs):
+        if kwargs.get("synced_gpus") is False and any(over_data(p) for p in self.model.parameters()):
+            raise ValueError("generate(synced_gpus=False): the experts shared out over the data axis exchange tokens "
+                             "at every step, so a rank that finished first would leave the others waiting until the "
+                             "timeout; leave synced_gpus out (on for this model) so that every rank steps until the "
+                             "last is done")
         pl = self.placement
         inner = self.inner if self.inner is not None else type(self.model).generate.__get__(self.model)
         if pl.hierarchy[-1] == 1 or pl.coordinate() is None:
@@ -46,9 +56,10 @@ class _SampleAlike:
             return inner(*args, **kwargs)
 
 
-def sample_alike(model: nn.Module, placement: Placement) -> None:
+def decode_alike(model: nn.Module, placement: Placement) -> None:
     """Make ``model.generate`` (a Hugging Face model's) sample the same tokens on every tensor-parallel rank of
-    ``placement``, whatever each rank seeded: those of the group's first rank.
+    ``placement``, whatever each rank seeded (those of the group's first rank), and refuse ``synced_gpus=False`` where
+    experts shared out over a data axis need every rank to step together.
 
     Args:
         model: a model after ``parallelize`` (changed in place; models without ``generate`` are left alone).
@@ -69,4 +80,4 @@ def sample_alike(model: nn.Module, placement: Placement) -> None:
         True
     """
     if callable(getattr(type(model), "generate", None)):
-        model.generate = _SampleAlike(model, placement, model.__dict__.get("generate"))
+        model.generate = _DecodeAlike(model, placement, model.__dict__.get("generate"))
