@@ -4,6 +4,7 @@ once per rank), clear errors for flags that make no sense, and the same script a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -142,6 +143,41 @@ def test_failure_report_groups_errors_and_names_the_ranks_without_one():
     assert _report({r: _error(r, "E: x", 5.0 - r) for r in (2, 0)}, {0: 1, 2: 1}).splitlines()[-2:] == [
         "E: x  # rank 0", "tpflow.launch: ranks 0, 2 raised this error"]  # rank 0's, though rank 2 raised first
     assert _report({}, {1: -15}) == "tpflow.launch: rank 1 was killed by SIGTERM (exit code -15) with no Python error"
+
+
+def test_a_rank_that_left_early_is_said_first():
+    # rank 1 called sys.exit(0) before rank 0's collective failed waiting on it: the cause first, then the error,
+    # and rank 1 is not said to have been stopped
+    errors = {0: _error(0, "RuntimeError: Connection closed by peer", 20.0)}
+    exits = {1: {"rank": 1, "time": 19.0, "how": "called sys.exit(0)"}, 2: {"rank": 2, "time": 25.0, "how": "x"}}
+    lines = _report(errors, {0: 1, 1: -15, 2: -15}, exits).splitlines()
+    assert lines[0].startswith("tpflow.launch: rank 1 left early: it called sys.exit(0) while the other ranks went on")
+    assert lines[-2:] == ["tpflow.launch: rank 0 raised this error", "tpflow.launch: rank 2 was stopped (SIGTERM)"]
+
+
+def test_ctrl_c_stops_every_rank_in_one_line(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import pathlib, sys, time
+        import tpflow as tpf
+        pathlib.Path(sys.argv[1], f"ready{tpf.get_rank()}").touch()
+        time.sleep(120)
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script),
+                             str(tmp_path)], env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # both ranks are in the script
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip() == "tpflow.launch: stopped by SIGINT; every rank was stopped", err[-3000:]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -14,7 +14,9 @@ When a rank raises, torchrun stops the others at once (SIGTERM) and the launch e
 error said once, not once per rank: the traceback of the first error (rank 0's when rank 0 raised it too),
 from the script's frame on, then a line naming every rank that raised it; each other error as a short block
 (its ranks grouped by message); and a line for the ranks that ended without a Python error (killed by a
-signal, with its exit code; a non-zero ``sys.exit``; stopped by torchrun). A wrong degree, which every rank
+signal, with its exit code; a non-zero ``sys.exit``; stopped by torchrun). A rank whose script ended (it finished,
+or called ``sys.exit``) before the first error is said first, as the cause: the others failed waiting on it in a
+collective. Ctrl-C stops every rank and says so in one line (exit status 130). A wrong degree, which every rank
 finds, reads::
 
     Traceback (most recent call last):
@@ -151,6 +153,14 @@ def _run_worker(kind: str, target: str, args: list[str]) -> int:
             else:
                 sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
                 runpy.run_path(target, run_name="__main__")
+        except KeyboardInterrupt:  # ctrl-C reaches every rank: the launcher says it once
+            if not errors:
+                raise
+            return 128 + signal.SIGINT
+        except SystemExit as e:  # the script's own sys.exit: said to the launcher, should the others fail after it
+            if errors:
+                _record_exit(errors, f"called sys.exit({e.code!r})")
+            raise
         except Exception as e:
             if not errors or not _record_error(errors, e):
                 raise
@@ -161,6 +171,8 @@ def _run_worker(kind: str, target: str, args: list[str]) -> int:
             sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
             sys.last_exc = e
             return 1
+        if errors:
+            _record_exit(errors, "finished its script")
         return 0
 
     return run() or 0  # record returns None for the script's sys.exit(0)
@@ -190,6 +202,28 @@ def _record_error(folder: str, e: BaseException) -> bool:
     return True
 
 
+def _record_exit(folder: str, how: str) -> None:
+    """Write that this rank's script ended without an error, and when: a rank that leaves while the others go on is
+    the cause of their failure (they wait on it in their next collective)."""
+    rank = int(os.environ.get("RANK", 0))
+    path = os.path.join(folder, f"rank{rank}.exit")
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "time": time.time(), "how": how}, f)
+        os.replace(path + ".tmp", path)
+
+
+def _read_exits(folder: str) -> dict[int, dict]:
+    found = {}
+    for name in os.listdir(folder):
+        if name.endswith(".exit"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                with open(os.path.join(folder, name)) as f:
+                    record = json.load(f)
+                found[int(record["rank"])] = record
+    return found
+
+
 def _launcher_frame(filename: str) -> bool:
     return filename.startswith("<frozen runpy") or os.path.abspath(filename) in _SKIPPED_FILES
 
@@ -208,25 +242,28 @@ def _where(frames: traceback.StackSummary) -> str:
 
 
 class _DropFailureDump(logging.Filter):
-    """Drops torchrun's own lines about a failure (the launcher's summary says it once)."""
+    """Drops torchrun's own lines about a failure or a signal (the launcher's summary says it once)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process", "Received %s death signal"))
 
 
 @contextlib.contextmanager
 def _errors_folder():
     """A temporary folder the workers record their errors in, named to them by ``TPFLOW_LAUNCH_ERRORS``."""
     old = os.environ.get(_ERRORS_ENV)
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    loggers = [logging.getLogger(f"torch.distributed.elastic.{name}") for name in ("multiprocessing.api",
+                                                                                   "agent.server.api")]
     quiet = _DropFailureDump()
     with tempfile.TemporaryDirectory(prefix="tpflow-launch-") as folder:
         os.environ[_ERRORS_ENV] = folder
-        logger.addFilter(quiet)
+        for logger in loggers:
+            logger.addFilter(quiet)
         try:
             yield folder
         finally:
-            logger.removeFilter(quiet)
+            for logger in loggers:
+                logger.removeFilter(quiet)
             if old is None:
                 os.environ.pop(_ERRORS_ENV, None)
             else:
@@ -258,13 +295,23 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
-def _report(errors: dict[int, dict], exitcodes: dict[int, int]) -> str:
-    """The failure, said once: the first error's traceback and who raised it, then the other errors and deaths.
+def _report(errors: dict[int, dict], exitcodes: dict[int, int], exits: dict[int, dict] | None = None) -> str:
+    """The failure, said once: ranks whose script ended before the first error (its first cause: the others failed
+    waiting on them), the first error's traceback and who raised it, then the other errors and deaths.
 
     ``errors`` are the records the ranks wrote; ``exitcodes`` the non-zero exit statuses torchrun saw (a
-    negative one is the signal that ended the rank).
+    negative one is the signal that ended the rank); ``exits`` the ranks whose script ended without an error.
     """
+    first = min((r["time"] for r in errors.values()), default=float("inf"))
+    early = {rank: r for rank, r in sorted((exits or {}).items()) if r["time"] <= first and rank not in errors}
     lines = []
+    for how in dict.fromkeys(r["how"] for r in early.values()):
+        ranks = [rank for rank, r in early.items() if r["how"] == how]
+        one = len(ranks) == 1
+        lines.append(f"tpflow.launch: {_ranks(ranks)} left early: {'it' if one else 'each'} {how} while the other "
+                     f"ranks went on, which then failed waiting on {'it' if one else 'them'} (every rank must run the "
+                     f"same collectives: a rank leaving a loop sooner, or exiting on one rank only, leaves the others "
+                     f"waiting)")
     groups: dict[str, list[dict]] = {}
     for record in sorted(errors.values(), key=lambda r: (r["time"], r["rank"])):  # the first error first
         groups.setdefault(record["error"], []).append(record)
@@ -277,9 +324,10 @@ def _report(errors: dict[int, dict], exitcodes: dict[int, int]) -> str:
             where = f" ({group[0]['where']})" if group[0]["where"] else ""
             lines.append(f"tpflow.launch: {_ranks(ranks)} raised a different error{where}:")
             lines += ["    " + line for line in group[0]["error"].splitlines()]
-    ended = {rank: code for rank, code in sorted(exitcodes.items()) if rank not in errors and code != 0}
+    ended = {rank: code for rank, code in sorted(exitcodes.items())
+             if rank not in errors and rank not in early and code != 0}
     stopped = [rank for rank, code in ended.items() if code == -signal.SIGTERM]
-    if len(stopped) == len(ended) and not errors:
+    if len(stopped) == len(ended) and not errors and not early:
         stopped = []  # SIGTERM is all there is: it came from outside, not from torchrun stopping the ranks
     said: dict[str, list[int]] = {}  # how a rank ended -> those ranks
     for rank, code in ended.items():
@@ -333,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.module and not os.path.isfile(ns.script):
         parser.error(f"script {ns.script!r} not found")
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if ns.nproc_per_node > 1:  # torchrun's own default for its workers, set here so it does not warn about it
@@ -342,9 +391,14 @@ def main(argv: list[str] | None = None) -> int:
             torchrun.run(torchrun.parse_args(args))
         except ChildFailedError as e:
             exitcodes = {rank: failure.exitcode for rank, failure in e.failures.items()}
-            report = _report(_read_errors(folder), exitcodes)
+            report = _report(_read_errors(folder), exitcodes, _read_exits(folder))
             print(report or e.format_msg(), file=sys.stderr, flush=True)
             return 1
+        except (KeyboardInterrupt, SignalException) as e:  # ctrl-C (or a signal to the launcher): torchrun stopped
+            signum = getattr(e, "sigval", signal.SIGINT)  # every rank; one line, the shell's status for the signal
+            print(f"tpflow.launch: stopped by {signal.Signals(signum).name}; every rank was stopped", file=sys.stderr,
+                  flush=True)
+            return 128 + int(signum)
     return 0
 
 
