@@ -150,6 +150,37 @@ def test_decoding_that_would_leave_ranks_waiting_is_refused():
     harness.run(2, _unsynced_decoding_rank)
 
 
+def _dropout_rank() -> None:
+    """Phi-3 with dropout in training: ranks seeded apart are refused at the first forward, on every rank; ranks
+    seeded alike draw one device's masks (dropout sits where every rank holds the whole activation), so two AdamW steps
+    give one device's losses and parameters, and the replicas stay bit for bit alike."""
+    from tests.models import VOCAB, tiny_lm, train_lm
+
+    first = tiny_lm("phi3", resid_pdrop=0.1, embd_pdrop=0.1, pad_token_id=0)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    model = tpf.parallelize(copy.deepcopy(first), placement=all_ranks(), plan="auto").train()
+    torch.manual_seed(1000 + dist.get_rank())  # the DDP habit
+    with within(30), pytest.raises(ValueError, match="draw different random numbers"):
+        model(ids, labels=ids)
+    reference = copy.deepcopy(first).train()
+    model = tpf.parallelize(copy.deepcopy(first), placement=all_ranks(), plan="auto").train()
+    torch.manual_seed(7)
+    want = train_lm(reference, ids)
+    torch.manual_seed(7)
+    with within(60):
+        got = train_lm(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-7, msg=name)
+    tpf.check_replicas(model)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropout_draws_alike_on_the_tensor_parallel_ranks_or_stops(world):
+    pytest.importorskip("transformers")
+    harness.run(world, _dropout_rank)
+
+
 def test_a_model_of_another_dtype_on_one_rank_is_named_as_such():
     harness.run(2, _dtypes_rank)
 

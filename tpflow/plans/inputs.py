@@ -7,6 +7,10 @@ layer of the model gets a hook that all-gathers a digest of its input over the t
 float64 sums and its shape, 32 bytes) and raises the same error on every rank when they differ. The ``check_inputs``
 switch says when: the first call of each of the first 8 input shapes (``first``, the default: a training loop's
 first step, a generation's first steps), every call (``always``), or never (``off``).
+
+A model with dropout, in training, also compares the ranks' random states there: the tensor-parallel ranks must be
+seeded alike, or their dropout would drop different values of activations that must be equal, and the replicated
+parameters would drift apart.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from tpflow import config
 from tpflow.placement import Placement
 
-__all__ = ["InputCheck", "check_inputs"]
+__all__ = ["InputCheck", "check_inputs", "draws_random"]
 
 SHAPES = 8  # input shapes checked under "first": then the hook costs a dict lookup a call
 
@@ -51,34 +55,47 @@ class InputCheck:
         >>> check.check(torch.ones(2, 3))                     # the same on both ranks: nothing happens
     """
 
-    def __init__(self, name: str, placement: Placement, axis: int = -1, kind: str = "tensor-parallel") -> None:
+    def __init__(self, name: str, placement: Placement, axis: int = -1, kind: str = "tensor-parallel",
+                 random: bool = False) -> None:
         self.name, self.placement, self.axis, self.kind, self.seen = name, placement, axis % placement.ndim, kind, set()
+        self.random = random
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.check(args[0] if args else None)
+        self.check(args[0] if args else None, random=self.random and module.training)
 
-    def check(self, x: object, always: bool = False) -> None:
+    def check(self, x: object, always: bool = False, random: bool = False) -> None:
         """Compare ``x``'s digest over the axis (a plain tensor, on the calls the switch names; else nothing).
 
         Args:
             x: the input this rank read.
             always: on every call unless the switch is ``off`` (where ranks may be fed inputs of different shapes,
                 which would make them choose differently under ``first``).
+            random: the model draws random numbers in this call (dropout in training): the ranks' random states
+                are compared too, since ranks that draw apart drop different values of tensors that must be equal.
         """
         mode = config.get("check_inputs")
         if mode == "off" or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
                 or torch.compiler.is_compiling() or self.placement.coordinate() is None \
                 or self.placement.hierarchy[self.axis] == 1:
             return
-        key = (tuple(x.shape), x.dtype)
+        key = (tuple(x.shape), x.dtype, random)
         if mode == "first" and not always and (key in self.seen or len(self.seen) >= SHAPES):
             return
         self.seen.add(key)
         group = self.placement.mesh.get_group(self.axis)
-        mine = _digest(x)
+        mine = torch.cat([_digest(x), _random_state(x.device)]) if random else _digest(x)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         digests = [tuple(d.tolist()) for d in every]
+        if len({d[4:] for d in digests}) > 1 and len({d[:4] for d in digests}) == 1:
+            ranks = dist.get_process_group_ranks(group)
+            differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
+            raise ValueError(
+                f"the {self.kind} ranks {ranks} draw different random numbers: the model has dropout in training, "
+                f"and ranks {differ} would drop other values than rank {ranks[0]} of activations that must be equal "
+                f"on every rank (its replicated parameters would drift apart without an error). Seed every "
+                f"{self.kind} rank alike (torch.manual_seed with the same seed; seeds may differ over the "
+                f"data-parallel ranks only), and draw the same random numbers on them before the model")
         if len(set(digests)) > 1:
             ranks = dist.get_process_group_ranks(group)
             differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
@@ -90,7 +107,41 @@ class InputCheck:
                 f"random inputs alike on every rank")
 
 
-def check_inputs(module: nn.Module, name: str, placement: Placement) -> None:
+def _random_state(device: torch.device) -> torch.Tensor:
+    """Two float64 numbers that differ, in practice, for different states of the generator ``device`` draws from."""
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    values = state.to(torch.float64)
+    positions = torch.arange(1, values.numel() + 1, dtype=torch.float64).remainder_(1021)
+    return torch.stack([values.sum(), (values * positions).sum()]).to(device)
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def draws_random(model: nn.Module) -> bool:
+    """Whether ``model`` drops out values in training: a dropout module with ``p > 0``, or a Hugging Face config's
+    dropout probability above 0 (``attention_dropout``, ``resid_pdrop``, ...), which its code passes to functional
+    dropout.
+
+    Args:
+        model: any model.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> draws_random(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))), draws_random(nn.Linear(4, 4))
+        (True, False)
+    """
+    if any(isinstance(m, _DROPOUTS) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+               for k, v in (vars(config).items() if config is not None else ()) if k.endswith(("dropout", "pdrop")))
+
+
+def check_inputs(module: nn.Module, name: str, placement: Placement, random: bool = False) -> None:
     """Check, on its calls, that ``module`` (a layer reading whole data) gets the same input on every
     tensor-parallel rank of ``placement`` (the ``check_inputs`` switch says on which calls).
 
@@ -98,6 +149,8 @@ def check_inputs(module: nn.Module, name: str, placement: Placement) -> None:
         module: the model's first layer that must read the same data on every tensor-parallel rank.
         name: its name in the model, for the error.
         placement: its placement; the last axis is tensor parallel. One rank there, or a rank outside it: no check.
+        random: the model drops out values in training (``draws_random``): in training the ranks' random states are
+            compared too.
 
     Example::
 
@@ -113,4 +166,4 @@ def check_inputs(module: nn.Module, name: str, placement: Placement) -> None:
     coord = placement.coordinate()
     if coord is None or placement.hierarchy[-1] == 1:
         return
-    module.register_forward_pre_hook(InputCheck(name, placement))
+    module.register_forward_pre_hook(InputCheck(name, placement, random=random))

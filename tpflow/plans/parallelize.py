@@ -21,7 +21,7 @@ from tpflow.placement import Placement
 from tpflow.plans.agreement import agree, check_buffers
 from tpflow.plans.decoding import decode_alike
 from tpflow.plans.fsdp import expect_fsdp
-from tpflow.plans.inputs import check_inputs
+from tpflow.plans.inputs import check_inputs, draws_random
 from tpflow.plans.matching import match
 from tpflow.plans.pretrained import export_whole
 from tpflow.plans.ties import Ties
@@ -113,6 +113,6 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     decode_alike(model, matched.placement)
     reader = matched.first_whole_reader()
     if reader is not None:
-        check_inputs(model.get_submodule(reader), reader, matched.placement)
+        check_inputs(model.get_submodule(reader), reader, matched.placement, random=draws_random(model))
     expect_fsdp(model, matched.named)
     return model
