@@ -254,3 +254,42 @@ def test_saves_cannot_tear():
 
 def test_checkpoints_that_differ_between_ranks_or_are_torn_are_refused():
     harness.run(2, _checkpoints_rank)
+
+
+def _context_inputs_rank() -> None:
+    """A soft prompt and a projector (plain modules) before a context-parallel model train as on one device: the
+    gradient of inputs_embeds reaches every rank whole; made from the model's own (global) embedding and a plain
+    projector at once, it is refused."""
+    from tests.models import VOCAB, tiny_lm
+
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    for kind in ("ring", "ulysses"):
+        reference = tiny_lm("llama")
+        torch.manual_seed(5)
+        prompt = nn.Parameter(torch.randn(1, 4, 64, dtype=torch.float64))
+        projector = nn.Linear(64, 64).double()
+        ref_prompt, ref_projector = copy.deepcopy(prompt), copy.deepcopy(projector)
+        embedding = copy.deepcopy(reference.get_input_embeddings())  # a plain copy, outside the model
+        model = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(),
+                                plan=tpf.hf_plan(reference, context_parallel=kind))
+
+        def embeds(table, soft, project):
+            return project(torch.cat([soft.expand(ids.shape[0], -1, -1), table(ids)], dim=1))
+
+        labels = torch.cat([torch.full((ids.shape[0], 4), -100), ids], dim=1)
+        with within(60):
+            loss = model(inputs_embeds=embeds(embedding, prompt, projector), labels=labels).loss
+            loss.backward()
+        want = reference(inputs_embeds=embeds(embedding, ref_prompt, ref_projector), labels=labels).loss
+        want.backward()
+        torch.testing.assert_close(loss, want.float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(prompt.grad, ref_prompt.grad, rtol=1e-6, atol=1e-9, msg=f"{kind}: the prompt")
+        torch.testing.assert_close(projector.weight.grad, ref_projector.weight.grad, rtol=1e-6, atol=1e-9,
+                                   msg=f"{kind}: the projector")
+        with within(30), pytest.raises(ValueError, match="global parameters and from"):
+            model(inputs_embeds=projector(model.get_input_embeddings()(ids)), labels=ids)
+
+
+def test_plain_modules_before_a_context_parallel_model_get_whole_gradients():
+    pytest.importorskip("transformers")
+    harness.run(2, _context_inputs_rank)

@@ -9,6 +9,7 @@
     replicated    entry Replicated: whole, with how its gradient is found
     experts       entries ExpertTensorParallel, ExpertParallel
     context       entry ContextParallel: the sequence cut at the model's entry, attention over the whole of it
+    context_attention  the attention implementation context parallelism registers with transformers
     names         "column", "row", HF's style strings; torch_styles: torch's own styles, read as entries
     fusion, ties, agreement    what entries share: fused column groups, tied parameters, the ranks' agreement
     hf            plan="auto": a Hugging Face model's own plan, as entries

@@ -9,7 +9,10 @@ every layer, attention included, the model's own code unchanged.
 - Attention: the model's attention implementation becomes ``"tpflow_context"`` (registered with transformers'
   ``AttentionInterface``); on each attention module it runs ``ring_attention`` (the rank's two head-tail parts,
   key / value blocks around the ring, with the module's scaling and softcap) or ``ulysses_attention`` around the
-  model's original implementation (sdpa or eager), on whole sequences of the rank's heads.
+  model's original implementation (sdpa or eager), on whole sequences of the rank's heads
+  (``tpflow.plans.context_attention``).
+- ``inputs_embeds`` made by plain trainable tensors before the model (a soft prompt, a projector) gets its whole
+  gradient on every rank (summed over the context ranks in the backward), as one device computes it.
 - Before the head, a ring's head-tail parts are exchanged into contiguous ones (an all-to-all of the hidden
   states, much smaller than the logits), so that ``.logits`` comes back as a global tensor split over the sequence
   (``full_tensor()`` gives it whole) and the shifted labels are cut alike.
@@ -26,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -37,120 +39,29 @@ from torch.distributed.tensor import DTensor
 from tpflow import comm
 from tpflow.global_tensor import from_local
 from tpflow.ops import ulysses_degrees
-from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention
+from tpflow.ops.context_attention import contiguous, head_tail
 from tpflow.placement import Placement
 from tpflow.plans import heads
+from tpflow.plans.context_attention import (
+    IMPLEMENTATION,
+    ULYSSES_ORIGINALS,
+    attach,
+    context_group,
+    register,
+)
 from tpflow.plans.inputs import InputCheck
 from tpflow.plans.style import Plan, Style
 from tpflow.sbp import broadcast, split
 
-__all__ = ["IMPLEMENTATION", "ContextParallel", "context_parallel", "register"]
+__all__ = ["ContextParallel", "context_parallel"]
 
-IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
-_STATE = "_tpflow_context"
 IGNORE = -100  # transformers' ignore_index of the labels
-ULYSSES_ORIGINALS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")  # causal without a mask of ours
 # what a model may pass its attention that the split cannot honour: the keyword, and why
-_UNSPLIT = {"s_aux": "attention sinks, gpt-oss's", "position_bias": "a learned position bias over the whole scores",
-            "cu_seq_lens_q": "packed documents", "cu_seq_lens_k": "packed documents"}
 
 
 def _cut(x: torch.Tensor, segments) -> torch.Tensor:
     """This rank's segments of dim 1, laid end to end (contiguous: the model's code may view it)."""
     return torch.cat([x[:, start:start + length] for start, length in segments], 1)
-
-
-class _Attention:
-    """One attention module's context-parallel attention (transformers calls it through ``IMPLEMENTATION``)."""
-
-    def __init__(self, name: str, kind: str, placement: Placement, original: str) -> None:
-        self.name, self.kind, self.placement, self.original = name, kind, placement, original
-
-    def __call__(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
-                 scaling: float | None, sliding_window: int | None, softcap: float | None,
-                 extra: dict) -> tuple[torch.Tensor, None]:
-        group, world = _axis_group(self.placement), self.placement.hierarchy[0]
-        seq = q.shape[2] * world
-        if dropout:
-            raise ValueError(f"{self.name!r}: attention dropout ({dropout}) under context parallelism is not "
-                             f"supported: set config.attention_dropout = 0.0")
-        for key in _UNSPLIT:
-            if extra.get(key) is not None:
-                raise ValueError(f"{self.name!r} passes {key!r} to its attention, which context parallelism does not "
-                                 f"split ({_UNSPLIT[key]})")
-        if sliding_window is not None and sliding_window < seq:
-            raise ValueError(f"{self.name!r} attends over a sliding window of {sliding_window} tokens, which context "
-                             f"parallelism does not split: train on sequences of at most {sliding_window} tokens, or "
-                             f"without the window (config.sliding_window = None)")
-        causal = extra.get("is_causal", getattr(module, "is_causal", True))
-        if self.kind == "ring":
-            out = ring_attention(q, k, v, segments=head_tail(world, seq), group=group, causal=causal, scale=scaling,
-                                 softcap=softcap)
-        else:
-            out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
-                                                                      softcap), group)
-        return out.transpose(1, 2), None
-
-    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap) -> torch.Tensor:
-        """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
-        the flash kernels causal by the module, eager by a mask made for the whole sequence."""
-        mask = None
-        if self.original == "eager" and causal:
-            seq = q.shape[2]
-            mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
-        groups = getattr(module, "num_key_value_groups", None)
-        module.num_key_value_groups = q.shape[1] // k.shape[1]  # this rank's heads (kv heads maybe repeated)
-        try:
-            out = _original(module, self.original)(module, q, k, v, mask, dropout=0.0, scaling=scaling,
-                                                   sliding_window=sliding_window, softcap=softcap, is_causal=causal)[0]
-        finally:
-            if groups is None:
-                del module.num_key_value_groups
-            else:
-                module.num_key_value_groups = groups
-        return out.transpose(1, 2)
-
-
-def _original(module: nn.Module, name: str):
-    """The attention function transformers would call for ``module`` under implementation ``name``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
-def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               sliding_window: int | None = None, softcap: float | None = None, **kwargs) -> tuple:
-    """The attention function registered as ``IMPLEMENTATION``: the module's context-parallel attention (the
-    mask, made for this rank's tokens alone, is not read: causality comes from the global positions)."""
-    state = getattr(module, _STATE, None)
-    if state is None:
-        raise RuntimeError(f"{type(module).__name__} runs tpflow's context-parallel attention, but parallelize gave it "
-                           f"no tpf.ContextParallel entry: plan every attention module of the model")
-    return state(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs)
-
-
-def register() -> None:
-    """Register ``IMPLEMENTATION`` with transformers' ``AttentionInterface`` (idempotent).
-
-    Example::
-
-        >>> from transformers import AttentionInterface
-        >>> register()
-        >>> IMPLEMENTATION in AttentionInterface()
-        True
-    """
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(IMPLEMENTATION, _attention)
-
-
-def _axis_group(placement: Placement):
-    """The context axis' process group (axis 0; of one rank too, which the ring runs on alone), None outside the
-    placement."""
-    return None if placement.coordinate() is None else placement.mesh.get_group(0)
 
 
 class _Context:
@@ -220,6 +131,8 @@ class _Context:
                 raise ValueError(f"{key} {list(named[key].shape)} must have the tokens' shape {[batch, seq]} (the "
                                  f"model shifts the labels itself)")
         layers = self.layers(seq)[self.rank]
+        if ids is None:
+            tokens = self.whole_gradient(tokens)
         named["input_ids" if ids is not None else "inputs_embeds"] = _cut(tokens, layers)
         named["position_ids"] = _cut(positions, layers)
         named["use_cache"] = False
@@ -231,6 +144,22 @@ class _Context:
             named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
         self.reordered = False
         return (), named
+
+    def whole_gradient(self, embeds: torch.Tensor) -> torch.Tensor:
+        """``inputs_embeds`` made by plain trainable tensors (a soft prompt, a projector before the model) gets its
+        whole gradient on every rank (each rank's backward covers its own tokens: summed over the context ranks), as
+        one device computes it; made by tpflow's global parameters (the model's own embedding), it is left as it is:
+        their gradients are summed over the context ranks already. Made by both, it is refused."""
+        if not embeds.requires_grad or not torch.is_grad_enabled():
+            return embeds
+        plain, global_ = _leaves(embeds)
+        if plain and global_:
+            raise ValueError(f"inputs_embeds is computed from tpflow's global parameters and from {len(plain)} plain "
+                             f"trainable tensors ({', '.join(plain[:3])}): under context parallelism the global ones "
+                             f"sum their gradients over the context ranks, the plain ones would get this rank's "
+                             f"tokens' alone. Compute it from plain modules only (a plain copy of the model's "
+                             f"embedding), or parallelize those modules with the model")
+        return comm.copy_to_ranks(embeds, context_group(self.placement)) if plain else embeds
 
     def to_contiguous(self, module: nn.Module, args: tuple) -> tuple:
         """A ring's hidden states before the head: this rank's head-tail parts exchanged for contiguous ones (part p
@@ -244,7 +173,7 @@ class _Context:
         send = [sum(part // 2 == r for part in holds[rank]) for r in range(world)]
         recv = [sum(part // 2 == rank for part in holds[r]) for r in range(world)]
         parts = rearrange(args[0], "b (p c) h -> p b c h", p=2).contiguous()
-        got = comm.all_to_all_mirror(parts, send, recv, _axis_group(self.placement))
+        got = comm.all_to_all_mirror(parts, send, recv, context_group(self.placement))
         arriving = [part for held in holds for part in held if part // 2 == rank]  # in source rank order
         if arriving != sorted(arriving):
             got = got[torch.tensor(sorted(range(len(arriving)), key=arriving.__getitem__), device=got.device)]
@@ -257,7 +186,7 @@ class _Context:
         if self.kind == "ring" and self.world > 1 and not self.reordered:
             raise RuntimeError("the ring's head-tail parts never reached the output head's forward (the model "
                                "computed its logits some other way): its loss and logits would be out of order")
-        group = _axis_group(self.placement)
+        group = context_group(self.placement)
         if getattr(output, "loss", None) is not None:
             output.loss = comm.reduce_from_ranks(output.loss, group)
         logits = getattr(output, "logits", None)
@@ -280,6 +209,25 @@ class _Context:
 _GENERATE = ("a model parallelized with context_parallel splits whole sequences over its ranks, and decoding runs one "
              "token at a time (past_key_values, logits_to_keep): generate with a model parallelized by "
              "tpf.hf_plan(model) (tensor parallelism, without context_parallel), loading the same weights")
+
+
+def _leaves(t: torch.Tensor) -> tuple[list[str], bool]:
+    """The plain trainable leaves ``t``'s autograd graph reaches (their shapes), and whether it reaches global ones
+    (tpflow's parameters, DTensors)."""
+    plain, global_, seen, stack = [], False, set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad: a leaf that takes a gradient
+        if leaf is not None:
+            global_ |= isinstance(leaf, DTensor)
+            if not isinstance(leaf, DTensor):
+                plain.append(f"a {list(leaf.shape)} tensor")
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return plain, global_
 
 
 class _NoGenerate:
@@ -412,5 +360,5 @@ class ContextParallel(Style):
                                  f"{ulysses_degrees(local, kv)} context ranks, or tpf.ContextParallel('ring')")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        setattr(module, _STATE, _Attention(name, self.kind, plan.placement, plan.model.config._attn_implementation))
+        attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation)
         plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given))

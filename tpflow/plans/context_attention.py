@@ -1,0 +1,149 @@
+"""Context parallelism's attention inside a Hugging Face model: an implementation registered with transformers'
+``AttentionInterface`` (``IMPLEMENTATION``) that runs, on each attention module ``parallelize`` attached it to, the
+ring (``tpflow.ops.ring_attention``: the rank's head-tail parts, key / value blocks around the ring, with the
+module's scaling and softcap) or Ulysses (``tpflow.ops.ulysses_attention``) around the model's original
+implementation (sdpa or eager) on whole sequences of the rank's heads."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from tpflow.ops.context_attention import head_tail, ring_attention, ulysses_attention
+from tpflow.placement import Placement
+
+__all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "attach", "context_group", "register"]
+
+IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
+_STATE = "_tpflow_context"
+ULYSSES_ORIGINALS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")  # causal without a mask of ours
+_UNSPLIT = {"s_aux": "attention sinks, gpt-oss's", "position_bias": "a learned position bias over the whole scores",
+            "cu_seq_lens_q": "packed documents", "cu_seq_lens_k": "packed documents"}
+
+
+def context_group(placement: Placement):
+    """The context axis' process group (axis 0; of one rank too, which the ring runs on alone), None outside the
+    placement.
+
+    Args:
+        placement: the ``(context, tensor)`` placement.
+
+    Returns:
+        The group, or None.
+
+    Example::
+
+        >>> context_group(tpf.placement("cpu", [[0], [1]])) is not None
+        True
+    """
+    return None if placement.coordinate() is None else placement.mesh.get_group(0)
+
+
+class _Attention:
+    """One attention module's context-parallel attention (transformers calls it through ``IMPLEMENTATION``)."""
+
+    def __init__(self, name: str, kind: str, placement: Placement, original: str) -> None:
+        self.name, self.kind, self.placement, self.original = name, kind, placement, original
+
+    def __call__(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+                 scaling: float | None, sliding_window: int | None, softcap: float | None,
+                 extra: dict) -> tuple[torch.Tensor, None]:
+        group, world = context_group(self.placement), self.placement.hierarchy[0]
+        seq = q.shape[2] * world
+        if dropout:
+            raise ValueError(f"{self.name!r}: attention dropout ({dropout}) under context parallelism is not "
+                             f"supported: set config.attention_dropout = 0.0")
+        for key in _UNSPLIT:
+            if extra.get(key) is not None:
+                raise ValueError(f"{self.name!r} passes {key!r} to its attention, which context parallelism does not "
+                                 f"split ({_UNSPLIT[key]})")
+        if sliding_window is not None and sliding_window < seq:
+            raise ValueError(f"{self.name!r} attends over a sliding window of {sliding_window} tokens, which context "
+                             f"parallelism does not split: train on sequences of at most {sliding_window} tokens, or "
+                             f"without the window (config.sliding_window = None)")
+        causal = extra.get("is_causal", getattr(module, "is_causal", True))
+        if self.kind == "ring":
+            out = ring_attention(q, k, v, segments=head_tail(world, seq), group=group, causal=causal, scale=scaling,
+                                 softcap=softcap)
+        else:
+            out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
+                                                                      softcap), group)
+        return out.transpose(1, 2), None
+
+    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap) -> torch.Tensor:
+        """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
+        the flash kernels causal by the module, eager by a mask made for the whole sequence."""
+        mask = None
+        if self.original == "eager" and causal:
+            seq = q.shape[2]
+            mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
+        groups = getattr(module, "num_key_value_groups", None)
+        module.num_key_value_groups = q.shape[1] // k.shape[1]  # this rank's heads (kv heads maybe repeated)
+        try:
+            out = _original(module, self.original)(module, q, k, v, mask, dropout=0.0, scaling=scaling,
+                                                   sliding_window=sliding_window, softcap=softcap, is_causal=causal)[0]
+        finally:
+            if groups is None:
+                del module.num_key_value_groups
+            else:
+                module.num_key_value_groups = groups
+        return out.transpose(1, 2)
+
+
+def _original(module: nn.Module, name: str):
+    """The attention function transformers would call for ``module`` under implementation ``name``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               sliding_window: int | None = None, softcap: float | None = None, **kwargs) -> tuple:
+    """The attention function registered as ``IMPLEMENTATION``: the module's context-parallel attention (the
+    mask, made for this rank's tokens alone, is not read: causality comes from the global positions)."""
+    state = getattr(module, _STATE, None)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} runs tpflow's context-parallel attention, but parallelize gave it "
+                           f"no tpf.ContextParallel entry: plan every attention module of the model")
+    return state(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs)
+
+
+def register() -> None:
+    """Register ``IMPLEMENTATION`` with transformers' ``AttentionInterface`` (idempotent).
+
+    Example::
+
+        >>> from transformers import AttentionInterface
+        >>> register()
+        >>> IMPLEMENTATION in AttentionInterface()
+        True
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, _attention)
+
+
+
+def attach(module: nn.Module, name: str, kind: str, placement: Placement, original: str) -> None:
+    """Give the attention module ``module`` its context-parallel attention, which ``IMPLEMENTATION`` runs.
+
+    Args:
+        module: a Hugging Face attention module.
+        name: its name in the model, for errors.
+        kind: ``"ring"`` or ``"ulysses"``.
+        placement: the ``(context, tensor)`` placement.
+        original: the model's attention implementation before the switch (Ulysses runs it on whole sequences).
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> from transformers.models.llama.modeling_llama import LlamaAttention
+        >>> attention = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2), 0)
+        >>> attach(attention, "layers.0.self_attn", "ring", tpf.placement("cpu", [[0], [1]]), "sdpa")
+    """
+    setattr(module, _STATE, _Attention(name, kind, placement, original))
