@@ -87,24 +87,23 @@ class InputCheck:
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         digests = [tuple(d.tolist()) for d in every]
-        if len({d[4:] for d in digests}) > 1 and len({d[:4] for d in digests}) == 1:
-            ranks = dist.get_process_group_ranks(group)
-            differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
+        if len(set(digests)) == 1:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
+        if len({d[:4] for d in digests}) == 1:  # the same inputs: the random states differ
             raise ValueError(
                 f"the {self.kind} ranks {ranks} draw different random numbers: the model has dropout in training, "
                 f"and ranks {differ} would drop other values than rank {ranks[0]} of activations that must be equal "
                 f"on every rank (its replicated parameters would drift apart without an error). Seed every "
                 f"{self.kind} rank alike (torch.manual_seed with the same seed; seeds may differ over the "
                 f"data-parallel ranks only), and draw the same random numbers on them before the model")
-        if len(set(digests)) > 1:
-            ranks = dist.get_process_group_ranks(group)
-            differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
-            raise ValueError(
-                f"the {self.kind} ranks {ranks} were fed different inputs: {self.name!r} read other values on "
-                f"ranks {differ} than on rank {ranks[0]} (shape {list(x.shape)}). Every rank of a {self.kind} "
-                f"group computes on the same batch: shard the data over the data-parallel ranks only (a "
-                f"DistributedSampler with the data-parallel size and coordinate, not the world's), and seed "
-                f"random inputs alike on every rank")
+        raise ValueError(
+            f"the {self.kind} ranks {ranks} were fed different inputs: {self.name!r} read other values on "
+            f"ranks {differ} than on rank {ranks[0]} (shape {list(x.shape)}). Every rank of a {self.kind} "
+            f"group computes on the same batch: shard the data over the data-parallel ranks only (a "
+            f"DistributedSampler with the data-parallel size and coordinate, not the world's), and seed "
+            f"random inputs alike on every rank")
 
 
 def _random_state(device: torch.device) -> torch.Tensor:
