@@ -293,3 +293,35 @@ def _context_inputs_rank() -> None:
 def test_plain_modules_before_a_context_parallel_model_get_whole_gradients():
     pytest.importorskip("transformers")
     harness.run(2, _context_inputs_rank)
+
+
+def test_a_collective_that_times_out_names_the_rank_it_waited_for(tmp_path):
+    """Rank 1 stalls before a collective (gloo's path, the shared-memory one off): rank 0's error names rank 1 and
+    the cause, where gloo's says only 'Timed out waiting 4000ms'."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.harness import ROOT
+
+    script = tmp_path / "stall.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import torch
+        import tpflow as tpf
+        P = tpf.placement("cpu", ranks=[0, 1])
+        layer = tpf.ColumnParallelLinear(8, 16, placement=P, sequence_parallel=True, algo="ring")
+        x = torch.randn(4, 2, 8)
+        layer(x)                        # every group set up
+        if tpf.get_rank() == 1:
+            time.sleep(60)              # stalls: rank 0 waits in the next collective
+        layer(x)
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), TPFLOW_TIMEOUT="4", TPFLOW_CPU_SHARED_MEMORY="0")
+    done = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script)], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "waited for rank 1 longer than the timeout switch's 4 s" in done.stderr, done.stderr[-3000:]
+    assert "tpflow.launch: rank 0 raised this error" in done.stderr

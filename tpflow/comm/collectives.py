@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from tpflow.comm import shm
 from tpflow.comm.accounting import count_ring, stats
+from tpflow.comm.late import naming_late
 
 __all__ = ["all_gather", "all_reduce", "all_reduce_cat", "all_to_all", "checked_counts", "exchange_counts",
            "reduce_scatter"]
@@ -83,8 +84,11 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     """
     count_ring(t, dist.get_world_size(group), 2)
     host = _host(group, t)
+    if host is None and async_op:
+        return dist.all_reduce(t, group=group, async_op=True)
     if host is None:
-        return dist.all_reduce(t, group=group, async_op=async_op)
+        with naming_late("an all-reduce", group):
+            return dist.all_reduce(t, group=group)
     host.all_reduce(t)
     return _DONE if async_op else None
 
@@ -158,7 +162,8 @@ def all_gather(part: torch.Tensor, dim: int, chunks: Chunks, group: dist.Process
     out = part.new_empty((step * world, *part.shape[1:]))
     host = _host(group, padded)
     if host is None:
-        all_gather_single(out, padded, group=group)
+        with naming_late("an all-gather", group):
+            all_gather_single(out, padded, group=group)
     else:
         host.all_gather(out, padded)
     count_ring(out, world, 1)
@@ -202,7 +207,8 @@ def reduce_scatter(full: torch.Tensor, dim: int, chunks: Chunks, group: dist.Pro
     out = full.new_empty((step, *full.shape[1:]))
     host = _host(group, padded)
     if host is None:
-        reduce_scatter_single(out, padded, group=group)
+        with naming_late("a reduce-scatter", group):
+            reduce_scatter_single(out, padded, group=group)
     else:
         host.reduce_scatter(out, padded)
     count_ring(padded, world, 1 if full.is_cuda else 2)
@@ -234,7 +240,8 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
                          f"{world} is needed")
     counts = counts.contiguous()
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts, group=group)
+    with naming_late("the exchange of all-to-all counts", group):
+        dist.all_to_all_single(out, counts, group=group)
     stats.add((world - 1) * counts[0].numel() * counts.element_size(), world - 1)
     return out
 
@@ -303,7 +310,8 @@ def all_to_all(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequenc
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     send_counts, recv_counts = checked_counts(x, send_counts, recv_counts, world)
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    with naming_late("an all-to-all", group):
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     row = math.prod(x.shape[1:]) * x.element_size()
     others = [c for r, c in enumerate(send_counts) if r != rank and c]
     stats.add(sum(others) * row, len(others))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tpflow.comm import collectives
 from tpflow.comm.accounting import CommStats, stats
+from tpflow.comm.late import timed_out, waiting_on
 from tpflow.sbp import chunk_bounds
 
 __all__ = ["DistTransport", "Handle", "Transport", "as_transport"]
@@ -49,13 +50,20 @@ class Handle:
         >>> done.wait()
     """
 
-    def __init__(self, works: Sequence = ()) -> None:
-        self._works = list(works)
+    def __init__(self, works: Sequence = (), peers: Sequence[int] = ()) -> None:
+        self._works, self._peers = list(works), list(peers)  # peers: the ranks the works wait for, one each
 
     def wait(self) -> None:
-        """Wait for every operation; later calls return at once."""
-        for work in self._works:
-            work.wait()
+        """Wait for every operation; later calls return at once. A timeout names the rank it waited for."""
+        for j, work in enumerate(self._works):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                if not timed_out(e):
+                    raise
+                who = f"rank {self._peers[j]}" if len(self._peers) == len(self._works) else \
+                    f"one of ranks {sorted(set(self._peers))}"
+                raise waiting_on("a ring transfer", who, e) from e
         self._works = []
 
 
@@ -239,10 +247,11 @@ class DistTransport(Transport):
             return Handle(), Handle()
         self._count(sends)
         works = dist.batch_isend_irecv(ops)
+        ranks = [dist.get_global_rank(self.group, peer) for _, peer in (*recvs, *sends)]
         if len(works) != len(ops):  # NCCL coalesces the group into one work
-            both = Handle(works)
+            both = Handle(works, ranks)
             return both, both
-        return Handle(works[len(recvs):]), Handle(works[:len(recvs)])
+        return Handle(works[len(recvs):], ranks[len(recvs):]), Handle(works[:len(recvs)], ranks[:len(recvs)])
 
     def reduce_scatter(self, full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
         """NCCL's reduce-scatter on CUDA; on CPU the plain ring, since gloo's is an all-reduce underneath

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tpflow import comm
+from tpflow.comm.late import timed_out, waiting_on
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import zeros
 from tpflow.global_tensor.blocks import Block
@@ -137,9 +138,11 @@ def _wait(pending: comm.Pending, peers: list[int], sender: int) -> None:
         try:
             work.wait()
         except RuntimeError as e:
-            if not closed_connection(e):
+            if not closed_connection(e) and not timed_out(e):
                 raise
             who = f"rank {peers[j]}" if len(peers) == len(pending.works) else f"one of ranks {peers}"
+            if timed_out(e):
+                raise waiting_on(f"the hand-off from stage {sender}", who, e) from e
             raise PeerDied(f"{who} of stage {sender} died or closed its connection: {type(e).__name__}: {e}") from e
     pending.works, pending.buffers = [], []
 

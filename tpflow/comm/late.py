@@ -1,0 +1,81 @@
+"""A collective or transfer that times out names the rank it waited for: gloo's own words ("Timed out waiting
+15000ms for recv operation") name neither the peer nor the cause, while one rank that stopped, or runs another
+collective, is what leaves the others waiting."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from tpflow import config
+
+__all__ = ["naming_late", "timed_out", "waiting_on"]
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is a transfer's or collective's timeout (gloo's or NCCL's words).
+
+    Args:
+        e: an exception a wait raised.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> timed_out(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv"))
+        True
+    """
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def waiting_on(what: str, who: str, e: BaseException) -> RuntimeError:
+    """The error to raise in place of a timeout ``e``: ``what`` waited on ``who`` past the timeout switch.
+
+    Args:
+        what: the operation (``"the ring all-gather"``).
+        who: the rank or ranks it waited for (``"rank 1"``).
+        e: the timeout.
+
+    Returns:
+        A ``RuntimeError`` naming them, the cause to look for and the original error.
+
+    Example::
+
+        >>> str(waiting_on("the ring", "rank 1", RuntimeError("Timed out")))[:58]
+        'tpflow: the ring waited for rank 1 longer than the timeout'
+    """
+    seconds = config.get("timeout")
+    return RuntimeError(f"tpflow: {what} waited for {who} longer than the timeout switch's {seconds:g} s: that rank "
+                        f"stopped, or runs another collective (every rank must run the same collectives in the same "
+                        f"order), or is that much slower. {type(e).__name__}: {e}")
+
+
+@contextlib.contextmanager
+def naming_late(what: str, group: dist.ProcessGroup) -> Iterator[None]:
+    """Around a collective of ``group``: its timeout raised as ``waiting_on`` the group's other ranks (a collective does
+    not say which of them is late).
+
+    Args:
+        what: the collective (``"an all-gather"``).
+        group: its process group.
+
+    Returns:
+        The context manager.
+
+    Example::
+
+        >>> with naming_late("an all-reduce", torch.distributed.group.WORLD):
+        ...     torch.distributed.all_reduce(torch.ones(2))
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        if not timed_out(e):
+            raise
+        others = [r for r in dist.get_process_group_ranks(group) if r != dist.get_rank()]
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        raise waiting_on(what, who, e) from e
