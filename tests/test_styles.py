@@ -1,7 +1,7 @@
 """Plan entries that apply themselves: a user's own ``tpf.Style`` (the one docs/layers-and-plans.md writes) and torch's
 own styles in the shape of torchtitan's Llama ``apply_tp``, each against one device: the loss, every parameter's
-gradient and every parameter after AdamW steps, on 1, 2 and 4 ranks; and torch's styles tpflow cannot honour refused
-before the model changes."""
+gradient and every parameter after AdamW steps, on 1 to 4 ranks (the user's on uneven features); and torch's styles
+tpflow cannot honour refused before the model changes."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _mlp_loss(model: nn.Module, x: torch.Tensor, cross_entropy) -> torch.Tensor:
 def _user_style_rank() -> None:
     ScaledGradient = documented_style()["ScaledGradient"]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12), nn.Linear(12, 5)).double()
+    model = nn.Sequential(nn.Linear(12, 23), nn.GELU(), nn.Linear(23, 12), nn.Linear(12, 5)).double()  # uneven
     reference = copy.deepcopy(model)
     reference[3] = ScaledGradient(0.25).apply("3", reference[3], None)  # one device: the same layer, unsplit
     tpf.parallelize(model, placement=all_ranks(), plan={"0": "column", "2": "row", "3": ScaledGradient(0.25)})
@@ -140,7 +140,7 @@ def _user_style_rank() -> None:
     _trains_like_one_device(model, reference, x, _mlp_loss, steps=3)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_a_style_users_write_runs_like_a_builtin_one(world):
     harness.run(world, _user_style_rank)
 

@@ -12,7 +12,7 @@ live in ``tpflow.kernels``, and ``tpflow.ops`` combines the two.
     transport     the Transport interface, its torch.distributed implementation, and the two rings
     fake          FakeWorld: ranks as threads joined by emulated links, for tests and benchmarks
     wire          a tensor's shape, dtype and SBP (or an error) as a fixed-size message
-    late          a timeout said as the rank it waited for
+    peers         a peer's failure said plainly: gone (a closed connection) or late (the rank waited for)
 """
 
 from __future__ import annotations

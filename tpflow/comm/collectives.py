@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from tpflow.comm import shm
 from tpflow.comm.accounting import count_ring, stats
-from tpflow.comm.late import naming_late
+from tpflow.comm.peers import naming_late
 
 __all__ = ["all_gather", "all_reduce", "all_reduce_cat", "all_to_all", "checked_counts", "exchange_counts",
            "reduce_scatter"]

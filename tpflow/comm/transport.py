@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tpflow.comm import collectives
 from tpflow.comm.accounting import CommStats, stats
-from tpflow.comm.late import timed_out, waiting_on
+from tpflow.comm.peers import timed_out, waiting_on
 from tpflow.sbp import chunk_bounds
 
 __all__ = ["DistTransport", "Handle", "Transport", "as_transport"]
@@ -43,6 +43,8 @@ class Handle:
 
     Args:
         works: the operations, objects with a ``wait()`` method (torch.distributed works); none: already done.
+        peers: the rank each work waits for (of ``group``), named if it times out.
+        group: the process group ``peers`` are ranks of (None: the world's ranks).
 
     Example::
 
@@ -50,8 +52,9 @@ class Handle:
         >>> done.wait()
     """
 
-    def __init__(self, works: Sequence = (), peers: Sequence[int] = ()) -> None:
-        self._works, self._peers = list(works), list(peers)  # peers: the ranks the works wait for, one each
+    def __init__(self, works: Sequence = (), peers: Sequence[int] = (), group: dist.ProcessGroup | None = None) -> None:
+        # peers: the group's ranks the works wait for, one each (made world ranks only when one is late)
+        self._works, self._peers, self._group = list(works), list(peers), group
 
     def wait(self) -> None:
         """Wait for every operation; later calls return at once. A timeout names the rank it waited for."""
@@ -61,8 +64,8 @@ class Handle:
             except RuntimeError as e:
                 if not timed_out(e):
                     raise
-                who = f"rank {self._peers[j]}" if len(self._peers) == len(self._works) else \
-                    f"one of ranks {sorted(set(self._peers))}"
+                ranks = [r if self._group is None else dist.get_global_rank(self._group, r) for r in self._peers]
+                who = f"rank {ranks[j]}" if len(ranks) == len(self._works) else f"one of ranks {sorted(set(ranks))}"
                 raise waiting_on("a ring transfer", who, e) from e
         self._works = []
 
@@ -247,11 +250,12 @@ class DistTransport(Transport):
             return Handle(), Handle()
         self._count(sends)
         works = dist.batch_isend_irecv(ops)
-        ranks = [dist.get_global_rank(self.group, peer) for _, peer in (*recvs, *sends)]
+        peers = [peer for _, peer in (*recvs, *sends)]
         if len(works) != len(ops):  # NCCL coalesces the group into one work
-            both = Handle(works, ranks)
+            both = Handle(works, peers, self.group)
             return both, both
-        return Handle(works[len(recvs):], ranks[len(recvs):]), Handle(works[:len(recvs)], ranks[:len(recvs)])
+        return (Handle(works[len(recvs):], peers[len(recvs):], self.group),
+                Handle(works[:len(recvs)], peers[:len(recvs)], self.group))
 
     def reduce_scatter(self, full: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
         """NCCL's reduce-scatter on CUDA; on CPU the plain ring, since gloo's is an all-reduce underneath

@@ -26,11 +26,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm, config
+from tpflow.comm.peers import closed_connection
 from tpflow.global_tensor.blocks import Block
 from tpflow.pipeline import actions, replay
 from tpflow.pipeline import schedule as schedules
 from tpflow.pipeline.guard import UNFINISHED, Guard
-from tpflow.pipeline.handoff import Link, PeerDied, closed_connection
+from tpflow.pipeline.handoff import Link, PeerDied
 from tpflow.pipeline.loss import BatchLoss
 from tpflow.pipeline.stage import EAGER_TAG, PipelineError, Stage
 from tpflow.pipeline.step import StepRun

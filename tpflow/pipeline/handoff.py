@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tpflow import comm
-from tpflow.comm.late import timed_out, waiting_on
+from tpflow.comm.peers import closed_connection, timed_out, waiting_on
 from tpflow.comm.wire import FAILED, HEADER_BYTES, OK, header, read_header
 from tpflow.global_tensor import zeros
 from tpflow.global_tensor.blocks import Block
@@ -46,7 +46,7 @@ from tpflow.pipeline.stage import PipelineError, Stage
 from tpflow.placement import Placement
 from tpflow.sbp import Sbp, dual
 
-__all__ = ["Link", "Paired", "PeerDied", "closed_connection"]
+__all__ = ["Link", "Paired", "PeerDied"]
 
 
 class Meta(NamedTuple):
@@ -95,27 +95,6 @@ def _ok_header(meta: Meta) -> torch.Tensor:
 def _padded(head: torch.Tensor, nbytes: int) -> torch.Tensor:
     """A steady hand-off's message of ``nbytes`` that carries only its header ``head``: the rest zeros."""
     return torch.cat([head, torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)])
-
-
-def closed_connection(e: BaseException) -> bool:
-    """Whether ``e`` is gloo's word that a peer closed its connection (its process died or exited).
-
-    Args:
-        e: an exception a transfer or a collective raised.
-
-    Returns:
-        True for a ``RuntimeError`` saying the connection was closed, reset or refused, or the pipe broke.
-
-    Example::
-
-        >>> closed_connection(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
-        True
-        >>> closed_connection(ValueError("a wrong shape"))
-        False
-    """
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and any(w in text for w in ("connection closed", "connection reset",
-                                                                    "broken pipe", "connection refused"))
 
 
 class PeerDied(RuntimeError):

@@ -10,6 +10,7 @@ two steps; what the driver and the other entries read of an entry are the few pr
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator
 
 from torch import nn
@@ -20,15 +21,16 @@ from tpflow.plans.fsdp import tensor_slice
 __all__ = ["Plan", "Style"]
 
 
-class Style:
+class Style(ABC):
     """A plan entry: what ``tpf.parallelize`` does to each module its pattern matches.
 
     Subclass it for an entry of your own: ``check`` raises if the matched module cannot take the entry (nothing has
-    changed yet, on any rank), ``apply`` changes it: it returns a module to swap in under every name of the matched
-    one, or None where it changed the module in place. Parameters that ``apply`` leaves plain become global tensors
-    broadcast over the placement afterwards (their gradients summed over the tensor-parallel ranks where the module
-    sees only this rank's part of the data), so an entry only does what differs. Entries are compared with ``==``
-    (a module shared under two names takes one entry) and shown in errors with ``repr``: a frozen dataclass gives both.
+    changed yet, on any rank), ``apply`` (abstract: an entry without one cannot be made) changes it: it returns a
+    module to swap in under every name of the matched one, or None where it changed the module in place. Parameters
+    that ``apply`` leaves plain become global tensors broadcast over the placement afterwards (their gradients
+    summed over the tensor-parallel ranks where the module sees only this rank's part of the data), so an entry only
+    does what differs. Entries are compared with ``==`` (a module shared under two names takes one entry) and shown
+    in errors with ``repr``: a frozen dataclass gives both.
 
     Example::
 
@@ -65,7 +67,9 @@ class Style:
             plan: the plan matched against the model (``Plan``): its placement, the other
                 entries, the model.
         """
+        return None  # any module
 
+    @abstractmethod
     def apply(self, name: str, module: nn.Module, plan: Plan) -> nn.Module | None:
         """Parallelize ``module``: return the module to put in its place, or None where it was changed in place.
 
@@ -77,7 +81,6 @@ class Style:
         Returns:
             A module swapped in under every name of ``module``, or None.
         """
-        raise NotImplementedError(f"{type(self).__name__} must define apply(name, module, plan)")
 
     def arrange(self, placement: Placement) -> Placement:
         """The placement every entry of the plan works on when this entry is in it (default: ``placement`` itself;

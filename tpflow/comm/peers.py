@@ -1,6 +1,7 @@
-"""A collective or transfer that times out names the rank it waited for: gloo's own words ("Timed out waiting
-15000ms for recv operation") name neither the peer nor the cause, while one rank that stopped, or runs another
-collective, is what leaves the others waiting."""
+"""A wait on a peer rank that failed, said plainly: gone (gloo's "Connection closed by peer": its process died or
+exited) or late (past the timeout). A collective or transfer that times out names the rank it waited for: gloo's
+own words ("Timed out waiting 15000ms for recv operation") name neither the peer nor the cause, while one rank that
+stopped, or runs another collective, is what leaves the others waiting."""
 
 from __future__ import annotations
 
@@ -11,7 +12,28 @@ import torch.distributed as dist
 
 from tpflow import config
 
-__all__ = ["naming_late", "timed_out", "waiting_on"]
+__all__ = ["closed_connection", "naming_late", "timed_out", "waiting_on"]
+
+
+def closed_connection(e: BaseException) -> bool:
+    """Whether ``e`` is gloo's word that a peer closed its connection (its process died or exited).
+
+    Args:
+        e: an exception a transfer or a collective raised.
+
+    Returns:
+        True for a ``RuntimeError`` saying the connection was closed, reset or refused, or the pipe broke.
+
+    Example::
+
+        >>> closed_connection(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+        True
+        >>> closed_connection(ValueError("a wrong shape"))
+        False
+    """
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(w in text for w in ("connection closed", "connection reset",
+                                                                    "broken pipe", "connection refused"))
 
 
 def timed_out(e: BaseException) -> bool:
