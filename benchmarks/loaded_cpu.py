@@ -7,9 +7,10 @@ A Qwen3 (vocabulary ``--vocab``, ``--layers`` layers of ``--hidden``, 8 heads of
 random weights), ``tpf.parallelize(plan="auto")`` over every rank, runs two steps with the ``cpu_shared_memory``
 switch on and off in turn, rep by rep, so that drift hits both alike: greedy ``generate`` of ``--new-tokens`` tokens
 after a 16-token prompt (ms per token), and a training step (forward, the model's loss, backward, AdamW) on
-``--batch`` x ``--seq`` tokens, at learning rate 0 so that every step's loss is comparable. ``--busy K`` starts K processes that spin on the cores for the whole run (another
-job on the machine). The time is the median over ``--reps`` on the slowest rank; both ways must give the same tokens
-and losses within 1e-5 (their sums run in other orders). Each run is appended to ``benchmarks/results/loaded_cpu_<cpu>_<date>.md``.
+``--batch`` x ``--seq`` tokens, at learning rate 0 so that every step's loss is comparable. ``--busy K`` starts K
+processes that spin on the cores for the whole run (another job on the machine). The time is the median over
+``--reps`` on the slowest rank; both ways must give the same tokens and losses within 1e-5 (their sums run in other
+orders). Each run is appended to ``benchmarks/results/loaded_cpu_<cpu>_<date>.md``.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def run(args) -> None:
         if name == "training step":
             model.train()
         shm, gloo, results = _time(fn, per, args.reps)
-        same = all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=0) for a, b in zip(results[True], results[False]))
+        same = all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=0)
+                   for a, b in zip(results[True], results[False]))
         lines.append(f"| {name}{' (per token)' if per > 1 else ''} | {shm:.2f} | {gloo:.2f} | {shm / gloo:.2f}x | "
                      f"{same} |")
     stop.set()

@@ -8,7 +8,10 @@ import copy
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -62,7 +65,7 @@ def _checkpoints_rank() -> None:
             tpf.load_safetensors(model, os.path.join(folder, "good"))
             mine = "stale" if dist.get_rank() == 1 else "good"  # a node's stale copy
             with pytest.raises(ValueError, match=r"load_safetensors: the ranks disagree on the file model.safetensors "
-                                                 r"\(rank 0: .*; rank 1: .*\)"):
+                                                 r"\(ranks? 0[0-9, ]*: .*; rank 1: .*\)"):
                 tpf.load_safetensors(model, os.path.join(folder, mine))
 
             model = tpf.parallelize(_model(), placement=placement, plan={"0": "column", "2": "row"})
@@ -80,7 +83,7 @@ def _checkpoints_rank() -> None:
 
 def _dtypes_rank() -> None:
     model = _model().to(torch.float64 if dist.get_rank() == 1 else torch.float32)
-    with within(30), pytest.raises(ValueError, match=r"the ranks disagree on the model's dtypes \(rank 0: "
+    with within(30), pytest.raises(ValueError, match=r"the ranks disagree on the model's dtypes \(ranks? 0[0-9, ]*: "
                                                      r"torch.float32; rank 1: torch.float64\)"):
         tpf.parallelize(model, placement=all_ranks(), plan={"0": "column", "2": "row"})
 
@@ -131,8 +134,9 @@ def _cast_after_parallelize_rank() -> None:
         assert model(torch.tensor([[1, 2]])).dtype == torch.float64
 
 
-def test_a_model_casts_after_parallelize_on_a_named_placement():
-    harness.run(2, _cast_after_parallelize_rank)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_model_casts_after_parallelize_on_a_named_placement(world):
+    harness.run(world, _cast_after_parallelize_rank)
 
 
 def _unsynced_decoding_rank() -> None:
@@ -145,9 +149,10 @@ def _unsynced_decoding_rank() -> None:
         model.generate(torch.tensor([[1, 2, 3]]), synced_gpus=False, max_new_tokens=2, pad_token_id=0)
 
 
-def test_decoding_that_would_leave_ranks_waiting_is_refused():
+@pytest.mark.parametrize("world", [2, 4])
+def test_decoding_that_would_leave_ranks_waiting_is_refused(world):
     pytest.importorskip("transformers")
-    harness.run(2, _unsynced_decoding_rank)
+    harness.run(world, _unsynced_decoding_rank)
 
 
 def _dropout_rank() -> None:
@@ -181,8 +186,58 @@ def test_dropout_draws_alike_on_the_tensor_parallel_ranks_or_stops(world):
     harness.run(world, _dropout_rank)
 
 
-def test_a_model_of_another_dtype_on_one_rank_is_named_as_such():
-    harness.run(2, _dtypes_rank)
+def _split_streams_rank() -> None:
+    """Dropout on a rank's block of features (between a column and a row layer, split unevenly) draws masks of its own
+    on each rank, seeded alike: the blocks' masks differ, the shared stream is left where it was, so the dropout on the
+    whole output after the row layer drops the same values on every rank; under activation checkpointing the
+    recomputed masks are the forward's (the gradients equal those without it). Then a Llama whose attention
+    probabilities drop out trains with equal losses and replicas on every rank."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.models import VOCAB, tiny_lm, train_lm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 63), nn.Dropout(0.5), nn.Linear(63, 16), nn.Dropout(0.5)).double()
+    tpf.parallelize(model, placement=all_ranks(), plan={"0": "column", "2": "row"})
+    blocks: list[torch.Tensor] = []
+    model[2].register_forward_pre_hook(lambda m, args: blocks.append(args[0].detach().clone()))
+    x = torch.ones(8, 4, dtype=torch.float64)
+    every: list = [None] * dist.get_world_size()
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(5)
+        with within(30):
+            out = checkpoint(model, x, use_reentrant=False) if recompute else model(x)
+            out.sum().backward()
+        dist.all_gather_object(every, (out.tolist(), torch.get_rng_state().tolist(), (blocks[-1] == 0).tolist()))
+        assert all(e[:2] == every[0][:2] for e in every), "the whole output or the shared stream differs by rank"
+        masks = [e[2] for e in every]
+        assert all(masks[r][:31] != masks[0][:31] for r in range(1, len(masks))), "the blocks drew one pattern"
+        grads.append([p.grad.full_tensor().clone() for p in model.parameters()])
+        model.zero_grad()
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
+
+    lm = tiny_lm("llama", attention_dropout=0.3, attn_implementation="eager")
+    lm = tpf.parallelize(lm, placement=all_ranks(), plan="auto").train()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(7)
+    with within(60):
+        losses = train_lm(lm, ids, steps=3)
+    dist.all_gather_object(every, losses)
+    assert all(e == every[0] for e in every), every
+    tpf.check_replicas(lm)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_regions_draw_their_own_masks_and_the_shared_stream_stays_alike(world):
+    pytest.importorskip("transformers")
+    harness.run(world, _split_streams_rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_model_of_another_dtype_on_one_rank_is_named_as_such(world):
+    harness.run(world, _dtypes_rank)
 
 
 def _torn_saves_rank() -> None:
@@ -246,14 +301,16 @@ def _save_pretrained_keeps_others_rank() -> None:
             shutil.rmtree(folder)
 
 
-def test_saves_cannot_tear():
-    harness.run(2, _torn_saves_rank)
+@pytest.mark.parametrize("world", [2, 4])
+def test_saves_cannot_tear(world):
+    harness.run(world, _torn_saves_rank)
     pytest.importorskip("transformers")
-    harness.run(2, _save_pretrained_keeps_others_rank)
+    harness.run(world, _save_pretrained_keeps_others_rank)
 
 
-def test_checkpoints_that_differ_between_ranks_or_are_torn_are_refused():
-    harness.run(2, _checkpoints_rank)
+@pytest.mark.parametrize("world", [2, 4])
+def test_checkpoints_that_differ_between_ranks_or_are_torn_are_refused(world):
+    harness.run(world, _checkpoints_rank)
 
 
 def _context_inputs_rank() -> None:
@@ -287,41 +344,86 @@ def _context_inputs_rank() -> None:
         torch.testing.assert_close(projector.weight.grad, ref_projector.weight.grad, rtol=1e-6, atol=1e-9,
                                    msg=f"{kind}: the projector")
         with within(30), pytest.raises(ValueError, match="global parameters and from"):
-            model(inputs_embeds=projector(model.get_input_embeddings()(ids)), labels=ids)
+            longer = torch.cat([ids[:, :4], ids], dim=1)  # 16 tokens: a multiple of 2W on 2 and 4 ranks
+            model(inputs_embeds=projector(model.get_input_embeddings()(longer)), labels=longer)
 
 
-def test_plain_modules_before_a_context_parallel_model_get_whole_gradients():
+@pytest.mark.parametrize("world", [2, 4])
+def test_plain_modules_before_a_context_parallel_model_get_whole_gradients(world):
     pytest.importorskip("transformers")
-    harness.run(2, _context_inputs_rank)
+    harness.run(world, _context_inputs_rank)
 
 
-def test_a_collective_that_times_out_names_the_rank_it_waited_for(tmp_path):
-    """Rank 1 stalls before a collective (gloo's path, the shared-memory one off): rank 0's error names rank 1 and
+def _launch(tmp_path, world: int, source: str, **env: str) -> str:
+    """Run ``source`` under ``tpflow.launch`` on ``world`` ranks, which must fail within 60 s; its stderr."""
+    script = tmp_path / "fault.py"
+    script.write_text(textwrap.dedent(source))
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", str(world), str(script)],
+                          env={**clean, "PYTHONPATH": str(harness.ROOT), **env}, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    return done.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_collective_that_times_out_names_the_rank_it_waited_for(tmp_path, world):
+    """The last rank stalls before a collective (gloo's path, the shared-memory one off): a rank's error names it and
     the cause, where gloo's says only 'Timed out waiting 4000ms'."""
-    import subprocess
-    import sys
-    import textwrap
-
-    from tests.harness import ROOT
-
-    script = tmp_path / "stall.py"
-    script.write_text(textwrap.dedent("""
+    err = _launch(tmp_path, world, """
         import time
         import torch
         import tpflow as tpf
-        P = tpf.placement("cpu", ranks=[0, 1])
+        P = tpf.placement("cpu", ranks=list(range(tpf.get_world_size())))
         layer = tpf.ColumnParallelLinear(8, 16, placement=P, sequence_parallel=True, algo="ring")
         x = torch.randn(4, 2, 8)
         layer(x)                        # every group set up
-        if tpf.get_rank() == 1:
-            time.sleep(60)              # stalls: rank 0 waits in the next collective
+        if tpf.get_rank() == tpf.get_world_size() - 1:
+            time.sleep(60)              # stalls: the others wait in the next collective
         layer(x)
-    """))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), TPFLOW_TIMEOUT="4", TPFLOW_CPU_SHARED_MEMORY="0")
-    done = subprocess.run([sys.executable, "-m", "tpflow.launch", "--nproc_per_node", "2", str(script)], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "waited for rank 1 longer than the timeout switch's 4 s" in done.stderr, done.stderr[-3000:]
-    assert "tpflow.launch: rank 0 raised this error" in done.stderr
+    """, TPFLOW_TIMEOUT="4", TPFLOW_CPU_SHARED_MEMORY="0")
+    assert f"waited for rank {world - 1} longer than the timeout switch's 4 s" in err, err[-3000:]
+    assert err.count("tpflow.launch: rank") >= 1 and "raised this error" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_ranks_running_different_step_counts_are_named(tmp_path, world):
+    """Rank 0 leaves its loop a step before the others: the launcher says it left early, first, whichever
+    transport the others wait on."""
+    for shared in ("1", "0"):
+        err = _launch(tmp_path, world, """
+            import torch
+            import tpflow as tpf
+            P = tpf.placement("cpu", list(range(tpf.get_world_size())))
+            model = tpf.to_global(torch.nn.Linear(3, 2), placement=P)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(2 + (tpf.get_rank() > 0)):
+                model(tpf.to_global(torch.randn(2, 3), placement=P, sbp=tpf.sbp.split(0))).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        """, TPFLOW_CPU_SHARED_MEMORY=shared)
+        assert err.startswith("tpflow.launch: rank 0 left early: it finished its script while the other ranks went "
+                              "on"), err[-3000:]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_shard_skipped_on_one_rank_is_named(tmp_path, world):
+    """One rank forgets ``fully_shard`` on a named placement: its first forward says what to call, and the launcher
+    reports that first, not the gloo error its peers then see."""
+    err = _launch(tmp_path, world, """
+        import torch
+        from torch.distributed.fsdp import fully_shard
+        import tpflow as tpf
+        W = tpf.get_world_size()
+        P = tpf.placement("cpu", ranks=[[0, 1], [2, 3]] if W == 4 else [[0], [1]], names=("dp", "tp"))
+        model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        tpf.parallelize(model, placement=P, plan={"1": "column", "2": "row"})
+        if tpf.get_rank() != W - 1:
+            fully_shard(model, mesh=P.mesh["dp"])
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+    """)
+    first = next(line for line in err.splitlines() if line.startswith("tpflow.launch:"))
+    assert first == f"tpflow.launch: rank {world - 1} raised this error", err[-3000:]
+    assert "are not sharded by FSDP2: call torch.distributed.fsdp.fully_shard(block, mesh=P.mesh[\"dp\"])" in err, \
+        err[-3000:]

@@ -240,18 +240,23 @@ def test_entries_share_what_they_must_and_check_before_any_change():
 
 
 def _drifted_replica_rank() -> None:
-    """On 2 x 2 ranks (data x tensor), a column layer's block drifts on rank 3 only: its copy on rank 1 (the same
-    tensor-parallel block, the other data-parallel row) differs, and every rank says so."""
+    """On 2 ranks the layer norm's weight, broadcast, drifts on rank 1; on 2 x 2 ranks (data x tensor) a column
+    layer's block drifts on rank 3 only, so its copy on rank 1 (the same block, the other data-parallel row) differs.
+    Every rank names the parameter and the ranks."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4), nn.LayerNorm(4))
-    tpf.parallelize(model, placement=tpf.placement("cpu", [[0, 1], [2, 3]]), plan={"0": "column", "2": "row"})
+    four = dist.get_world_size() == 4
+    tpf.parallelize(model, placement=tpf.placement("cpu", [[0, 1], [2, 3]] if four else [0, 1]),
+                    plan={"0": "column", "2": "row"})
     tpf.check_replicas(model)
-    if dist.get_rank() == 3:
+    if dist.get_rank() == dist.get_world_size() - 1:
         with torch.no_grad():
-            model[0].weight.to_local()[0, 0] += 1e-6
-    with pytest.raises(ValueError, match=r"'0.weight' is broadcast over ranks \[1, 3\]"):
+            (model[0].weight if four else model[3].weight).to_local().view(-1)[0] += 1e-6
+    with pytest.raises(ValueError, match=r"'0.weight' is broadcast over ranks \[1, 3\]" if four else
+                       r"'3.weight' is broadcast over ranks \[0, 1\]"):
         tpf.check_replicas(model)
 
 
-def test_a_replica_that_drifts_is_named_on_every_rank():
-    harness.run(4, _drifted_replica_rank)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_replica_that_drifts_is_named_on_every_rank(world):
+    harness.run(world, _drifted_replica_rank)

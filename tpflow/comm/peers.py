@@ -6,6 +6,7 @@ stopped, or runs another collective, is what leaves the others waiting."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -78,8 +79,10 @@ def waiting_on(what: str, who: str, e: BaseException) -> RuntimeError:
 
 @contextlib.contextmanager
 def naming_late(what: str, group: dist.ProcessGroup) -> Iterator[None]:
-    """Around a collective of ``group``: its timeout raised as ``waiting_on`` the group's other ranks (a collective does
-    not say which of them is late).
+    """Around a collective of ``group``: its timeout raised as ``waiting_on`` the rank that is late. A collective of
+    three or more ranks does not say which one that is: the ranks that time out in it say so in the world's store,
+    and those that do not within two seconds are the late ones (every rank timing out in it, or no store, names the
+    group's other ranks).
 
     Args:
         what: the collective (``"an all-gather"``).
@@ -99,5 +102,27 @@ def naming_late(what: str, group: dist.ProcessGroup) -> Iterator[None]:
         if not timed_out(e):
             raise
         others = [r for r in dist.get_process_group_ranks(group) if r != dist.get_rank()]
-        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        late = _roll_call(what, others) if len(others) > 1 else others
+        who = f"rank {late[0]}" if len(late) == 1 else f"one of ranks {late}"
         raise waiting_on(what, who, e) from e
+
+
+_timeouts: dict[tuple[int, ...], int] = {}  # a group's (ranks) timeouts on this rank so far: each roll call's key
+
+
+def _roll_call(what: str, others: list[int]) -> list[int]:
+    """The ranks of ``others`` that have not also timed out in this collective within two seconds, or all of them
+    where every one has (or the world has no store to meet in)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()  # the world's key-value store (torch keeps it private)
+    except (AttributeError, RuntimeError, ValueError):
+        return others
+    group = tuple(sorted([*others, dist.get_rank()]))
+    _timeouts[group] = n = _timeouts.get(group, 0) + 1
+    key = f"tpflow/timed-out/{'-'.join(map(str, group))}/{n}/"
+    store.set(key + str(dist.get_rank()), what)
+    late, deadline = list(others), time.monotonic() + 2.0
+    while late and time.monotonic() < deadline:
+        late = [r for r in late if not store.check([key + str(r)])]
+        time.sleep(0.05)
+    return late or others

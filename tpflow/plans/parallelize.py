@@ -24,6 +24,7 @@ from tpflow.plans.fsdp import expect_fsdp
 from tpflow.plans.inputs import check_inputs, draws_random
 from tpflow.plans.matching import match
 from tpflow.plans.pretrained import export_whole
+from tpflow.plans.random_streams import split_streams
 from tpflow.plans.ties import Ties
 
 __all__ = ["parallelize"]
@@ -111,8 +112,11 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     replicate(model, matched.placement, matched.grads)  # what no entry split: whole on every rank
     export_whole(model)
     decode_alike(model, matched.placement)
+    random = draws_random(model)
+    if random:
+        split_streams(model, matched.placement)
     reader = matched.first_whole_reader()
     if reader is not None:
-        check_inputs(model.get_submodule(reader), reader, matched.placement, random=draws_random(model))
+        check_inputs(model.get_submodule(reader), reader, matched.placement, random=random)
     expect_fsdp(model, matched.named)
     return model
