@@ -45,6 +45,8 @@ import tempfile
 import time
 import traceback
 
+from tpflow.comm.peers import closed_connection
+
 __all__ = ["build_parser", "main", "torchrun_args"]
 
 _WORKER = "--tpflow-worker"  # internal: how torchrun starts each rank through this module
@@ -312,9 +314,13 @@ def _report(errors: dict[int, dict], exitcodes: dict[int, int], exits: dict[int,
                      f"ranks went on, which then failed waiting on {'it' if one else 'them'} (every rank must run the "
                      f"same collectives: a rank leaving a loop sooner, or exiting on one rank only, leaves the others "
                      f"waiting)")
+    deaths = _deaths(errors, exitcodes, early)
     groups: dict[str, list[dict]] = {}
     for record in sorted(errors.values(), key=lambda r: (r["time"], r["rank"])):  # the first error first
         groups.setdefault(record["error"], []).append(record)
+    if deaths and groups and closed_connection(RuntimeError(next(iter(groups)))):
+        lines += deaths  # the first error is the others' word that a rank is gone: its death is the cause
+        deaths = []
     for n, group in enumerate(groups.values()):
         ranks = [r["rank"] for r in group]
         if n == 0:
@@ -324,14 +330,29 @@ def _report(errors: dict[int, dict], exitcodes: dict[int, int], exits: dict[int,
             where = f" ({group[0]['where']})" if group[0]["where"] else ""
             lines.append(f"tpflow.launch: {_ranks(ranks)} raised a different error{where}:")
             lines += ["    " + line for line in group[0]["error"].splitlines()]
+    lines += deaths
+    stopped = _stopped(errors, exitcodes, early)
+    if stopped:  # how torchrun stops the other ranks once one has failed
+        lines.append(f"tpflow.launch: {_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped (SIGTERM)")
+    return "\n".join(lines)
+
+
+def _stopped(errors: dict[int, dict], exitcodes: dict[int, int], early: dict[int, dict]) -> list[int]:
+    """The ranks torchrun stopped (SIGTERM) once another had failed."""
     ended = {rank: code for rank, code in sorted(exitcodes.items())
              if rank not in errors and rank not in early and code != 0}
     stopped = [rank for rank, code in ended.items() if code == -signal.SIGTERM]
     if len(stopped) == len(ended) and not errors and not early:
-        stopped = []  # SIGTERM is all there is: it came from outside, not from torchrun stopping the ranks
+        return []  # SIGTERM is all there is: it came from outside, not from torchrun stopping the ranks
+    return stopped
+
+
+def _deaths(errors: dict[int, dict], exitcodes: dict[int, int], early: dict[int, dict]) -> list[str]:
+    """A line for each way ranks ended without a Python error (an exit code, a signal), with those ranks."""
+    stopped = _stopped(errors, exitcodes, early)
     said: dict[str, list[int]] = {}  # how a rank ended -> those ranks
-    for rank, code in ended.items():
-        if rank in stopped:
+    for rank, code in sorted(exitcodes.items()):
+        if rank in errors or rank in early or code == 0 or rank in stopped:
             continue
         if code > 0:
             how = f"exited with code {code} and no Python error"
@@ -341,13 +362,16 @@ def _report(errors: dict[int, dict], exitcodes: dict[int, int], exits: dict[int,
             except ValueError:
                 name = f"signal {-code}"
             how = f"killed by {name} (exit code {code}) with no Python error"
+            if code == -signal.SIGABRT:
+                how += (" (a C++ library aborted: its message and the rank's stack are above; gloo's \"op.preamble."
+                        "length <= op.nbytes\" means the ranks ran one collective with different sizes, which "
+                        "tpflow's collectives through shared memory, the cpu_shared_memory switch, name)")
         said.setdefault(how, []).append(rank)
-    for how, ranks in said.items():
-        verb = "" if how.startswith("exited") else "was " if len(ranks) == 1 else "were "
-        lines.append(f"tpflow.launch: {_ranks(ranks)} {verb}{how}")
-    if stopped:  # how torchrun stops the other ranks once one has failed
-        lines.append(f"tpflow.launch: {_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped (SIGTERM)")
-    return "\n".join(lines)
+    return [f"tpflow.launch: {_ranks(ranks)} {_verb(how, ranks)}{how}" for how, ranks in said.items()]
+
+
+def _verb(how: str, ranks: list[int]) -> str:
+    return "" if how.startswith("exited") else "was " if len(ranks) == 1 else "were "
 
 
 def main(argv: list[str] | None = None) -> int:
