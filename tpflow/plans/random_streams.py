@@ -83,7 +83,7 @@ def split_streams(model: nn.Module, placement: Placement) -> None:
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 4))
         >>> model = tpf.parallelize(model, placement=P, plan={"0": "column", "2": "row"})   # calls it
-        >>> torch.manual_seed(0)                          # alike on both ranks
+        >>> _ = torch.manual_seed(0)                      # alike on both ranks
         >>> x = torch.ones(1, 4)
         >>> model(x).shape                                # each rank drops its own features' values
         torch.Size([1, 4])
