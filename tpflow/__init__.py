@@ -18,8 +18,9 @@ those below it:
 
 from __future__ import annotations
 
-from tpflow import comm, config, kernels, ops, sbp
+from tpflow import comm, config, frameworks, kernels, ops, sbp
 from tpflow.checkpoint import full_state_dict, load_safetensors, meta_parameters, unique_state_dict
+from tpflow.frameworks import adopt
 from tpflow.global_tensor import (
     check_replicas,
     clip_grad_norm_,
@@ -77,11 +78,13 @@ __all__ = [
     "Style",
     "VocabParallel",
     "VocabParallelEmbedding",
+    "adopt",
     "check_replicas",
     "clip_grad_norm_",
     "comm",
     "config",
     "cross_entropy",
+    "frameworks",
     "from_local",
     "fsdp_ignored_params",
     "full",

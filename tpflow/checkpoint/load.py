@@ -304,7 +304,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
                          "parameters on meta")
     if isinstance(path, (str, os.PathLike)):
         check_complete(path if os.path.isdir(path) or not os.path.exists(path) else os.path.dirname(path) or ".")
-    handles, names = {}, {}
+    handles, sources = {}, {}
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
     with contextlib.ExitStack() as stack:
         files = _files(path)
@@ -316,7 +316,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
                 raise ValueError(f"{file} is not a readable safetensors file (corrupt or truncated?): "
                                  f"{type(e).__name__}: {e}") from e
             handles.update(dict.fromkeys(handle.keys(), handle))
-            names.update(dict.fromkeys(handle.keys(), file))
+            sources.update(dict.fromkeys(handle.keys(), file))
         renamed, stacked = checkpoint_sources(model, list(handles))  # transformers' own conversions (MoE experts)
         tensors = []
         for names, t, owners in _tensors(model).values():
@@ -353,7 +353,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
                 else:  # per-expert tensors, stacked
                     value = read_stacked(handles, stacked[key], t)
             except Exception as e:
-                source = names.get(key) or names.get(renamed.get(key)) or where
+                source = sources.get(key) or sources.get(renamed.get(key)) or where
                 raise ValueError(f"reading {key!r} from {source} failed (a corrupt or truncated file?): "
                                  f"{type(e).__name__}: {e}") from e
             if isinstance(t, DTensor):

@@ -18,7 +18,7 @@ import re
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpflow.global_tensor.blocks import get_placement
@@ -27,6 +27,10 @@ from tpflow.sbp import chunk_bounds
 __all__ = ["Stacked", "block_ranges", "checkpoint_sources", "read_block", "read_stacked"]
 
 Ranges = list[list[tuple[int, int]]]  # per dim, the [start, end) ranges a block holds, in order
+
+
+class _NotBySlices(ValueError):
+    """A layout whose block is not a product of ranges (FSDP2's strided split over a tensor-parallel split)."""
 
 
 def block_ranges(t: torch.Tensor) -> Ranges:
@@ -60,8 +64,8 @@ def block_ranges(t: torch.Tensor) -> Ranges:
             raise ValueError(f"a parameter laid out as {placement} is not read from a checkpoint by slices")
         d, parts = placement.dim, placement.split_factor if isinstance(placement, _StridedShard) else 1
         if ranges[d] != [(0, t.shape[d])]:  # FSDP2's strided split over a split dim, say: another rule
-            raise ValueError(f"a parameter split twice along dim {d} ({t.placements}) is not read from a checkpoint "
-                             "by slices: load it before fully_shard")
+            raise _NotBySlices(f"a parameter split twice along dim {d} ({t.placements}) is not read from a "
+                               "checkpoint by slices")
         narrowed = []
         for start, end in ranges[d]:
             step = (end - start) // parts
@@ -122,7 +126,10 @@ def read_block(handle, key: str, t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{key!r} is {tuple(sliced.get_shape())} in the checkpoint but {tuple(t.shape)} in the model")
     if not isinstance(t, DTensor):
         return handle.get_tensor(key)
-    ranges = block_ranges(t)
+    try:
+        ranges = block_ranges(t)
+    except _NotBySlices:  # FSDP2 over a tensor-parallel split (a resumed run): the whole tensor, cut as t is
+        return distribute_tensor(handle.get_tensor(key), t.device_mesh, t.placements, src_data_rank=None).to_local()
     return _assemble([sliced[index] for index in _pieces(ranges)], ranges)
 
 

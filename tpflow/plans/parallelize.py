@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from tpflow.frameworks import mark
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
 from tpflow.plans.agreement import agree, check_buffers
@@ -119,4 +120,5 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     if reader is not None:
         check_inputs(model.get_submodule(reader), reader, matched.placement, random=random)
     expect_fsdp(model, matched.named)
+    mark(model, matched.named)
     return model

@@ -32,7 +32,7 @@ class _SavePretrained:
 
     def __call__(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
         """``is_main_process`` is taken and dropped: rank 0 writes, every rank gathers."""
-        if "state_dict" in kwargs:
+        if kwargs.pop("state_dict", None) is not None:  # None: transformers' Trainer says it has none
             raise TypeError("save_pretrained of a parallelized model gathers its own state dict: leave state_dict out "
                             "(tpf.full_state_dict(model) is what it saves)")
         writer = export_rank(self.model)

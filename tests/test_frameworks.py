@@ -1,0 +1,183 @@
+"""A parallelized model in the loops people run (transformers' ``Trainer``, accelerate's ``Accelerator``) after
+``tpf.adopt``, against the same loop on one device: losses, gradient norms and every parameter (fp64), the
+saved model reloaded by ``from_pretrained`` on one device, a run resumed from the step-2 checkpoint on the same
+ranks, from one device's checkpoint, and one device resumed from the ranks' checkpoint, each ending where the
+uninterrupted run ended; 2 and 4 ranks, 1-D tensor parallel and 2 x 2 data x tensor with FSDP2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpflow as tpf
+from tests import harness
+from tests.checks import within
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+STEPS, BATCH = 3, 4  # a row's batch; the reference reads the rows' batches as one
+
+
+def _rows(n: int = 32) -> list[dict]:
+    from tests.models import VOCAB
+
+    rows = [{"input_ids": torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(i)).tolist()}
+            for i in range(n)]
+    return [{**r, "labels": list(r["input_ids"])} for r in rows]
+
+
+def _args(folder: str, batch: int) -> transformers.TrainingArguments:
+    """Trainer's defaults but the run's length, lr, clipping (that bites) and a checkpoint at step 2."""
+    return transformers.TrainingArguments(folder, max_steps=STEPS, per_device_train_batch_size=batch,
+                                          learning_rate=1e-2, max_grad_norm=0.5, seed=0, logging_steps=1,
+                                          save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True)
+
+
+def _resumed(model, folder: str, batch: int, checkpoint: str, adopt: bool) -> dict[str, torch.Tensor]:
+    """``model``'s parameters after a Trainer resumed from ``checkpoint`` runs to the end."""
+    trainer = transformers.Trainer(model=model, args=_args(folder, batch), train_dataset=_rows())
+    if adopt:
+        tpf.adopt(trainer)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return _whole(model)
+
+
+def _whole(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _logged(trainer) -> tuple[list[float], list[float]]:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+
+def _accelerate_loop(model, accelerator, batch: int) -> list[float]:
+    """accelerate's own loop: AdamW, its backward and clipping, over a data loader it prepared."""
+    collate = transformers.default_data_collator
+    loader = torch.utils.data.DataLoader(_rows(), batch_size=batch, collate_fn=collate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for _, inputs in zip(range(STEPS), loader):
+        loss = model(**inputs).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(rows: int, folder: str) -> dict:
+    """One device: the Trainer's run (its checkpoints in ``folder``) and accelerate's loop over ``rows`` rows'
+    batches at once."""
+    from tests.models import tiny_lm
+
+    model = tiny_lm("llama")
+    trainer = transformers.Trainer(model=model, args=_args(folder, BATCH * rows), train_dataset=_rows())
+    trainer.train()
+    out = {"trainer": (*_logged(trainer), _whole(model)), "checkpoint": os.path.join(folder, "checkpoint-2")}
+    model = tiny_lm("llama")
+    out["accelerate"] = (_accelerate_loop(model, accelerate.Accelerator(cpu=True), BATCH * rows), _whole(model))
+    return out
+
+
+def _parallel(layout: str, vocab_parallel: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import tiny_lm
+
+    model = tiny_lm("llama")
+    plan = tpf.hf_plan(model, vocab_parallel=vocab_parallel)
+    if layout == "2x2":
+        placement = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
+        tpf.parallelize(model, placement=placement, plan=plan)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=placement.mesh["dp"])
+        fully_shard(model, mesh=placement.mesh["dp"])
+        return model
+    return tpf.parallelize(model, placement=tpf.placement("cpu", list(range(dist.get_world_size()))), plan=plan)
+
+
+def _equal(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=name)
+
+
+def _trainer_rank(reference: dict, layout: str, vocab_parallel: bool, folder: str) -> None:
+    """``Trainer`` (one line: ``tpf.adopt``) trains as one device; ``save_model`` writes what ``from_pretrained``
+    loads on one device; resumed from its step-2 checkpoint, or from one device's, it ends where the uninterrupted run
+    ended. The vocabulary-parallel loss rounds its fp32 sum otherwise than torch's (the model's loss casts fp64
+    logits to fp32), so its steps agree to 1e-4, the rest to 1e-8."""
+    tol = 1e-8 if not vocab_parallel else 1e-4
+    model = _parallel(layout, vocab_parallel)
+    trainer = tpf.adopt(transformers.Trainer(model=model, args=_args(folder, BATCH), train_dataset=_rows()))
+    with within(120):
+        trainer.train()
+        trainer.save_model(os.path.join(folder, "saved"))
+    losses, norms = _logged(trainer)
+    want_losses, want_norms, want_params = reference["trainer"]
+    torch.testing.assert_close(losses, want_losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(norms, want_norms, rtol=tol, atol=0)
+    trained = _whole(model)
+    _equal(trained, want_params, tol)
+    if dist.get_rank() == 0:
+        back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "saved"), dtype=torch.float64)
+        _equal(_whole(back), trained, 0.0)
+    for checkpoint in (os.path.join(folder, "checkpoint-2"), reference["checkpoint"]):
+        with within(120):
+            resumed = _resumed(_parallel(layout, vocab_parallel), os.path.join(folder, "resumed"), BATCH,
+                               checkpoint, adopt=True)
+        _equal(resumed, want_params, tol)
+
+
+def _accelerate_rank(reference: dict, layout: str) -> None:
+    """accelerate's ``prepare(model, optimizer, data_loader)`` and its loop, after ``tpf.adopt(accelerator,
+    model)``, train as one device does."""
+    model = _parallel(layout, vocab_parallel=False)
+    accelerator = tpf.adopt(accelerate.Accelerator(cpu=True), model)
+    with within(120):
+        losses = _accelerate_loop(model, accelerator, BATCH)
+    want_losses, want_params = reference["accelerate"]
+    if layout != "2x2":  # each row's own loss; the reference's is both rows'
+        torch.testing.assert_close(losses, want_losses, rtol=1e-6, atol=0)
+    _equal(_whole(model), want_params, 1e-8)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[int, dict]:
+    return {rows: _reference(rows, str(tmp_path_factory.mktemp(f"one-device-{rows}"))) for rows in (1, 2)}
+
+
+@pytest.mark.parametrize("world, layout, vocab_parallel", [(2, "1d", False), (2, "1d", True), (4, "1d", False),
+                                                           (4, "2x2", False)])
+def test_trainer_trains_a_parallelized_model_as_one_device(references, tmp_path, world, layout, vocab_parallel):
+    from tests.models import tiny_lm
+
+    rows = 2 if layout == "2x2" else 1
+    reference = references[rows]
+    harness.run(world, _trainer_rank, reference, layout, vocab_parallel, str(tmp_path))
+    # one device resumes from the ranks' checkpoint and ends where its own uninterrupted run ended
+    resumed = _resumed(tiny_lm("llama"), str(tmp_path / "one-device"), BATCH * rows,
+                       str(tmp_path / "checkpoint-2"), adopt=False)
+    _equal(resumed, reference["trainer"][2], 1e-8 if not vocab_parallel else 1e-4)
+
+
+@pytest.mark.parametrize("world, layout", [(2, "1d"), (4, "2x2")])
+def test_accelerate_prepares_a_parallelized_model_as_one_device(references, world, layout):
+    harness.run(world, _accelerate_rank, references[2 if layout == "2x2" else 1], layout)
+
+
+def _refusals_rank() -> None:
+    with pytest.raises(ValueError, match="was not parallelized"):
+        tpf.adopt(accelerate.Accelerator(cpu=True), torch.nn.Linear(2, 2))
+
+
+def test_adopt_refuses_a_model_parallelize_did_not_change():
+    harness.run(2, _refusals_rank)
