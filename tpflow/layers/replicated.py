@@ -45,12 +45,14 @@ class _Replica:
         self.partial: bool | None = {"partial": True, "whole": False}.get(grads)  # "auto": found on first use
         self.names = [name for name, p in module.named_parameters(recurse=False) if p is not None]
         self.blocks = LocalBlocks()
+        self.shown: list[dict | None] = []  # per call in progress: what its views replaced
         module.register_forward_pre_hook(self.before, with_kwargs=True)
         module.register_forward_hook(self.after, always_call=True)
         module.register_load_state_dict_pre_hook(self.load)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+            self.shown.append(None)
             return  # a global input: the module runs on global tensors, its parameters as they are
         if self.partial is None and torch.is_grad_enabled():
             if torch.compiler.is_compiling():
@@ -59,18 +61,37 @@ class _Replica:
                                    "the model once eagerly before compiling it, or name the module in the plan "
                                    "(tpf.Replicated(grads='partial' or 'whole'))")
             self.partial = is_split([*args, *kwargs.values()])
+        self.show(module, None)
+
+    def show(self, module: nn.Module, split: bool | None) -> None:
+        """Put local views of the parameters where the module's code finds them (``split``: for an enclosing
+        module's call, whether its input was split, which decides the gradients while this module has not been
+        called itself)."""
         params = [module._parameters[name] for name in self.names]
         data_axes = self.placement.ndim - 1  # a plain input differs over the data-parallel axes: partial sums there
         views = self.blocks(params, key=None, grad_placements=lambda p: (Partial(),) * data_axes + (Replicate(),))
         group = self.placement.mesh.get_group(data_axes) if self.placement.hierarchy[-1] > 1 else None
+        shown = {}
         for name, view in zip(self.names, views):
             if group is not None and view.requires_grad:  # read in the backward: a later layer may tell
-                view.register_hook(lambda g: _summed(g, group) if self.partial else g)
-            module.__dict__[name] = view  # found before nn.Module.__getattr__ looks in _parameters
+                view.register_hook(lambda g: _summed(g, group) if (split if self.partial is None else self.partial)
+                                   else g)
+            module.__dict__[name] = shown[name] = view  # found before nn.Module.__getattr__ looks in _parameters
+        self.shown.append(shown)
+
+    def hide(self, module: nn.Module) -> None:
+        """Take back the views of the call that ends: an enclosing call's views come back, else the parameters."""
+        if self.shown:
+            self.shown.pop()
+        enclosing = next((views for views in reversed(self.shown) if views is not None), None)
+        for name in self.names:
+            if enclosing is not None:
+                module.__dict__[name] = enclosing[name]
+            else:
+                module.__dict__.pop(name, None)
 
     def after(self, module: nn.Module, args: tuple, output: object) -> None:
-        for name in self.names:
-            module.__dict__.pop(name, None)
+        self.hide(module)
         if self.grads == "auto" and not self.partial and not torch.compiler.is_compiling():
             mark(output, self)
 
@@ -148,7 +169,56 @@ def replicate(model: nn.Module, placement: Placement, grads: str | Mapping[str, 
                 converted[id(p)] = gradients.adopt(nn.Parameter(_global(p, placement), requires_grad=p.requires_grad))
             setattr(module, n, converted[id(p)])
         setattr(module, _STATE, _Replica(module, placement, chosen.get(name, default)))
+    for root in _whole_subtrees(model):
+        _Subtree(root)
     return model
+
+
+class _Subtree:
+    """A module left whole with replicated modules inside: around its call every one of their parameters is read as a
+    local tensor, so its own code may read a child's parameter without calling the child (``nn.MultiheadAttention``
+    reads ``out_proj.weight``). A child it calls shows its own views meanwhile, as ever."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.inside = [(m, getattr(m, _STATE)) for m in root.modules() if m is not root and hasattr(m, _STATE)]
+        root.register_forward_pre_hook(self.before, with_kwargs=True)
+        root.register_forward_hook(self.after, always_call=True)
+        self.shown: list[bool] = []
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = [*args, *kwargs.values()]
+        plain = not any(isinstance(a, DTensor) for a in inputs)
+        self.shown.append(plain)
+        if plain:
+            split = is_split(inputs) if torch.is_grad_enabled() and not torch.compiler.is_compiling() else False
+            for child, replica in self.inside:
+                replica.show(child, split)
+
+    def after(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.shown.pop():
+            for child, replica in reversed(self.inside):
+                replica.hide(child)
+
+
+def _whole_subtrees(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules holding no split parameter with a replicated module inside them (not containers,
+    which have no call of their own)."""
+    found, covered = [], set()
+    for module in model.modules():
+        if id(module) in covered or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        params = [p for m in module.modules() if m is not module for p in m.parameters(recurse=False)]
+        if params and not any(isinstance(p, DTensor) and not _is_replica(m, p) for m in module.modules()
+                              for p in m.parameters(recurse=False)):
+            found.append(module)
+            covered.update(id(m) for m in module.modules())
+    return found
+
+
+def _is_replica(module: nn.Module, param: torch.Tensor) -> bool:
+    """Whether ``param`` is one ``replicate`` made (its module has a replica's hooks)."""
+    replica = getattr(module, _STATE, None)
+    return replica is not None and any(module._parameters.get(n) is param for n in replica.names)
 
 
 def replicated_grads(module: nn.Module) -> str | None:

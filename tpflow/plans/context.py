@@ -26,6 +26,7 @@ decode with.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -241,6 +242,23 @@ def _head(model: nn.Module) -> nn.Module | None:
     return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` (and each of its modules that reads it) a config of its own: switching the attention of a
+    config another model shares (two models built from one config object) would switch that model's too."""
+    from transformers import PretrainedConfig
+
+    old = model.config
+    new = copy.deepcopy(old)
+    pairs, stack = {}, [(old, new)]
+    while stack:  # the config and its sub-configs (a composite model's text / vision configs), at any depth
+        a, b = stack.pop()
+        pairs[id(a)] = b
+        stack += [(v, getattr(b, k)) for k, v in vars(a).items() if isinstance(v, PretrainedConfig)]
+    for module in model.modules():
+        if id(getattr(module, "config", None)) in pairs:
+            module.config = pairs[id(module.config)]
+
+
 def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_placement: Placement) -> None:
     """Make ``model`` (a transformers causal LM, its layers already parallelized over ``placement``'s second axis and
     each attention module given its ``tpf.ContextParallel`` entry) run context-parallel over ``placement``'s first
@@ -263,6 +281,7 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
         'tpflow_context'
     """
     register()
+    _own_config(model)
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:  # transformers only warns where it cannot switch
         raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "
