@@ -107,6 +107,19 @@ def tiny_lm(kind: str, kv_heads: int = 2, layers: int = 2, heads: int = 4, **ext
     return transformers.AutoModelForCausalLM.from_config(config).double()
 
 
+def tiny_tokenizer():
+    """A word-level tokenizer of ``VOCAB`` ids made in memory (nothing downloaded): ``[PAD]`` 0, ``[EOS]`` 1,
+    ``[UNK]`` 2, then the words ``w0``, ``w1``, ..."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]", eos_token="[EOS]",
+                                                unk_token="[UNK]")
+
+
 MOE_KINDS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")
 _MOE_EXTRA = {  # what each family needs besides the shared sizes (OLMoE plans k / v gathered: a head per rank)
     "olmoe": {"num_key_value_heads": 4},

@@ -6,6 +6,8 @@ uninterrupted run ended; 2 and 4 ranks, 1-D tensor parallel and 2 x 2 data x ten
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 import pytest
@@ -20,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 STEPS, BATCH = 3, 4  # a row's batch; the reference reads the rows' batches as one
+EPS = 1e-4  # AdamW's: a near-zero gradient's rounding (summed in another order) must not become a whole step
 
 
 def _rows(n: int = 32) -> list[dict]:
@@ -31,10 +34,11 @@ def _rows(n: int = 32) -> list[dict]:
 
 
 def _args(folder: str, batch: int) -> transformers.TrainingArguments:
-    """Trainer's defaults but the run's length, lr, clipping (that bites) and a checkpoint at step 2."""
+    """Trainer's defaults but the run's length, lr, AdamW's eps, clipping (that bites) and a checkpoint at step 2."""
     return transformers.TrainingArguments(folder, max_steps=STEPS, per_device_train_batch_size=batch,
                                           learning_rate=1e-2, max_grad_norm=0.5, seed=0, logging_steps=1,
-                                          save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True)
+                                          save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True,
+                                          adam_epsilon=EPS)
 
 
 def _resumed(model, folder: str, batch: int, checkpoint: str, adopt: bool) -> dict[str, torch.Tensor]:
@@ -60,7 +64,7 @@ def _accelerate_loop(model, accelerator, batch: int) -> list[float]:
     """accelerate's own loop: AdamW, its backward and clipping, over a data loader it prepared."""
     collate = transformers.default_data_collator
     loader = torch.utils.data.DataLoader(_rows(), batch_size=batch, collate_fn=collate)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
     for _, inputs in zip(range(STEPS), loader):
@@ -107,7 +111,7 @@ def _parallel(layout: str, vocab_parallel: bool):
 def _equal(got: dict, want: dict, tol: float) -> None:
     assert got.keys() == want.keys()
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=name)
+        torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _trainer_rank(reference: dict, layout: str, vocab_parallel: bool, folder: str) -> None:
@@ -172,6 +176,55 @@ def test_trainer_trains_a_parallelized_model_as_one_device(references, tmp_path,
 @pytest.mark.parametrize("world, layout", [(2, "1d"), (4, "2x2")])
 def test_accelerate_prepares_a_parallelized_model_as_one_device(references, world, layout):
     harness.run(world, _accelerate_rank, references[2 if layout == "2x2" else 1], layout)
+
+
+def _texts() -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 12, (40,), generator=g).tolist()
+    return [" ".join(f"w{j}" for j in torch.randint(0, 90, (n,), generator=g).tolist()) for n in lengths]
+
+
+def _sft(model, folder: str, batch: int, strategy: str) -> tuple[list[float], list[float], dict]:
+    """TRL's SFTTrainer with packing: its losses, its token counts and the trained parameters. ``"bfd"`` packs
+    padding-free (a batch flattened into one row, which attention without flash's per-sequence masks reads across);
+    ``"wrapped"`` into rows of ``max_length``, which a batch split over data-parallel rows computes alike."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.models import tiny_tokenizer
+
+    args = SFTConfig(folder, max_steps=STEPS, per_device_train_batch_size=batch, learning_rate=1e-2, packing=True,
+                     packing_strategy=strategy,
+                     max_length=16, max_grad_norm=0.5, seed=0, logging_steps=1, save_strategy="no", report_to=[],
+                     use_cpu=True, disable_tqdm=True, bf16=False, adam_epsilon=EPS)  # fp64 here: no autocast
+    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": _texts()}),
+                         processing_class=tiny_tokenizer())
+    if isinstance(next(model.parameters()), torch.distributed.tensor.DTensor):
+        tpf.adopt(trainer)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["num_tokens"] for h in logs], _whole(model)
+
+
+def _sft_rank(reference: tuple, layout: str, folder: str, strategy: str) -> None:
+    """SFTTrainer (a Trainer) with packed sequences, after tpf.adopt: one device's losses, token counts (each row's
+    tokens once, not once per tensor-parallel rank) and parameters."""
+    with within(120):
+        losses, tokens, params = _sft(_parallel(layout, vocab_parallel=False), folder, BATCH // 2, strategy)
+    torch.testing.assert_close(losses, reference[0], rtol=1e-6, atol=0)
+    assert tokens == reference[1], (tokens, reference[1])
+    _equal(params, reference[2], 1e-8 if layout == "1d" else 1e-7)  # FSDP2 sums the rows' gradients in another order
+
+
+@pytest.mark.parametrize("world, layout", [(2, "1d"), (4, "2x2")])
+def test_trl_sft_trainer_with_packing_trains_as_one_device(tmp_path, world, layout):
+    pytest.importorskip("trl")
+    from tests.models import tiny_lm
+
+    rows, strategy = (2, "wrapped") if layout == "2x2" else (1, "bfd")
+    reference = _sft(tiny_lm("llama"), str(tmp_path / "one-device"), BATCH // 2 * rows, strategy)
+    harness.run(world, _sft_rank, reference, layout, str(tmp_path / "ranks"), strategy)
 
 
 def _refusals_rank() -> None:

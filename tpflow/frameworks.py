@@ -136,7 +136,37 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
 
     accelerator.prepare_model = prepare_model_as_is
     accelerator.prepare_data_loader = prepare_data_loader_by_rows
+    accelerator.gather_for_metrics = _MetricsByRows(accelerator, placement)
     return trainer
+
+
+class _MetricsByRows:
+    """accelerate's ``gather_for_metrics`` over the data-parallel rows: each row's tensor-parallel ranks hold the same
+    values (a row's batch, its predictions), which a gather over the world would count once per rank (TRL's
+    ``num_tokens``, an evaluation's predictions). Its own ``gather`` (which ``Trainer`` sums token counts with, then
+    divides by the tensor-parallel size) stays the world's."""
+
+    def __init__(self, accelerator: Any, placement: Placement) -> None:
+        self.accelerator, self.gather_for_metrics = accelerator, accelerator.gather_for_metrics
+        world = dist.get_world_size()
+        self.leaders = [r for r in range(world) if (placement.coordinate(r) or (None,))[-1] == 0]
+        self.world = world
+
+    def __call__(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        from accelerate.utils import recursively_apply
+
+        gather = self.accelerator.gather
+
+        def by_rows(tensor: Any) -> Any:
+            whole = gather(tensor)
+            return recursively_apply(lambda t: t.reshape(self.world, -1, *t.shape[1:])[self.leaders].flatten(0, 1),
+                                     whole)
+
+        self.accelerator.gather = by_rows
+        try:
+            return self.gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        finally:
+            self.accelerator.gather = gather
 
 
 class _Checkpoints:
