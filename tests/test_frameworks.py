@@ -227,6 +227,78 @@ def test_trl_sft_trainer_with_packing_trains_as_one_device(tmp_path, world, layo
     harness.run(world, _sft_rank, reference, layout, str(tmp_path / "ranks"), strategy)
 
 
+def _plain_loop(model, ids: torch.Tensor, backward=None, clip=None) -> list[float]:
+    """AdamW steps with clipping on ``ids`` (``backward`` / ``clip``: a framework's own)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(ids, labels=ids).loss
+        (backward or torch.Tensor.backward)(loss)
+        (clip or (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _fabric_rank(reference: tuple, layout: str) -> None:
+    """Lightning Fabric's ModelParallelStrategy with ``tpf.parallelize`` (and FSDP2 over a data axis) as its
+    ``parallelize_fn``: one device's losses and parameters; each data-parallel row reads its rows of the batch."""
+    import lightning
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import VOCAB, tiny_lm
+
+    def parallelize_fn(model, device_mesh):  # the user's: tensor parallel over Fabric's mesh, FSDP2 over its data axis
+        P = tpf.placement("cpu", device_mesh.mesh.tolist(), names=("dp", "tp"))
+        tpf.parallelize(model, placement=P, plan=tpf.hf_plan(model, vocab_parallel=False))
+        if P.hierarchy[0] > 1:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=P.mesh["dp"])
+            fully_shard(model, mesh=P.mesh["dp"])
+        return model
+
+    rows = 2 if layout == "2x2" else 1
+    strategy = ModelParallelStrategy(parallelize_fn, data_parallel_size=rows,
+                                     tensor_parallel_size=dist.get_world_size() // rows)
+    fabric = lightning.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()
+    with fabric.init_module():
+        model = fabric.setup(tiny_lm("llama"))
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    mine = ids.tensor_split(rows)[dist.get_rank() // (dist.get_world_size() // rows)]
+    optimizer = None
+
+    def clip():
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+
+    with within(120):
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS))
+        losses = []
+        for _ in range(STEPS):
+            loss = model(mine, labels=mine).loss
+            fabric.backward(loss)
+            clip()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    if layout == "1d":
+        torch.testing.assert_close(losses, reference[0], rtol=1e-6, atol=0)
+    params = {n.removeprefix("_forward_module."): p for n, p in _whole(model).items()}
+    _equal(params, reference[1], 1e-8 if layout == "1d" else 1e-7)
+
+
+@pytest.mark.parametrize("world, layout", [(2, "1d"), (4, "2x2")])
+def test_lightning_fabric_model_parallel_strategy_trains_as_one_device(world, layout):
+    pytest.importorskip("lightning")
+    from tests.models import VOCAB, tiny_lm
+
+    model = tiny_lm("llama")
+    losses = _plain_loop(model, torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0)))
+    harness.run(world, _fabric_rank, (losses, _whole(model)), layout)
+
+
 def _refusals_rank() -> None:
     with pytest.raises(ValueError, match="was not parallelized"):
         tpf.adopt(accelerate.Accelerator(cpu=True), torch.nn.Linear(2, 2))

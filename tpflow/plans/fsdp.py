@@ -10,6 +10,8 @@ Each column layer then computes on its own, as PyTorch's and transformers' tenso
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from tpflow.layers.experts import over_data
@@ -35,8 +37,8 @@ def expect_fsdp(model: nn.Module, placement: Placement) -> None:
     axes (``fully_shard`` on the model or on a module holding it, a pipeline stage's, replaced every parameter it
     had here; every parameter mesh of two or more axes has their names: not another root's), and raises naming
     the call to make where it does not."""
-    if not leaves_data_axes(placement):
-        return
+    if not leaves_data_axes(placement) or math.prod(placement.hierarchy[:-1]) == 1:
+        return  # no data axes, or only axes of one rank: nothing for FSDP2 to shard
     data = placement.names[:-1]
     mesh = f'P.mesh["{data[0]}"]' if len(data) == 1 else f"P.mesh[{data!r}]"
     # FSDP2 swaps each parameter it manages for its own (sharded, and gathered around each forward): one still
