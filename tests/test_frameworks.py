@@ -134,6 +134,7 @@ def _trainer_rank(reference: dict, layout: str, vocab_parallel: bool, folder: st
     if dist.get_rank() == 0:
         back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "saved"), dtype=torch.float64)
         _equal(_whole(back), trained, 0.0)
+    tpf.adopt(transformers.Trainer(model=model, args=_args(folder, BATCH), train_dataset=_rows()))  # a second one
     for checkpoint in (os.path.join(folder, "checkpoint-2"), reference["checkpoint"]):
         with within(120):
             resumed = _resumed(_parallel(layout, vocab_parallel), os.path.join(folder, "resumed"), BATCH,

@@ -8,8 +8,8 @@ parallelism (its ``ParallelismConfig``, which ``Trainer`` builds from a model's 
 only on GPUs and on its own mesh. ``adopt`` gives the accelerator tpflow's layout instead: the model is not wrapped
 (its gradients are already summed where they must be: none to sum on a tensor-parallel placement, FSDP2's over
 named data axes), and the data loaders are sharded over the data-parallel rows only, each row's tensor-parallel
-ranks getting the same batches. ``Trainer`` is told the tensor-parallel size too (``model._tp_size``, which it reads to
-count a batch's tokens once per row), and that the model owns its placement (transformers' own
+ranks getting the same batches. ``Trainer`` is told the tensor-parallel size too (its ``get_tp_size``, by which it
+counts a batch's tokens once per row), and that the model owns its placement (transformers' own
 ``is_distributed_loading_by_transformers``: every rank takes part in ``save_model``). Its checkpoints stay in its
 own format and whole (``_Checkpoints``): the model's safetensors and one device's ``optimizer.pt``, so a run resumes
 on the same ranks, on another layout, or on one device, and one device's checkpoint resumes here.
@@ -109,9 +109,14 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
                          "that model (model=): this one was not parallelized")
     args = getattr(trainer, "args", None)
     row, rows = data_rows(placement)
-    object.__setattr__(held, "_tp_size", placement.hierarchy[-1])  # Trainer counts a batch's tokens once per row
-    if args is not None:  # transformers' own word for a model that owns its placement and gradient sums: not wrapped
-        trainer.is_distributed_loading_by_transformers = True  # again, and saved by every rank (their gathers)
+    if args is not None:
+        tp = placement.hierarchy[-1]
+        # it counts a batch's tokens once per row; not model._tp_size, which a second Trainer on the model would
+        # read as transformers' own tensor parallelism (and build accelerate's for)
+        trainer.get_tp_size = lambda: tp
+        # transformers' own word for a model that owns its placement and gradient sums: not wrapped again, and saved
+        # by every rank (their gathers)
+        trainer.is_distributed_loading_by_transformers = True
         checkpoints = _Checkpoints(trainer, held)
         trainer._save_optimizer_and_scheduler = checkpoints.save_optimizer_and_scheduler
         trainer._load_optimizer_and_scheduler = checkpoints.load_optimizer_and_scheduler
