@@ -8,7 +8,7 @@ random weights) is saved by rank 0 and loaded three ways, each trained by AdamW 
 (the whole gradient's norm) on ``--batch`` x ``--seq`` tokens by the model's ``labels=`` loss:
 
 - ``Trainer`` on ``tpf.parallelize(plan="auto")`` after ``tpf.adopt`` (a step: ``on_step_begin`` to ``on_step_end``
-  of a callback, the batch's loading included);
+  of a callback: forward, backward, clipping, the optimizer and the scheduler; ``Trainer`` fetches the batch before);
 - the same tpflow model in a plain loop (Trainer's overhead is the ratio of the two);
 - transformers' ``from_pretrained(path, tp_plan="auto")`` in the same plain loop: accelerate refuses its
   ``ParallelismConfig`` on CPU ranks (``DistributedType.MULTI_CPU``), so ``Trainer`` cannot run it here.
