@@ -1,5 +1,6 @@
-"""A parallelized model in the loops people run (transformers' ``Trainer``, accelerate's ``Accelerator``) after
-``tpf.adopt``, against the same loop on one device: losses, gradient norms and every parameter (fp64), the
+"""A parallelized model in the loops people run (transformers' ``Trainer`` and TRL's ``SFTTrainer``, accelerate's
+``Accelerator``, Lightning's Fabric) against the same loop on one device: losses, gradient norms, every parameter
+(fp64) after steps of gradient accumulation, the evaluation's loss, the
 saved model reloaded by ``from_pretrained`` on one device, a run resumed from the step-2 checkpoint on the same
 ranks, from one device's checkpoint, and one device resumed from the ranks' checkpoint, each ending where the
 uninterrupted run ended; 2 and 4 ranks, 1-D tensor parallel and 2 x 2 data x tensor with FSDP2."""
@@ -34,8 +35,10 @@ def _rows(n: int = 32) -> list[dict]:
 
 
 def _args(folder: str, batch: int) -> transformers.TrainingArguments:
-    """Trainer's defaults but the run's length, lr, AdamW's eps, clipping (that bites) and a checkpoint at step 2."""
-    return transformers.TrainingArguments(folder, max_steps=STEPS, per_device_train_batch_size=batch,
+    """Trainer's defaults but the run's length, lr, AdamW's eps, clipping (that bites), a checkpoint at step 2, and
+    ``batch`` rows a step in two micro-batches (gradient accumulation)."""
+    return transformers.TrainingArguments(folder, max_steps=STEPS, per_device_train_batch_size=batch // 2,
+                                          gradient_accumulation_steps=2, per_device_eval_batch_size=4,
                                           learning_rate=1e-2, max_grad_norm=0.5, seed=0, logging_steps=1,
                                           save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True,
                                           adam_epsilon=EPS)
@@ -85,7 +88,8 @@ def _reference(rows: int, folder: str) -> dict:
     model = tiny_lm("llama")
     trainer = transformers.Trainer(model=model, args=_args(folder, BATCH * rows), train_dataset=_rows())
     trainer.train()
-    out = {"trainer": (*_logged(trainer), _whole(model)), "checkpoint": os.path.join(folder, "checkpoint-2")}
+    out = {"trainer": (*_logged(trainer), _whole(model)), "checkpoint": os.path.join(folder, "checkpoint-2"),
+           "eval": trainer.evaluate(eval_dataset=_rows(8))["eval_loss"]}
     model = tiny_lm("llama")
     out["accelerate"] = (_accelerate_loop(model, accelerate.Accelerator(cpu=True), BATCH * rows), _whole(model))
     return out
@@ -131,6 +135,9 @@ def _trainer_rank(reference: dict, layout: str, vocab_parallel: bool, folder: st
     torch.testing.assert_close(norms, want_norms, rtol=tol, atol=0)
     trained = _whole(model)
     _equal(trained, want_params, tol)
+    with within(60):  # the evaluation's batches split over the rows, each row's losses gathered once
+        torch.testing.assert_close(trainer.evaluate(eval_dataset=_rows(8))["eval_loss"], reference["eval"],
+                                   rtol=1e-6, atol=0)
     if dist.get_rank() == 0:
         back = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "saved"), dtype=torch.float64)
         _equal(_whole(back), trained, 0.0)

@@ -17,7 +17,9 @@ on the same ranks, on another layout, or on one device, and one device's checkpo
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -117,6 +119,8 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
         # transformers' own word for a model that owns its placement and gradient sums: not wrapped again, and saved
         # by every rank (their gathers)
         trainer.is_distributed_loading_by_transformers = True
+        trainer._defer_fsdp_gradient_reduction = lambda: _fsdp_sync_deferred(trainer.model)  # theirs reads its
+        # config.distributed_config, which a model FSDP2 sharded after tpflow split it has not
         checkpoints = _Checkpoints(trainer, held)
         trainer._save_optimizer_and_scheduler = checkpoints.save_optimizer_and_scheduler
         trainer._load_optimizer_and_scheduler = checkpoints.load_optimizer_and_scheduler
@@ -143,6 +147,16 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
     accelerator.prepare_data_loader = prepare_data_loader_by_rows
     accelerator.gather_for_metrics = _MetricsByRows(accelerator, placement)
     return trainer
+
+
+@contextlib.contextmanager
+def _fsdp_sync_deferred(model: nn.Module) -> Iterator[None]:
+    """FSDP2's ``no_sync``: the micro-batches before the last one of an accumulation keep their gradients unsummed."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 class _MetricsByRows:
