@@ -4,6 +4,7 @@ once per rank), clear errors for flags that make no sense, and the same script a
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,8 @@ SCRIPT = textwrap.dedent("""
     total = tpf.to_global(torch.tensor([float(rank)]), placement=tpf.placement.all("cpu"), sbp=tpf.sbp.partial_sum)
     value = tpf.to_local(tpf.to_global(total, sbp=tpf.sbp.broadcast)).item()
     print(f"rank {rank} of {world}: sum of ranks {value:g}, args {sys.argv[1:]}")
+    for i in range(50):  # print's pieces, each a write: under torchrun's unbuffered output the ranks interleaved them
+        print(rank, "piece", i, "of", "one", "line")
 """)
 
 
@@ -59,6 +62,9 @@ def test_world_of_n(nproc, tmp_path):
     for rank in range(nproc):
         assert f"rank {rank} of {nproc}: sum of ranks {total}, args ['x']" in proc.stdout
         assert f"rank {rank}: ready before the first line {(rank, nproc)}" in proc.stdout
+    pieces = [line for line in proc.stdout.splitlines() if "piece" in line]
+    assert len(pieces) == 50 * nproc and all(re.fullmatch(r"\d piece \d+ of one line", line) for line in pieces), \
+        proc.stdout[-2000:]
 
 
 def test_plain_process_is_a_world_of_one(tmp_path):

@@ -145,6 +145,10 @@ def _run_worker(kind: str, target: str, args: list[str]) -> int:
 
     errors = os.environ.get(_ERRORS_ENV)
 
+    for stream in (sys.stdout, sys.stderr):  # torchrun runs the ranks unbuffered: print's pieces would interleave
+        with contextlib.suppress(AttributeError, ValueError):  # by rank ("01  (sbp..."); a line is one write
+            stream.reconfigure(line_buffering=True, write_through=False)
+
     @record
     def run() -> int:
         try:
