@@ -74,3 +74,35 @@ def _shared_config_rank() -> None:
 def test_parallelizing_a_model_leaves_another_sharing_its_config_alone(world):
     pytest.importorskip("transformers")
     harness.run(world, _shared_config_rank)
+
+
+def _torch_save_rank() -> None:
+    """torch.save / torch.load of a parallelized model's state_dict (fused q / k / v and gate / up, whose blocks share
+    one storage): every rank's blocks come back, and load_state_dict fills another model of the same layout."""
+    import io
+
+    from tests.models import tiny_lm
+
+    model = tpf.parallelize(tiny_lm("llama"), placement=all_ranks(), plan="auto")
+    assert model.model.layers[0].mlp.up_proj.fused_group is not None  # its block after gate_proj's
+    buffer = io.BytesIO()
+    with within(30):
+        torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    torch.manual_seed(1)
+    other = tpf.parallelize(tiny_lm("llama"), placement=all_ranks(), plan="auto")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.to_local().normal_()
+    other.load_state_dict(saved)
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    ids = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(other(ids).logits.full_tensor(), model(ids).logits.full_tensor(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_save_and_load_of_a_state_dict_round_trip(world):
+    pytest.importorskip("transformers")
+    harness.run(world, _torch_save_rank)

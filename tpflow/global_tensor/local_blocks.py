@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Placement
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-__all__ = ["LocalBlocks", "LocalReads", "join", "layout_of", "placed"]
+__all__ = ["LocalBlocks", "LocalReads", "join", "layout_of", "picklable", "placed"]
 
 
 def _owned(g: torch.Tensor) -> torch.Tensor:
@@ -213,3 +213,44 @@ def join(params: Sequence[DTensor]) -> None:
             for b in blocks:
                 b.set_(joined, offset, b.shape)
                 offset += b.numel()
+
+
+class _Copied(DTensor):
+    """A DTensor pickled as a copy of its block: torch (2.13) pickles a DTensor whose block starts at an offset of its
+    storage (a joined group's member but the first) by its wrapper's storage, which it has none of ("Attempted to
+    access the data pointer on an invalid python storage")."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, proto):
+        block = self._local_tensor
+        copy = DTensor.from_local(block.clone(), self.device_mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride())
+        return copy.__reduce_ex__(proto)
+
+
+def picklable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` made picklable by ``torch.save`` where its block starts at an offset of a joined storage (see ``join``):
+    the same tensor, which pickles a copy of its block (and loads as a plain DTensor); any other tensor as it is.
+
+    Args:
+        t: a tensor, such as a value of a ``state_dict()``.
+
+    Returns:
+        ``t``.
+
+    Example::
+
+        >>> import io
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> q, k = (tpf.ColumnParallelLinear(8, n, placement=P) for n in (8, 4))
+        >>> join([q.weight, k.weight])                              # k's block after q's, in one storage
+        >>> buffer = io.BytesIO()
+        >>> torch.save(picklable(k.weight.detach()), buffer)         # without it: "invalid python storage"
+        >>> _ = buffer.seek(0)
+        >>> torch.equal(torch.load(buffer, weights_only=True).to_local(), k.weight.to_local())
+        True
+    """
+    if type(t) is DTensor and t._local_tensor.storage_offset() != 0 and not isinstance(t, torch.nn.Parameter):
+        t.__class__ = _Copied
+    return t

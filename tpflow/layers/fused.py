@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tpflow.global_tensor.local_blocks import join
+from tpflow.global_tensor.local_blocks import join, picklable
 from tpflow.layers.column import ColumnParallelLinear
 
 __all__ = ["ColumnGroup"]
@@ -60,6 +60,7 @@ class ColumnGroup:
         self._clear()
         for layer in layers:
             layer.fused_group = self
+            layer.register_state_dict_post_hook(_picklable_weight)
         join([layer.weight for layer in self.layers])
         parent.register_forward_pre_hook(self._clear)  # a bound method: deep copies of the model keep their own
 
@@ -110,6 +111,13 @@ class ColumnGroup:
         self._input, self._key = weakref.ref(x), self._state(x, data_split)
         self._pending = {i: out for i, out in enumerate(outputs) if i != index}
         return outputs[index]
+
+
+def _picklable_weight(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A member's weight in a state dict pickles (``torch.save``) though its block lies inside the joined storage."""
+    key = prefix + "weight"
+    if key in state_dict:
+        picklable(state_dict[key])
 
 
 def _spent_hook(group: ColumnGroup, product: int):
