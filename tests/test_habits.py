@@ -106,3 +106,31 @@ def _torch_save_rank() -> None:
 def test_torch_save_and_load_of_a_state_dict_round_trip(world):
     pytest.importorskip("transformers")
     harness.run(world, _torch_save_rank)
+
+
+def _logits_rank() -> None:
+    """The user's own code on split logits: a mistake names the three ways out, and each way works."""
+    import torch.nn.functional as F
+
+    from tests.models import VOCAB, tiny_lm
+
+    reference = tiny_lm("llama")
+    model = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(), plan="auto")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    logits, want = model(ids).logits, reference(ids).logits
+    for mistake in (lambda: F.cross_entropy(logits.flatten(0, 1), ids.flatten()),
+                    lambda: (logits.argmax(-1) == ids).float().mean()):
+        with pytest.raises(RuntimeError, match=r"mixed the model's logits, split over the vocabulary .* "
+                                               r"tpf.vocab_parallel_loss\(\).* logits.full_tensor\(\).* "
+                                               r"vocab_parallel=False"):
+            mistake()
+    with tpf.vocab_parallel_loss():
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+    torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), ids.flatten()))
+    torch.testing.assert_close((logits.full_tensor().argmax(-1) == ids).float().mean(),
+                               (want.argmax(-1) == ids).float().mean())
+
+
+def test_the_users_own_code_on_split_logits_says_what_to_do():
+    pytest.importorskip("transformers")
+    harness.run(2, _logits_rank)

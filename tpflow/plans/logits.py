@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from tpflow.global_tensor import vocab_parallel_loss
 from tpflow.layers import ColumnParallelLinear
@@ -48,6 +50,43 @@ class _Logits:
         if not self.depth and self.mode is not None:
             mode, self.mode = self.mode, None
             mode.__exit__(None, None, None)
+            logits = getattr(output, "logits", output)
+            if type(logits) is DTensor and not torch.compiler.is_compiling():
+                logits.__class__ = _SplitLogits  # the user's code on them: a mistake says what to do
+
+
+_MIXED = "got mixed torch.Tensor and DTensor"
+
+
+class _SplitLogits(DTensor):
+    """A model's logits split over the vocabulary, as it returns them, and what is computed from them: an operation
+    that mixes them with a plain tensor (the user's ``F.cross_entropy``, ``argmax(-1) == labels``) fails with what to
+    do, where torch says only that it "got mixed torch.Tensor and DTensor"."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+        except RuntimeError as e:
+            if _MIXED not in str(e):
+                raise
+            name = getattr(func, "__name__", str(func))
+            raise RuntimeError(
+                f"{name} mixed the model's logits, split over the vocabulary (each rank holds its share of the "
+                f"classes), with a plain tensor. For the loss, pass labels= to the model, or call tpf.cross_entropy, "
+                f"or F.cross_entropy under `with tpf.vocab_parallel_loss():` (none gathers them); for metrics such as "
+                f"argmax, take logits.full_tensor() (the whole logits on every rank); or parallelize with "
+                f"plan=tpf.hf_plan(model, vocab_parallel=False), whose head gathers them itself") from e
+        return tree_map_only(DTensor, _split, out)
+
+
+def _split(t: DTensor) -> DTensor:
+    if type(t) is DTensor:
+        t.__class__ = _SplitLogits
+    return t
 
 
 class _Loss:
