@@ -44,7 +44,7 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     if name == "shm":  # both transports measured at every size
         assert text.count("x |") == 8, text
     if name == "trainer":  # the three modes timed
-        assert text.count("x |") == 3 and "| Trainer + tpflow (tpf.adopt) |" in text, text
+        assert text.count("x |") == 6 and "| Trainer + tpflow (tpf.adopt) |" in text, text
     if name == "loaded":  # both steps measured both ways, with the same results
         assert text.count("| True |") == 2, text
     if name == "profile":  # the three pairs timed and profiled on both ranks, and the posts of a send

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from tpflow.global_tensor import vocab_parallel_loss
 from tpflow.layers import ColumnParallelLinear
@@ -80,13 +80,10 @@ class _SplitLogits(DTensor):
                 f"or F.cross_entropy under `with tpf.vocab_parallel_loss():` (none gathers them); for metrics such as "
                 f"argmax, take logits.full_tensor() (the whole logits on every rank); or parallelize with "
                 f"plan=tpf.hf_plan(model, vocab_parallel=False), whose head gathers them itself") from e
-        return tree_map_only(DTensor, _split, out)
-
-
-def _split(t: DTensor) -> DTensor:
-    if type(t) is DTensor:
-        t.__class__ = _SplitLogits
-    return t
+        for leaf in tree_leaves(out):  # in place: the output itself comes back (a torch.Size stays one)
+            if type(leaf) is DTensor:
+                leaf.__class__ = _SplitLogits
+        return out
 
 
 class _Loss:
