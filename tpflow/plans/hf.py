@@ -127,6 +127,23 @@ def _tied(model: nn.Module, name: str) -> bool:
                                       if not n.startswith(name + "."))
 
 
+def _check_layers_found(model: nn.Module, own: dict[str, object], names: list[str], ends: set) -> None:
+    """Refuse a model none of whose layers the plan's layer patterns (all but the embedding's and the head's) name:
+    ``plan="auto"`` would split the embedding and the head, found by their getters, and run every layer whole on
+    every rank without a word (a wrapped model, PEFT's ``PeftModel``, names them ``base_model.model.model.layers...``;
+    a model whose modules were renamed)."""
+    layers = [p for p, style in own.items() if style != "embedding_rowwise"
+              and not any(e and (e == p or e.endswith("." + p)) for e in ends)]
+    if not layers or any(fnmatch.fnmatchcase(n, p) for p in layers for n in names):
+        return
+    shown = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3] or names[1:4]
+    raise ValueError(f"plan='auto': {type(model).__name__}'s plan names its layers {layers[:3]}, and none of its "
+                     f"modules is so named (they are {shown}, ...): its layers would run whole on every rank. A "
+                     f"wrapped model (PEFT's get_peft_model) names them under its wrapper: parallelize the "
+                     f"transformers model itself, before wrapping it, or pass plan={{pattern: style}} with the names "
+                     f"it has")
+
+
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
             vocab_parallel: bool = True, expert_parallel: bool | str = False,
             context_parallel: str | None = None) -> dict[str, Style]:
@@ -178,6 +195,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     own.update(_shared_experts(model, own))
     experts = [pattern for pattern, style in own.items() if style == "moe_tp_experts"]
     blocks = _on_every_token(model, own, experts) if sequence_parallel else []
+    _check_layers_found(model, own, names, {embedding, head})
     for pattern, style in own.items():
         if pattern == head or (style == "embedding_rowwise" and not vocab_parallel):
             continue  # the head is planned below; without vocab_parallel an embedding stays whole
