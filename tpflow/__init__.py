@@ -58,6 +58,7 @@ from tpflow.plans import (
     hf_plan,
     parallelize,
 )
+from tpflow.plans.lora import lora
 from tpflow.world import get_rank, get_world_size, init_distributed
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "kernels",
     "linear_cross_entropy",
     "load_safetensors",
+    "lora",
     "matmul",
     "meta_parameters",
     "ones",
