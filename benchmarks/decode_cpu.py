@@ -29,7 +29,9 @@ from benchmarks.collective_cpu import write
 from tpflow.bench.measure import step_times
 
 
-def _model(args):
+def qwen3(args):
+    """The benchmarks' Qwen3: ``args.vocab``, ``args.layers`` layers of ``args.hidden``, 8 heads of 32, 4 key / value
+    heads, random weights (seed 0)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -82,7 +84,7 @@ def run(args) -> None:
     holder = [tempfile.mkdtemp(prefix="tpflow-decode-") if rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     if rank == 0:
-        _model(args).save_pretrained(holder[0])
+        qwen3(args).save_pretrained(holder[0])
     dist.barrier()
     one = AutoModelForCausalLM.from_pretrained(holder[0])
     ours = tpf.parallelize(AutoModelForCausalLM.from_pretrained(holder[0]),

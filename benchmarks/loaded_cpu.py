@@ -26,22 +26,13 @@ import torch.distributed as dist
 
 import tpflow as tpf
 from benchmarks.collective_cpu import write
+from benchmarks.decode_cpu import qwen3
 from tpflow.bench.measure import step_times
 
 
 def _spin(stop) -> None:
     while not stop.is_set():
         sum(range(10_000))
-
-
-def _model(args):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                         max_position_embeddings=256)
-    return Qwen3ForCausalLM(config)
 
 
 def _steps(model, args):
@@ -89,7 +80,7 @@ def run(args) -> None:
                 for _ in range(args.busy if rank == 0 else 0)]
     for p in spinners:
         p.start()
-    model = tpf.parallelize(_model(args), placement=tpf.placement("cpu", list(range(world))), plan="auto")
+    model = tpf.parallelize(qwen3(args), placement=tpf.placement("cpu", list(range(world))), plan="auto")
     lines = [f"# {world} CPU ranks on {os.cpu_count()} cores beside {args.busy} busy processes: Qwen3 vocabulary "
              f"{args.vocab}, {args.layers} layers of {args.hidden}, fp32", "",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/loaded_cpu.py --busy {args.busy} "

@@ -11,6 +11,7 @@ config; its own code (``forward``, ``set_adapter``, saving the adapters' state) 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -21,6 +22,7 @@ from tpflow.layers.replicated import replicate
 __all__ = ["lora"]
 
 
+@functools.cache
 def _split_lora_classes() -> tuple[type, type]:
     """The LoRA layers of a column and of a row layer, subclasses of PEFT's (imported when first asked for)."""
     from peft.tuners.lora import Linear
@@ -34,8 +36,9 @@ def _split_lora_classes() -> tuple[type, type]:
             self.split(adapter_name)
 
         def merge(self, *args: Any, **kwargs: Any) -> None:
-            raise NotImplementedError(f"merging a LoRA adapter into a split {type(self.base_layer).__name__} is not "
-                                      "supported yet: save the adapter (save_pretrained) and merge it on one device")
+            raise RuntimeError(f"merging a LoRA adapter into a split {type(self.base_layer).__name__} is refused: its "
+                               "blocks would have to be merged block by block; save the adapter (save_pretrained) "
+                               "and merge it on one device")
 
     class ColumnLora(_SplitLora):
         """LoRA on a ``ColumnParallelLinear``: ``lora_A`` whole, ``lora_B`` split like the base's output."""
