@@ -1,8 +1,13 @@
-"""PEFT's adapters and a parallelized model (issue 44): what runs, and what is refused rather than run unsplit."""
+"""PEFT's LoRA adapters and a parallelized model (issue 44): both orders, every adapter in its base layer's layout and
+trained as one device trains it; saved as PEFT saves, loaded, merged; what is refused rather than run unsplit."""
 
 from __future__ import annotations
 
+import copy
+import tempfile
+
 import pytest
+import torch
 import torch.distributed as dist
 
 import tpflow as tpf
@@ -12,67 +17,199 @@ from tests.checks import all_ranks, within
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-
-def _wrapped_auto_rank() -> None:
-    """parallelize(get_peft_model(model), plan="auto") found only the embedding and the head under PEFT's names and ran
-    every layer whole on every rank, silently: it is refused on every rank, naming what was looked for."""
-    from tests.models import tiny_lm
-
-    wrapped = peft.get_peft_model(tiny_lm("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with within(30), pytest.raises(ValueError, match=r"plan='auto': PeftModel's plan names its layers "
-                                                     r"\['model.layers.\*.self_attn.q_proj'.* none of its modules is "
-                                                     r"so named .*base_model.model.model.layers.0"):
-        tpf.parallelize(wrapped, placement=all_ranks(), plan="auto")
-    assert not any(type(m).__name__ == "VocabParallelEmbedding" for m in wrapped.modules()), dist.get_rank()
+_MOE = ("qwen3_moe", "mixtral", "gpt_oss")
+KINDS = ("llama", "qwen3", "gemma2", *_MOE)
+_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_auto_plan_of_a_wrapped_model_is_refused_not_run_unsplit(world):
-    harness.run(world, _wrapped_auto_rank)
+def _model(kind: str) -> torch.nn.Module:
+    """A tiny fp64 model of ``kind``: 2 key/value heads (kept whole, each rank its head, on 4 ranks)."""
+    from tests.models import tiny_lm, tiny_moe
+
+    return tiny_moe(kind) if kind in _MOE else tiny_lm(kind, kv_heads=2)
 
 
-def _split_adapters_rank() -> None:
-    """get_peft_model(parallelized model, tpf.lora(config)): every adapter follows its base layer's layout, only the
-    adapters train, and two AdamW steps with clipping give one device's losses, norms and every parameter."""
-    import copy
+def _config(model: torch.nn.Module, **options) -> object:
+    """LoRA on every attention and dense MLP projection the model has (not its experts)."""
+    targets = [t for t in _TARGETS if any(n.endswith("." + t) for n, _ in model.named_modules())]
+    return peft.LoraConfig(target_modules=targets, **{"r": 4, "lora_alpha": 8, **options})
 
-    import torch
 
-    from tests.models import VOCAB, tiny_lm, train_lm
-
-    def config():
-        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                   "up_proj", "down_proj"])
-
-    base = tiny_lm("llama", kv_heads=4)
+def _reference(base: torch.nn.Module, **options) -> torch.nn.Module:
+    """One device's PEFT model of ``base``, in fp64, its ``lora_B`` drawn (PEFT starts it at zero, which would hide a
+    wrong layout in the first step's output)."""
     torch.manual_seed(3)
-    reference = peft.get_peft_model(copy.deepcopy(base), config())
-    with torch.no_grad():  # adapters that change the output from the first step (PEFT starts lora_B at zero)
+    reference = peft.get_peft_model(copy.deepcopy(base), _config(base, **options)).double()
+    with torch.no_grad():
         for i, (name, p) in enumerate(reference.named_parameters()):
             if "lora_B" in name:
                 p.normal_(std=0.1, generator=torch.Generator().manual_seed(i))
-    model = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(), plan=tpf.hf_plan(base, vocab_parallel=False))
-    torch.manual_seed(3)
-    model = peft.get_peft_model(model, tpf.lora(config()))
-    layer = model.base_model.model.model.layers[0]
-    assert type(layer.self_attn.q_proj.lora_B["default"]).__name__ == "ColumnParallelLinear"
-    assert type(layer.mlp.down_proj.lora_A["default"]).__name__ == "RowParallelLinear"
+    return reference
+
+
+def _copy_adapters(model: torch.nn.Module, reference: torch.nn.Module, adapter: str = "") -> None:
+    """The reference's adapter values (of ``adapter``, default every one) into ``model``'s, each rank its blocks."""
     with torch.no_grad():
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            if "lora_B" in name:
-                p.copy_(tpf.tensor(q, placement=all_ranks(), sbp=tpf.get_sbp(p)))
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+            if "lora_" in name and f".{adapter}." in name if adapter else "lora_" in name:
+                whole = q.full_tensor() if isinstance(q, torch.distributed.tensor.DTensor) else q
+                p.copy_(tpf.tensor(whole, placement=all_ranks(), sbp=tpf.get_sbp(p)))
+
+
+def _ids() -> torch.Tensor:
+    from tests.models import VOCAB
+
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _orders_rank(kinds: tuple[str, ...]) -> None:
+    """Both orders on each model: ``parallelize(get_peft_model(model), plan="auto")`` (the vocabulary split) and
+    ``get_peft_model(parallelize(model), tpf.lora(config))`` (whole logits): every adapter follows its base, only the
+    adapters train, and two AdamW steps with clipping give one device's losses, norms and every parameter, at fp32's
+    rounding (the models are fp64, but their RMS norms, routers and loss compute in fp32)."""
+    from tests.models import train_lm
+
+    for kind in kinds:
+        base = _model(kind)
+        reference = _reference(base)
+        peft_first = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(), plan="auto")
+        tpflow_first = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(),
+                                       plan=tpf.hf_plan(base, vocab_parallel=False))
+        torch.manual_seed(3)
+        tpflow_first = peft.get_peft_model(tpflow_first, tpf.lora(_config(base))).double()
+        _copy_adapters(tpflow_first, reference)
+        want = train_lm(reference, _ids())
+        for model in (peft_first, tpflow_first):
+            attention = model.base_model.model.model.layers[0].self_attn
+            assert type(attention.q_proj.lora_B["default"]).__name__ == "ColumnParallelLinear", kind
+            assert type(attention.o_proj.lora_A["default"]).__name__ == "RowParallelLinear", kind
+            with within(90):
+                got = train_lm(model, _ids())
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=kind)
+            trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+            assert trainable and all("lora_" in n for n in trainable), trainable
+            for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-6, msg=f"{kind}: {name}")
+            tpf.check_replicas(model)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_lora_in_either_order_trains_as_one_device(world):
+    harness.run(world, _orders_rank, KINDS, timeout=600)
+
+
+def _save_load_merge_rank() -> None:
+    """A trained PEFT model saves PEFT's adapter files, which load on one device with the trained logits and into a
+    split model; a second adapter switches in as in PEFT; merge_and_unload gives the merged logits, and the merged
+    model's save_pretrained reloads on one device."""
+    import transformers
+
+    base = _model("llama")
+    reference = _reference(base)
+    model = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(), plan="auto")
+    from tests.models import train_lm
+
     with within(60):
-        got = train_lm(model, ids)
-    want = train_lm(reference, ids)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable), trainable
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-8, atol=1e-10, msg=name)
-    tpf.check_replicas(model)
+        train_lm(model, _ids())
+    trained = model(_ids()).logits.full_tensor()
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    adapter, merged_dir = f"{folder[0]}/adapter", f"{folder[0]}/merged"
+    with within(60):
+        model.save_pretrained(adapter)  # every rank; rank 0 writes PEFT's files
+    if dist.get_rank() == 0:
+        one = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter).double()
+        torch.testing.assert_close(one(_ids()).logits, trained, rtol=1e-9, atol=1e-9)
+    split = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(), plan="auto")
+    config = tpf.lora(peft.LoraConfig.from_pretrained(adapter))
+    other = tpf.adopt(peft.get_peft_model(copy.deepcopy(split), tpf.lora(_config(base))).double())  # other order
+    _copy_adapters(other, model)
+    with within(60):
+        other.save_pretrained(f"{adapter}-other")
+    if dist.get_rank() == 0:
+        one = peft.PeftModel.from_pretrained(copy.deepcopy(base), f"{adapter}-other").double()
+        torch.testing.assert_close(one(_ids()).logits, trained, rtol=1e-9, atol=1e-9)
+    with within(60):
+        loaded = peft.PeftModel.from_pretrained(split, adapter, config=config).double()
+        torch.testing.assert_close(loaded(_ids()).logits.full_tensor(), trained, rtol=1e-9, atol=1e-9)
+
+    second = _config(base, r=2, use_rslora=True)  # a second adapter (rsLoRA's scaling), in fp64
+    torch.set_default_dtype(torch.float64)
+    try:
+        reference.add_adapter("second", copy.deepcopy(second))
+        model.add_adapter("second", second)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    reference.set_adapter("second")
+    model.set_adapter("second")
+    _copy_adapters(model, reference, "second")
+    torch.testing.assert_close(model(_ids()).logits.full_tensor(), reference(_ids()).logits, rtol=1e-9, atol=1e-9)
+    reference.set_adapter("default")
+    model.set_adapter("default")
+
+    with within(60):
+        merged = model.merge_and_unload()
+        torch.testing.assert_close(merged(_ids()).logits.full_tensor(), trained, rtol=1e-9, atol=1e-9)
+        assert type(merged.model.layers[0].self_attn.q_proj).__name__ == "ColumnParallelLinear"
+        merged.save_pretrained(merged_dir)
+    if dist.get_rank() == 0:
+        back = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float64)
+        torch.testing.assert_close(back(_ids()).logits, trained, rtol=1e-9, atol=1e-9)
+    dist.barrier()
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_lora_adapters_on_split_layers_train_as_one_device(world):
-    harness.run(world, _split_adapters_rank)
+def test_lora_saves_loads_and_merges_as_peft_does(world):
+    harness.run(world, _save_load_merge_rank)
+
+
+def _refusals_rank() -> None:
+    """What the adapters cannot follow is refused on every rank, naming it, before the model changes."""
+    from tests.models import tiny_lm
+
+    base = _model("llama")
+    dora = peft.get_peft_model(copy.deepcopy(base), _config(base, use_dora=True))
+    with pytest.raises(ValueError, match=r"DoRA .* on a split layer is not supported.*use_dora=False"):
+        tpf.parallelize(dora, placement=all_ranks(), plan="auto")
+    assert not any(type(m).__name__ == "ColumnParallelLinear" for m in dora.modules())
+    assert type(dora.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "Linear"  # PEFT's, put back
+    split = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(), plan="auto")
+    with pytest.raises(ValueError, match=r"DoRA .* on a split ColumnParallelLinear is not supported"):
+        peft.get_peft_model(split, tpf.lora(_config(base, use_dora=True)))
+
+    moe = _model("qwen3_moe")
+    experts = peft.LoraConfig(r=4, target_modules=[], target_parameters=["experts.gate_up_proj"])
+    wrapped = peft.get_peft_model(copy.deepcopy(moe), experts)
+    with pytest.raises(ValueError, match=r"PEFT's ParamWrapper on 'base_model.model.model.layers.0.mlp.experts'.* is "
+                                         r"not supported on a split layer"):
+        tpf.parallelize(wrapped, placement=all_ranks(), plan="auto")
+    with pytest.raises(ValueError, match=r"target_parameters=.* is not supported: target its linear layers"):
+        tpf.lora(copy.deepcopy(experts))
+
+    class Holder(torch.nn.Module):  # a wrapper of the user's own: the plan's names miss every layer
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+    held = Holder(tiny_lm("llama"))
+    with within(30), pytest.raises(ValueError, match=r"plan='auto': Holder's plan names its layers "
+                                                     r"\['layers.\*.self_attn.q_proj'.* none of its modules is so "
+                                                     r"named .*inner.model.layers.0"):
+        tpf.parallelize(held, placement=all_ranks(), plan="auto")
+    assert not any(type(m).__name__ == "VocabParallelEmbedding" for m in held.modules()), dist.get_rank()
+
+    # an adapter of another base (8 heads, not 4): refused, into the whole base as into the split one (PEFT takes a
+    # tensor of the shape of this rank's block for the block: the check cannot see a base of 1/W the size)
+    other = peft.get_peft_model(tiny_lm("llama", kv_heads=2, heads=8), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    tpf.parallelize(other, placement=all_ranks(), plan="auto").save_pretrained(folder[0])
+    with pytest.raises(RuntimeError, match=r"size mismatch for .*q_proj.lora_B"):
+        peft.PeftModel.from_pretrained(copy.deepcopy(base), folder[0])
+    with pytest.raises(RuntimeError, match=r"size mismatch for .*q_proj.lora_B"):
+        peft.PeftModel.from_pretrained(split, folder[0], config=tpf.lora(peft.LoraConfig.from_pretrained(folder[0])))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_what_adapters_cannot_follow_is_refused(world):
+    harness.run(world, _refusals_rank)

@@ -78,11 +78,13 @@ def data_rows(placement: Placement) -> tuple[int, int]:
 def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
     """Make a transformers ``Trainer`` (TRL's too) or an accelerate ``Accelerator`` train a model ``parallelize``
     changed as one device does: the model is not wrapped in DDP, and data loaders are sharded over its data-parallel
-    rows only (see the module's docstring). Call it once, on every rank, before training.
+    rows only (see the module's docstring). Call it once, on every rank, before training. Given a PEFT model of a
+    parallelized model (``get_peft_model(model, tpf.lora(config))``), it makes its ``save_pretrained`` write PEFT's
+    adapter files, as ``parallelize`` of a PEFT model does.
 
     Args:
-        trainer: a ``transformers.Trainer`` (or subclass) holding the parallelized model, or an
-            ``accelerate.Accelerator``.
+        trainer: a ``transformers.Trainer`` (or subclass) holding the parallelized model, an
+            ``accelerate.Accelerator``, or a PEFT model.
         model: the parallelized model, for an ``Accelerator`` (a ``Trainer`` holds its own).
 
     Returns:
@@ -103,6 +105,14 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
         >>> result.global_step
         2
     """
+    from tpflow.plans.adapters import wrapped_model  # plans import this module (mark)
+    from tpflow.plans.pretrained import export_whole
+
+    if wrapped_model(trainer)[0] is not trainer:
+        if placement_of(trainer) is None:
+            raise ValueError("tpf.adopt takes a PEFT model of a model tpf.parallelize changed: this one's is whole")
+        export_whole(trainer)
+        return trainer
     accelerator = getattr(trainer, "accelerator", trainer)
     held = getattr(trainer, "model", None) if model is None else model
     placement = placement_of(held) if held is not None else None

@@ -8,6 +8,8 @@ deadlock when a tensor-parallel model is saved from rank 0 only.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,7 +48,7 @@ def export_rank(model: nn.Module) -> int:
     return placements.pop()[0] if placements else 0
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, keys: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` as one device holds it: every global tensor whole, on one rank only.
 
     Called on every rank of the model's placement (each takes part in the gathers, one tensor at a time, so no
@@ -59,6 +61,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Args:
         model: a model whose parameters are global tensors on one placement (after ``tpf.parallelize``), or a
             plain one.
+        keys: only these entries of the state dict (a PEFT model's adapters); default every one.
 
     Returns:
         On the writer, names to whole tensors on the CPU, in ``state_dict`` order; on every other rank, ``{}``.
@@ -89,6 +92,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     whole: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # a tied tensor, by its id: gathered once, the same under every name
     for name, t in model.state_dict(keep_vars=True).items():
+        if keys is not None and name not in keys:
+            continue
         if id(t) not in gathered:
             value = t.detach()
             value = value.full_tensor() if isinstance(value, DTensor) else value  # every rank: a collective

@@ -23,7 +23,7 @@ from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast, split
 
-__all__ = ["PER_HEAD", "attention_heads", "check", "keep_columns", "keep_head", "split_per_head"]
+__all__ = ["PER_HEAD", "attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "split_per_head"]
 
 
 def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -81,6 +81,26 @@ def keep_columns(linear: nn.Linear, start: int, end: int, placement: Placement) 
     if placement.hierarchy[-1] > 1:
         linear.register_forward_pre_hook(_SummedInput(placement))
     linear.register_forward_hook(_KeptColumns(start, end))
+
+
+def kept_columns(linear: nn.Module) -> tuple[int, int] | None:
+    """The output features ``[start, end)`` that ``keep_columns`` made ``linear`` return, or None.
+
+    Args:
+        linear: any module.
+
+    Returns:
+        ``(start, end)``, or None if ``keep_columns`` did not take it.
+
+    Example::
+
+        >>> k_proj = nn.Linear(8, 4)
+        >>> keep_columns(k_proj, 2, 4, tpf.placement("cpu", ranks=[0, 1]))
+        >>> kept_columns(k_proj), kept_columns(nn.Linear(8, 4))
+        ((2, 4), None)
+    """
+    kept = next((h for h in linear._forward_hooks.values() if isinstance(h, _KeptColumns)), None)
+    return None if kept is None else (kept.start, kept.end)
 
 
 class _SummedInput:

@@ -29,6 +29,7 @@ import re
 
 from torch import nn
 
+from tpflow.plans.adapters import wrapped_model
 from tpflow.plans.context import ContextParallel
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.heads import attention_heads
@@ -130,18 +131,17 @@ def _tied(model: nn.Module, name: str) -> bool:
 def _check_layers_found(model: nn.Module, own: dict[str, object], names: list[str], ends: set) -> None:
     """Refuse a model none of whose layers the plan's layer patterns (all but the embedding's and the head's) name:
     ``plan="auto"`` would split the embedding and the head, found by their getters, and run every layer whole on
-    every rank without a word (a wrapped model, PEFT's ``PeftModel``, names them ``base_model.model.model.layers...``;
-    a model whose modules were renamed)."""
+    every rank without a word (a model inside a wrapper of the user's own, whose modules then carry its prefix; a
+    model whose modules were renamed)."""
     layers = [p for p, style in own.items() if style != "embedding_rowwise"
               and not any(e and (e == p or e.endswith("." + p)) for e in ends)]
     if not layers or any(fnmatch.fnmatchcase(n, p) for p in layers for n in names):
         return
     shown = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3] or names[1:4]
     raise ValueError(f"plan='auto': {type(model).__name__}'s plan names its layers {layers[:3]}, and none of its "
-                     f"modules is so named (they are {shown}, ...): its layers would run whole on every rank. A "
-                     f"wrapped model (PEFT's get_peft_model) names them under its wrapper: parallelize the "
-                     f"transformers model itself, before wrapping it, or pass plan={{pattern: style}} with the names "
-                     f"it has")
+                     f"modules is so named (they are {shown}, ...): its layers would run whole on every rank. "
+                     f"Parallelize the transformers model itself (a PEFT model is read through its wrapper), or "
+                     f"pass plan={{pattern: style}} with the names it has")
 
 
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
@@ -182,6 +182,11 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         >>> plan["model.layers.*.self_attn.o_proj"]
         RowParallel(input_is_parallel=True, sequence_parallel=False, algo='auto', sequence_dim=0)
     """
+    inner, prefix = wrapped_model(model)
+    if inner is not model:  # a PEFT model: the wrapped model's plan, under the wrapper's names
+        return {f"{prefix}.{pattern}": entry for pattern, entry in hf_plan(
+            inner, sequence_parallel=sequence_parallel, fuse=fuse, vocab_parallel=vocab_parallel,
+            expert_parallel=expert_parallel, context_parallel=context_parallel).items()}
     own = _model_plan(model)
     if context_parallel is not None and sequence_parallel:
         raise ValueError("context_parallel splits the sequence through every layer already: drop sequence_parallel")

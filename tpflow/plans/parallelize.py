@@ -19,6 +19,7 @@ from torch import nn
 from tpflow.frameworks import mark
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
+from tpflow.plans.adapters import Lifted, wrapped_model
 from tpflow.plans.agreement import agree, check_buffers
 from tpflow.plans.decoding import decode_alike
 from tpflow.plans.fsdp import expect_fsdp
@@ -58,6 +59,9 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     device's gradient: where a module sees only this rank's part of the data (a per-head norm, a norm on this
     rank's tokens) its gradients are summed over the ranks. With fewer key/value heads than ranks, the k / v
     projections stay whole and each rank keeps its head (``tpflow.plans.heads``).
+
+    A PEFT model (``get_peft_model(model, LoraConfig(...))``) is planned as the model it wraps, and each LoRA adapter
+    follows its base layer's layout (``tpflow.plans.adapters``); its ``save_pretrained`` writes PEFT's adapter files.
 
     Args:
         model: the model to change, in place.
@@ -99,19 +103,30 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
     check_buffers(model)
-    matched = match(model, placement, plan)  # names, "auto" and torch's styles read as entries; patterns matched
-    agree(matched)
-    ties = Ties(matched)
-    for name, module, entry in matched.each():  # every check before the first change
-        entry.check(name, module, matched)
+    lifted = Lifted(model)  # PEFT's layers out while the plan is matched and applied, their base layers in place
+    try:
+        matched = match(model, placement, plan)  # names, "auto" and torch's styles read as entries; patterns matched
+        agree(matched)
+        ties = Ties(matched)
+        for name, module, entry in matched.each():  # every check before the first change
+            entry.check(name, module, matched)
+        lifted.check(matched)
+    except BaseException:
+        lifted.restore()
+        raise
     for name, module, entry in matched.each():
         layer = entry.apply(name, module, matched)
         if layer is not None:
             matched.swap(module, layer)
     ties.join(matched)
     matched.finish()
+    lifted.put_back(matched)  # each adapter laid out as its base layer
     replicate(model, matched.placement, matched.grads)  # what no entry split: whole on every rank
+    inner = wrapped_model(model)[0]
     export_whole(model)
+    if inner is not model:  # what a PEFT model's merge_and_unload gives back saves whole too
+        export_whole(inner)
+        mark(inner, matched.named)
     decode_alike(model, matched.placement)
     random = draws_random(model)
     if random:

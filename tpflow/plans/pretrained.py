@@ -7,7 +7,9 @@ once the files are written, or raises if rank 0 failed to write them. So it is c
 transformers' ``push_to_hub``, which calls it: on one rank alone it waits in the first gather until the
 collective timeout (``TPFLOW_TIMEOUT``). Rank 0 writes into a staging folder beside ``save_directory`` and makes it
 the folder once complete (``tpflow.checkpoint.atomic``; the files of an earlier save there that this one does not
-rewrite, a tokenizer's, are kept), so a save killed half way leaves the earlier checkpoint whole.
+rewrite, a tokenizer's, are kept), so a save killed half way leaves the earlier checkpoint whole. A PEFT model's
+``save_pretrained`` gathers its adapters only and writes PEFT's files (``adapter_model.safetensors``,
+``adapter_config.json``), which ``PeftModel.from_pretrained`` loads on one device.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from tpflow.checkpoint.atomic import publish, stage
 from tpflow.checkpoint.export import export_rank, full_state_dict
+from tpflow.plans.adapters import adapter_keys
 
 __all__ = ["export_whole"]
 
@@ -40,7 +43,8 @@ class _SavePretrained:
             raise ValueError(f"save_pretrained writes from rank 0 (transformers' rule), which holds no block of this "
                              f"model (its placement starts at rank {writer}): take tpf.full_state_dict(model) on rank "
                              f"{writer} and save that (safetensors.torch.save_file), or place the model on rank 0 too")
-        state = full_state_dict(self.model)  # every rank takes part in the gathers
+        # every rank takes part in the gathers; of a PEFT model, its adapters' tensors only
+        state = full_state_dict(self.model, adapter_keys(self.model, kwargs.get("selected_adapters")))
         failure = None
         if dist.get_rank() == 0:
             try:

@@ -1,0 +1,171 @@
+"""``parallelize`` of a PEFT model: ``tpf.parallelize(get_peft_model(model, LoraConfig(...)), plan="auto")``.
+
+PEFT wraps the transformers model (``PeftModel`` -> ``LoraModel`` -> the model, named ``base_model.model.``) and each
+targeted layer (a LoRA layer holding the layer as ``base_layer``, its adapters as ``lora_A`` / ``lora_B``). The plan is
+the wrapped model's own, under the wrapper's prefix (``hf_plan`` reads it through the wrapper). While the plan is
+matched and applied, each LoRA layer is lifted out and its base layer stands in its place under its own name, so the
+entries see the model as it was (q / k / v fuse, key/value heads stay whole, the heads' rules apply); then each LoRA
+layer goes back around what its base became, its adapters laid out as ``tpf.lora``'s (``tpflow.plans.lora``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from tpflow.layers import ColumnParallelLinear, RowParallelLinear
+from tpflow.plans.linear import ColumnParallel, RowParallel
+from tpflow.plans.lora import follow_whole, lora_classes
+from tpflow.plans.style import Plan
+
+__all__ = ["Lifted", "adapter_keys", "wrapped_model"]
+
+
+def _peft():
+    """PEFT's module if the program imported it (a model can hold PEFT's layers only then), else None."""
+    return sys.modules.get("peft")
+
+
+def wrapped_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The model a ``PeftModel`` wraps and its name inside it (``"base_model.model"``); ``(model, "")`` for any other.
+
+    Args:
+        model: any model.
+
+    Returns:
+        The wrapped model and its module name, or ``model`` and ``""``.
+
+    Example::
+
+        >>> import peft
+        >>> from torch import nn
+        >>> wrapped = peft.get_peft_model(nn.Sequential(nn.Linear(4, 4)), peft.LoraConfig(r=2, target_modules=["0"]))
+        >>> wrapped_model(wrapped)[1]
+        'base_model.model'
+    """
+    peft = _peft()
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model, ""
+    inner = model.get_base_model()
+    return inner, next(name for name, m in model.named_modules() if m is inner)
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+class Lifted:
+    """A model's PEFT layers lifted out while a plan is matched and applied, their base layers in their places.
+
+    Args:
+        model: the model ``parallelize`` was given (changed in place; nothing happens without PEFT layers).
+
+    Example::
+
+        >>> import peft
+        >>> from torch import nn
+        >>> wrapped = peft.get_peft_model(nn.Sequential(nn.Linear(4, 4)), peft.LoraConfig(r=2, target_modules=["0"]))
+        >>> lifted = Lifted(wrapped)
+        >>> type(wrapped.base_model.model[0]).__name__                    # the base layer, under its own name
+        'Linear'
+        >>> lifted.restore()
+        >>> type(wrapped.base_model.model[0]).__name__
+        'Linear'
+        >>> hasattr(wrapped.base_model.model[0], "lora_A")
+        True
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.layers = model, []
+        peft = _peft()
+        if peft is None:
+            return
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        inside: set[str] = set()
+        for name, module in model.named_modules():
+            if isinstance(module, BaseTunerLayer) and hasattr(module, "base_layer") and not any(
+                    name.startswith(outer + ".") for outer in inside):
+                inside.add(name)
+                self.layers.append((name, module))
+        for name, module in self.layers:
+            _set(model, name, module.base_layer)
+
+    def check(self, plan: Plan) -> None:
+        """Refuse, before any change, a PEFT layer on a layer whose entry its adapters cannot follow."""
+        from peft.tuners.lora import Linear
+
+        for name, module in self.layers:
+            entry = plan.entry(name)
+            if entry is None:
+                continue  # a layer left whole: its adapters are replicas as it is
+            what = f"PEFT's {type(module).__name__} on {name!r} (plan pattern {plan.pattern(name)!r}: {entry!r})"
+            if not isinstance(module, Linear) or hasattr(module.base_layer, "base_layer"):
+                raise ValueError(f"{what} is not supported on a split layer: LoRA on nn.Linear layers is; leave the "
+                                 "layer out of target_modules, or out of the plan (whole on every rank)")
+            if module.lora_variant:
+                raise ValueError(f"{what}: DoRA (PEFT's LoRA variants) on a split layer is not supported, its weight "
+                                 "norm spans the ranks' blocks; use plain LoRA there (use_dora=False)")
+            plain = (isinstance(entry, ColumnParallel) and not entry.gather_output and not entry.sequence_parallel) or (
+                isinstance(entry, RowParallel) and entry.input_is_parallel and not entry.sequence_parallel)
+            if not plain:
+                raise ValueError(f"{what}: adapters follow a plain tpf.ColumnParallel() or tpf.RowParallel() layer "
+                                 "only (no gathered output, no sequence parallelism, no vocabulary split): leave the "
+                                 "layer out of target_modules, or plan it so")
+
+    def restore(self) -> None:
+        """Put every PEFT layer back unchanged (the plan was refused)."""
+        for name, module in self.layers:
+            _set(self.model, name, module)
+
+    def put_back(self, plan: Plan) -> None:
+        """Put every PEFT layer back around what its base layer became, its adapters laid out as the base."""
+        from peft.tuners.lora import Linear
+
+        classes = lora_classes()
+        for name, module in self.layers:
+            base = plan.layer(name)
+            module.base_layer = base
+            _set(self.model, name, module)
+            kind = next((k for k in (ColumnParallelLinear, RowParallelLinear) if isinstance(base, k)), None)
+            if kind is not None:
+                module.__class__ = classes[kind]
+                for adapter in module.lora_A:
+                    module.split(adapter)
+            elif isinstance(module, Linear):  # on a layer left whole (k / v heads kept whole): replicated after this
+                module.__class__ = classes[nn.Linear]
+                for adapter in module.lora_A:
+                    grads = follow_whole(module, adapter, plan.placement)
+                    plan.grads.update({f"{name}.{child}": way for child, way in grads.items()})
+
+
+def adapter_keys(model: nn.Module, adapters: list[str] | None = None) -> set[str] | None:
+    """The ``state_dict`` keys a ``PeftModel``'s ``save_pretrained`` writes (its adapters'); None for any other model.
+
+    Args:
+        model: any model.
+        adapters: the adapters saved (PEFT's ``selected_adapters``; default every one).
+
+    Returns:
+        Those keys, under the model's own names.
+
+    Example::
+
+        >>> import peft
+        >>> from torch import nn
+        >>> wrapped = peft.get_peft_model(nn.Sequential(nn.Linear(4, 4)), peft.LoraConfig(r=2, target_modules=["0"]))
+        >>> sorted(adapter_keys(wrapped))
+        ['base_model.model.0.lora_A.default.weight', 'base_model.model.0.lora_B.default.weight']
+    """
+    peft = _peft()
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return None
+    state = model.state_dict(keep_vars=True)
+    names = {id(t): k for k, t in state.items()}
+    keys: set[str] = set()
+    for adapter in adapters or list(model.peft_config):
+        picked = peft.get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
+        keys.update(names[id(t)] for t in picked.values() if id(t) in names)
+    return keys
