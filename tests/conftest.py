@@ -65,6 +65,8 @@ class Launches:
                     f"benchmarks/shm_cpu.py --reps 10 --out {self.folder('shm')}",
                     f"benchmarks/trainer_cpu.py --rounds 1 --steps 2 --batch 2 --seq 8 --vocab 64 --hidden 32 "
                     f"--layers 1 --out {self.folder('trainer')}",
+                    f"benchmarks/lora_cpu.py --rounds 1 --steps 2 --batch 2 --seq 16 --vocab 512 --layers 1 --rank 4 "
+                    f"--targets q_proj,up_proj --out {self.folder('lora')}",
                     f"benchmarks/loaded_cpu.py --busy 1 --reps 1 --new-tokens 2 --batch 1 --seq 8 --vocab 64 "
                     f"--hidden 32 --layers 1 --out {self.folder('loaded')}",
                     f"benchmarks/profile_cpu.py --tiny --out {self.folder('profile')}",

@@ -27,7 +27,7 @@ def test_pytest_benchmark_suites_run():
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
                                          (2, "decode"), (2, "shm"), (2, "loaded"), (2, "trainer"),
-                                         (2, "profile")])
+                                         (2, "lora"), (2, "profile")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     assert launches.get(nproc)[0]  # every script ran (a failed one fails the run)
     written = list(launches.folder(name).glob("*.md"))
@@ -45,6 +45,8 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         assert text.count("x |") == 8, text
     if name == "trainer":  # the three modes timed
         assert text.count("x |") == 6 and "| Trainer + tpflow (tpf.adopt) |" in text, text
+    if name == "lora":  # both modes timed; tpflow sends its layout's minimum
+        assert text.count("x |") == 2 and "layout's minimum" in text and "(1.00x)" in text, text
     if name == "loaded":  # both steps measured both ways, with the same results
         assert text.count("| True |") == 2, text
     if name == "profile":  # the three pairs timed and profiled on both ranks, and the posts of a send
