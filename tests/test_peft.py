@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 
 _MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 KINDS = ("llama", "qwen3", "gemma2", *_MOE)
-_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -30,8 +30,8 @@ def _model(kind: str) -> torch.nn.Module:
 
 
 def _config(model: torch.nn.Module, **options) -> object:
-    """LoRA on every attention and dense MLP projection the model has (not its experts)."""
-    targets = [t for t in _TARGETS if any(n.endswith("." + t) for n, _ in model.named_modules())]
+    """LoRA on every attention and dense MLP projection the model has and its head (not its experts)."""
+    targets = [t for t in _TARGETS if any(n == t or n.endswith("." + t) for n, _ in model.named_modules())]
     return peft.LoraConfig(target_modules=targets, **{"r": 4, "lora_alpha": 8, **options})
 
 
@@ -63,8 +63,9 @@ def _ids() -> torch.Tensor:
 
 
 def _orders_rank(kinds: tuple[str, ...]) -> None:
-    """Both orders on each model: ``parallelize(get_peft_model(model), plan="auto")`` (the vocabulary split) and
-    ``get_peft_model(parallelize(model), tpf.lora(config))`` (whole logits): every adapter follows its base, only the
+    """Both orders on each model: ``parallelize(get_peft_model(model), plan="auto")`` (the vocabulary split; and with
+    sequence parallelism) and ``get_peft_model(parallelize(model), tpf.lora(config))`` (whole logits): every adapter
+    follows its base, only the
     adapters train, and two AdamW steps with clipping give one device's losses, norms and every parameter, at fp32's
     rounding (the models are fp64, but their RMS norms, routers and loss compute in fp32)."""
     from tests.models import train_lm
@@ -73,16 +74,21 @@ def _orders_rank(kinds: tuple[str, ...]) -> None:
         base = _model(kind)
         reference = _reference(base)
         peft_first = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(), plan="auto")
+        sequence = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(),
+                                   plan=tpf.hf_plan(reference, sequence_parallel=True))
         tpflow_first = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(),
                                        plan=tpf.hf_plan(base, vocab_parallel=False))
         torch.manual_seed(3)
         tpflow_first = peft.get_peft_model(tpflow_first, tpf.lora(_config(base))).double()
         _copy_adapters(tpflow_first, reference)
         want = train_lm(reference, _ids())
-        for model in (peft_first, tpflow_first):
+        for model in (peft_first, tpflow_first, sequence):
             attention = model.base_model.model.model.layers[0].self_attn
             assert type(attention.q_proj.lora_B["default"]).__name__ == "ColumnParallelLinear", kind
             assert type(attention.o_proj.lora_A["default"]).__name__ == "RowParallelLinear", kind
+            head = model.base_model.model.lm_head  # its adapter split as it is (whole where it stays tied, whole)
+            assert type(head).__name__ == ("ColumnLora" if isinstance(head.base_layer, tpf.ColumnParallelLinear)
+                                           else "WholeLora"), kind
             with within(90):
                 got = train_lm(model, _ids())
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=kind)
@@ -96,6 +102,86 @@ def _orders_rank(kinds: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_lora_in_either_order_trains_as_one_device(world):
     harness.run(world, _orders_rank, KINDS, timeout=600)
+
+
+def _experts_rank(kinds: tuple[str, ...]) -> None:
+    """PEFT's ``target_parameters`` on the fused experts (``gate_up_proj``, ``down_proj``), beside LoRA on attention:
+    with the experts split by the intermediate dim and shared out whole, two AdamW steps with clipping give one
+    device's losses and every parameter; the saved adapter loads on one device with the trained logits, and
+    merge_and_unload gives them too."""
+    from tests.models import train_lm
+
+    for kind in kinds:
+        base = _model(kind)
+        torch.manual_seed(3)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                 target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+        reference = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(config)).double()
+        with torch.no_grad():
+            for i, (name, p) in enumerate(reference.named_parameters()):
+                if "lora_B" in name:
+                    p.normal_(std=0.1, generator=torch.Generator().manual_seed(i))
+        models = [tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(),
+                                  plan=tpf.hf_plan(reference, expert_parallel=ep)) for ep in (False, True)]
+        want = train_lm(reference, _ids())
+        trained = reference(_ids()).logits
+        for model, layout in zip(models, ("split", "shared out")):
+            experts = model.base_model.model.model.layers[0].mlp.experts
+            assert type(experts).__name__ == type(experts.base_layer).__name__ == "ExpertsLora", (kind, layout)
+            with within(90):
+                got = train_lm(model, _ids())
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{kind}, experts {layout}")
+            wanted = dict(reference.named_parameters())  # by name: the experts' wrappers register theirs anew
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.full_tensor(), wanted[name], rtol=1e-6, atol=1e-6,
+                                           msg=f"{kind}, experts {layout}: {name}")
+            folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(folder, src=0)
+            with within(60):
+                model.save_pretrained(folder[0])
+            if dist.get_rank() == 0:
+                one = peft.PeftModel.from_pretrained(copy.deepcopy(base), folder[0]).double()
+                torch.testing.assert_close(one(_ids()).logits, trained, rtol=1e-6, atol=1e-6, msg=kind)
+            with within(60):
+                merged = model.merge_and_unload()
+                torch.testing.assert_close(merged(_ids()).logits.full_tensor(), trained, rtol=1e-6, atol=1e-6,
+                                           msg=f"{kind}, experts {layout}: merged")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_lora_on_experts_split_or_shared_out_trains_as_one_device(world):
+    harness.run(world, _experts_rank, _MOE, timeout=600)
+
+
+def _fsdp_rank() -> None:
+    """A PEFT model parallelized on a named placement (dp x tp = 2 x 2), FSDP2 over its data axis: three AdamW steps
+    on each data row's half of the batch give one device's losses (their mean), norms and adapters."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import train_lm
+
+    P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
+    base = _model("llama")
+    reference = _reference(base)
+    model = tpf.parallelize(copy.deepcopy(reference), placement=P, plan="auto")
+    for block in [*model.base_model.model.model.layers, model]:
+        fully_shard(block, mesh=P.mesh["dp"])
+    ids = torch.randint(0, 101, (4, 10), generator=torch.Generator().manual_seed(1))
+    with within(90):
+        losses, norms = train_lm(model, ids.tensor_split(2)[P.coordinate()[0]], steps=3)
+    want_losses, want_norms = train_lm(reference, ids, steps=3)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    mean = torch.tensor([every[0], every[2]], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(want_losses, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-6, atol=1e-6)
+    wanted = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), wanted[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_lora_under_fsdp2_on_a_named_placement_trains_as_one_device():
+    harness.run(4, _fsdp_rank)
 
 
 def _save_load_merge_rank() -> None:
@@ -177,13 +263,9 @@ def _refusals_rank() -> None:
     with pytest.raises(ValueError, match=r"DoRA .* on a split ColumnParallelLinear is not supported"):
         peft.get_peft_model(split, tpf.lora(_config(base, use_dora=True)))
 
-    moe = _model("qwen3_moe")
     experts = peft.LoraConfig(r=4, target_modules=[], target_parameters=["experts.gate_up_proj"])
-    wrapped = peft.get_peft_model(copy.deepcopy(moe), experts)
-    with pytest.raises(ValueError, match=r"PEFT's ParamWrapper on 'base_model.model.model.layers.0.mlp.experts'.* is "
-                                         r"not supported on a split layer"):
-        tpf.parallelize(wrapped, placement=all_ranks(), plan="auto")
-    with pytest.raises(ValueError, match=r"target_parameters=.* is not supported: target its linear layers"):
+    with pytest.raises(ValueError, match=r"target_parameters=.* of a parallelized model is not supported: .*"
+                                         r"tpf.parallelize\(get_peft_model"):
         tpf.lora(copy.deepcopy(experts))
 
     class Holder(torch.nn.Module):  # a wrapper of the user's own: the plan's names miss every layer

@@ -36,6 +36,7 @@ other parameters' over them.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.placement import Placement
 
-__all__ = ["check_experts", "experts_axis", "over_data", "split_experts"]
+__all__ = ["add_delta", "check_experts", "experts_axis", "factors_like", "over_data", "split_experts"]
 
 _NAMES = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")  # per expert: [E, 2I] split as gate_up_proj, [E, H] kept whole
@@ -119,14 +120,21 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
                          f"use {', '.join(map(str, fits[:-1]))} or {fits[-1]} ranks, or expert parallelism")
 
 
-def _slice(full: torch.Tensor, dim: int, packed: bool, rank: int, ranks: int) -> torch.Tensor:
-    """This rank's block of ``full`` along ``dim``: its chunk of each half where ``packed`` (gate and up)."""
+def _slice(full: torch.Tensor, dim: int, parts: int, rank: int, ranks: int) -> torch.Tensor:
+    """This rank's block of ``full`` along ``dim``: its chunk of each of ``parts`` parts (2: the gate and up halves;
+    DTensor's ``_StridedShard(dim, split_factor=parts)``)."""
     if full.is_meta:
         shape = list(full.shape)
         shape[dim] //= ranks
         return torch.empty(shape, dtype=full.dtype)
-    halves = full.detach().chunk(2, dim) if packed else (full.detach(),)
-    return torch.cat([h.chunk(ranks, dim)[rank] for h in halves], dim)
+    return torch.cat([h.chunk(ranks, dim)[rank] for h in full.detach().chunk(parts, dim)], dim)
+
+
+def _split_of(q: object) -> tuple[int, int] | None:
+    """A placement's split: (its dim, its parts: ``_StridedShard``'s split factor, 1 for ``Shard``), or None."""
+    if isinstance(q, _StridedShard):  # before Shard: a subclass of it in some torch versions
+        return q.dim, q.split_factor
+    return (q.dim, 1) if isinstance(q, Shard) else None
 
 
 class _Slices:
@@ -157,6 +165,7 @@ class _Slices:
                          else q for axis, (q, n) in enumerate(zip(p.placements, sizes)))
 
         self.reads = LocalReads(names, grads)
+        self.deltas: dict[str, list] = {}  # per parameter name: what adds to its block around each call (add_delta)
         self.total = module._parameters["down_proj"].shape[0]
         self.experts, self.exchange = experts, exchange
         self.scale = 1 / dist.get_world_size(exchange) if exchange is not None else 1.0
@@ -168,6 +177,11 @@ class _Slices:
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         views = list(self.reads.enter(module))
+        for i, name in enumerate(self.reads.names):
+            for delta in self.deltas.get(name, ()):
+                change = delta()
+                if change is not None:
+                    views[i] = views[i] + change
         if self.once is not None:  # the whole bias, added once over the ranks, its gradient summed over them
             views[self.once] = comm.copy_to_ranks(views[self.once], self.group) * int(self.first)
         if self.exchange is not None:  # each expert's gradient sums every data rank's tokens: FSDP2 averages
@@ -334,7 +348,7 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
         else:
             local = full  # sliced without a whole copy (none at all on meta: a checkpoint fills it)
             for mesh_axis, dim, halves, _ in splits:
-                local = _slice(local, dim, halves, coord[mesh_axis], pl.hierarchy[mesh_axis])
+                local = _slice(local, dim, 2 if halves else 1, coord[mesh_axis], pl.hierarchy[mesh_axis])
             if not splits:
                 local = torch.empty(full.shape, dtype=full.dtype) if full.is_meta else full.detach().clone()
         value = DTensor.from_local(local.to(pl.device), pl.mesh, tuple(placements), run_check=False,
@@ -351,6 +365,87 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
         module.num_experts = count  # transformers' experts code: its local experts (it sees no other rank's)
     setattr(module, _STATE, _Slices(module, pl, experts, None if axis is None else pl.mesh.get_group(over)))
     return module
+
+
+def add_delta(module: nn.Module, name: str, delta: Callable[[], torch.Tensor | None]) -> None:
+    """Around each call of a split experts module, add ``delta()`` (this rank's block of a change to its parameter
+    ``name``, with autograd, or None for none) to the block its forward reads: a LoRA adapter on the fused experts
+    (``tpflow.plans.lora``).
+
+    Args:
+        module: an experts module ``split_experts`` split.
+        name: its parameter (``"gate_up_proj"``, ``"down_proj"``).
+        delta: called before each call.
+
+    Example::
+
+        >>> from transformers import Qwen3MoeConfig
+        >>> from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+        >>> experts = split_experts(Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=6,
+        ...                                                        num_experts=4)), tpf.placement("cpu", ranks=[0, 1]))
+        >>> x, ids, w = torch.randn(5, 8), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+        >>> add_delta(experts, "down_proj", lambda: None)
+        >>> experts(x, ids, w).shape
+        torch.Size([5, 8])
+    """
+    state = getattr(module, _STATE, None)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not split by split_experts: nothing reads its blocks")
+    state.deltas.setdefault(name, []).append(delta)
+
+
+def factors_like(module: nn.Module, name: str, a: torch.Tensor, b: torch.Tensor, rank: int,
+                 swapped: bool) -> tuple[nn.Parameter, nn.Parameter]:
+    """A LoRA adapter's factors of the split experts' parameter ``name`` (PEFT's layout: ``a`` ``[rank E, in]``, rows
+    by expert, ``b`` ``[out, rank E]``, columns by rank then expert), as global parameters split as the parameter is:
+    by whole experts, ``a``'s rows and ``b``'s columns of this rank's experts; by the intermediate dim, the factor that
+    holds it (``b``'s rows where it is the output, ``a``'s columns where it is the input) in the parameter's own
+    chunks (gate and up halves too), the other whole. The delta ``b @ a`` of the local blocks, per expert, is then
+    this rank's block of the parameter's.
+
+    Args:
+        module: an experts module ``split_experts`` split (by the tensor-parallel axis).
+        name: the parameter the factors adapt, ``[E, d1, d2]``.
+        a, b: the factors, whole, the same on every rank.
+        rank: the LoRA rank.
+        swapped: whether ``d1`` is the output (PEFT's ``_did_swap_in_out_features``), else the input.
+
+    Returns:
+        The two as DTensor parameters, their partial gradients summed before an optimizer step.
+
+    Example::
+
+        >>> from transformers import Qwen3MoeConfig
+        >>> from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+        >>> experts = split_experts(Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=6,
+        ...                                                        num_experts=4)), tpf.placement("cpu", ranks=[0, 1]))
+        >>> a, b = factors_like(experts, "down_proj", torch.randn(8, 6), torch.randn(8, 8), rank=2, swapped=True)
+        >>> a.to_local().shape, b.to_local().shape                         # down_proj's input, I, split: a's columns
+        (torch.Size([8, 3]), torch.Size([8, 8]))
+    """
+    param = module._parameters[name]
+    mesh, coord, sizes = param.device_mesh, param.device_mesh.get_coordinate(), param.device_mesh.shape
+    factors = []
+    for factor in (a, b):
+        placements, local = [], factor.detach()
+        for axis, q in enumerate(param.placements):
+            split = _split_of(q)
+            if split is not None and split[0] == 0:  # whole experts: a's rows, b's columns (rank-major)
+                split = (0, 1) if factor is a else (1, rank)
+            elif split is not None and (split[0] == 1) == swapped:  # the output dim: b's rows
+                split = (0, split[1]) if factor is b else None
+            elif split is not None:  # the input dim: a's columns
+                split = (1, split[1]) if factor is a else None
+            if split is None:
+                placements.append(Replicate())
+                continue
+            placements.append(_StridedShard(split[0], split_factor=split[1]) if split[1] > 1 else Shard(split[0]))
+            if coord is not None:
+                local = _slice(local, *split, coord[axis], sizes[axis])
+        value = DTensor.from_local(local.to(param.device), mesh, tuple(placements), run_check=False,
+                                   shape=factor.shape, stride=factor.stride())
+        factors.append(gradients.adopt(nn.Parameter(value, requires_grad=factor.requires_grad)))
+    return factors[0], factors[1]
 
 
 def _intermediate(name: str, features: int, inner: int, packed: bool) -> tuple[int | None, bool, object]:

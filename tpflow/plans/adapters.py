@@ -15,9 +15,11 @@ import sys
 from torch import nn
 
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear
+from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.linear import ColumnParallel, RowParallel
-from tpflow.plans.lora import follow_whole, lora_classes
+from tpflow.plans.lora import experts_lora_class, follow_whole, lora_classes
 from tpflow.plans.style import Plan
+from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["Lifted", "adapter_keys", "wrapped_model"]
 
@@ -91,7 +93,7 @@ class Lifted:
                 inside.add(name)
                 self.layers.append((name, module))
         for name, module in self.layers:
-            _set(model, name, module.base_layer)
+            _set(model, name, module.get_base_layer())
 
     def check(self, plan: Plan) -> None:
         """Refuse, before any change, a PEFT layer on a layer whose entry its adapters cannot follow."""
@@ -102,18 +104,25 @@ class Lifted:
             if entry is None:
                 continue  # a layer left whole: its adapters are replicas as it is
             what = f"PEFT's {type(module).__name__} on {name!r} (plan pattern {plan.pattern(name)!r}: {entry!r})"
+            if _on_experts(module):
+                if not isinstance(entry, (ExpertTensorParallel, ExpertParallel)) or getattr(entry, "axis", None):
+                    raise ValueError(f"{what}: LoRA on experts' parameters follows experts split over the tensor-"
+                                     "parallel ranks (tpf.ExpertTensorParallel(), tpf.ExpertParallel()) only, not "
+                                     "shared out over a data axis")
+                continue
             if not isinstance(module, Linear) or hasattr(module.base_layer, "base_layer"):
                 raise ValueError(f"{what} is not supported on a split layer: LoRA on nn.Linear layers is; leave the "
                                  "layer out of target_modules, or out of the plan (whole on every rank)")
             if module.lora_variant:
                 raise ValueError(f"{what}: DoRA (PEFT's LoRA variants) on a split layer is not supported, its weight "
                                  "norm spans the ranks' blocks; use plain LoRA there (use_dora=False)")
-            plain = (isinstance(entry, ColumnParallel) and not entry.gather_output and not entry.sequence_parallel) or (
-                isinstance(entry, RowParallel) and entry.input_is_parallel and not entry.sequence_parallel)
-            if not plain:
-                raise ValueError(f"{what}: adapters follow a plain tpf.ColumnParallel() or tpf.RowParallel() layer "
-                                 "only (no gathered output, no sequence parallelism, no vocabulary split): leave the "
-                                 "layer out of target_modules, or plan it so")
+            follows = isinstance(entry, ColumnParallel) or (isinstance(entry, RowParallel) and entry.input_is_parallel)
+            follows = follows or (isinstance(entry, VocabParallel) and not isinstance(module.get_base_layer(),
+                                                                                      nn.Embedding))  # a head
+            if not follows:
+                raise ValueError(f"{what}: adapters follow column, row (input_is_parallel) and vocabulary-parallel "
+                                 "head layers only: leave the layer out of target_modules, or out of the plan (an "
+                                 "embedding: vocab_parallel=False keeps it whole)")
 
     def restore(self) -> None:
         """Put every PEFT layer back unchanged (the plan was refused)."""
@@ -127,8 +136,16 @@ class Lifted:
         classes = lora_classes()
         for name, module in self.layers:
             base = plan.layer(name)
-            module.base_layer = base
+            inner = module
+            while hasattr(inner.base_layer, "base_layer"):  # PEFT nests a wrapper per experts' parameter
+                inner = inner.base_layer
+            inner.base_layer = base
             _set(self.model, name, module)
+            if _on_experts(module) and plan.entry(name) is not None:
+                for wrapper in _chain(module):
+                    wrapper.__class__ = experts_lora_class()
+                    wrapper.follow()
+                continue
             kind = next((k for k in (ColumnParallelLinear, RowParallelLinear) if isinstance(base, k)), None)
             if kind is not None:
                 module.__class__ = classes[kind]
@@ -139,6 +156,21 @@ class Lifted:
                 for adapter in module.lora_A:
                     grads = follow_whole(module, adapter, plan.placement)
                     plan.grads.update({f"{name}.{child}": way for child, way in grads.items()})
+
+
+def _chain(module: nn.Module) -> list[nn.Module]:
+    """A PEFT layer and the PEFT layers it wraps, outermost first."""
+    found = [module]
+    while hasattr(found[-1].base_layer, "base_layer"):
+        found.append(found[-1].base_layer)
+    return found
+
+
+def _on_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's LoRA on parameters (``target_parameters``), each of its wrappers one."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return all(isinstance(m, ParamWrapper) for m in _chain(module))
 
 
 def adapter_keys(model: nn.Module, adapters: list[str] | None = None) -> set[str] | None:

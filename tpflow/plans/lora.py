@@ -6,23 +6,29 @@ split over the features) ``lora_A`` is whole on every rank, a replica, and ``lor
 output chunks, so the adapter's output adds to the base's block by block; ``lora_B``'s backward sums its input's
 gradient over the ranks, so ``lora_A`` gets one device's gradient. Before a row layer (its input split) ``lora_A`` is
 a row layer over the base's input chunks, its output summed over the ranks, and ``lora_B`` whole: the adapter's
-output is whole, as the base's. On a layer left whole (a router, key/value projections kept whole with fewer heads
-than ranks) both are replicas whose gradients are found as the base's. PEFT's own code (``forward``, ``set_adapter``,
-saving the adapters' state, ``merge_and_unload``) then runs unchanged: a merge adds each rank's block of
-``lora_B @ lora_A`` to its block of the base's weight.
+output is whole, as the base's. Under sequence parallelism the split factor takes the base's options too: the adapter
+gathers (or reduce-scatters) its ``r`` features where the base does its activations. On a layer left whole (a router,
+key/value projections kept whole with fewer heads than ranks) both are replicas whose gradients are found as the
+base's. On a mixture's fused experts (PEFT's ``target_parameters``) the factors split as the experts
+(``ExpertsLora``). PEFT's own code (``forward``, ``set_adapter``, saving the adapters' state, ``merge_and_unload``)
+then runs unchanged: a merge adds each rank's block of ``lora_B @ lora_A`` to its block of the base's weight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow.global_tensor import get_placement
+from tpflow.global_tensor.local_blocks import LocalBlocks
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear
+from tpflow.layers.experts import add_delta, factors_like
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
 from tpflow.plans import heads
@@ -65,25 +71,24 @@ def lora_classes() -> dict[type, type]:
 
         def split(self, name: str) -> None:
             base = self.base_layer
-            if base.gather_output or base.sequence_parallel or getattr(base, "global_output", False):
-                raise ValueError(f"LoRA on {getattr(base, 'label', 'a column layer')}, which gathers its output or "
-                                 "splits the sequence, is not supported: target layers a plain tpf.ColumnParallel() "
-                                 "splits")
-            self.lora_B[name] = ColumnParallelLinear.from_linear(self.lora_B[name], placement=base.placement)
-            replicate(self.lora_A[name], base.placement)
+            tokens = _tokens(base)  # sequence parallel: lora_A on this rank's tokens, lora_B gathers its r features
+            output = {"gather_output": base.gather_output, "global_output": base.global_output}  # as the base's:
+            self.lora_B[name] = ColumnParallelLinear.from_linear(  # a head's whole logits, or split over the vocab
+                self.lora_B[name], placement=base.placement, **tokens, **output)
+            replicate(self.lora_A[name], base.placement, "partial" if tokens else "auto")
 
     class RowLora(_SplitLora):
         """LoRA on a ``RowParallelLinear``: ``lora_A`` split like the base's input, ``lora_B`` whole."""
 
         def split(self, name: str) -> None:
             base = self.base_layer
-            if not base.input_is_parallel or base.sequence_parallel:
-                raise ValueError(f"LoRA on {getattr(base, 'label', 'a row layer')}, which takes its whole input or "
-                                 "splits the sequence, is not supported: target layers a plain tpf.RowParallel() "
-                                 "splits")
+            if not base.input_is_parallel:
+                raise ValueError(f"LoRA on {getattr(base, 'label', 'a row layer')}, which takes its whole input, is "
+                                 "not supported: target layers a tpf.RowParallel(input_is_parallel=True) splits")
+            tokens = _tokens(base)  # sequence parallel: lora_A reduce-scatters to this rank's tokens, lora_B on them
             self.lora_A[name] = RowParallelLinear.from_linear(self.lora_A[name], placement=base.placement,
-                                                              input_is_parallel=True)
-            replicate(self.lora_B[name], base.placement)
+                                                              input_is_parallel=True, **tokens)
+            replicate(self.lora_B[name], base.placement, "partial" if tokens else "auto")
 
     class WholeLora(Linear):
         """LoRA on an ``nn.Linear`` a parallelized model keeps whole: both adapters replicas."""
@@ -98,6 +103,75 @@ def lora_classes() -> dict[type, type]:
                     replicate(getattr(self, part)[adapter_name], placement, grads.get(f"{part}.{adapter_name}", "auto"))
 
     return {ColumnParallelLinear: ColumnLora, RowParallelLinear: RowLora, nn.Linear: WholeLora}
+
+
+@functools.cache
+def experts_lora_class() -> type:
+    """The LoRA layer of a split experts module's fused parameter (PEFT's ``target_parameters``): a subclass of PEFT's
+    ``ParamWrapper``, imported when first asked for."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class ExpertsLora(ParamWrapper):
+        """PEFT's LoRA on a fused experts parameter (``experts.gate_up_proj``) that ``split_experts`` split: the factors
+        split as the parameter is (``factors_like``), and around each call of the experts the delta of their local
+        blocks added to the block the module reads (``add_delta``), where PEFT would parametrize the whole
+        parameter."""
+
+        def follow(self) -> None:
+            """Split every adapter as the parameter, and add the delta to the experts' reads (once)."""
+            object.__setattr__(self, "_tpflow_blocks", LocalBlocks())
+            for adapter in self.lora_A:
+                self.split(adapter)
+            add_delta(self.get_base_layer(), self.parameter_name, self.local_delta)
+
+        def split(self, adapter: str) -> None:
+            a, b = factors_like(self.get_base_layer(), self.parameter_name, self.lora_A[adapter].weight,
+                                self.lora_B[adapter].weight, self.r[adapter], self._did_swap_in_out_features)
+            self.lora_A[adapter].weight, self.lora_B[adapter].weight = a, b
+
+        def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+            super().update_layer(adapter_name, *args, **kwargs)
+            if "_tpflow_blocks" in self.__dict__:  # an adapter added after parallelize
+                self.split(adapter_name)
+
+        @contextlib.contextmanager
+        def _activate_lora(self, active_adapters: list[str]) -> Iterator[None]:
+            yield  # the experts' own hook adds the delta to their blocks
+
+        def _delta(self, a: torch.Tensor, b: torch.Tensor, adapter: str) -> torch.Tensor:
+            rank = self.r[adapter]
+            experts = a.shape[0] // rank
+            pattern = "o r e, e r i -> e o i" if self._did_swap_in_out_features else "o r e, e r i -> e i o"
+            return torch.einsum(pattern, b.reshape(b.shape[0], rank, experts),
+                                a.reshape(experts, rank, a.shape[-1])) * self.scaling[adapter]
+
+        def local_delta(self) -> torch.Tensor | None:
+            """This rank's block of the active adapters' change to the parameter, with autograd; None for none."""
+            if self.disable_adapters or self.merged:
+                return None
+            total = None
+            for adapter in (a for a in self.active_adapters if a in self.lora_A):
+                a, b = self._tpflow_blocks([self.lora_A[adapter].weight, self.lora_B[adapter].weight], key=adapter,
+                                           grad_placements=_summed_where_whole)
+                delta = self._delta(a, b, adapter)
+                total = delta if total is None else total + delta
+            return total
+
+        def get_delta_weight(self, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+            """The delta as a global tensor laid out as the parameter (``merge`` / ``unmerge``)."""
+            param = self.get_param()
+            delta = self._delta(_local(self.lora_A[adapter].weight), _local(self.lora_B[adapter].weight), adapter)
+            return DTensor.from_local(delta.to(param.dtype), param.device_mesh, param.placements, run_check=False,
+                                      shape=param.shape, stride=param.stride())
+
+    return ExpertsLora
+
+
+def _summed_where_whole(p: DTensor) -> tuple:
+    """A factor's gradient layout: a partial sum over each axis of several ranks it is whole on (each rank's block of
+    the parameter adds its part), else split as the factor is."""
+    return tuple(Partial() if isinstance(q, Replicate) and n > 1 else q for q, n in zip(p.placements,
+                                                                                         p.device_mesh.shape))
 
 
 def follow_whole(layer: nn.Module, adapter: str, placement: Placement) -> dict[str, str]:
@@ -127,6 +201,11 @@ def follow_whole(layer: nn.Module, adapter: str, placement: Placement) -> dict[s
         return {}
     heads.keep_columns(layer.lora_B[adapter], *span, placement)
     return {f"lora_A.{adapter}": "whole", f"lora_B.{adapter}": "partial"}
+
+
+def _tokens(base: nn.Module) -> dict[str, object]:
+    """A sequence-parallel base layer's options its adapter's split factor takes too (none for another)."""
+    return {"sequence_parallel": True, "sequence_dim": base.sequence_dim} if base.sequence_parallel else {}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -162,6 +241,7 @@ def lora(config: Any) -> Any:
     """
     if getattr(config, "target_parameters", None):
         raise ValueError(f"LoRA on parameters (target_parameters={config.target_parameters}, a mixture's experts) of a "
-                         "parallelized model is not supported: target its linear layers (target_modules)")
+                         "parallelized model is not supported: PEFT wraps them before tpflow can split its factors; "
+                         "take the other order, tpf.parallelize(get_peft_model(model, config), ...)")
     config._register_custom_module(lora_classes())
     return config
