@@ -229,6 +229,58 @@ def test_lora_checkpoint_reshards_to_another_copy_and_one_device(world):
     harness.run(world, _dcp_rank)
 
 
+def _trainers_rank(folder: str) -> None:
+    """transformers' Trainer on ``parallelize(get_peft_model(model))`` and TRL's SFTTrainer given a parallelized model
+    and ``peft_config=tpf.lora(config)``, each after tpf.adopt: they train the adapters only, and their save_model
+    writes PEFT's adapter files, which load on one device with the trained logits."""
+    import contextlib
+    import io
+
+    import datasets
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.models import tiny_tokenizer
+
+    base = _model("llama")
+    texts = [" ".join(f"w{(7 * i + j) % 90}" for j in range(6 + i % 5)) for i in range(16)]
+    rows = datasets.Dataset.from_dict({"text": texts})
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(_TARGETS[:-1]))  # TRL refuses the head's
+    trainers = {
+        "Trainer": lambda out: transformers.Trainer(
+            model=tpf.parallelize(peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(lora)), placement=all_ranks(),
+                                  plan="auto"),
+            args=transformers.TrainingArguments(out, **options),
+            train_dataset=[{"input_ids": row, "labels": row} for row in ([3 + (5 * i + j) % 90 for j in range(8)]
+                                                                          for i in range(8))]),
+        "SFTTrainer": lambda out: SFTTrainer(
+            model=tpf.parallelize(copy.deepcopy(base), placement=all_ranks(), plan="auto"),
+            args=SFTConfig(out, max_length=16, bf16=False, **options), train_dataset=rows,
+            processing_class=tiny_tokenizer(), peft_config=tpf.lora(copy.deepcopy(lora))),
+    }
+    options = {"max_steps": 2, "per_device_train_batch_size": 2, "learning_rate": 1e-2, "save_strategy": "no",
+               "report_to": [], "use_cpu": True, "disable_tqdm": True}
+    ids = _ids()
+    for name, make in trainers.items():
+        trainer = tpf.adopt(make(f"{folder}/{name}"))
+        with within(120), contextlib.redirect_stdout(io.StringIO()):
+            trainer.train()
+            trainer.save_model(f"{folder}/{name}/final")
+        model = trainer.model
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable), (name, trainable)
+        trained = model(ids).logits.full_tensor()
+        if dist.get_rank() == 0:
+            one = peft.PeftModel.from_pretrained(copy.deepcopy(base), f"{folder}/{name}/final").double()
+            torch.testing.assert_close(one(ids).logits, trained, rtol=1e-9, atol=1e-9, msg=name)
+        dist.barrier()
+
+
+def test_trainer_and_trl_train_and_save_lora_on_a_split_model(tmp_path):
+    pytest.importorskip("trl")
+    harness.run(2, _trainers_rank, str(tmp_path), timeout=300)
+
+
 def _save_load_merge_rank() -> None:
     """A trained PEFT model saves PEFT's adapter files, which load on one device with the trained logits and into a
     split model; a second adapter switches in as in PEFT; merge_and_unload gives the merged logits, and the merged

@@ -79,8 +79,9 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
     """Make a transformers ``Trainer`` (TRL's too) or an accelerate ``Accelerator`` train a model ``parallelize``
     changed as one device does: the model is not wrapped in DDP, and data loaders are sharded over its data-parallel
     rows only (see the module's docstring). Call it once, on every rank, before training. Given a PEFT model of a
-    parallelized model (``get_peft_model(model, tpf.lora(config))``), it makes its ``save_pretrained`` write PEFT's
-    adapter files, as ``parallelize`` of a PEFT model does.
+    parallelized model (``get_peft_model(model, tpf.lora(config))``, or held by the trainer: TRL's
+    ``peft_config=tpf.lora(config)``), it makes its ``save_pretrained`` write PEFT's adapter files, as ``parallelize``
+    of a PEFT model does.
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) holding the parallelized model, an
@@ -119,6 +120,8 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
     if placement is None:
         raise ValueError("tpf.adopt takes a Trainer holding a model tpf.parallelize changed, or an Accelerator and "
                          "that model (model=): this one was not parallelized")
+    if wrapped_model(held)[0] is not held:  # a PEFT model (TRL's peft_config= makes one): PEFT's files, whole
+        export_whole(held)
     args = getattr(trainer, "args", None)
     row, rows = data_rows(placement)
     if args is not None:
