@@ -184,6 +184,40 @@ def test_lora_under_fsdp2_on_a_named_placement_trains_as_one_device():
     harness.run(4, _fsdp_rank)
 
 
+def _modules_to_save_rank() -> None:
+    """PEFT's ``modules_to_save`` (a trainable copy beside each module) on the embedding and the head, both split over
+    the vocabulary, and on a norm left whole: the copies split as their modules, two AdamW steps give one device's
+    losses and parameters, and the saved adapter (the copies with it) loads on one device with the trained logits."""
+    from tests.models import train_lm
+
+    base = _model("llama")
+    reference = _reference(base, modules_to_save=["embed_tokens", "lm_head", "norm"])
+    model = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(), plan="auto")
+    inner = model.base_model.model
+    assert type(inner.lm_head.modules_to_save["default"]).__name__ == "ColumnParallelLinear"
+    assert type(inner.model.embed_tokens.modules_to_save["default"]).__name__ == "VocabParallelEmbedding"
+    with within(60):
+        got = train_lm(model, _ids())
+    torch.testing.assert_close(got, train_lm(reference, _ids()), rtol=1e-6, atol=1e-6)
+    wanted = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), wanted[name], rtol=1e-6, atol=1e-6, msg=name)
+    trained = model(_ids()).logits.full_tensor()
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    with within(60):
+        model.save_pretrained(folder[0])
+    if dist.get_rank() == 0:
+        one = peft.PeftModel.from_pretrained(copy.deepcopy(base), folder[0]).double()
+        torch.testing.assert_close(one(_ids()).logits, trained, rtol=1e-9, atol=1e-9)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_modules_to_save_copies_split_as_their_modules(world):
+    harness.run(world, _modules_to_save_rank)
+
+
 def _dcp_rank() -> None:
     """A torch.distributed.checkpoint of a PEFT model's adapters (attention, MLP, the head split over the vocabulary)
     and their AdamW state loads into another split copy and into one device's PEFT model, each of which took other

@@ -5,7 +5,9 @@ targeted layer (a LoRA layer holding the layer as ``base_layer``, its adapters a
 the wrapped model's own, under the wrapper's prefix (``hf_plan`` reads it through the wrapper). While the plan is
 matched and applied, each LoRA layer is lifted out and its base layer stands in its place under its own name, so the
 entries see the model as it was (q / k / v fuse, key/value heads stay whole, the heads' rules apply); then each LoRA
-layer goes back around what its base became, its adapters laid out as ``tpf.lora``'s (``tpflow.plans.lora``).
+layer goes back around what its base became, its adapters laid out as ``tpf.lora``'s (``tpflow.plans.lora``). A
+``modules_to_save`` wrapper (PEFT's trainable copy beside a module) is lifted the same way, and its copies get the
+module's entry too.
 """
 
 from __future__ import annotations
@@ -80,20 +82,28 @@ class Lifted:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model, self.layers = model, []
+        self.model, self.layers, self.copies = model, [], []
         peft = _peft()
         if peft is None:
             return
         from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
 
         inside: set[str] = set()
         for name, module in model.named_modules():
-            if isinstance(module, BaseTunerLayer) and hasattr(module, "base_layer") and not any(
-                    name.startswith(outer + ".") for outer in inside):
-                inside.add(name)
+            if any(name.startswith(outer + ".") for outer in inside):
+                continue
+            if isinstance(module, BaseTunerLayer) and hasattr(module, "base_layer"):
                 self.layers.append((name, module))
+            elif isinstance(module, ModulesToSaveWrapper):  # modules_to_save: a trainable copy beside the module
+                self.copies.append((name, module))
+            else:
+                continue
+            inside.add(name)
         for name, module in self.layers:
             _set(model, name, module.get_base_layer())
+        for name, module in self.copies:
+            _set(model, name, module.original_module)
 
     def check(self, plan: Plan) -> None:
         """Refuse, before any change, a PEFT layer on a layer whose entry its adapters cannot follow."""
@@ -126,12 +136,22 @@ class Lifted:
 
     def restore(self) -> None:
         """Put every PEFT layer back unchanged (the plan was refused)."""
-        for name, module in self.layers:
+        for name, module in [*self.layers, *self.copies]:
             _set(self.model, name, module)
 
     def put_back(self, plan: Plan) -> None:
-        """Put every PEFT layer back around what its base layer became, its adapters laid out as the base."""
+        """Put every PEFT layer back around what its base layer became, its adapters laid out as the base; each
+        trainable copy of ``modules_to_save`` made what the module's entry made of it."""
         from peft.tuners.lora import Linear
+
+        for name, wrapper in self.copies:
+            wrapper.original_module = plan.layer(name)
+            entry = plan.entry(name)
+            for adapter, copy in list(wrapper.modules_to_save.items()):
+                layer = None if entry is None else entry.apply(f"{name}.modules_to_save.{adapter}", copy, plan)
+                if layer is not None:
+                    wrapper.modules_to_save[adapter] = layer
+            _set(self.model, name, wrapper)
 
         classes = lora_classes()
         for name, module in self.layers:
