@@ -394,6 +394,12 @@ def _refusals_rank() -> None:
     with pytest.raises(ValueError, match=r"DoRA .* on a split ColumnParallelLinear is not supported"):
         peft.get_peft_model(split, tpf.lora(_config(base, use_dora=True)))
 
+    copies = peft.get_peft_model(_model("qwen3_moe"), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                       modules_to_save=["experts"]))
+    with pytest.raises(ValueError, match=r"modules_to_save='experts': PEFT's trainable copy of .*cannot take its "
+                                         r"entry ExpertTensorParallel"):
+        tpf.parallelize(copies, placement=all_ranks(), plan="auto")
+    assert type(copies.base_model.model.model.layers[0].mlp.experts).__name__ == "ModulesToSaveWrapper"
     experts = peft.LoraConfig(r=4, target_modules=[], target_parameters=["experts.gate_up_proj"])
     with pytest.raises(ValueError, match=r"target_parameters=.* of a parallelized model is not supported: .*"
                                          r"tpf.parallelize\(get_peft_model"):

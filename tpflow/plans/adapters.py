@@ -106,8 +106,17 @@ class Lifted:
             _set(model, name, module.original_module)
 
     def check(self, plan: Plan) -> None:
-        """Refuse, before any change, a PEFT layer on a layer whose entry its adapters cannot follow."""
+        """Refuse, before any change, a PEFT layer on a layer whose entry its adapters cannot follow, and a trainable
+        copy (``modules_to_save``) of a layer whose entry its copy cannot take."""
         from peft.tuners.lora import Linear
+
+        for name, _ in self.copies:
+            entry = plan.entry(name)
+            if entry is not None and (not isinstance(entry, (ColumnParallel, RowParallel, VocabParallel)) or (
+                    isinstance(entry, ColumnParallel) and entry.keeps_whole(name, plan))):
+                raise ValueError(f"modules_to_save={name.rpartition('.')[2]!r}: PEFT's trainable copy of {name!r} "
+                                 f"cannot take its entry {entry!r} (copies take column, row and vocabulary entries "
+                                 "that split the layer): leave it out of modules_to_save, or out of the plan")
 
         for name, module in self.layers:
             entry = plan.entry(name)
@@ -155,17 +164,14 @@ class Lifted:
 
         classes = lora_classes()
         for name, module in self.layers:
-            base = plan.layer(name)
-            inner = module
-            while hasattr(inner.base_layer, "base_layer"):  # PEFT nests a wrapper per experts' parameter
-                inner = inner.base_layer
-            inner.base_layer = base
+            _chain(module)[-1].base_layer = plan.layer(name)  # PEFT nests a wrapper per experts' parameter
             _set(self.model, name, module)
             if _on_experts(module) and plan.entry(name) is not None:
                 for wrapper in _chain(module):
                     wrapper.__class__ = experts_lora_class()
                     wrapper.follow()
                 continue
+            base = module.base_layer
             kind = next((k for k in (ColumnParallelLinear, RowParallelLinear) if isinstance(base, k)), None)
             if kind is not None:
                 module.__class__ = classes[kind]

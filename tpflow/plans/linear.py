@@ -145,6 +145,30 @@ class ColumnParallel(_LinearEntry):
         if self.fuse:
             _fused(plan)
 
+    def keeps_whole(self, name: str, plan: Plan) -> bool:
+        """Whether the layer ``name`` stays whole, each rank computing its key/value head's columns (a k / v
+        projection with fewer key/value heads than ranks), rather than split.
+
+        Args:
+            name: a module the entry matched.
+            plan: the matched plan.
+
+        Returns:
+            True for a k / v projection kept whole.
+
+        Example::
+
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> from tpflow.plans.matching import match
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+            ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1))
+            >>> plan = match(model, tpf.placement("cpu", ranks=[0, 1]), "auto")
+            >>> name = "model.layers.0.self_attn.k_proj"
+            >>> plan.entry(name).keeps_whole(name, plan)                    # 1 key/value head, 2 ranks
+            True
+        """
+        return _whole_head(name, plan)
+
     def apply(self, name: str, module: nn.Module, plan: Plan) -> nn.Module | None:
         parent, _, child = name.rpartition(".")
         attention = _attention(name, plan)
