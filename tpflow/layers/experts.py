@@ -47,9 +47,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tpflow import comm
 from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local_blocks import LocalReads
+from tpflow.layers.expert_factors import block
 from tpflow.placement import Placement
 
-__all__ = ["add_delta", "check_experts", "experts_axis", "factors_like", "over_data", "split_experts"]
+__all__ = ["add_delta", "check_experts", "experts_axis", "over_data", "split_experts"]
 
 _NAMES = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")  # per expert: [E, 2I] split as gate_up_proj, [E, H] kept whole
@@ -118,23 +119,6 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
         fits = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
         raise ValueError(f"{name}: its intermediate size {size} does not split over {ranks} tensor-parallel ranks: "
                          f"use {', '.join(map(str, fits[:-1]))} or {fits[-1]} ranks, or expert parallelism")
-
-
-def _slice(full: torch.Tensor, dim: int, parts: int, rank: int, ranks: int) -> torch.Tensor:
-    """This rank's block of ``full`` along ``dim``: its chunk of each of ``parts`` parts (2: the gate and up halves;
-    DTensor's ``_StridedShard(dim, split_factor=parts)``)."""
-    if full.is_meta:
-        shape = list(full.shape)
-        shape[dim] //= ranks
-        return torch.empty(shape, dtype=full.dtype)
-    return torch.cat([h.chunk(ranks, dim)[rank] for h in full.detach().chunk(parts, dim)], dim)
-
-
-def _split_of(q: object) -> tuple[int, int] | None:
-    """A placement's split: (its dim, its parts: ``_StridedShard``'s split factor, 1 for ``Shard``), or None."""
-    if isinstance(q, _StridedShard):  # before Shard: a subclass of it in some torch versions
-        return q.dim, q.split_factor
-    return (q.dim, 1) if isinstance(q, Shard) else None
 
 
 class _Slices:
@@ -348,7 +332,7 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
         else:
             local = full  # sliced without a whole copy (none at all on meta: a checkpoint fills it)
             for mesh_axis, dim, halves, _ in splits:
-                local = _slice(local, dim, 2 if halves else 1, coord[mesh_axis], pl.hierarchy[mesh_axis])
+                local = block(local, dim, 2 if halves else 1, coord[mesh_axis], pl.hierarchy[mesh_axis])
             if not splits:
                 local = torch.empty(full.shape, dtype=full.dtype) if full.is_meta else full.detach().clone()
         value = DTensor.from_local(local.to(pl.device), pl.mesh, tuple(placements), run_check=False,
@@ -392,60 +376,6 @@ def add_delta(module: nn.Module, name: str, delta: Callable[[], torch.Tensor | N
     if state is None:
         raise ValueError(f"{type(module).__name__} is not split by split_experts: nothing reads its blocks")
     state.deltas.setdefault(name, []).append(delta)
-
-
-def factors_like(module: nn.Module, name: str, a: torch.Tensor, b: torch.Tensor, rank: int,
-                 swapped: bool) -> tuple[nn.Parameter, nn.Parameter]:
-    """A LoRA adapter's factors of the split experts' parameter ``name`` (PEFT's layout: ``a`` ``[rank E, in]``, rows
-    by expert, ``b`` ``[out, rank E]``, columns by rank then expert), as global parameters split as the parameter is:
-    by whole experts, ``a``'s rows and ``b``'s columns of this rank's experts; by the intermediate dim, the factor that
-    holds it (``b``'s rows where it is the output, ``a``'s columns where it is the input) in the parameter's own
-    chunks (gate and up halves too), the other whole. The delta ``b @ a`` of the local blocks, per expert, is then
-    this rank's block of the parameter's.
-
-    Args:
-        module: an experts module ``split_experts`` split (by the tensor-parallel axis).
-        name: the parameter the factors adapt, ``[E, d1, d2]``.
-        a, b: the factors, whole, the same on every rank.
-        rank: the LoRA rank.
-        swapped: whether ``d1`` is the output (PEFT's ``_did_swap_in_out_features``), else the input.
-
-    Returns:
-        The two as DTensor parameters, their partial gradients summed before an optimizer step.
-
-    Example::
-
-        >>> from transformers import Qwen3MoeConfig
-        >>> from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-        >>> experts = split_experts(Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=6,
-        ...                                                        num_experts=4)), tpf.placement("cpu", ranks=[0, 1]))
-        >>> a, b = factors_like(experts, "down_proj", torch.randn(8, 6), torch.randn(8, 8), rank=2, swapped=True)
-        >>> a.to_local().shape, b.to_local().shape                         # down_proj's input, I, split: a's columns
-        (torch.Size([8, 3]), torch.Size([8, 8]))
-    """
-    param = module._parameters[name]
-    mesh, coord, sizes = param.device_mesh, param.device_mesh.get_coordinate(), param.device_mesh.shape
-    factors = []
-    for factor in (a, b):
-        placements, local = [], factor.detach()
-        for axis, q in enumerate(param.placements):
-            split = _split_of(q)
-            if split is not None and split[0] == 0:  # whole experts: a's rows, b's columns (rank-major)
-                split = (0, 1) if factor is a else (1, rank)
-            elif split is not None and (split[0] == 1) == swapped:  # the output dim: b's rows
-                split = (0, split[1]) if factor is b else None
-            elif split is not None:  # the input dim: a's columns
-                split = (1, split[1]) if factor is a else None
-            if split is None:
-                placements.append(Replicate())
-                continue
-            placements.append(_StridedShard(split[0], split_factor=split[1]) if split[1] > 1 else Shard(split[0]))
-            if coord is not None:
-                local = _slice(local, *split, coord[axis], sizes[axis])
-        value = DTensor.from_local(local.to(param.device), mesh, tuple(placements), run_check=False,
-                                   shape=factor.shape, stride=factor.stride())
-        factors.append(gradients.adopt(nn.Parameter(value, requires_grad=factor.requires_grad)))
-    return factors[0], factors[1]
 
 
 def _intermediate(name: str, features: int, inner: int, packed: bool) -> tuple[int | None, bool, object]:

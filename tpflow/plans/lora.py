@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from tpflow.global_tensor import get_placement
 from tpflow.global_tensor.local_blocks import LocalBlocks
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear
-from tpflow.layers.experts import add_delta, factors_like
+from tpflow.layers.expert_factors import factors_like
+from tpflow.layers.experts import add_delta
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
 from tpflow.plans import heads
