@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 
 _MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 KINDS = ("llama", "qwen3", "gemma2", *_MOE)
-_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -30,7 +30,8 @@ def _model(kind: str) -> torch.nn.Module:
 
 
 def _config(model: torch.nn.Module, **options) -> object:
-    """LoRA on every attention and dense MLP projection the model has and its head (not its experts)."""
+    """LoRA on every attention and dense MLP projection the model has, its embedding and its head (not its
+    experts)."""
     targets = [t for t in _TARGETS if any(n == t or n.endswith("." + t) for n, _ in model.named_modules())]
     return peft.LoraConfig(target_modules=targets, **{"r": 4, "lora_alpha": 8, **options})
 
@@ -86,6 +87,7 @@ def _orders_rank(kinds: tuple[str, ...]) -> None:
             attention = model.base_model.model.model.layers[0].self_attn
             assert type(attention.q_proj.lora_B["default"]).__name__ == "ColumnParallelLinear", kind
             assert type(attention.o_proj.lora_A["default"]).__name__ == "RowParallelLinear", kind
+            assert type(model.base_model.model.model.embed_tokens).__name__ == "EmbeddingLora", kind
             head = model.base_model.model.lm_head  # its adapter split as it is (whole where it stays tied, whole)
             assert type(head).__name__ == ("ColumnLora" if isinstance(head.base_layer, tpf.ColumnParallelLinear)
                                            else "WholeLora"), kind
@@ -279,7 +281,7 @@ def _trainers_rank(folder: str) -> None:
     base = _model("llama")
     texts = [" ".join(f"w{(7 * i + j) % 90}" for j in range(6 + i % 5)) for i in range(16)]
     rows = datasets.Dataset.from_dict({"text": texts})
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(_TARGETS[:-1]))  # TRL refuses the head's
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(_TARGETS[:-2]))  # TRL refuses the head's
     trainers = {
         "Trainer": lambda out: transformers.Trainer(
             model=tpf.parallelize(peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(lora)), placement=all_ranks(),
@@ -391,7 +393,8 @@ def _refusals_rank() -> None:
     assert not any(type(m).__name__ == "ColumnParallelLinear" for m in dora.modules())
     assert type(dora.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "Linear"  # PEFT's, put back
     split = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(), plan="auto")
-    with pytest.raises(ValueError, match=r"DoRA .* on a split ColumnParallelLinear is not supported"):
+    with pytest.raises(ValueError, match=r"DoRA .* on a split (ColumnParallelLinear|VocabParallelEmbedding) is not "
+                                         r"supported"):
         peft.get_peft_model(split, tpf.lora(_config(base, use_dora=True)))
 
     copies = peft.get_peft_model(_model("qwen3_moe"), peft.LoraConfig(r=4, target_modules=["q_proj"],

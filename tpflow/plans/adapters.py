@@ -108,7 +108,7 @@ class Lifted:
     def check(self, plan: Plan) -> None:
         """Refuse, before any change, a PEFT layer on a layer whose entry its adapters cannot follow, and a trainable
         copy (``modules_to_save``) of a layer whose entry its copy cannot take."""
-        from peft.tuners.lora import Linear
+        from peft.tuners.lora import Embedding, Linear
 
         for name, _ in self.copies:
             entry = plan.entry(name)
@@ -129,19 +129,18 @@ class Lifted:
                                      "parallel ranks (tpf.ExpertTensorParallel(), tpf.ExpertParallel()) only, not "
                                      "shared out over a data axis")
                 continue
-            if not isinstance(module, Linear) or hasattr(module.base_layer, "base_layer"):
+            vocab = isinstance(entry, VocabParallel) and isinstance(module, Embedding)
+            if not (isinstance(module, Linear) or vocab) or hasattr(module.base_layer, "base_layer"):
                 raise ValueError(f"{what} is not supported on a split layer: LoRA on nn.Linear layers is; leave the "
                                  "layer out of target_modules, or out of the plan (whole on every rank)")
             if module.lora_variant:
                 raise ValueError(f"{what}: DoRA (PEFT's LoRA variants) on a split layer is not supported, its weight "
                                  "norm spans the ranks' blocks; use plain LoRA there (use_dora=False)")
             follows = isinstance(entry, ColumnParallel) or (isinstance(entry, RowParallel) and entry.input_is_parallel)
-            follows = follows or (isinstance(entry, VocabParallel) and not isinstance(module.get_base_layer(),
-                                                                                      nn.Embedding))  # a head
+            follows = follows or isinstance(entry, VocabParallel)  # a head, an embedding
             if not follows:
                 raise ValueError(f"{what}: adapters follow column, row (input_is_parallel) and vocabulary-parallel "
-                                 "head layers only: leave the layer out of target_modules, or out of the plan (an "
-                                 "embedding: vocab_parallel=False keeps it whole)")
+                                 "layers only: leave the layer out of target_modules, or out of the plan")
 
     def restore(self) -> None:
         """Put every PEFT layer back unchanged (the plan was refused)."""
@@ -151,7 +150,7 @@ class Lifted:
     def put_back(self, plan: Plan) -> None:
         """Put every PEFT layer back around what its base layer became, its adapters laid out as the base; each
         trainable copy of ``modules_to_save`` made what the module's entry made of it."""
-        from peft.tuners.lora import Linear
+        from peft.tuners.lora import Embedding, Linear
 
         for name, wrapper in self.copies:
             wrapper.original_module = plan.layer(name)
@@ -177,6 +176,10 @@ class Lifted:
                 module.__class__ = classes[kind]
                 for adapter in module.lora_A:
                     module.split(adapter)
+            elif isinstance(module, Embedding):  # split over the vocabulary, or left whole (replicated after this)
+                module.__class__ = classes[nn.Embedding]
+                for adapter in module.lora_embedding_A:
+                    module.split(adapter, plan.placement)
             elif isinstance(module, Linear):  # on a layer left whole (k / v heads kept whole): replicated after this
                 module.__class__ = classes[nn.Linear]
                 for adapter in module.lora_A:

@@ -9,7 +9,8 @@ a row layer over the base's input chunks, its output summed over the ranks, and 
 output is whole, as the base's. Under sequence parallelism the split factor takes the base's options too: the adapter
 gathers (or reduce-scatters) its ``r`` features where the base does its activations. On a layer left whole (a router,
 key/value projections kept whole with fewer heads than ranks) both are replicas whose gradients are found as the
-base's. On a mixture's fused experts (PEFT's ``target_parameters``) the factors split as the experts
+base's. On a vocabulary-parallel embedding ``lora_embedding_A`` splits over the vocabulary as the base's rows.
+On a mixture's fused experts (PEFT's ``target_parameters``) the factors split as the experts
 (``ExpertsLora``). PEFT's own code (``forward``, ``set_adapter``, saving the adapters' state, ``merge_and_unload``)
 then runs unchanged: a merge adds each rank's block of ``lora_B @ lora_A`` to its block of the base's weight.
 """
@@ -22,12 +23,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from tpflow.global_tensor import get_placement
-from tpflow.global_tensor.local_blocks import LocalBlocks
-from tpflow.layers import ColumnParallelLinear, RowParallelLinear
+from tpflow import comm
+from tpflow.global_tensor import get_placement, gradients
+from tpflow.global_tensor.local_blocks import LocalBlocks, LocalReads
+from tpflow.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpflow.layers.expert_factors import factors_like
 from tpflow.layers.experts import add_delta
 from tpflow.layers.replicated import replicate
@@ -40,8 +43,8 @@ __all__ = ["lora"]
 @functools.cache
 def lora_classes() -> dict[type, type]:
     """The LoRA layer of each base layer kind (subclasses of PEFT's, imported when first asked for): a column and a
-    row layer's, and a whole ``nn.Linear``'s on a parallelized model."""
-    from peft.tuners.lora import Linear
+    row layer's, a whole ``nn.Linear``'s on a parallelized model, and an embedding's (split or whole)."""
+    from peft.tuners.lora import Embedding, Linear
 
     class _SplitLora(Linear):
         def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
@@ -103,7 +106,98 @@ def lora_classes() -> dict[type, type]:
                 for part in ("lora_A", "lora_B"):
                     replicate(getattr(self, part)[adapter_name], placement, grads.get(f"{part}.{adapter_name}", "auto"))
 
-    return {ColumnParallelLinear: ColumnLora, RowParallelLinear: RowLora, nn.Linear: WholeLora}
+    class EmbeddingLora(Embedding):
+        """LoRA on an embedding of a parallelized model: on a ``VocabParallelEmbedding``, ``lora_embedding_A``
+        (``[r, V]``) split over the vocabulary as the base's rows, the lookup of its rows summed over the ranks (or
+        reduce-scattered to this rank's tokens) as the base's is; on an embedding left whole, both factors whole.
+        Around each call PEFT's forward reads the factors' local blocks."""
+
+        def resolve_lora_variant(self, **kwargs: Any) -> Any:
+            variant = super().resolve_lora_variant(**kwargs)
+            if variant is not None and isinstance(self.base_layer, VocabParallelEmbedding):
+                raise ValueError(f"{type(variant).__name__} (DoRA and PEFT's other LoRA variants) on a split "
+                                 f"{type(self.base_layer).__name__} is not supported: use plain LoRA there")
+            return variant
+
+        def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+            super().update_layer(adapter_name, *args, **kwargs)
+            self.split(adapter_name)
+
+        def split(self, name: str, placement: Placement | None = None) -> None:
+            """Make adapter ``name``'s factors global, laid out as the base (whole on ``placement``'s ranks where
+            the base is still plain: ``parallelize`` replicates it after this)."""
+            weight = self.base_layer.weight
+            if isinstance(weight, DTensor):
+                mesh, vocab = weight.device_mesh, tuple(Shard(1) if isinstance(q, Shard) else Replicate()
+                                                        for q in weight.placements)
+            elif placement is not None and placement.coordinate() is not None:
+                mesh, vocab = placement.mesh, (Replicate(),) * placement.ndim
+            else:
+                return  # a plain model: PEFT's own
+            if "_tpflow_reads" not in self.__dict__:
+                object.__setattr__(self, "_tpflow_reads", {})
+                self.register_forward_pre_hook(_enter_factors)
+                self.register_forward_hook(_leave_factors, always_call=True)
+            for factors, placements in ((self.lora_embedding_A, vocab), (self.lora_embedding_B, None)):
+                value = factors[name].detach().to(mesh.device_type)
+                value = distribute_tensor(value, mesh, placements or (Replicate(),) * mesh.ndim, src_data_rank=None)
+                factors[name] = gradients.adopt(nn.Parameter(value, requires_grad=factors[name].requires_grad))
+
+        def _embed(self, input: torch.Tensor, weight: torch.Tensor, input_fn: Any = None,
+                   output_fn: Any = None) -> torch.Tensor:
+            """On a vocabulary-parallel base: the rows of this rank's block of ``A`` for the ids in its range, summed
+            over the ranks; else PEFT's own lookup."""
+            base = self.base_layer
+            if not isinstance(base, VocabParallelEmbedding):
+                return super()._embed(input, weight, input_fn, output_fn)
+            start, end = base.local_range(base.num_embeddings)
+            outside = (input < start) | (input >= end)
+            pad = base.padding_idx - start if base.padding_idx is not None and start <= base.padding_idx < end else None
+            y = F.embedding((input - start).masked_fill(outside, 0), weight, pad).masked_fill(outside[..., None], 0)
+            if base.group is None:
+                return y
+            if base.sequence_parallel:
+                return comm.reduce_scatter_to_ranks(y, base.sequence_dim, base.group)
+            return comm.reduce_from_ranks(y, base.group)
+
+        def get_delta_weight(self, adapter: str) -> torch.Tensor:
+            """This rank's rows of ``(B @ A).T``, laid out as the base's weight (``merge`` / ``unmerge``)."""
+            weight = self.base_layer.weight
+            delta = (_local(self.lora_embedding_B[adapter]) @ _local(self.lora_embedding_A[adapter])).T
+            delta = (delta * self.scaling[adapter]).to(weight.dtype)
+            if not isinstance(weight, DTensor):
+                return delta
+            return DTensor.from_local(delta, weight.device_mesh, weight.placements, run_check=False,
+                                      shape=weight.shape, stride=weight.stride())
+
+    return {ColumnParallelLinear: ColumnLora, RowParallelLinear: RowLora, nn.Linear: WholeLora,
+            VocabParallelEmbedding: EmbeddingLora, nn.Embedding: EmbeddingLora}
+
+
+def _factor_grads(sequence_parallel: bool):
+    """An embedding LoRA's factors' gradient layouts: ``A``'s split as it is (its rows looked up here only), whole
+    factors' whole (every rank looks up the same ids), or partial sums where the ranks look up other tokens (sequence
+    parallel) and over data axes."""
+    def grads(p: DTensor) -> tuple:
+        last = p.device_mesh.ndim - 1
+        return tuple(Partial() if isinstance(q, Replicate) and n > 1 and (axis < last or sequence_parallel) else q
+                     for axis, (q, n) in enumerate(zip(p.placements, p.device_mesh.shape)))
+    return grads
+
+
+def _enter_factors(module: nn.Module, args: tuple) -> None:
+    """Before an embedding LoRA's call: its factors read as local blocks, where PEFT's forward indexes them."""
+    grads = _factor_grads(getattr(module.base_layer, "sequence_parallel", False))
+    for factors in (module.lora_embedding_A, module.lora_embedding_B):
+        names = tuple(factors.keys())
+        reads = module._tpflow_reads.setdefault((id(factors), names), LocalReads(names, grads))
+        reads.enter(factors)
+
+
+def _leave_factors(module: nn.Module, args: tuple, output: object) -> None:
+    for factors in (module.lora_embedding_A, module.lora_embedding_B):
+        for name in factors:
+            factors.__dict__.pop(name, None)
 
 
 @functools.cache
