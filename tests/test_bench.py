@@ -138,12 +138,14 @@ def test_the_minimum_by_hand(run):
 def test_hf_workloads_beside_transformers_own_tensor_parallelism(tmp_path):
     """A Hugging Face Llama by its own plan: tpflow, PyTorch's parallelize_module and transformers' own tensor
     parallelism from the same checkpoint; a Qwen3-MoE with its experts split and shared out over the tensor ranks and
-    over the data ranks (all-to-all), tpflow's and transformers'. Each step's loss is one device's, and tpflow sends
-    its layout's minimum (with the experts over the data ranks, the routing beside the tokens' states)."""
+    over the data ranks (all-to-all), tpflow's and transformers'; the Llama under PEFT's LoRA, its adapters trained.
+    Each step's loss is one device's, and tpflow sends its layout's minimum (with the experts over the data ranks,
+    the routing beside the tokens' states; with LoRA, an all-reduce of T x r per adapter beside the base's)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "moe", "--out",
-                       str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp",
+    pytest.importorskip("peft")
+    proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "moe", "lora",
+                       "--out", str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp",
                        "experts-tpflow", "experts-transformers", "experts-over-data-tpflow",
                        "experts-over-data-transformers"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -152,12 +154,14 @@ def test_hf_workloads_beside_transformers_own_tensor_parallelism(tmp_path):
     assert rows["hf", "data, DDP"]["skipped"].startswith("the hf workload runs")
     assert rows["moe", "tensor, torch"]["skipped"].startswith("the moe workload runs")
     assert rows["hf", "experts, tpflow"]["skipped"] == "the experts modes run the moe workload only"
+    assert rows["lora", "tensor, transformers"]["skipped"].startswith("the lora workload runs")
     for key in [("hf", m) for m in ("tensor, tpflow", "tensor, torch", "tensor, transformers")] + \
-            [("moe", m) for m in ("tensor, tpflow", "tensor, transformers", *MOE_ONLY)]:
+            [("moe", m) for m in ("tensor, tpflow", "tensor, transformers", *MOE_ONLY)] + [("lora", "tensor, tpflow")]:
         row = rows[key]
         assert not row["skipped"], row
         assert row["loss_rel_diff"] < 1e-5 and row["losses"][-1] < row["losses"][0], row
-    for key in (("hf", "tensor, tpflow"), ("moe", "tensor, tpflow"), ("moe", "experts, tpflow")):
+    for key in (("hf", "tensor, tpflow"), ("moe", "tensor, tpflow"), ("moe", "experts, tpflow"),
+                ("lora", "tensor, tpflow")):
         assert rows[key]["sent_per_rank"] == rows[key]["minimum_per_rank"], key
     over_data = rows["moe", "experts over data, tpflow"]  # the tokens' ids, weights and counts beyond their states
     for sent, minimum in zip(over_data["sent_per_rank"], over_data["minimum_per_rank"], strict=True):

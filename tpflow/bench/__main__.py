@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
                                 "side by side in one run.")
     p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=2,
                    help="ranks to launch when not already under the launcher (default 2)")
-    p.add_argument("--workload", nargs="+", choices=["mlp", "transformer", "hf", "moe"], default=["mlp", "transformer"])
+    p.add_argument("--workload", nargs="+", choices=["mlp", "transformer", "hf", "moe", "lora"],
+                   default=["mlp", "transformer"])
     p.add_argument("--modes", nargs="+", choices=[slug(m) for m in MODES], default=[slug(m) for m in MODES],
                    metavar="MODE", help=f"a subset of: {' '.join(slug(m) for m in MODES)} (one-device always runs)")
     p.add_argument("--tiny", action="store_true", help="a workload of seconds, for tests: " +

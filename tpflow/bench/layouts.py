@@ -103,6 +103,19 @@ def tpflow_plan(w: Workload, sequence_parallel: bool = False, algo: str = "auto"
     return {pattern: styles[kind] for pattern, kind in w.plan.items()}
 
 
+def lora_bytes(w: Workload, tp: int) -> int:
+    """The lora workload's adapters on split layers: one all-reduce of ``T x r`` each (a row layer's ``lora_A``
+    output forward, a column layer's ``lora_B`` input gradient backward); 0 for another workload."""
+    if w.name != "lora":
+        return 0
+    from peft.tuners.lora import LoraLayer
+
+    elem = next(w.model.parameters()).element_size()
+    ranks = [m.r["default"] for name, m in w.model.named_modules()
+             if isinstance(m, LoraLayer) and any(fnmatch.fnmatchcase(name, p) for p in w.plan)]
+    return sum(ring_bytes(w.tokens * r * elem, tp, 2) for r in ranks)
+
+
 def head_bytes(w: Workload, tp: int, vocab_parallel: bool, tokens: int | None = None) -> int:
     """The hf workload's layers beyond the plan's: the vocabulary-parallel embedding's output all-reduced, the
     column-parallel head's input gradient all-reduced, and its logits gathered (transformers' own plan,

@@ -16,6 +16,8 @@
                         experts shared out over them (E / W each) with the tokens exchanged by all-to-all
     experts over data, transformers  transformers' own (DistributedConfig(fsdp_size=W, ep_size=W,
                         ep_implementation="all_to_all")), same checkpoint
+    (the lora workload)  the hf workload's Llama under PEFT's LoRA: one device and "tensor, tpflow" (each adapter
+                        laid out as its base layer, tpflow.plans.adapters) train its adapters
     sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
                         all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
     sequence, unfused   the same layout, the plain collective then the matmul
@@ -67,6 +69,7 @@ from tpflow.bench.layouts import (
     experts_bytes,
     from_checkpoint,
     head_bytes,
+    lora_bytes,
     norm_params,
     rows_of,
     summed_norm_bytes,
@@ -119,7 +122,7 @@ def data_ddp(w: Workload, ctx: Context) -> Trainer:
 def tensor_tpflow(w: Workload, ctx: Context, expert_parallel: bool = False) -> Trainer:
     check_heads(w, ctx.world)
     minimum = tensor_bytes(w.model, w.plan, w.inputs, w.tokens, ctx.world) + experts_bytes(w, ctx.world) + \
-        summed_norm_bytes(w, ctx.world)
+        summed_norm_bytes(w, ctx.world) + lora_bytes(w, ctx.world)
     hf = isinstance(w.model, CausalLMLoss)  # the model's own plan, its head included
     minimum += head_bytes(w, ctx.world, vocab_parallel=True) if hf else 0
     plan = tpf.hf_plan(w.model, expert_parallel=expert_parallel) if hf else tpflow_plan(w)
@@ -239,6 +242,9 @@ MOE_ONLY = ("experts, tpflow", "experts, transformers", "experts over data, tpfl
 MOE_MODES = ("one device", "tensor, tpflow", "tensor, transformers", *MOE_ONLY)
 
 
+LORA_MODES = ("one device", "tensor, tpflow")  # transformers' TP with PEFT's LoRA: benchmarks/lora_cpu.py
+
+
 def slug(mode: str) -> str:
     """The mode's name for the command line: "data, DDP" is data-ddp.
 
@@ -289,7 +295,11 @@ def build(name: str, w: Workload, ctx: Context) -> Trainer:
         >>> build("one device", w, ctx).step()              # on rank 0: the same loss on one device
         tensor(2.3699)
     """
-    if w.name == "moe":
+    if w.name == "lora":
+        if name not in LORA_MODES:
+            raise Skip("the lora workload runs one device and tensor, tpflow (transformers' tensor parallelism with "
+                       "PEFT's LoRA: benchmarks/lora_cpu.py)")
+    elif w.name == "moe":
         if name not in MOE_MODES:
             raise Skip("the moe workload runs one device, the tensor modes (experts split) and the experts modes")
     elif name in MOE_ONLY:

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
+from tpflow.plans.adapters import wrapped_model
+
 __all__ = ["LLAMA_PLAN", "MLP_PLAN", "Attention", "CausalLMLoss", "DecoderLayer", "FeedForward", "MLPBlock",
            "RMSNorm", "Workload", "build", "model_loss", "rotary"]
 
@@ -230,7 +232,9 @@ class CausalLMLoss(nn.Module):
 
     @property
     def tp_plan(self) -> dict[str, str]:
-        return {f"lm.{k}": v for k, v in self.lm.tp_plan.items()}
+        inner, prefix = wrapped_model(self.lm)  # a PEFT model (the lora workload): the model it wraps, by its names
+        where = f"lm.{prefix}." if prefix else "lm."
+        return {f"{where}{k}": v for k, v in inner.tp_plan.items()}
 
     def get_input_embeddings(self) -> nn.Module:
         return self.lm.get_input_embeddings()
@@ -267,6 +271,18 @@ def _hf_model(dim: int, hidden: int, depth: int, heads: int, kv_heads: int, voca
                                   num_hidden_layers=depth, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                   head_dim=dim // heads, tie_word_embeddings=False)
     return AutoModelForCausalLM.from_config(config)
+
+
+LORA_RANK = 8  # the lora workload's adapters, on every attention and MLP projection
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_model(dim: int, hidden: int, depth: int, heads: int, kv_heads: int, vocab: int) -> nn.Module:
+    """The hf workload's Llama under PEFT's LoRA (rank ``LORA_RANK``): its adapters train, the rest is frozen."""
+    import peft
+
+    config = peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=list(LORA_TARGETS))
+    return peft.get_peft_model(_hf_model(dim, hidden, depth, heads, kv_heads, vocab), config)
 
 
 EXPERTS, ROUTED = 8, 2  # the moe workload's experts per layer, and the experts each token is routed to
@@ -330,7 +346,8 @@ class Workload:
     def describe(self) -> str:
         shape = "x".join(map(str, self.inputs.shape))
         params = sum(p.numel() for p in self.model.parameters())
-        blocks = len(self.model.lm.model.layers) if isinstance(self.model, CausalLMLoss) else len(self.model)
+        lm = wrapped_model(self.model.lm)[0] if isinstance(self.model, CausalLMLoss) else None
+        blocks = len(self.model) if lm is None else len(lm.model.layers)
         return f"{self.name}: {blocks} blocks, input {shape}, {params:,} parameters"
 
 
@@ -374,12 +391,13 @@ def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int
     if name == "mlp":
         model = nn.Sequential(*(MLPBlock(dim, hidden) for _ in range(depth)))
         shape, plan = (tokens, dim), MLP_PLAN
-    elif name in ("hf", "moe"):
+    elif name in ("hf", "moe", "lora"):
         if tokens % seq or dim % heads or heads % kv_heads:
             raise ValueError(f"--tokens {tokens} must be a multiple of --seq {seq}, --dim {dim} must split into "
                              f"--heads {heads}, and they into --kv-heads {kv_heads}")
         vocab = 8 * dim
-        model = CausalLMLoss((_hf_model if name == "hf" else _moe_model)(dim, hidden, depth, heads, kv_heads, vocab))
+        lm = {"hf": _hf_model, "moe": _moe_model, "lora": _lora_model}[name]
+        model = CausalLMLoss(lm(dim, hidden, depth, heads, kv_heads, vocab))
         ids = torch.randint(0, vocab, (tokens // seq, seq), generator=torch.Generator().manual_seed(1))
         return Workload(name, model, ids, ids, LLAMA_PLAN, heads, kv_heads, model_loss)
     elif name == "transformer":
@@ -390,7 +408,7 @@ def build(name: str, *, dim: int, hidden: int, depth: int, tokens: int, seq: int
         model = nn.Sequential(*(DecoderLayer(dim, heads, kv_heads, hidden) for _ in range(depth)))
         shape, plan = (tokens // seq, seq, dim), LLAMA_PLAN
     else:
-        raise ValueError(f"unknown workload {name!r}: use 'mlp', 'transformer', 'hf' or 'moe'")
+        raise ValueError(f"unknown workload {name!r}: use 'mlp', 'transformer', 'hf', 'moe' or 'lora'")
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     return Workload(name, model, x, y, plan, heads if name == "transformer" else 0,
