@@ -145,8 +145,8 @@ def test_hf_workloads_beside_transformers_own_tensor_parallelism(tmp_path):
     pytest.importorskip("accelerate")
     pytest.importorskip("peft")
     proc = run_python(["-m", "tpflow.bench", "--nproc_per_node", "2", "--tiny", "--workload", "hf", "moe", "lora",
-                       "--out", str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers", "data-ddp",
-                       "experts-tpflow", "experts-transformers", "experts-over-data-tpflow",
+                       "--out", str(tmp_path), "--modes", "tensor-tpflow", "tensor-torch", "tensor-transformers",
+                       "data-ddp", "experts-tpflow", "experts-transformers", "experts-over-data-tpflow",
                        "experts-over-data-transformers"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
