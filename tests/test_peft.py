@@ -150,6 +150,48 @@ def _experts_rank(kinds: tuple[str, ...]) -> None:
                                            msg=f"{kind}, experts {layout}: merged")
 
 
+def _experts_over_data_rank() -> None:
+    """LoRA on the experts shared out over the data axis of dp x tp = 2 x 2 (each expert split over the tensor axis
+    too), tokens exchanged by all-to-all, FSDP2 over the data axis leaving the experts and their factors alone: each
+    data row's half of the batch, three AdamW steps give one device's losses (the rows' mean; no auxiliary loss) and
+    every parameter."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import train_lm
+
+    P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
+    base = _model("qwen3_moe")
+    base.config.output_router_logits = False  # each row's auxiliary loss is its own: their mean is not the batch's
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    reference = peft.get_peft_model(copy.deepcopy(base), config).double()
+    with torch.no_grad():
+        for i, (name, p) in enumerate(reference.named_parameters()):
+            if "lora_B" in name:
+                p.normal_(std=0.1, generator=torch.Generator().manual_seed(i))
+    model = tpf.parallelize(copy.deepcopy(reference), placement=P, plan=tpf.hf_plan(reference, expert_parallel="dp"))
+    ignored = tpf.fsdp_ignored_params(model)
+    assert sum("lora_" in n for n, p in model.named_parameters() if p in ignored) == 2 * 2 * 2  # 2 layers, A and B
+    for block in [*model.base_model.model.model.layers, model]:
+        fully_shard(block, mesh=P.mesh["dp"], ignored_params=ignored)
+    ids = torch.randint(0, 101, (4, 10), generator=torch.Generator().manual_seed(1))
+    with within(120):
+        losses, _ = train_lm(model, ids.tensor_split(2)[P.coordinate()[0]], steps=3)
+    want, _ = train_lm(reference, ids, steps=3)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)
+    mean = torch.tensor([every[0], every[2]], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    wanted = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), wanted[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_lora_on_experts_shared_out_over_data_beside_fsdp2_trains_as_one_device():
+    harness.run(4, _experts_over_data_rank, timeout=300)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_lora_on_experts_split_or_shared_out_trains_as_one_device(world):
     harness.run(world, _experts_rank, _MOE, timeout=600)

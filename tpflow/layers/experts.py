@@ -50,7 +50,7 @@ from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.expert_factors import block
 from tpflow.placement import Placement
 
-__all__ = ["add_delta", "check_experts", "experts_axis", "over_data", "split_experts"]
+__all__ = ["add_delta", "check_experts", "experts_axis", "mark_over_data", "over_data", "split_experts"]
 
 _NAMES = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")  # per expert: [E, 2I] split as gate_up_proj, [E, H] kept whole
@@ -338,7 +338,7 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
         value = DTensor.from_local(local.to(pl.device), pl.mesh, tuple(placements), run_check=False,
                                    shape=full.shape, stride=full.stride())
         param = gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad))
-        setattr(param, _OVER_DATA, axis is not None)
+        mark_over_data(param, axis is not None)
         setattr(module, name, param)
     if coord is None:
         return module
@@ -415,6 +415,26 @@ def experts_axis(placement: Placement, axis: str, by: str = "experts") -> int:
                          f"(data, tensor), e.g. tpf.placement(type, ranks=[[0, 1], [2, 3]], names=({axis!r}, 'tp')) "
                          f"with FSDP2 over {axis!r}: {placement!r} has no such axis {axis!r}")
     return 0
+
+
+def mark_over_data(param: torch.Tensor, over: bool = True) -> torch.Tensor:
+    """Mark ``param`` as shared out over a data axis with the experts (their parameters, their LoRA factors):
+    ``tpf.fsdp_ignored_params`` then hands it to FSDP2 as one to leave alone.
+
+    Args:
+        param: a parameter.
+        over: whether it is shared out over a data axis.
+
+    Returns:
+        ``param`` itself.
+
+    Example::
+
+        >>> over_data(mark_over_data(torch.nn.Parameter(torch.zeros(2))))
+        True
+    """
+    setattr(param, _OVER_DATA, over)
+    return param
 
 
 def over_data(param: torch.Tensor) -> bool:

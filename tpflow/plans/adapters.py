@@ -124,10 +124,9 @@ class Lifted:
                 continue  # a layer left whole: its adapters are replicas as it is
             what = f"PEFT's {type(module).__name__} on {name!r} (plan pattern {plan.pattern(name)!r}: {entry!r})"
             if _on_experts(module):
-                if not isinstance(entry, (ExpertTensorParallel, ExpertParallel)) or getattr(entry, "axis", None):
-                    raise ValueError(f"{what}: LoRA on experts' parameters follows experts split over the tensor-"
-                                     "parallel ranks (tpf.ExpertTensorParallel(), tpf.ExpertParallel()) only, not "
-                                     "shared out over a data axis")
+                if not isinstance(entry, (ExpertTensorParallel, ExpertParallel)):
+                    raise ValueError(f"{what}: LoRA on experts' parameters follows experts split or shared out "
+                                     "(tpf.ExpertTensorParallel(), tpf.ExpertParallel()) only")
                 continue
             vocab = isinstance(entry, VocabParallel) and isinstance(module, Embedding)
             if not (isinstance(module, Linear) or vocab) or hasattr(module.base_layer, "base_layer"):

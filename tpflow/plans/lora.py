@@ -32,7 +32,7 @@ from tpflow.global_tensor import get_placement, gradients
 from tpflow.global_tensor.local_blocks import LocalBlocks, LocalReads
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpflow.layers.expert_factors import factors_like
-from tpflow.layers.experts import add_delta
+from tpflow.layers.experts import add_delta, mark_over_data, over_data
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
 from tpflow.plans import heads
@@ -220,9 +220,11 @@ def experts_lora_class() -> type:
             add_delta(self.get_base_layer(), self.parameter_name, self.local_delta)
 
         def split(self, adapter: str) -> None:
-            a, b = factors_like(self.get_base_layer(), self.parameter_name, self.lora_A[adapter].weight,
+            experts = self.get_base_layer()
+            a, b = factors_like(experts, self.parameter_name, self.lora_A[adapter].weight,
                                 self.lora_B[adapter].weight, self.r[adapter], self._did_swap_in_out_features)
-            self.lora_A[adapter].weight, self.lora_B[adapter].weight = a, b
+            over = over_data(experts._parameters[self.parameter_name])  # FSDP2 leaves them as it leaves the experts
+            self.lora_A[adapter].weight, self.lora_B[adapter].weight = (mark_over_data(f, over) for f in (a, b))
 
         def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
             super().update_layer(adapter_name, *args, **kwargs)
