@@ -51,12 +51,7 @@ def lora_classes() -> dict[type, type]:
             return module.in_features, module.out_features  # the whole layer's, as PEFT's for nn.Linear
 
         def resolve_lora_variant(self, **kwargs: Any) -> Any:
-            variant = super().resolve_lora_variant(**kwargs)
-            if variant is not None:
-                raise ValueError(f"{type(variant).__name__} (DoRA and PEFT's other LoRA variants) on a split "
-                                 f"{type(self.base_layer).__name__} is not supported: DoRA's weight norm spans the "
-                                 "ranks' blocks; use plain LoRA there (use_dora=False; rsLoRA works)")
-            return variant
+            return _plain(super().resolve_lora_variant(**kwargs), self.base_layer)
 
         def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
             super().update_layer(adapter_name, *args, **kwargs)
@@ -65,10 +60,7 @@ def lora_classes() -> dict[type, type]:
         def get_delta_weight(self, adapter: str) -> torch.Tensor:
             """This rank's block of ``lora_B @ lora_A``, laid out as the base's weight (for ``merge``/``unmerge``)."""
             a, b = (self.lora_A[adapter].weight, self.lora_B[adapter].weight)
-            delta = _local(b) @ _local(a) * self.scaling[adapter]
-            weight = self.base_layer.weight
-            return DTensor.from_local(delta.to(weight.dtype), weight.device_mesh, weight.placements, run_check=False,
-                                      shape=weight.shape, stride=weight.stride())
+            return _laid_out_as(_local(b) @ _local(a) * self.scaling[adapter], self.base_layer.weight)
 
     class ColumnLora(_SplitLora):
         """LoRA on a ``ColumnParallelLinear``: ``lora_A`` whole, ``lora_B`` split like the base's output."""
@@ -114,10 +106,7 @@ def lora_classes() -> dict[type, type]:
 
         def resolve_lora_variant(self, **kwargs: Any) -> Any:
             variant = super().resolve_lora_variant(**kwargs)
-            if variant is not None and isinstance(self.base_layer, VocabParallelEmbedding):
-                raise ValueError(f"{type(variant).__name__} (DoRA and PEFT's other LoRA variants) on a split "
-                                 f"{type(self.base_layer).__name__} is not supported: use plain LoRA there")
-            return variant
+            return _plain(variant, self.base_layer) if isinstance(self.base_layer, VocabParallelEmbedding) else variant
 
         def update_layer(self, adapter_name: str, *args: Any, **kwargs: Any) -> None:
             super().update_layer(adapter_name, *args, **kwargs)
@@ -162,13 +151,8 @@ def lora_classes() -> dict[type, type]:
 
         def get_delta_weight(self, adapter: str) -> torch.Tensor:
             """This rank's rows of ``(B @ A).T``, laid out as the base's weight (``merge`` / ``unmerge``)."""
-            weight = self.base_layer.weight
             delta = (_local(self.lora_embedding_B[adapter]) @ _local(self.lora_embedding_A[adapter])).T
-            delta = (delta * self.scaling[adapter]).to(weight.dtype)
-            if not isinstance(weight, DTensor):
-                return delta
-            return DTensor.from_local(delta, weight.device_mesh, weight.placements, run_check=False,
-                                      shape=weight.shape, stride=weight.stride())
+            return _laid_out_as(delta * self.scaling[adapter], self.base_layer.weight)
 
     return {ColumnParallelLinear: ColumnLora, RowParallelLinear: RowLora, nn.Linear: WholeLora,
             VocabParallelEmbedding: EmbeddingLora, nn.Embedding: EmbeddingLora}
@@ -256,10 +240,8 @@ def experts_lora_class() -> type:
 
         def get_delta_weight(self, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
             """The delta as a global tensor laid out as the parameter (``merge`` / ``unmerge``)."""
-            param = self.get_param()
             delta = self._delta(_local(self.lora_A[adapter].weight), _local(self.lora_B[adapter].weight), adapter)
-            return DTensor.from_local(delta.to(param.dtype), param.device_mesh, param.placements, run_check=False,
-                                      shape=param.shape, stride=param.stride())
+            return _laid_out_as(delta, self.get_param())
 
     return ExpertsLora
 
@@ -303,6 +285,24 @@ def follow_whole(layer: nn.Module, adapter: str, placement: Placement) -> dict[s
 def _tokens(base: nn.Module) -> dict[str, object]:
     """A sequence-parallel base layer's options its adapter's split factor takes too (none for another)."""
     return {"sequence_parallel": True, "sequence_dim": base.sequence_dim} if base.sequence_parallel else {}
+
+
+def _plain(variant: Any, base: nn.Module) -> Any:
+    """Refuse a LoRA variant (DoRA, ...) on a split layer: DoRA's weight norm spans the ranks' blocks."""
+    if variant is not None:
+        raise ValueError(f"{type(variant).__name__} (DoRA and PEFT's other LoRA variants) on a split "
+                         f"{type(base).__name__} is not supported: DoRA's weight norm spans the ranks' blocks; use "
+                         "plain LoRA there (use_dora=False; rsLoRA works)")
+    return variant
+
+
+def _laid_out_as(delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """This rank's block ``delta`` of a change to ``weight``, as a global tensor laid out as it (plain if it is)."""
+    delta = delta.to(weight.dtype)
+    if not isinstance(weight, DTensor):
+        return delta
+    return DTensor.from_local(delta, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                              stride=weight.stride())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
