@@ -188,7 +188,20 @@ def _experts_over_data_rank() -> None:
         torch.testing.assert_close(p.full_tensor(), wanted[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
+def _experts_split_beside_fsdp2_rank() -> None:
+    """LoRA on gate_up_proj of experts split by the intermediate dim, beside FSDP2 on dp x tp, is refused before any
+    change: FSDP2's split of lora_B's rows would nest in their gate / up halves, which DTensor gathers wrongly."""
+    P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"])
+    wrapped = peft.get_peft_model(_model("qwen3_moe"), config)
+    with pytest.raises(ValueError, match=r"LoRA on gate_up_proj of experts split by the intermediate dim beside "
+                                         r"FSDP2 is not supported: .*expert_parallel=True or 'dp'"):
+        tpf.parallelize(wrapped, placement=P, plan="auto")
+    assert not any(type(m).__name__ == "ColumnParallelLinear" for m in wrapped.modules())
+
+
 def test_lora_on_experts_shared_out_over_data_beside_fsdp2_trains_as_one_device():
+    harness.run(4, _experts_split_beside_fsdp2_rank)
     harness.run(4, _experts_over_data_rank, timeout=300)
 
 

@@ -12,12 +12,14 @@ module's entry too.
 
 from __future__ import annotations
 
+import math
 import sys
 
 from torch import nn
 
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
+from tpflow.plans.fsdp import leaves_data_axes
 from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.lora import experts_lora_class, follow_whole, lora_classes
 from tpflow.plans.style import Plan
@@ -127,6 +129,13 @@ class Lifted:
                 if not isinstance(entry, (ExpertTensorParallel, ExpertParallel)):
                     raise ValueError(f"{what}: LoRA on experts' parameters follows experts split or shared out "
                                      "(tpf.ExpertTensorParallel(), tpf.ExpertParallel()) only")
+                fsdp = leaves_data_axes(plan.named) and math.prod(plan.named.hierarchy[:-1]) > 1
+                if fsdp and isinstance(entry, ExpertTensorParallel) and any(
+                        w.parameter_name == "gate_up_proj" for w in _chain(module)):
+                    raise ValueError(f"{what}: LoRA on gate_up_proj of experts split by the intermediate dim beside "
+                                     "FSDP2 is not supported: FSDP2 would split lora_B's rows over the data axes "
+                                     "inside their gate / up halves, a layout DTensor gathers wrongly; share the "
+                                     "experts out (tpf.hf_plan(model, expert_parallel=True or 'dp'))")
                 continue
             vocab = isinstance(entry, VocabParallel) and isinstance(module, Embedding)
             if not (isinstance(module, Linear) or vocab) or hasattr(module.base_layer, "base_layer"):
