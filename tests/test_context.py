@@ -165,6 +165,34 @@ def _attention_ops(world: int) -> None:
                 torch.testing.assert_close(got.grad, cut(ref.grad), msg=what)
 
 
+def _right_padding() -> None:
+    """Rows of different lengths, padded on the right with an ``attention_mask`` and labels = -100 at the padding: the
+    loss, every gradient and the real tokens' logits equal one device's with the mask, ring and Ulysses."""
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # the second row: 11 tokens, then 5 of padding
+    labels = ids.masked_fill(mask == 0, -100)
+    ref = tiny_lm("llama")
+    want = ref(ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    for kind in ("ring", "ulysses"):
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        model.zero_grad()
+        with within(60):
+            out = model(ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=kind)
+        real = mask.bool()
+        torch.testing.assert_close(out.logits.full_tensor()[real], want.logits[real], **TOL, msg=kind)
+        _equal(model, ref, f"{kind} padded", TOL, grads=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_right_padded_rows_match_one_device(world):
+    harness.run(world, _right_padding)
+
+
 def _refusals() -> None:
     """Every rank raises the same clear error, before any collective could hang: a length the parts do not divide,
     a padding mask, a sliding window shorter than the sequence, decoding, heads Ulysses cannot split, ranks fed
@@ -179,8 +207,13 @@ def _refusals() -> None:
             ring(ids, labels=ids[:, 1:])
         with pytest.raises(ValueError, match="counting up by one"):
             ring(ids, position_ids=torch.arange(8).repeat(2).expand(2, 16))
-        with pytest.raises(ValueError, match="takes no padding mask"):
+        with pytest.raises(ValueError, match="takes right padding only"):
             ring(ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0))
+        with pytest.raises(ValueError, match=r"takes a 2-D padding mask \[batch, seq\] = \[2, 16\]"):
+            ring(ids, attention_mask=torch.ones(2, 1, 16, 16))
+        padded = torch.ones_like(ids).index_fill_(1, torch.tensor([14, 15]), 0)
+        with pytest.raises(ValueError, match="the padding carries labels: give the padded positions labels = -100"):
+            ring(ids, attention_mask=padded, labels=ids)
         with pytest.raises(ValueError, match="sliding window of 8 tokens"):
             ring(ids)
         with pytest.raises(ValueError, match="generate with a model parallelized by"):

@@ -113,11 +113,7 @@ class _Context:
                              f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
                              f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
                              f"and the other tokens' logits as they are)")
-        mask = named.pop("attention_mask", None)
-        if mask is not None and not (mask.ndim == 2 and bool(mask.all())):
-            raise ValueError("context parallelism takes no padding mask: right-pad the sequences and give the padding "
-                             f"labels = {IGNORE} (causal attention keeps the real tokens from seeing it), or pass "
-                             "attention_mask=None; packed documents (a 4-D mask) are not supported")
+        pads = _right_padding(named.pop("attention_mask", None), batch, seq)
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             if named.get(key) is not None:
                 raise ValueError(f"context parallelism does not split packed documents ({key}=)")
@@ -140,6 +136,10 @@ class _Context:
         if labels is not None:
             shift = named.get("shift_labels")
             shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:] if shift is None else shift
+            if pads is not None and bool((shift[pads] != IGNORE).any()):
+                raise ValueError(f"the padding carries labels: give the padded positions labels = {IGNORE} (as "
+                                 f"DataCollatorForLanguageModeling does), which one device's masked attention and "
+                                 f"context parallelism's causal attention then score alike")
             if named.get("num_items_in_batch") is None:
                 named["num_items_in_batch"] = (shift != IGNORE).sum()
             named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
@@ -205,6 +205,23 @@ class _Context:
             return from_local(local, self.logits_placement, split(1), shape=shape)
         return from_local(local, self.logits_placement, (split(1), split(2) if vocab_split else broadcast),
                           shape=shape, sync_data=False)
+
+
+def _right_padding(mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
+    """The padded positions of a 2-D ``attention_mask`` that pads each row on the right (ones, then zeros), or None for
+    no padding; any other mask is refused. Causal attention keeps every real token from seeing the padding after it,
+    so dropping the mask leaves the real tokens' outputs, and a loss that ignores the padding, as one device's."""
+    if mask is None:
+        return None
+    if mask.ndim != 2 or tuple(mask.shape) != (batch, seq):
+        raise ValueError(f"context parallelism takes a 2-D padding mask [batch, seq] = {[batch, seq]} (got "
+                         f"{list(mask.shape)}): a 4-D mask (packed documents, a mask of your own) is not supported")
+    real = mask.bool()
+    if bool((real[:, 1:] & ~real[:, :-1]).any()):
+        raise ValueError("context parallelism takes right padding only (each row's ones, then its zeros): pad on the "
+                         f"right with labels = {IGNORE} (tokenizer.padding_side = 'right'); left padding would let the "
+                         "real tokens see the padding before them")
+    return None if bool(real.all()) else ~real
 
 
 _GENERATE = ("a model parallelized with context_parallel splits whole sequences over its ranks, and decoding runs one "
