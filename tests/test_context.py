@@ -188,9 +188,56 @@ def _right_padding() -> None:
         _equal(model, ref, f"{kind} padded", TOL, grads=True)
 
 
+def _packed_documents() -> None:
+    """Documents packed into rows, their position_ids restarting at each (as DataCollatorWithFlattening gives them,
+    labels -100 at each document's first token): Ulysses keeps attention inside each document, so the loss, logits,
+    every gradient and every parameter after two AdamW steps equal one device's (which masks them alike, without a
+    cache), under sdpa and eager; context x tensor on 4 ranks. The ring refuses them, naming Ulysses."""
+    lengths = [[5, 3, 8], [16], [2, 7, 4, 3]]  # rows of 16 tokens: documents of random-ish lengths
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+    ids = torch.randint(0, VOCAB, positions.shape, generator=torch.Generator().manual_seed(5))
+    labels = ids.masked_fill(positions == 0, -100)  # no document predicts the next one's first token
+    tensor = 2 if dist.get_world_size() == 4 else 1
+    for implementation in ("sdpa", "eager"):
+        ref = tiny_lm("qwen3", attn_implementation=implementation)
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
+                                plan=tpf.hf_plan(ref, context_parallel="ulysses"))
+        what = f"packed, {implementation}, tensor={tensor}"
+        with within(60):
+            out = model(ids, position_ids=positions, labels=labels)
+        # use_cache=False: transformers masks packed documents only without a cache (with one, its default, one
+        # device attends across them)
+        want = ref(ids, position_ids=positions, labels=labels, use_cache=False)
+        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=what)
+        torch.testing.assert_close(out.logits.full_tensor(), want.logits, **TOL, msg=what)
+        out.loss.backward()
+        want.loss.backward()
+        _equal(model, ref, what, TOL, grads=True)
+        model.zero_grad()
+        ref.zero_grad()
+        # eps as train_lm's: a near-zero gradient's rounding must not become a whole lr-sized step
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref)]
+        for _ in range(2):
+            for m, opt in zip((model, ref), opts):
+                m(ids, position_ids=positions, labels=labels, use_cache=False).loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        _equal(model, ref, what, TOL, grads=False)
+    ring = tpf.parallelize(tiny_lm("llama"), placement=_placement(tensor),
+                           plan=tpf.hf_plan(tiny_lm("llama"), context_parallel="ring"))
+    with pytest.raises(ValueError, match="the ring does not split packed documents .* context_parallel='ulysses'"):
+        ring(ids, position_ids=positions, labels=labels)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_right_padded_rows_match_one_device(world):
     harness.run(world, _right_padding)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_match_one_device_under_ulysses(world):
+    harness.run(world, _packed_documents)
 
 
 def _refusals() -> None:
@@ -205,7 +252,7 @@ def _refusals() -> None:
             ring(ids[:, :14], labels=ids[:, :14])
         with pytest.raises(ValueError, match=r"labels \[2, 15\] must have the tokens' shape \[2, 16\]"):
             ring(ids, labels=ids[:, 1:])
-        with pytest.raises(ValueError, match="counting up by one"):
+        with pytest.raises(ValueError, match="the ring does not split packed documents"):
             ring(ids, position_ids=torch.arange(8).repeat(2).expand(2, 16))
         with pytest.raises(ValueError, match="takes right padding only"):
             ring(ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0))

@@ -46,6 +46,7 @@ from tpflow.plans import heads
 from tpflow.plans.context_attention import (
     IMPLEMENTATION,
     ULYSSES_ORIGINALS,
+    Batch,
     attach,
     context_group,
     register,
@@ -68,8 +69,9 @@ def _cut(x: torch.Tensor, segments) -> torch.Tensor:
 class _Context:
     """The root model's hooks: the inputs cut on entry, the loss summed and the logits made global on exit."""
 
-    def __init__(self, model: nn.Module, kind: str, placement: Placement, logits_placement: Placement) -> None:
-        self.kind, self.placement, self.logits_placement = kind, placement, logits_placement
+    def __init__(self, model: nn.Module, kind: str, placement: Placement, logits_placement: Placement,
+                 batch: Batch) -> None:
+        self.kind, self.placement, self.logits_placement, self.batch = kind, placement, logits_placement, batch
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -116,13 +118,17 @@ class _Context:
         pads = _right_padding(named.pop("attention_mask", None), batch, seq)
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             if named.get(key) is not None:
-                raise ValueError(f"context parallelism does not split packed documents ({key}=)")
+                raise ValueError(f"context parallelism takes packed documents by their position_ids (restarting at "
+                                 f"each document, as DataCollatorWithFlattening gives them), not by {key}=: pass "
+                                 f"position_ids alone")
+        self.batch.documents = None
         if positions is None:
             positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
-        elif positions.shape != (batch, seq) or not bool((positions.diff(dim=1) == 1).all()):
-            raise ValueError(f"context parallelism takes position_ids [batch, seq] = {[batch, seq]} counting up by one "
-                             f"(got {list(positions.shape)}): positions that restart are packed documents, which it "
-                             f"does not split")
+        elif positions.shape != (batch, seq):
+            raise ValueError(f"context parallelism takes position_ids [batch, seq] = {[batch, seq]} (got "
+                             f"{list(positions.shape)})")
+        elif not bool((positions.diff(dim=1) == 1).all()):
+            self.batch.documents = self.documents(positions, pads)
         for key in ("labels", "shift_labels"):
             if named.get(key) is not None and named[key].shape != (batch, seq):
                 raise ValueError(f"{key} {list(named[key].shape)} must have the tokens' shape {[batch, seq]} (the "
@@ -145,6 +151,18 @@ class _Context:
             named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
         self.reordered = False
         return (), named
+
+    def documents(self, positions: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor:
+        """Packed documents' ids from ``position_ids`` that restart (a new document wherever they do not count up by
+        one, as transformers' own masks read them), for Ulysses, whose attention runs on whole sequences."""
+        if self.kind == "ring":
+            raise ValueError("the ring does not split packed documents (position_ids that restart) yet: use "
+                             "context_parallel='ulysses', which runs them on whole sequences")
+        if pads is not None:
+            raise ValueError("packed documents (position_ids that restart) beside a padding mask: one device reads "
+                             "them as one document; pack without padding, or pad without restarting positions")
+        first = positions[:, :1] - 1
+        return (torch.diff(positions, prepend=first, dim=1) != 1).cumsum(1)
 
     def whole_gradient(self, embeds: torch.Tensor) -> torch.Tensor:
         """``inputs_embeds`` made by plain trainable tensors (a soft prompt, a projector before the model) gets its
@@ -276,7 +294,8 @@ def _own_config(model: nn.Module) -> None:
             module.config = pairs[id(module.config)]
 
 
-def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_placement: Placement) -> None:
+def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_placement: Placement,
+                     batch: Batch) -> None:
     """Make ``model`` (a transformers causal LM, its layers already parallelized over ``placement``'s second axis and
     each attention module given its ``tpf.ContextParallel`` entry) run context-parallel over ``placement``'s first
     axis: what the entries do once every one has applied itself.
@@ -286,6 +305,7 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
         kind: ``"ring"`` or ``"ulysses"``.
         placement: ``(context, tensor)`` ranks.
         logits_placement: the placement ``.logits`` is global over (the user's: 1-D for context alone).
+        batch: what the entry finds in each batch, shared with the attention modules (``attach``).
 
     Example::
 
@@ -303,7 +323,7 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
     if model.config._attn_implementation != IMPLEMENTATION:  # transformers only warns where it cannot switch
         raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "
                          f"so context parallelism cannot run it")
-    context = _Context(model, kind, placement, logits_placement)
+    context = _Context(model, kind, placement, logits_placement, batch)
     if kind == "ring":
         _head(model).register_forward_pre_hook(context.to_contiguous)
     model.generate = _NoGenerate()
@@ -396,5 +416,6 @@ class ContextParallel(Style):
                                  f"{ulysses_degrees(local, kv)} context ranks, or tpf.ContextParallel('ring')")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation)
-        plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given))
+        batch = plan.shared("context batch", Batch)
+        attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation, batch)
+        plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given, batch))

@@ -6,6 +6,7 @@ implementation (sdpa or eager) on whole sequences of the rank's heads."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -14,13 +15,13 @@ from torch import nn
 from tpflow.ops.context_attention import head_tail, ring_attention, ulysses_attention
 from tpflow.placement import Placement
 
-__all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "attach", "context_group", "register"]
+__all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_group", "register"]
 
 IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
 _STATE = "_tpflow_context"
 ULYSSES_ORIGINALS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")  # causal without a mask of ours
 _UNSPLIT = {"s_aux": "attention sinks, gpt-oss's", "position_bias": "a learned position bias over the whole scores",
-            "cu_seq_lens_q": "packed documents", "cu_seq_lens_k": "packed documents"}
+            "cu_seq_lens_q": "packed documents by cu_seq_lens", "cu_seq_lens_k": "packed documents by cu_seq_lens"}
 
 
 def context_group(placement: Placement):
@@ -41,11 +42,28 @@ def context_group(placement: Placement):
     return None if placement.coordinate() is None else placement.mesh.get_group(0)
 
 
+@dataclasses.dataclass
+class Batch:
+    """What the model's entry found in the batch that its attention modules need, shared by them.
+
+    Args:
+        documents: ``[batch, seq]``, each token's document (packed documents: ``position_ids`` that restart), or None
+            for one document a row.
+
+    Example::
+
+        >>> Batch().documents is None
+        True
+    """
+
+    documents: torch.Tensor | None = None
+
+
 class _Attention:
     """One attention module's context-parallel attention (transformers calls it through ``IMPLEMENTATION``)."""
 
-    def __init__(self, name: str, kind: str, placement: Placement, original: str) -> None:
-        self.name, self.kind, self.placement, self.original = name, kind, placement, original
+    def __init__(self, name: str, kind: str, placement: Placement, original: str, batch: Batch) -> None:
+        self.name, self.kind, self.placement, self.original, self.batch = name, kind, placement, original, batch
 
     def __call__(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                  scaling: float | None, sliding_window: int | None, softcap: float | None,
@@ -74,10 +92,19 @@ class _Attention:
 
     def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap) -> torch.Tensor:
         """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
-        the flash kernels causal by the module, eager by a mask made for the whole sequence."""
-        mask = None
-        if self.original == "eager" and causal:
-            seq = q.shape[2]
+        the flash kernels causal by the module, eager by a mask made for the whole sequence; packed documents by a
+        mask that keeps each token in its document (eager and sdpa)."""
+        seq, documents, mask = q.shape[2], self.batch.documents, None
+        if documents is not None:
+            if self.original not in ("eager", "sdpa"):
+                raise ValueError(f"{self.name!r}: Ulysses runs packed documents through eager or sdpa attention (a "
+                                 f"mask of the documents), not {self.original!r}: load the model with one of them")
+            seen = documents[:, None, :, None] == documents[:, None, None, :]  # [B, 1, S, S]
+            if causal:
+                seen = seen & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+            mask = seen if self.original == "sdpa" else torch.zeros(seen.shape, dtype=q.dtype, device=q.device
+                                                                    ).masked_fill(~seen, torch.finfo(q.dtype).min)
+        elif self.original == "eager" and causal:
             mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
         groups = getattr(module, "num_key_value_groups", None)
         module.num_key_value_groups = q.shape[1] // k.shape[1]  # this rank's heads (kv heads maybe repeated)
@@ -129,7 +156,7 @@ def register() -> None:
 
 
 
-def attach(module: nn.Module, name: str, kind: str, placement: Placement, original: str) -> None:
+def attach(module: nn.Module, name: str, kind: str, placement: Placement, original: str, batch: Batch) -> None:
     """Give the attention module ``module`` its context-parallel attention, which ``IMPLEMENTATION`` runs.
 
     Args:
@@ -138,12 +165,14 @@ def attach(module: nn.Module, name: str, kind: str, placement: Placement, origin
         kind: ``"ring"`` or ``"ulysses"``.
         placement: the ``(context, tensor)`` placement.
         original: the model's attention implementation before the switch (Ulysses runs it on whole sequences).
+        batch: what the model's entry finds in each batch (its packed documents), shared by the model's attention
+            modules.
 
     Example::
 
         >>> from transformers import LlamaConfig
         >>> from transformers.models.llama.modeling_llama import LlamaAttention
         >>> attention = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2), 0)
-        >>> attach(attention, "layers.0.self_attn", "ring", tpf.placement("cpu", [[0], [1]]), "sdpa")
+        >>> attach(attention, "layers.0.self_attn", "ring", tpf.placement("cpu", [[0], [1]]), "sdpa", Batch())
     """
-    setattr(module, _STATE, _Attention(name, kind, placement, original))
+    setattr(module, _STATE, _Attention(name, kind, placement, original, batch))
