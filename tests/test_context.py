@@ -167,7 +167,8 @@ def _attention_ops(world: int) -> None:
 
 def _right_padding() -> None:
     """Rows of different lengths, padded on the right with an ``attention_mask`` and labels = -100 at the padding: the
-    loss, every gradient and the real tokens' logits equal one device's with the mask, ring and Ulysses."""
+    loss, every gradient and the real tokens' logits equal one device's with the mask, ring and Ulysses; padded on the
+    left, Ulysses hides the padding from the real tokens alike, and the ring refuses it, naming Ulysses."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, 11:] = 0  # the second row: 11 tokens, then 5 of padding
@@ -186,6 +187,25 @@ def _right_padding() -> None:
         real = mask.bool()
         torch.testing.assert_close(out.logits.full_tensor()[real], want.logits[real], **TOL, msg=kind)
         _equal(model, ref, f"{kind} padded", TOL, grads=True)
+    left = torch.ones_like(ids)
+    left[1, :5] = 0  # the second row padded on the left: its real tokens must not see the padding before them
+    labels = ids.masked_fill(left == 0, -100)
+    labels[1, 5] = -100  # scored at the last padded position: one device's masked attention gives it no real query
+    ref.zero_grad()
+    want = ref(ids, attention_mask=left, labels=labels)
+    want.loss.backward()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                            plan=tpf.hf_plan(ref, context_parallel="ulysses"))
+    model.zero_grad()
+    with within(60):
+        out = model(ids, attention_mask=left, labels=labels)
+        out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss.float(), **TOL)
+    torch.testing.assert_close(out.logits.full_tensor()[left.bool()], want.logits[left.bool()], **TOL)
+    _equal(model, ref, "ulysses left-padded", TOL, grads=True)
+    ring = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1), plan=tpf.hf_plan(ref, context_parallel="ring"))
+    with pytest.raises(ValueError, match="the ring takes right padding only.* context_parallel='ulysses'"):
+        ring(ids, attention_mask=left, labels=labels)
 
 
 def _packed_documents() -> None:
@@ -231,7 +251,7 @@ def _packed_documents() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_right_padded_rows_match_one_device(world):
+def test_padded_rows_match_one_device(world):
     harness.run(world, _right_padding)
 
 

@@ -115,13 +115,14 @@ class _Context:
                              f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
                              f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
                              f"and the other tokens' logits as they are)")
-        pads = _right_padding(named.pop("attention_mask", None), batch, seq)
+        pads, hidden = _padding(named.pop("attention_mask", None), batch, seq, self.kind)
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             if named.get(key) is not None:
                 raise ValueError(f"context parallelism takes packed documents by their position_ids (restarting at "
                                  f"each document, as DataCollatorWithFlattening gives them), not by {key}=: pass "
                                  f"position_ids alone")
-        self.batch.documents = None
+        # padding to hide: a document of its own, which the real tokens do not see
+        self.batch.documents = pads.long() if hidden else None
         if positions is None:
             positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
         elif positions.shape != (batch, seq):
@@ -225,21 +226,25 @@ class _Context:
                           shape=shape, sync_data=False)
 
 
-def _right_padding(mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
-    """The padded positions of a 2-D ``attention_mask`` that pads each row on the right (ones, then zeros), or None for
-    no padding; any other mask is refused. Causal attention keeps every real token from seeing the padding after it,
-    so dropping the mask leaves the real tokens' outputs, and a loss that ignores the padding, as one device's."""
+def _padding(mask: torch.Tensor | None, batch: int, seq: int, kind: str) -> tuple[torch.Tensor | None, bool]:
+    """The padded positions of a 2-D ``attention_mask`` (None for none), and whether the attention must hide them:
+    padding on the right needs nothing (causal attention keeps every real token from the padding after it, so the
+    mask is dropped and the real tokens' outputs stay one device's); padding elsewhere (on the left) needs its keys
+    hidden, which Ulysses does by a mask on whole sequences and the ring does not (it names Ulysses)."""
     if mask is None:
-        return None
+        return None, False
     if mask.ndim != 2 or tuple(mask.shape) != (batch, seq):
         raise ValueError(f"context parallelism takes a 2-D padding mask [batch, seq] = {[batch, seq]} (got "
                          f"{list(mask.shape)}): a 4-D mask (packed documents, a mask of your own) is not supported")
     real = mask.bool()
-    if bool((real[:, 1:] & ~real[:, :-1]).any()):
-        raise ValueError("context parallelism takes right padding only (each row's ones, then its zeros): pad on the "
-                         f"right with labels = {IGNORE} (tokenizer.padding_side = 'right'); left padding would let the "
-                         "real tokens see the padding before them")
-    return None if bool(real.all()) else ~real
+    if bool(real.all()):
+        return None, False
+    right = not bool((real[:, 1:] & ~real[:, :-1]).any())
+    if not right and kind == "ring":
+        raise ValueError("the ring takes right padding only (each row's ones, then its zeros): pad on the right with "
+                         f"labels = {IGNORE} (tokenizer.padding_side = 'right'), or use context_parallel='ulysses', "
+                         "which hides padding anywhere")
+    return ~real, not right
 
 
 _GENERATE = ("a model parallelized with context_parallel splits whole sequences over its ranks, and decoding runs one "
