@@ -250,6 +250,32 @@ def _packed_documents() -> None:
         ring(ids, position_ids=positions, labels=labels)
 
 
+def _sliding_windows() -> None:
+    """Sliding windows shorter than the sequence under Ulysses (Mistral's on every layer under sdpa; Gemma 2's local
+    layers beside its global ones, softcapped, under eager): the whole-sequence attention masks each query to its
+    window, so the logits, the loss and every gradient equal one device's; context x tensor on 4 ranks."""
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    tensor = 2 if dist.get_world_size() == 4 else 1
+    for family, implementation in (("mistral", "sdpa"), ("gemma2", "eager")):
+        ref = tiny_lm(family, sliding_window=6, attn_implementation=implementation)
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
+                                plan=tpf.hf_plan(ref, context_parallel="ulysses"))
+        tol, what = (LOOSE if family == "gemma2" else TOL), f"{family} window 6 of 16, tensor={tensor}"
+        with within(60):
+            out = model(ids, labels=ids)
+            out.loss.backward()
+        want = ref(ids, labels=ids)
+        want.loss.backward()
+        torch.testing.assert_close(out.logits.full_tensor(), want.logits, **tol, msg=what)
+        torch.testing.assert_close(out.loss, want.loss.float(), **tol, msg=what)
+        _equal(model, ref, what, tol, grads=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sliding_windows_match_one_device_under_ulysses(world):
+    harness.run(world, _sliding_windows)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_padded_rows_match_one_device(world):
     harness.run(world, _right_padding)

@@ -77,10 +77,10 @@ class _Attention:
             if extra.get(key) is not None:
                 raise ValueError(f"{self.name!r} passes {key!r} to its attention, which context parallelism does not "
                                  f"split ({_UNSPLIT[key]})")
-        if sliding_window is not None and sliding_window < seq:
-            raise ValueError(f"{self.name!r} attends over a sliding window of {sliding_window} tokens, which context "
-                             f"parallelism does not split: train on sequences of at most {sliding_window} tokens, or "
-                             f"without the window (config.sliding_window = None)")
+        if sliding_window is not None and sliding_window < seq and self.kind == "ring":
+            raise ValueError(f"{self.name!r} attends over a sliding window of {sliding_window} tokens, which the ring "
+                             f"does not split yet: use context_parallel='ulysses', train on sequences of at most "
+                             f"{sliding_window} tokens, or without the window (config.sliding_window = None)")
         causal = extra.get("is_causal", getattr(module, "is_causal", True))
         if self.kind == "ring":
             out = ring_attention(q, k, v, segments=head_tail(world, seq), group=group, causal=causal, scale=scaling,
@@ -95,13 +95,19 @@ class _Attention:
         the flash kernels causal by the module, eager by a mask made for the whole sequence; packed documents by a
         mask that keeps each token in its document (eager and sdpa)."""
         seq, documents, mask = q.shape[2], self.batch.documents, None
-        if documents is not None:
+        window = sliding_window is not None and sliding_window < seq
+        if documents is not None or window:
             if self.original not in ("eager", "sdpa"):
-                raise ValueError(f"{self.name!r}: Ulysses runs packed documents through eager or sdpa attention (a "
-                                 f"mask of the documents), not {self.original!r}: load the model with one of them")
-            seen = documents[:, None, :, None] == documents[:, None, None, :]  # [B, 1, S, S]
-            if causal:
-                seen = seen & torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+                raise ValueError(f"{self.name!r}: Ulysses runs packed documents, hidden padding and sliding windows "
+                                 f"through eager or sdpa attention (a mask over the whole sequence), not "
+                                 f"{self.original!r}: load the model with one of them")
+            at = torch.arange(seq, device=q.device)
+            seen = (at[:, None] >= at[None, :]) if causal else torch.ones(seq, seq, dtype=torch.bool, device=q.device)
+            if window:  # the last sliding_window keys, the query's own included (transformers' rule)
+                seen = seen & (at[:, None] - at[None, :] < sliding_window)
+            seen = seen[None, None]
+            if documents is not None:
+                seen = seen & (documents[:, None, :, None] == documents[:, None, None, :])  # [B, 1, S, S]
             mask = seen if self.original == "sdpa" else torch.zeros(seen.shape, dtype=q.dtype, device=q.device
                                                                     ).masked_fill(~seen, torch.finfo(q.dtype).min)
         elif self.original == "eager" and causal:
