@@ -57,6 +57,13 @@ def _copy_adapters(model: torch.nn.Module, reference: torch.nn.Module, adapter: 
                 p.copy_(tpf.tensor(whole, placement=all_ranks(), sbp=tpf.get_sbp(p)))
 
 
+def _folder() -> str:
+    """Rank 0's new temporary folder, on every rank."""
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    return folder[0]
+
+
 def _ids() -> torch.Tensor:
     from tests.models import VOCAB
 
@@ -137,8 +144,7 @@ def _experts_rank(kinds: tuple[str, ...]) -> None:
             for name, p in model.named_parameters():
                 torch.testing.assert_close(p.full_tensor(), wanted[name], rtol=1e-6, atol=1e-6,
                                            msg=f"{kind}, experts {layout}: {name}")
-            folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(folder, src=0)
+            folder = [_folder()]
             with within(60):
                 model.save_pretrained(folder[0])
             if dist.get_rank() == 0:
@@ -260,8 +266,7 @@ def _modules_to_save_rank() -> None:
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.full_tensor(), wanted[name], rtol=1e-6, atol=1e-6, msg=name)
     trained = model(_ids()).logits.full_tensor()
-    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
+    folder = [_folder()]
     with within(60):
         model.save_pretrained(folder[0])
     if dist.get_rank() == 0:
@@ -293,8 +298,7 @@ def _dcp_rank() -> None:
                 model(_ids(), labels=_ids()).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-    where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(where, src=0)
+    where = [_folder()]
     with within(60):
         model_state, optimizer_state = get_state_dict(split, optimizers[split])
         dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=where[0])
@@ -386,8 +390,7 @@ def _save_load_merge_rank() -> None:
     with within(60):
         train_lm(model, _ids())
     trained = model(_ids()).logits.full_tensor()
-    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
+    folder = [_folder()]
     adapter, merged_dir = f"{folder[0]}/adapter", f"{folder[0]}/merged"
     with within(60):
         model.save_pretrained(adapter)  # every rank; rank 0 writes PEFT's files
@@ -478,8 +481,7 @@ def _refusals_rank() -> None:
     # an adapter of another base (8 heads, not 4): refused, into the whole base as into the split one (PEFT takes a
     # tensor of the shape of this rank's block for the block: the check cannot see a base of 1/W the size)
     other = peft.get_peft_model(tiny_lm("llama", kv_heads=2, heads=8), peft.LoraConfig(r=4, target_modules=["q_proj"]))
-    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
+    folder = [_folder()]
     tpf.parallelize(other, placement=all_ranks(), plan="auto").save_pretrained(folder[0])
     with pytest.raises(RuntimeError, match=r"size mismatch for .*q_proj.lora_B"):
         peft.PeftModel.from_pretrained(copy.deepcopy(base), folder[0])

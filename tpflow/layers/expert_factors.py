@@ -4,7 +4,8 @@
 The parameter's split says the factors': split by whole experts (``Shard(0)``), each rank holds its experts' rows of
 ``a`` (``[r E, in]``, by expert) and columns of ``b`` (``[out, r E]``, rank-major: DTensor's
 ``_StridedShard(1, split_factor=r)``); split by the intermediate dim, the factor holding that dim is split as the
-parameter is (its gate and up halves too), the other whole.
+parameter is (its gate and up halves too), the other whole. Shared out over a data axis, the experts and their
+factors carry a mark (``mark_over_data``) by which ``tpf.fsdp_ignored_params`` tells FSDP2 to leave them alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpflow.global_tensor import gradients
 
-__all__ = ["block", "factors_like"]
+__all__ = ["block", "factors_like", "mark_over_data", "over_data"]
+
+_OVER_DATA = "_tpflow_over_data"  # a parameter's mark: shared out over a data axis, which FSDP2 leaves alone
 
 
 def block(full: torch.Tensor, dim: int, parts: int, rank: int, ranks: int) -> torch.Tensor:
@@ -104,3 +107,41 @@ def factors_like(module: nn.Module, name: str, a: torch.Tensor, b: torch.Tensor,
                                    shape=factor.shape, stride=factor.stride())
         factors.append(gradients.adopt(nn.Parameter(value, requires_grad=factor.requires_grad)))
     return factors[0], factors[1]
+
+
+def mark_over_data(param: torch.Tensor, over: bool = True) -> torch.Tensor:
+    """Mark ``param`` as shared out over a data axis with the experts (their parameters, their LoRA factors):
+    ``tpf.fsdp_ignored_params`` then hands it to FSDP2 as one to leave alone.
+
+    Args:
+        param: a parameter.
+        over: whether it is shared out over a data axis.
+
+    Returns:
+        ``param`` itself.
+
+    Example::
+
+        >>> over_data(mark_over_data(torch.nn.Parameter(torch.zeros(2))))
+        True
+    """
+    setattr(param, _OVER_DATA, over)
+    return param
+
+
+def over_data(param: torch.Tensor) -> bool:
+    """Whether ``split_experts`` shared ``param`` out over a data axis (``axis=``): FSDP2 must leave it alone, as
+    ``tpf.fsdp_ignored_params`` tells it.
+
+    Args:
+        param: a parameter.
+
+    Returns:
+        True for the experts' parameters split over a data axis.
+
+    Example::
+
+        >>> over_data(torch.nn.Parameter(torch.zeros(2)))
+        False
+    """
+    return getattr(param, _OVER_DATA, False)

@@ -47,7 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tpflow import comm
 from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local_blocks import LocalReads
-from tpflow.layers.expert_factors import block
+from tpflow.layers.expert_factors import block, mark_over_data, over_data
 from tpflow.placement import Placement
 
 __all__ = ["add_delta", "check_experts", "experts_axis", "mark_over_data", "over_data", "split_experts"]
@@ -55,7 +55,6 @@ __all__ = ["add_delta", "check_experts", "experts_axis", "mark_over_data", "over
 _NAMES = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")  # per expert: [E, 2I] split as gate_up_proj, [E, H] kept whole
 _STATE = "_tpflow_experts"
-_OVER_DATA = "_tpflow_over_data"  # a parameter's mark: shared out over a data axis, which FSDP2 leaves alone
 
 
 def _layout(module: nn.Module) -> tuple[int, int, bool]:
@@ -415,42 +414,3 @@ def experts_axis(placement: Placement, axis: str, by: str = "experts") -> int:
                          f"(data, tensor), e.g. tpf.placement(type, ranks=[[0, 1], [2, 3]], names=({axis!r}, 'tp')) "
                          f"with FSDP2 over {axis!r}: {placement!r} has no such axis {axis!r}")
     return 0
-
-
-def mark_over_data(param: torch.Tensor, over: bool = True) -> torch.Tensor:
-    """Mark ``param`` as shared out over a data axis with the experts (their parameters, their LoRA factors):
-    ``tpf.fsdp_ignored_params`` then hands it to FSDP2 as one to leave alone.
-
-    Args:
-        param: a parameter.
-        over: whether it is shared out over a data axis.
-
-    Returns:
-        ``param`` itself.
-
-    Example::
-
-        >>> over_data(mark_over_data(torch.nn.Parameter(torch.zeros(2))))
-        True
-    """
-    setattr(param, _OVER_DATA, over)
-    return param
-
-
-def over_data(param: torch.Tensor) -> bool:
-    """Whether ``split_experts`` shared ``param`` out over a data axis (``axis=``): FSDP2 must leave it alone, as
-    ``tpf.fsdp_ignored_params`` tells it.
-
-    Args:
-        param: a parameter.
-
-    Returns:
-        True for the experts' parameters split over a data axis.
-
-    Example::
-
-        >>> from tpflow.layers.experts import over_data
-        >>> over_data(torch.nn.Parameter(torch.zeros(2)))
-        False
-    """
-    return getattr(param, _OVER_DATA, False)
