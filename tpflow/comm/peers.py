@@ -82,7 +82,8 @@ def naming_late(what: str, group: dist.ProcessGroup) -> Iterator[None]:
     """Around a collective of ``group``: its timeout raised as ``waiting_on`` the rank that is late. A collective of
     three or more ranks does not say which one that is: the ranks that time out in it say so in the world's store,
     and those that do not within two seconds are the late ones (every rank timing out in it, or no store, names the
-    group's other ranks).
+    group's other ranks). A rank that times out closes its connections, so a rank that waited less long hears
+    "connection closed" instead: it answers the roll call too and raises the verdict of the ranks that timed out.
 
     Args:
         what: the collective (``"an all-gather"``).
@@ -99,30 +100,64 @@ def naming_late(what: str, group: dist.ProcessGroup) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if not timed_out(e):
+        late = timed_out(e)
+        if not late and not closed_connection(e):
             raise
         others = [r for r in dist.get_process_group_ranks(group) if r != dist.get_rank()]
-        late = _roll_call(what, others) if len(others) > 1 else others
-        who = f"rank {late[0]}" if len(late) == 1 else f"one of ranks {late}"
-        raise waiting_on(what, who, e) from e
+        call = _RollCall(others)
+        if late:
+            raise waiting_on(what, _who(call.late(what)), e) from e
+        verdict = call.verdict()  # None: no rank timed out, a peer died (the launcher says which)
+        if verdict is None or dist.get_rank() in verdict:
+            raise
+        raise waiting_on(what, _who(verdict), e) from e
 
 
-_timeouts: dict[tuple[int, ...], int] = {}  # a group's (ranks) timeouts on this rank so far: each roll call's key
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {ranks}"
 
 
-def _roll_call(what: str, others: list[int]) -> list[int]:
-    """The ranks of ``others`` that have not also timed out in this collective within two seconds, or all of them
-    where every one has (or the world has no store to meet in)."""
-    try:
-        store = dist.distributed_c10d._get_default_store()  # the world's key-value store (torch keeps it private)
-    except (AttributeError, RuntimeError, ValueError):
-        return others
-    group = tuple(sorted([*others, dist.get_rank()]))
-    _timeouts[group] = n = _timeouts.get(group, 0) + 1
-    key = f"tpflow/timed-out/{'-'.join(map(str, group))}/{n}/"
-    store.set(key + str(dist.get_rank()), what)
-    late, deadline = list(others), time.monotonic() + 2.0
-    while late and time.monotonic() < deadline:
-        late = [r for r in late if not store.check([key + str(r)])]
-        time.sleep(0.05)
-    return late or others
+_failures: dict[tuple[int, ...], int] = {}  # a group's (ranks) failed collectives on this rank so far: each roll call
+
+
+class _RollCall:
+    """The ranks of a failed collective meet in the world's store (torch keeps it private): each says it was there,
+    and the ranks that timed out write down who was not."""
+
+    def __init__(self, others: list[int]):
+        self.others = others
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            self.store = None
+        group = tuple(sorted([*others, dist.get_rank()]))
+        _failures[group] = n = _failures.get(group, 0) + 1
+        self.key = f"tpflow/failed/{'-'.join(map(str, group))}/{n}/"
+
+    def late(self, what: str) -> list[int]:
+        """The other ranks that have not also come to this collective within two seconds (all of them where every
+        one has, or there is no store), written down for the ranks that heard only a closed connection."""
+        if self.store is None or len(self.others) == 1:
+            late = self.others
+        else:
+            self.store.set(self.key + str(dist.get_rank()), what)
+            late, deadline = list(self.others), time.monotonic() + 2.0
+            while late and time.monotonic() < deadline:
+                late = [r for r in late if not self.store.check([self.key + str(r)])]
+                time.sleep(0.05)
+            late = late or self.others
+        if self.store is not None:
+            self.store.set(self.key + "late", ",".join(map(str, late)))
+        return late
+
+    def verdict(self, seconds: float = 4.0) -> list[int] | None:
+        """The late ranks as a rank that timed out wrote them down within ``seconds``, or None."""
+        if self.store is None:
+            return None
+        self.store.set(self.key + str(dist.get_rank()), "connection closed")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.store.check([self.key + "late"]):
+                return [int(r) for r in self.store.get(self.key + "late").decode().split(",")]
+            time.sleep(0.05)
+        return None
