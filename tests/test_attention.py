@@ -51,25 +51,30 @@ def _results(fn, q, k, v, dout, dlse, **kw):
     return (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
 
 
-def _check(dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed):
+def _check(dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed, first=None):
     """out, lse and the gradients of q, k and v (from both out and lse) against the fp64 reference, k and v read from
     wider rows; a query that sees no key gets out 0, lse -inf and dq 0, whatever the gradient of its lse (here nan, as a
-    merge by torch.logaddexp of two -inf would give)."""
+    merge by torch.logaddexp of two -inf would give). ``first``: each query's first key (global positions)."""
     q = _rand(B, Hq, Lq, D, dtype=dtype, seed=1, transposed=transposed).requires_grad_()
     k = _rand(B, Hkv, Lk, D, dtype=dtype, seed=2, transposed=transposed, padded=True).requires_grad_()
     v = _rand(B, Hkv, Lk, D, dtype=dtype, seed=3, transposed=transposed, padded=True).requires_grad_()
-    hidden = (torch.arange(Lq, device=DEVICE) + q_offset < k_offset) & causal  # queries before every key
+    positions = torch.arange(Lq, device=DEVICE) + q_offset
+    hidden = ((positions < k_offset) & causal).expand(B, 1, Lq)  # queries before every key
+    if first is not None:  # or whose first key is past the block's, or past the query itself
+        last = (positions if causal else torch.full_like(positions, k_offset + Lk - 1)).clamp(max=k_offset + Lk - 1)
+        hidden = hidden | (first.clamp(min=k_offset) > last)[:, None]
     dout = _rand(B, Hq, Lq, D, dtype=dtype, seed=4)
     dlse = _rand(B, Hq, Lq, dtype=torch.float32, seed=5).masked_fill(hidden, float("nan"))
-    kw = dict(causal=causal, q_offset=q_offset, k_offset=k_offset)
+    kw = dict(causal=causal, q_offset=q_offset, k_offset=k_offset, first=first)
     got = _results(attention, q, k, v, dout, dlse, **kw)
     want = _results(attention_ref, q, k, v, dout, dlse, **kw)
     as64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = _results(attention_ref, *as64, dout.double(), dlse.double(), **kw)
     for what, got_t, want_t, ref_t in zip(("out", "lse", "dq", "dk", "dv"), got, want, ref):
         _close(got_t, want_t, ref_t.detach(), dtype, what)
-    assert torch.equal(ref[1] == float("-inf"), hidden.expand(B, Hq, Lq))
-    assert not got[0][..., hidden, :].any() and not got[2][..., hidden, :].any()
+    hidden = hidden.expand(B, Hq, Lq)
+    assert torch.equal(ref[1] == float("-inf"), hidden)
+    assert not got[0][hidden].any() and not got[2][hidden].any()
     return q, k, v, got, kw
 
 
@@ -100,6 +105,45 @@ def test_causal_bounds(diag):
     """17 queries (the last alone in its tile) on 33 keys, ``diag = q_offset - k_offset`` next to the multiples of the
     interpreter's 16-row tiles: where the tiles each program visits, and the ones it masks, begin and end."""
     _check(torch.float32, 1, 2, 1, 17, 33, 16, True, max(diag, 0), max(-diag, 0), False)
+
+
+def _firsts(B, Lq, q_offset, window, seed):
+    """Random packed documents (one row left-padded: its padding sees itself alone) under a sliding window: each
+    query's first key, nondecreasing along the row."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.arange(Lq) + q_offset
+    rows = []
+    for b in range(B):
+        starts = torch.zeros(q_offset + Lq, dtype=torch.bool)
+        starts[torch.randint(0, q_offset + Lq, (3,), generator=g)] = True
+        starts[0] = True
+        start = torch.where(starts, torch.arange(q_offset + Lq), 0).cummax(0).values[positions]
+        if b == 1:  # left padding up to position pad: each padded query its own key alone
+            pad = q_offset + Lq // 3
+            start = torch.where(positions < pad, positions, start.clamp(min=pad))
+        rows.append(start if window is None else torch.maximum(start, positions - window + 1))
+    return torch.stack(rows).to(DEVICE)
+
+
+# (q_offset, k_offset, Lq, Lk, window, causal): the diagonal block, earlier keys, crossing keys, a window narrower
+# than a tile, non-causal documents' lower bounds
+BOUNDED = {
+    "diagonal-documents": (0, 0, 37, 37, None, True),
+    "earlier-keys-window-5": (40, 3, 21, 37, 5, True),
+    "crossing-window-20": (16, 9, 33, 40, 20, True),
+    "diagonal-window-3": (0, 0, 40, 40, 3, True),
+    "full-documents": (0, 0, 21, 21, None, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", BOUNDED.values(), ids=BOUNDED.keys())
+def test_first_keys(case, dtype):
+    """Each query's first visible key (packed documents, left padding, sliding windows), GQA, transposed inputs: out,
+    lse and every gradient against the fp64 reference, the tiles the kernels visit bounded by the rows' first keys."""
+    q_offset, k_offset, Lq, Lk, window, causal = case
+    first = _firsts(2, Lq, q_offset, window, seed=Lq)
+    _check(dtype, 2, 4, 2, Lq, Lk, 16, causal, q_offset, k_offset, True, first=first)
 
 
 # bf16 blocks spanning many of the compiled kernels' 32-128 row tiles, the lengths not multiples of them

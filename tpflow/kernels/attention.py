@@ -61,14 +61,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
-                  q_offset: int = 0, k_offset: int = 0, softcap: float | None = None,
+                  q_offset: int = 0, k_offset: int = 0, softcap: float | None = None, first: torch.Tensor | None = None,
                   upcast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of ``attention``: the scores, an explicit softmax in fp32 (fp64 for fp64 inputs) and the
     log-sum-exp, differentiable by autograd (through ``lse`` too, and with zero gradients for a query that sees no
     key). It holds the ``[B, Hq, Lq, Lk]`` scores; the kernels never do.
 
     Args:
-        q, k, v, causal, scale, q_offset, k_offset, softcap: as in ``attention``.
+        q, k, v, causal, scale, q_offset, k_offset, softcap, first: as in ``attention``.
         upcast: compute in float64 and return float64 (the reference a tolerance is measured against).
 
     Returns:
@@ -86,7 +86,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     _check(q, k, v)
     wide = torch.float64 if upcast else accumulate_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
-    s = _scores(q.to(wide), k.to(wide).repeat_interleave(groups, 1), causal, scale, q_offset, k_offset, softcap)
+    s = _scores(q.to(wide), k.to(wide).repeat_interleave(groups, 1), causal, scale, q_offset, k_offset, softcap, first)
     m = s.amax(-1, keepdim=True).detach()  # the shift cancels out of both results: no gradient through it
     m = m.masked_fill(m == float("-inf"), 0.0)  # a query that sees no key: exp(-inf - 0) = 0, not nan
     e = (s - m).exp()
@@ -98,9 +98,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     return (out if upcast else out.to(q.dtype)), lse
 
 
-def _scores(q, k, causal, scale, q_offset, k_offset, softcap) -> torch.Tensor:
-    """``q k^T * scale``, capped to ``softcap * tanh(s / softcap)`` (Gemma 2's), -inf where causal masking hides a
-    key."""
+def _scores(q, k, causal, scale, q_offset, k_offset, softcap, first=None) -> torch.Tensor:
+    """``q k^T * scale``, capped to ``softcap * tanh(s / softcap)`` (Gemma 2's), -inf where causal masking (or a
+    query's first key) hides a key."""
     s = q @ k.mT * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
@@ -108,39 +108,43 @@ def _scores(q, k, causal, scale, q_offset, k_offset, softcap) -> torch.Tensor:
         queries = torch.arange(q.shape[2], device=q.device) + q_offset
         keys = torch.arange(k.shape[2], device=q.device) + k_offset
         s = s.masked_fill(keys > queries[:, None], float("-inf"))
+    if first is not None:
+        keys = torch.arange(k.shape[2], device=q.device) + k_offset
+        s = s.masked_fill(keys < first[:, None, :, None], float("-inf"))
     return s
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, diag):
-        out, lse = _forward(q, k, v, causal, scale, diag)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, causal, scale, diag, lo):
+        out, lse = _forward(q, k, v, causal, scale, diag, lo)
+        ctx.save_for_backward(q, k, v, out, lse, lo)
         ctx.causal, ctx.scale, ctx.diag = causal, scale, diag
         ctx.set_materialize_grads(False)  # no lse gradient (the usual case): no zeros made and read
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, lo = ctx.saved_tensors
         dq = torch.empty_like(q) if wanted(ctx, 0) else None
         dk, dv = (torch.empty_like(k), torch.empty_like(v)) if wanted(ctx, 1) or wanted(ctx, 2) else (None, None)
         dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
         attention_tiles.backward(q, k, v, out, lse, dout, None if dlse is None else dlse.float().contiguous(), dq, dk,
-                                 dv, ctx.scale, ctx.diag, ctx.causal)
-        return dq, dk, dv, None, None, None
+                                 dv, ctx.scale, ctx.diag, ctx.causal, lo)
+        return dq, dk, dv, None, None, None, None
 
 
-def _forward(q, k, v, causal, scale, diag) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, causal, scale, diag, lo) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q)  # q's strides where q is dense (a transposed [B, L, H, D] view stays one)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if out.numel():
-        attention_tiles.forward(q, k, v, out, lse, scale, diag, causal)
+        attention_tiles.forward(q, k, v, out, lse, scale, diag, causal, lo)
     return out, lse
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
-              q_offset: int = 0, k_offset: int = 0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              q_offset: int = 0, k_offset: int = 0, softcap: float | None = None,
+              first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a block of queries on a block of keys / values, and each query's log-sum-exp of scores:
     flash-attention (no ``[Lq, Lk]`` scores in memory), differentiable through both results.
 
@@ -158,6 +162,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         q_offset, k_offset: the global positions of the first query and the first key.
         softcap: scores capped to ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's attention), or
             None; it runs the torch reference, which holds the scores (as do head dims past the kernels' 128).
+        first: ``[B, Lq]`` integers, the global position of each query's first visible key, nondecreasing along
+            each row (its document's start, ``i - window + 1`` for a sliding window, the first real token after
+            left padding), or None: every key up to the query.
 
     Returns:
         ``(out, lse)``: out ``[B, Hq, Lq, D]`` in q's dtype (q's strides where q is dense), lse ``[B, Hq, Lq]`` fp32
@@ -178,17 +185,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not grads and _cpu_flash(q, k, causal, q_offset - k_offset, softcap):  # CPU: no [Lq, Lk] scores either
+    if not grads and first is None and _cpu_flash(q, k, causal, q_offset - k_offset, softcap):  # CPU: no scores
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, *_repeated(q, k, v), 0.0, causal, scale=scale)
         return out, lse
     if not _kernels(q, softcap):
         return attention_ref(q, k, v, causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset,
-                             softcap=softcap)
-    diag = q_offset - k_offset
+                             softcap=softcap, first=first)
+    diag, lo = q_offset - k_offset, _first_keys(first, k_offset)
     if grads:
-        return _Attention.apply(q, k, v, causal, scale, diag)
-    return _forward(q, k, v, causal, scale, diag)
+        return _Attention.apply(q, k, v, causal, scale, diag, lo)
+    return _forward(q, k, v, causal, scale, diag, lo)
+
+
+def _first_keys(first: torch.Tensor | None, k_offset: int) -> torch.Tensor | None:
+    """Each query's first visible key as an index into the key block (int32, contiguous: what the kernels read)."""
+    return None if first is None else (first - k_offset).clamp(-1, 2 ** 30).to(torch.int32).contiguous()
 
 
 def _kernels(q: torch.Tensor, softcap: float | None) -> bool:
@@ -211,12 +223,13 @@ def _repeated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                        dout: torch.Tensor, *, causal: bool, scale: float | None = None, q_offset: int = 0,
-                       k_offset: int = 0, softcap: float | None = None) -> tuple[torch.Tensor, ...]:
+                       k_offset: int = 0, softcap: float | None = None,
+                       first: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The gradients of one block's attention, given its queries' final ``out`` and ``lse`` over every block: what a
     ring's backward runs block by block (flash-attention's backward needs only those, not the block's own results).
 
     Args:
-        q, k, v, causal, scale, q_offset, k_offset, softcap: the block, as ``attention`` took it.
+        q, k, v, causal, scale, q_offset, k_offset, softcap, first: the block, as ``attention`` took it.
         out: ``[B, Hq, Lq, D]`` the queries' output over all blocks, in q's dtype.
         lse: ``[B, Hq, Lq]`` fp32, their log-sum-exp over all blocks.
         dout: the gradient of ``out``.
@@ -239,7 +252,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     diag = q_offset - k_offset
-    if _cpu_flash(q, k, causal, diag, softcap):
+    if first is None and _cpu_flash(q, k, causal, diag, softcap):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, *_repeated(q, k, v), out.to(q.dtype), lse.float().contiguous(), 0.0, causal,
             scale=scale)
@@ -247,9 +260,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     if _kernels(q, softcap):  # the kernels read lse as contiguous [B, Hq, Lq] (a ring's is a slice of its rows)
         dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
         attention_tiles.backward(q, k, v, out.to(q.dtype), lse.float().contiguous(), dout.to(q.dtype), None, dq, dk,
-                                 dv, scale, diag, causal)
+                                 dv, scale, diag, causal, _first_keys(first, k_offset))
         return dq, dk, dv
-    return _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap)
+    return _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap, first)
 
 
 def _per_kv_head(grad: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -257,12 +270,12 @@ def _per_kv_head(grad: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch
     return grad.unflatten(1, (kv_heads, grad.shape[1] // kv_heads)).sum(2).to(dtype)
 
 
-def _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap):
+def _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap, first):
     """flash-attention's backward written out in torch, on the scores (fp32, fp64 for fp64 inputs)."""
     wide = accumulate_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     qw, kw, vw = q.to(wide), k.to(wide).repeat_interleave(groups, 1), v.to(wide).repeat_interleave(groups, 1)
-    s = _scores(qw, kw, causal, scale, q_offset, k_offset, softcap)
+    s = _scores(qw, kw, causal, scale, q_offset, k_offset, softcap, first)
     lse = lse.to(wide)[..., None]
     p = torch.where(lse == float("-inf"), 0.0, (s - lse.masked_fill(lse == float("-inf"), 0.0)).exp())
     dout = dout.to(wide)

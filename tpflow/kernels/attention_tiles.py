@@ -31,6 +31,11 @@ gradient, whatever its dlse).
 ``q_grad_kernel``: one program per (query tile, batch * query head), over the key tiles the forward visits:
 ``dq += (P * (dout @ v^T - delta)) @ k``, then ``dq *= scale``.
 
+BOUNDED (packed documents, sliding windows, left padding): each query also has a first visible key ``lo`` (an index
+into the key block, nondecreasing along the queries), so it sees keys ``lo .. i + diag``. The forward and dq visit
+the key tiles from the tile's smallest ``lo``; kv_grad the query tiles up to its keys' last query (``last``, found
+from ``lo`` by a search); every tile visited is masked.
+
 Configs: one pinned 16 x 16 tile under the interpreter (several tiles at test sizes), else a few tiles autotuned per
 bucketed shape. They are a first guess after Triton's tutorial 06 (forward 64-128 query rows by 32-128 keys; backward
 narrow tiles along the dimension the program loops over), not yet timed on a GPU. Compiled offline for sm_90 (as
@@ -58,7 +63,7 @@ from tpflow.kernels.tiles import INTERPRET
 __all__ = ["backward", "configs", "delta_kernel", "forward", "forward_kernel", "kv_grad_kernel", "q_grad_kernel"]
 
 KERNELS = ("forward", "kv_grad", "q_grad")
-_KEY = ["Q_KEY", "K_KEY", "CAUSAL", "HEAD_DIM"]
+_KEY = ["Q_KEY", "K_KEY", "CAUSAL", "BOUNDED", "HEAD_DIM"]
 _LOG2E = tl.constexpr(math.log2(math.e))
 _LN2 = tl.constexpr(math.log(2.0))
 _DELTA_ROWS = 16 if INTERPRET else 128  # rows a delta program reads: tutorial 06's PRE_BLOCK
@@ -116,13 +121,15 @@ def _load(ptrs, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, 
 
 
 @triton.jit
-def _visible(queries, keys, Lk, diag, CAUSAL: tl.constexpr):
-    """Which (query, key) pairs attend: keys before Lk and, causal, not after the query's position. ``queries`` and
-    ``keys`` are indices into their blocks, shaped to broadcast against each other ([BM, 1] and [1, BN], or
-    transposed)."""
+def _visible(queries, keys, Lk, diag, lo, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
+    """Which (query, key) pairs attend: keys before Lk, causal not after the query's position, BOUNDED not before
+    the query's first key ``lo``. ``queries`` (and ``lo``) and ``keys`` are indices into their blocks, shaped to
+    broadcast against each other ([BM, 1] and [1, BN], or transposed)."""
     keep = keys < Lk
     if CAUSAL:
         keep = keep & (keys <= queries + diag)
+    if BOUNDED:
+        keep = keep & (keys >= lo)
     return keep
 
 
@@ -154,6 +161,12 @@ def _query_bounds(first_key, Lq, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _first_keys(lo_ptr, b, rows, Lq, Lk):
+    """Each row's first visible key (an index into the key block; Lk past Lq, so that such rows bound nothing)."""
+    return tl.load(lo_ptr + b * Lq + rows, mask=rows < Lq, other=Lk)
+
+
+@triton.jit
 def _lse2(lse_ptr, rows, Lq):
     """The rows' log-sum-exp in base 2; +inf for a row that sees no key (lse -inf) and past Lq, so that its
     recomputed probabilities exp2(s - lse2) are 0."""
@@ -163,16 +176,18 @@ def _lse2(lse_ptr, rows, Lq):
 
 @triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, lo, hi, Lk, diag,
-                   qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """The online softmax over the key tiles ``[lo, hi)``, masked where MASKED: the rows' output sums ``acc``, sums of
-    exp2 ``l_i`` and maxima ``m_i``."""
+                   firsts, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr):
+    """The online softmax over the key tiles ``[lo, hi)``, masked where MASKED (``firsts``: the rows' first keys,
+    where BOUNDED): the rows' output sums ``acc``, sums of exp2 ``l_i`` and maxima ``m_i``."""
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         k = _load(k_ptrs + start * stride_kn, cols, Lk, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if MASKED:
-            s = tl.where(_visible(rows[:, None], cols[None, :], Lk, diag, CAUSAL), s, float("-inf"))
+            s = tl.where(_visible(rows[:, None], cols[None, :], Lk, diag, firsts[:, None], CAUSAL, BOUNDED), s,
+                         float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: sums stay 0, not nan
         alpha = tl.exp2(m_i - shift)
@@ -186,14 +201,14 @@ def _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows,
 
 @triton.jit(do_not_specialize=["diag"])  # diag changes from one ring step to the next
 def forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, lo_ptr,  # lo: [B, Lq] int32, each query's first key (BOUNDED)
     # sizes: Lq queries and Lk keys a head, Hq query heads, GROUP query heads a kv head; causal: keys j <= i + diag
     Lq, Lk, Hq, GROUP, diag, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     # autotune keys: the lengths rounded to powers of two, so a few tokens more do not re-tune
     Q_KEY, K_KEY,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # BLOCK_D: HEAD_DIM up to a power of two
 ):
     bh = tl.program_id(1)
@@ -210,10 +225,17 @@ def forward_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full, end = _key_bounds(first_row, Lk, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0,
-                                   full, Lk, diag, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    if BOUNDED:  # every tile from the rows' first key masked
+        firsts = _first_keys(lo_ptr, b, rows, Lq, Lk)
+        full = tl.maximum(tl.min(firsts, 0), 0) // BLOCK_N * BLOCK_N
+    else:
+        firsts = rows
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0,
+                                       full, Lk, diag, firsts, qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_D,
+                                       BLOCK_N, INPUT_PRECISION)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, full,
-                                   end, Lk, diag, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+                                   end, Lk, diag, firsts, qk_scale, True, CAUSAL, BOUNDED, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                   INPUT_PRECISION)
     seen = l_i > 0.0
     l_i = tl.where(seen, l_i, 1.0)
     tl.store(_ptrs(out_ptr, b, h, rows, offs_d, stride_ob, stride_oh, stride_om, stride_od),
@@ -249,18 +271,19 @@ def delta_kernel(
 
 @triton.jit
 def _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dm, offs_m, keys, offs_d,
-                   lo, hi, Lq, Lk, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   lo, hi, Lq, Lk, diag, qk_scale, lo_ptr, b, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr):
     """dk and dv of one key tile, summed over the query tiles ``[lo, hi)`` of one query head."""
     for start in range(lo, hi, BLOCK_M):
         rows = start + offs_m
+        firsts = _first_keys(lo_ptr, b, rows, Lq, Lk) if BOUNDED else rows
         q = _load(q_ptrs + start * stride_qm, rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
         dout = _load(dout_ptrs + start * stride_dm, rows, Lq, offs_d, HEAD_DIM, BLOCK_D, True)
         s = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
         p = tl.exp2(s - _lse2(lse_ptr, rows, Lq)[None, :])  # P^T: [keys, queries]
         if MASKED:
-            p = tl.where(_visible(rows[None, :], keys[:, None], Lk, diag, CAUSAL), p, 0.0)
+            p = tl.where(_visible(rows[None, :], keys[:, None], Lk, diag, firsts[None, :], CAUSAL, BOUNDED), p, 0.0)
         dv = tl.dot(p.to(dout.dtype), dout, dv, input_precision=INPUT_PRECISION)
         dp = tl.dot(v, tl.trans(dout), input_precision=INPUT_PRECISION)
         delta = tl.load(delta_ptr + rows, mask=rows < Lq, other=0.0)
@@ -270,14 +293,14 @@ def _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr, delta_ptr, stride_q
 
 @triton.jit(do_not_specialize=["diag"])
 def kv_grad_kernel(
-    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, lo_ptr, last_ptr,  # last: [B, Lk] int32
     # sizes as the forward's, Hkv kv heads; lse and delta are contiguous [B, Hkv * GROUP, Lq]
     Lq, Lk, Hkv, GROUP, diag, qk_scale, scale,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     Q_KEY, K_KEY,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh = tl.program_id(1)
@@ -293,17 +316,21 @@ def kv_grad_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     start, full = _query_bounds(first_key, Lq, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    if BOUNDED:  # every query tile up to the keys' last query masked
+        last = tl.load(last_ptr + b * Lk + keys, mask=keys < Lk, other=-1)
+        full = tl.minimum(tl.max(last, 0) + 1, Lq)
     for g in range(GROUP):  # GQA: every query head reading this kv head adds to its gradients here
         h = kvh * GROUP + g
         q_ptrs = _ptrs(q_ptr, b, h, offs_m, offs_d, stride_qb, stride_qh, stride_qm, stride_qd)
         dout_ptrs = _ptrs(dout_ptr, b, h, offs_m, offs_d, stride_db, stride_dh, stride_dm, stride_dd)
         stats = (b * Hkv * GROUP + h) * Lq
         dk, dv = _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr + stats, delta_ptr + stats, stride_qm,
-                                stride_dm, offs_m, keys, offs_d, start, full, Lq, Lk, diag, qk_scale, True, CAUSAL,
-                                HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
-        dk, dv = _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr + stats, delta_ptr + stats, stride_qm,
-                                stride_dm, offs_m, keys, offs_d, full, Lq, Lq, Lk, diag, qk_scale, False, CAUSAL,
-                                HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+                                stride_dm, offs_m, keys, offs_d, start, full, Lq, Lk, diag, qk_scale, lo_ptr, b, True,
+                                CAUSAL, BOUNDED, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+        if not BOUNDED:
+            dk, dv = _kv_grad_tiles(dk, dv, k, v, q_ptrs, dout_ptrs, lse_ptr + stats, delta_ptr + stats, stride_qm,
+                                    stride_dm, offs_m, keys, offs_d, full, Lq, Lq, Lk, diag, qk_scale, lo_ptr, b, False,
+                                    CAUSAL, False, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
     mask = (keys[:, None] < Lk) & (offs_d[None, :] < HEAD_DIM)
     tl.store(_ptrs(dk_ptr, b, kvh, keys, offs_d, stride_dkb, stride_dkh, stride_dkn, stride_dkd),
              (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
@@ -313,8 +340,9 @@ def kv_grad_kernel(
 
 @triton.jit
 def _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, lo, hi, Lk,
-                  diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  diag, firsts, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr):
     """dq of one query tile over the key tiles ``[lo, hi)``, masked where MASKED."""
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
@@ -323,7 +351,7 @@ def _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
-            p = tl.where(_visible(rows[:, None], cols[None, :], Lk, diag, CAUSAL), p, 0.0)
+            p = tl.where(_visible(rows[:, None], cols[None, :], Lk, diag, firsts[:, None], CAUSAL, BOUNDED), p, 0.0)
         dp = tl.dot(dout, tl.trans(v), input_precision=INPUT_PRECISION)
         dq = tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     return dq
@@ -331,13 +359,13 @@ def _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn
 
 @triton.jit(do_not_specialize=["diag"])
 def q_grad_kernel(
-    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, lo_ptr,
     Lq, Lk, Hq, GROUP, diag, qk_scale, scale,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_db, stride_dh, stride_dm, stride_dd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     Q_KEY, K_KEY,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh = tl.program_id(1)
@@ -357,10 +385,16 @@ def q_grad_kernel(
     v_ptrs = _ptrs(v_ptr, b, h // GROUP, offs_n, offs_d, stride_vb, stride_vh, stride_vn, stride_vd)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full, end = _key_bounds(first_row, Lk, diag, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0, full,
-                       Lk, diag, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    if BOUNDED:  # every tile from the rows' first key masked, as in the forward
+        firsts = _first_keys(lo_ptr, b, rows, Lq, Lk)
+        full = tl.maximum(tl.min(firsts, 0), 0) // BLOCK_N * BLOCK_N
+    else:
+        firsts = rows
+        dq = _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, 0,
+                           full, Lk, diag, firsts, qk_scale, False, CAUSAL, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           INPUT_PRECISION)
     dq = _q_grad_tiles(dq, q, dout, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, rows, offs_n, offs_d, full, end,
-                       Lk, diag, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+                       Lk, diag, firsts, qk_scale, True, CAUSAL, BOUNDED, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
     tl.store(_ptrs(dq_ptr, b, h, rows, offs_d, stride_dqb, stride_dqh, stride_dqm, stride_dqd),
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM))
 
@@ -377,15 +411,16 @@ def _launch(kernel: str, grid, *args, **kwargs) -> None:
         _tuned(kernel, autotune)[grid](*args, **kwargs)
 
 
-def _meta(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict:
+def _meta(q: torch.Tensor, k: torch.Tensor, causal: bool, lo: torch.Tensor | None) -> dict:
     """The keyword arguments every attention kernel takes: autotune keys and the shape's constexprs."""
     D = q.shape[-1]
     return dict(Q_KEY=triton.next_power_of_2(q.shape[2]), K_KEY=triton.next_power_of_2(k.shape[2]), CAUSAL=causal,
-                HEAD_DIM=D, INPUT_PRECISION=input_precision(q), BLOCK_D=max(16, triton.next_power_of_2(D)))
+                BOUNDED=lo is not None, HEAD_DIM=D, INPUT_PRECISION=input_precision(q),
+                BLOCK_D=max(16, triton.next_power_of_2(D)))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-            diag: int, causal: bool) -> None:
+            diag: int, causal: bool, lo: torch.Tensor | None = None) -> None:
     """Launch the attention of ``q`` on ``k`` / ``v`` into ``out`` and its log-sum-exp into ``lse``.
     ``tpflow.kernels.attention`` checks the arguments and calls this.
 
@@ -397,6 +432,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         scale: the scores' factor.
         diag: ``q_offset - k_offset``; causal hides key j from query i where ``j > i + diag``.
         causal: mask the keys after each query.
+        lo: ``[B, Lq]`` int32 contiguous, each query's first visible key (an index into k, nondecreasing along each
+            row: packed documents, sliding windows), or None.
 
     Example::
 
@@ -413,18 +450,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     def grid(META):
         return (triton.cdiv(Lq, META["BLOCK_M"]), B * Hq)
 
-    _launch("forward", grid, q, k, v, out, lse, Lq, k.shape[2], Hq, Hq // k.shape[1], diag, scale * math.log2(math.e),
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), **_meta(q, k, causal))
+    _launch("forward", grid, q, k, v, out, lse, lse if lo is None else lo, Lq, k.shape[2], Hq, Hq // k.shape[1], diag,
+            scale * math.log2(math.e), *q.stride(), *k.stride(), *v.stride(), *out.stride(), **_meta(q, k, causal, lo))
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              dout: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor | None, dk: torch.Tensor | None,
-             dv: torch.Tensor | None, scale: float, diag: int, causal: bool) -> None:
+             dv: torch.Tensor | None, scale: float, diag: int, causal: bool, lo: torch.Tensor | None = None) -> None:
     """Launch the gradients of ``forward``'s ``out`` and ``lse``: dq into ``dq``, dk and dv (summed over the query
     heads of each kv head) into ``dk`` and ``dv``.
 
     Args:
-        q, k, v, scale, diag, causal: as in ``forward``.
+        q, k, v, scale, diag, causal, lo: as in ``forward``.
         out, lse: what ``forward`` wrote.
         dout: the gradient of ``out``, any strides.
         dlse: the gradient of ``lse``, contiguous fp32, or None (no gradient).
@@ -445,7 +482,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    meta = _meta(q, k, causal)
+    meta = _meta(q, k, causal, lo)
     delta = torch.empty_like(lse)
     delta_kernel[(triton.cdiv(Lq, _DELTA_ROWS), B * Hq)](
         out, dout, lse, lse if dlse is None else dlse, delta, Lq, Hq, *out.stride(), *dout.stride(),
@@ -456,11 +493,13 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         def kv_grid(META):
             return (triton.cdiv(Lk, META["BLOCK_N"]), B * Hkv)
 
-        _launch("kv_grad", kv_grid, q, k, v, dout, lse, delta, dk, dv, Lq, Lk, Hkv, *rest, *strides,
-                *dk.stride(), *dv.stride(), **meta)
+        keys = torch.arange(Lk, dtype=torch.int32, device=q.device).expand(B, Lk).contiguous()
+        last = None if lo is None else (torch.searchsorted(lo, keys, right=True) - 1).to(torch.int32)  # each key's
+        _launch("kv_grad", kv_grid, q, k, v, dout, lse, delta, dk, dv, lse if lo is None else lo,  # last query
+                lse if last is None else last, Lq, Lk, Hkv, *rest, *strides, *dk.stride(), *dv.stride(), **meta)
     if dq is not None:
         def q_grid(META):
             return (triton.cdiv(Lq, META["BLOCK_M"]), B * Hq)
 
-        _launch("q_grad", q_grid, q, k, v, dout, lse, delta, dq, Lq, Lk, Hq, *rest, *strides, *dq.stride(),
-                **meta)
+        _launch("q_grad", q_grid, q, k, v, dout, lse, delta, dq, lse if lo is None else lo, Lq, Lk, Hq, *rest, *strides,
+                *dq.stride(), **meta)
