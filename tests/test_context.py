@@ -9,6 +9,8 @@ cannot split is refused on every rank."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -163,6 +165,72 @@ def _attention_ops(world: int) -> None:
             torch.testing.assert_close(out, cut(want), msg=what)
             for got, ref in zip(mine, whole):
                 torch.testing.assert_close(got.grad, cut(ref.grad), msg=what)
+
+
+def _firsts(rows: int, seq: int, window: int | None, seed: int) -> torch.Tensor:
+    """Random packed documents (the second row left-padded: its padding sees itself alone), under a sliding window:
+    each query's first key, ``[rows, seq]``."""
+    g = torch.Generator().manual_seed(seed)
+    at = torch.arange(seq)
+    out = []
+    for row in range(rows):
+        starts = torch.zeros(seq, dtype=torch.bool)
+        starts[torch.randint(0, seq, (3,), generator=g)] = True
+        starts[0] = True
+        first = torch.where(starts, at, 0).cummax(0).values
+        if row == 1:
+            first = torch.where(at < seq // 3, at, first.clamp(min=seq // 3))
+        out.append(first if window is None else torch.maximum(first, at - window + 1))
+    return torch.stack(out)
+
+
+def _bounded_ring(world: int) -> None:
+    """``bounded_ring_attention`` against the fp64 reference, forward and every gradient: random packed documents and
+    left padding, with and without a sliding window (narrower than a part, and wider), GQA, softcap; head-tail,
+    contiguous and a shuffled cut into 4W parts; through the Triton kernels (fp32) too on 2 ranks. Each rank's bytes
+    are what its queries see: a window of 3 sends at most 2 tokens a segment."""
+    from tpflow.kernels.attention import attention_ref
+    from tpflow.ops import contiguous, head_tail
+    from tpflow.ops.bounded_ring import bounded_ring_attention, ring_exchange
+
+    rank, seq = dist.get_rank(), 8 * world
+    chunk = seq // (4 * world)
+    order = torch.randperm(4 * world, generator=torch.Generator().manual_seed(world)).view(world, 4)
+    shuffled = [tuple((int(p) * chunk, chunk) for p in sorted(parts)) for parts in order]
+    kernels = ["torch", "triton"] if world == 2 and importlib.util.find_spec("triton") else ["torch"]
+    for (heads, kv, softcap, window), layout, kernel in itertools.product(
+            ((4, 2, None, None), (4, 1, 3.0, 3), (2, 2, None, 11)), (head_tail, contiguous, shuffled), kernels):
+        dtype = torch.float64 if kernel == "torch" else torch.float32
+        g = torch.Generator().manual_seed(heads + kv)
+        q, k, v = (torch.randn(2, h, seq, 16, generator=g, dtype=dtype) for h in (heads, kv, kv))
+        dout = torch.randn(2, heads, seq, 16, generator=g, dtype=dtype)
+        first = _firsts(2, seq, window, seed=seq + kv)
+        whole = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        want, _ = attention_ref(*whole, causal=True, softcap=softcap, first=first)
+        want.backward(dout.double())
+        parts = layout if isinstance(layout, list) else layout(world, seq)
+
+        def cut(t, mine=parts[rank]):
+            return torch.cat([t[:, :, a:a + n] for a, n in mine], 2)
+
+        mine = [cut(t.detach()).requires_grad_() for t in (q, k, v)]
+        exchange = ring_exchange(parts, first)
+        if window == 3:  # the 2 tokens before each of a rank's segments, at most
+            assert all(sum(n for ranges in need for _, n in ranges) <= 2 * len(parts[dst])
+                       for dst, need in enumerate(exchange.needs)), exchange.needs
+        with tpf.config.override(kernels=kernel):
+            out = bounded_ring_attention(*mine, exchange=exchange, group=None, softcap=softcap)
+            out.backward(cut(dout))
+        tol = {} if kernel == "torch" else {"rtol": 1e-4, "atol": 1e-5}
+        what = f"{kernel} {getattr(layout, '__name__', 'shuffled')} heads={heads}/{kv} window={window}"
+        torch.testing.assert_close(out.double(), cut(want), **tol, msg=what)
+        for got, ref in zip(mine, whole):
+            torch.testing.assert_close(got.grad.double(), cut(ref.grad), **tol, msg=what)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bounded_ring_attention_matches_the_reference(world):
+    harness.run(world, _bounded_ring, world, timeout=300)
 
 
 def _right_padding() -> None:

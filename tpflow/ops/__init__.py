@@ -1,10 +1,11 @@
 """Operations that combine the kernels with communication, on local shards: matmul + reduce-scatter and
 all-gather + matmul walked around a ring, each the other's backward; the cross-entropy over classes split
 across ranks, and the head + loss fused chunk by chunk; attention over a sequence split across ranks (ring and
-Ulysses context parallelism)."""
+Ulysses context parallelism; the ring over packed documents and sliding windows fetching only the keys seen)."""
 
 from __future__ import annotations
 
+from tpflow.ops.bounded_ring import RingExchange, bounded_ring_attention, ring_exchange
 from tpflow.ops.collective_matmul import (
     ALGOS,
     all_gather_matmul,
@@ -15,6 +16,6 @@ from tpflow.ops.collective_matmul import (
 from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention, ulysses_degrees
 from tpflow.ops.cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy
 
-__all__ = ["ALGOS", "all_gather_matmul", "all_gather_matmul_ref", "contiguous", "head_tail", "linear_cross_entropy",
-           "matmul_reduce_scatter", "matmul_reduce_scatter_ref", "ring_attention", "ulysses_attention",
-           "ulysses_degrees", "vocab_parallel_cross_entropy"]
+__all__ = ["ALGOS", "RingExchange", "all_gather_matmul", "all_gather_matmul_ref", "bounded_ring_attention",
+           "contiguous", "head_tail", "linear_cross_entropy", "matmul_reduce_scatter", "matmul_reduce_scatter_ref",
+           "ring_attention", "ring_exchange", "ulysses_attention", "ulysses_degrees", "vocab_parallel_cross_entropy"]
