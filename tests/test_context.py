@@ -236,7 +236,7 @@ def test_bounded_ring_attention_matches_the_reference(world):
 def _right_padding() -> None:
     """Rows of different lengths, padded on the right with an ``attention_mask`` and labels = -100 at the padding: the
     loss, every gradient and the real tokens' logits equal one device's with the mask, ring and Ulysses; padded on the
-    left, Ulysses hides the padding from the real tokens alike, and the ring refuses it, naming Ulysses."""
+    left, both hide the padding from the real tokens alike; padding inside a row, the ring refuses, naming Ulysses."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, 11:] = 0  # the second row: 11 tokens, then 5 of padding
@@ -262,35 +262,44 @@ def _right_padding() -> None:
     ref.zero_grad()
     want = ref(ids, attention_mask=left, labels=labels)
     want.loss.backward()
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
-                            plan=tpf.hf_plan(ref, context_parallel="ulysses"))
-    model.zero_grad()
-    with within(60):
-        out = model(ids, attention_mask=left, labels=labels)
-        out.loss.backward()
-    torch.testing.assert_close(out.loss, want.loss.float(), **TOL)
-    torch.testing.assert_close(out.logits.full_tensor()[left.bool()], want.logits[left.bool()], **TOL)
-    _equal(model, ref, "ulysses left-padded", TOL, grads=True)
-    ring = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1), plan=tpf.hf_plan(ref, context_parallel="ring"))
-    with pytest.raises(ValueError, match="the ring takes right padding only.* context_parallel='ulysses'"):
-        ring(ids, attention_mask=left, labels=labels)
+    for kind in ("ring", "ulysses"):
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        model.zero_grad()
+        with within(60):
+            out = model(ids, attention_mask=left, labels=labels)
+            out.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=kind)
+        torch.testing.assert_close(out.logits.full_tensor()[left.bool()], want.logits[left.bool()], **TOL, msg=kind)
+        _equal(model, ref, f"{kind} left-padded", TOL, grads=True)
+    inside = torch.ones_like(ids)
+    inside[1, 6:9] = 0
+    with within(60), pytest.raises(ValueError, match="padding on the left or the right .* context_parallel='ulysses'"):
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                plan=tpf.hf_plan(ref, context_parallel="ring"))
+        model(ids, attention_mask=inside, labels=ids.masked_fill(inside == 0, -100))
 
 
 def _packed_documents() -> None:
     """Documents packed into rows, their position_ids restarting at each (as DataCollatorWithFlattening gives them,
-    labels -100 at each document's first token): Ulysses keeps attention inside each document, so the loss, logits,
-    every gradient and every parameter after two AdamW steps equal one device's (which masks them alike, without a
-    cache), under sdpa and eager; context x tensor on 4 ranks. The ring refuses them, naming Ulysses."""
-    lengths = [[5, 3, 8], [16], [2, 7, 4, 3]]  # rows of 16 tokens: documents of random-ish lengths
-    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
-    ids = torch.randint(0, VOCAB, positions.shape, generator=torch.Generator().manual_seed(5))
-    labels = ids.masked_fill(positions == 0, -100)  # no document predicts the next one's first token
+    labels -100 at each document's first token): Ulysses (under sdpa and eager) and the ring (its cut balanced by the
+    documents' work) keep attention inside each document, so the loss, logits, every gradient and every parameter
+    after two AdamW steps equal one device's (which masks them alike, without a cache); context x tensor on 4
+    ranks."""
     tensor = 2 if dist.get_world_size() == 4 else 1
-    for implementation in ("sdpa", "eager"):
+    # rows of 16 tokens: documents of random-ish lengths; then long documents first, which the ring's head-tail cut
+    # would leave unbalanced (its cut balanced by work moves the parts before the head)
+    for lengths, kind, implementation in (([[5, 3, 8], [16], [2, 7, 4, 3]], "ulysses", "sdpa"),
+                                          ([[5, 3, 8], [16], [2, 7, 4, 3]], "ulysses", "eager"),
+                                          ([[5, 3, 8], [16], [2, 7, 4, 3]], "ring", "sdpa"),
+                                          ([[12, 4], [11, 5]], "ring", "eager")):
+        positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+        ids = torch.randint(0, VOCAB, positions.shape, generator=torch.Generator().manual_seed(5))
+        labels = ids.masked_fill(positions == 0, -100)  # no document predicts the next one's first token
         ref = tiny_lm("qwen3", attn_implementation=implementation)
         model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
-                                plan=tpf.hf_plan(ref, context_parallel="ulysses"))
-        what = f"packed, {implementation}, tensor={tensor}"
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        what = f"packed, {kind}, {implementation}, tensor={tensor}"
         with within(60):
             out = model(ids, position_ids=positions, labels=labels)
         # use_cache=False: transformers masks packed documents only without a cache (with one, its default, one
@@ -312,23 +321,21 @@ def _packed_documents() -> None:
                 opt.step()
                 opt.zero_grad()
         _equal(model, ref, what, TOL, grads=False)
-    ring = tpf.parallelize(tiny_lm("llama"), placement=_placement(tensor),
-                           plan=tpf.hf_plan(tiny_lm("llama"), context_parallel="ring"))
-    with pytest.raises(ValueError, match="the ring does not split packed documents .* context_parallel='ulysses'"):
-        ring(ids, position_ids=positions, labels=labels)
 
 
 def _sliding_windows() -> None:
-    """Sliding windows shorter than the sequence under Ulysses (Mistral's on every layer under sdpa; Gemma 2's local
-    layers beside its global ones, softcapped, under eager): the whole-sequence attention masks each query to its
-    window, so the logits, the loss and every gradient equal one device's; context x tensor on 4 ranks."""
+    """Sliding windows shorter than the sequence (Mistral's on every layer under sdpa; Gemma 2's local layers beside
+    its global ones, softcapped, under eager): Ulysses' whole-sequence attention masks each query to its window, the
+    ring fetches the keys the window reaches; the logits, the loss and every gradient equal one device's; context x
+    tensor on 4 ranks."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     tensor = 2 if dist.get_world_size() == 4 else 1
-    for family, implementation in (("mistral", "sdpa"), ("gemma2", "eager")):
+    for (family, implementation), kind in itertools.product((("mistral", "sdpa"), ("gemma2", "eager")),
+                                                            ("ring", "ulysses")):
         ref = tiny_lm(family, sliding_window=6, attn_implementation=implementation)
         model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
-                                plan=tpf.hf_plan(ref, context_parallel="ulysses"))
-        tol, what = (LOOSE if family == "gemma2" else TOL), f"{family} window 6 of 16, tensor={tensor}"
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        tol, what = (LOOSE if family == "gemma2" else TOL), f"{family} {kind} window 6 of 16, tensor={tensor}"
         with within(60):
             out = model(ids, labels=ids)
             out.loss.backward()
@@ -340,7 +347,7 @@ def _sliding_windows() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sliding_windows_match_one_device_under_ulysses(world):
+def test_sliding_windows_match_one_device(world):
     harness.run(world, _sliding_windows)
 
 
@@ -350,13 +357,13 @@ def test_padded_rows_match_one_device(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_packed_documents_match_one_device_under_ulysses(world):
+def test_packed_documents_match_one_device(world):
     harness.run(world, _packed_documents)
 
 
 def _refusals() -> None:
     """Every rank raises the same clear error, before any collective could hang: a length the parts do not divide,
-    a padding mask, a sliding window shorter than the sequence, decoding, heads Ulysses cannot split, ranks fed
+    padding inside a row under the ring, decoding, heads Ulysses cannot split, ranks fed
     different ids, a named placement."""
     ref = tiny_lm("mistral", sliding_window=8)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -366,17 +373,13 @@ def _refusals() -> None:
             ring(ids[:, :14], labels=ids[:, :14])
         with pytest.raises(ValueError, match=r"labels \[2, 15\] must have the tokens' shape \[2, 16\]"):
             ring(ids, labels=ids[:, 1:])
-        with pytest.raises(ValueError, match="the ring does not split packed documents"):
-            ring(ids, position_ids=torch.arange(8).repeat(2).expand(2, 16))
-        with pytest.raises(ValueError, match="takes right padding only"):
-            ring(ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0))
+        with pytest.raises(ValueError, match="the ring takes padding on the left or the right"):
+            ring(ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([3]), 0))
         with pytest.raises(ValueError, match=r"takes a 2-D padding mask \[batch, seq\] = \[2, 16\]"):
             ring(ids, attention_mask=torch.ones(2, 1, 16, 16))
         padded = torch.ones_like(ids).index_fill_(1, torch.tensor([14, 15]), 0)
         with pytest.raises(ValueError, match="the padding carries labels: give the padded positions labels = -100"):
             ring(ids, attention_mask=padded, labels=ids)
-        with pytest.raises(ValueError, match="sliding window of 8 tokens"):
-            ring(ids)
         with pytest.raises(ValueError, match="generate with a model parallelized by"):
             ring.generate(ids[:, :4], max_new_tokens=2)
         with pytest.raises(ValueError, match="context-parallel ranks .* were fed different inputs"):

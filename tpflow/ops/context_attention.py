@@ -10,11 +10,13 @@ keys or activations, only its own queries' parts of the sequence.
 
 A rank's part of the sequence is a list of segments (first position, length) laid end to end in its local tensors:
 ``head_tail`` balances causal work (rank r holds parts r and 2W-1-r of 2W, so every rank has as many visible blocks
-as any other), ``contiguous`` is one segment each.
+as any other), ``contiguous`` is one segment each, ``balanced`` balances the work of packed documents (each query's
+keys start at its document's). ``regroup`` moves a tensor from one cut to another.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -26,7 +28,8 @@ from tpflow.comm.transport import Handle, Transport, as_transport
 from tpflow.kernels.attention import attention, attention_backward, merge
 from tpflow.kernels.epilogue import accumulate_dtype
 
-__all__ = ["Segments", "contiguous", "head_tail", "ring_attention", "ulysses_attention", "ulysses_degrees"]
+__all__ = ["Segments", "attention_work", "balanced", "contiguous", "head_tail", "regroup", "ring_attention",
+           "ulysses_attention", "ulysses_degrees"]
 
 Segments = tuple[tuple[int, int], ...]  # (first position, length) of each part a rank holds, in its local order
 
@@ -71,6 +74,126 @@ def contiguous(world: int, seq: int) -> list[Segments]:
     if seq % world:
         raise ValueError(f"contiguous cuts {seq} tokens into {world} equal parts: pad to a multiple of {world}")
     return [((r * (seq // world), seq // world),) for r in range(world)]
+
+
+def attention_work(segments: Sequence[Segments], first: torch.Tensor) -> list[int]:
+    """Each rank's causal attention work: the (query, key) pairs its queries score, query i seeing the keys from
+    ``first[:, i]`` to itself, summed over the batch.
+
+    Args:
+        segments: every rank's segments.
+        first: ``[B, S]`` each query's first visible key (``torch.arange(S)`` rows of zeros: plain causal).
+
+    Returns:
+        The pairs of each rank.
+
+    Example::
+
+        >>> attention_work(head_tail(2, 8), torch.zeros(1, 8, dtype=torch.long))   # causal: 1 + 2 + ... + 8
+        [18, 18]
+    """
+    per = (torch.arange(first.shape[1], device=first.device) - first + 1).sum(0).tolist()
+    return [sum(sum(per[a:a + n]) for a, n in parts) for parts in segments]
+
+
+def balanced(world: int, first: torch.Tensor, chunks: int = 8) -> list[Segments]:
+    """A cut of the sequence whose ranks' attention work is even where documents are packed (``first``: each query's
+    first key, its document's start): the sequence in ``2 * world * m`` equal pieces (m the largest of ``chunks``,
+    4, 2, 1 that divides it), each rank given as many pieces, the heaviest first to the least loaded rank (torch's
+    per-document head-tail is the model: a long document's pieces spread over the ranks); head-tail where that is
+    as even. Every rank holds as many tokens.
+
+    Args:
+        world: the ranks.
+        first: ``[B, S]``, S a multiple of ``2 * world``, the same on every rank.
+        chunks: pieces per head-tail part at most.
+
+    Returns:
+        For each rank, its segments, adjacent pieces merged.
+
+    Example::
+
+        >>> first = torch.tensor([[0] * 12 + [12] * 4])       # a document of 12 tokens, then one of 4
+        >>> segments = balanced(2, first, chunks=2)
+        >>> attention_work(segments, first), attention_work(head_tail(2, 16), first)
+        ([44, 44], [20, 68])
+    """
+    seq = first.shape[1]
+    if seq % (2 * world):
+        raise ValueError(f"balanced cuts {seq} tokens into {2 * world} equal parts at least: pad to a multiple of "
+                         f"{2 * world}")
+    m = next(m for m in (chunks, 4, 2, 1) if seq % (2 * world * m) == 0)
+    size, pieces = seq // (2 * world * m), 2 * world * m
+    per = (torch.arange(seq, device=first.device) - first + 1).sum(0)
+    work = per.view(pieces, size).sum(1).tolist()
+    loads, held = [0] * world, [[] for _ in range(world)]
+    for piece in sorted(range(pieces), key=lambda p: (-work[p], p)):
+        rank = min((r for r in range(world) if len(held[r]) < 2 * m), key=lambda r: (loads[r], r))
+        loads[rank] += work[piece]
+        held[rank].append(piece)
+    tail = head_tail(world, seq)
+    if max(attention_work(tail, first)) <= max(loads):
+        return tail
+    return [_runs(sorted(parts), size) for parts in held]
+
+
+def _runs(pieces: list[int], size: int) -> Segments:
+    """Sorted pieces of ``size`` tokens as segments, adjacent ones merged."""
+    out: list[list[int]] = []
+    for p in pieces:
+        if out and out[-1][0] + out[-1][1] == p * size:
+            out[-1][1] += size
+        else:
+            out.append([p * size, size])
+    return tuple((a, n) for a, n in out)
+
+
+@functools.cache
+def _moves(have: tuple[Segments, ...], want: tuple[Segments, ...], rank: int) -> tuple[list, list, list, list]:
+    """For ``regroup`` on ``rank``: its local rows in the order they leave, the counts to each rank, the counts from
+    each, and the received rows' order in the new cut."""
+    owner = {}
+    for r, parts in enumerate(want):
+        for a, n in parts:
+            for p in range(a, a + n):
+                owner[p] = r
+    positions = [[p for a, n in parts for p in range(a, a + n)] for parts in have]
+    mine = positions[rank]
+    leaving = sorted(range(len(mine)), key=lambda i: (owner[mine[i]], i))
+    send = [sum(owner[p] == r for p in mine) for r in range(len(have))]
+    recv = [sum(owner[p] == rank for p in theirs) for theirs in positions]
+    arriving = [p for theirs in positions for p in sorted(theirs, key=lambda p: owner[p]) if owner[p] == rank]
+    where = {p: i for i, p in enumerate(arriving)}
+    order = [where[p] for a, n in want[rank] for p in range(a, a + n)]
+    return leaving, send, recv, order
+
+
+def regroup(x: torch.Tensor, have: Sequence[Segments], want: Sequence[Segments],
+            group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x``'s dim 1, this rank's tokens laid out as ``have``, laid out as ``want`` instead: one all-to-all of the
+    tokens that change rank (differentiable: the gradients go back the same way).
+
+    Args:
+        x: ``[B, L, ...]``, this rank's segments of ``have`` end to end.
+        have, want: every rank's segments of the sequence, before and after.
+        group: the ranks the sequence is split over.
+
+    Returns:
+        ``[B, L', ...]``: this rank's segments of ``want`` end to end.
+
+    Example::
+
+        >>> rank = tpf.get_rank()                         # on 2 ranks: positions 0-1, 6-7 and 2-5 to 0-3, 4-7
+        >>> x = torch.tensor([[0, 1, 6, 7]]) if rank == 0 else torch.tensor([[2, 3, 4, 5]])
+        >>> regroup(x, head_tail(2, 8), contiguous(2, 8), torch.distributed.group.WORLD)[0].tolist()  # on rank 1
+        [4, 5, 6, 7]
+    """
+    have, want = tuple(map(tuple, have)), tuple(map(tuple, want))
+    rank = 0 if group is None else dist.get_rank(group)
+    leaving, send, recv, order = _moves(have, want, rank)
+    rows = torch.tensor(leaving, device=x.device)
+    got = comm.all_to_all_mirror(x.index_select(1, rows).movedim(1, 0).contiguous(), send, recv, group)
+    return got.index_select(0, torch.tensor(order, device=x.device)).movedim(0, 1)
 
 
 def _blocks(mine: Segments, theirs: Segments, causal: bool) -> Iterator[tuple[slice, slice, bool, int, int]]:

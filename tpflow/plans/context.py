@@ -33,14 +33,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import comm
 from tpflow.global_tensor import from_local
 from tpflow.ops import ulysses_degrees
-from tpflow.ops.context_attention import contiguous, head_tail
+from tpflow.ops.context_attention import balanced, contiguous, head_tail, regroup
 from tpflow.placement import Placement
 from tpflow.plans import heads
 from tpflow.plans.context_attention import (
@@ -89,9 +88,12 @@ class _Context:
         coord = self.placement.coordinate()
         return 0 if coord is None else coord[0]
 
-    def layers(self, seq: int):
-        """This rank's segments through the layers."""
-        return (head_tail if self.kind == "ring" else contiguous)(self.world, seq)
+    def cut(self, seq: int, first: torch.Tensor | None):
+        """Every rank's segments through the layers: Ulysses' contiguous parts; the ring's head-tail ones, or over
+        packed documents (``first``: each query's first key) a cut balanced by their attention work."""
+        if self.kind == "ulysses":
+            return contiguous(self.world, seq)
+        return head_tail(self.world, seq) if first is None else balanced(self.world, first)
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         named = dict(self.signature.bind(*args, **kwargs).arguments)
@@ -115,7 +117,7 @@ class _Context:
                              f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
                              f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
                              f"and the other tokens' logits as they are)")
-        pads, hidden = _padding(named.pop("attention_mask", None), batch, seq, self.kind)
+        pads, hidden = _padding(named.pop("attention_mask", None), batch, seq)
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             if named.get(key) is not None:
                 raise ValueError(f"context parallelism takes packed documents by their position_ids (restarting at "
@@ -130,11 +132,14 @@ class _Context:
                              f"{list(positions.shape)})")
         elif not bool((positions.diff(dim=1) == 1).all()):
             self.batch.documents = self.documents(positions, pads)
+        first = None if self.kind == "ulysses" or self.batch.documents is None else _first_keys(self.batch.documents)
+        self.batch.first, self.batch.exchanges = first, {}
+        self.batch.segments = tuple(self.cut(seq, first))
         for key in ("labels", "shift_labels"):
             if named.get(key) is not None and named[key].shape != (batch, seq):
                 raise ValueError(f"{key} {list(named[key].shape)} must have the tokens' shape {[batch, seq]} (the "
                                  f"model shifts the labels itself)")
-        layers = self.layers(seq)[self.rank]
+        layers = self.batch.segments[self.rank]
         if ids is None:
             tokens = self.whole_gradient(tokens)
         named["input_ids" if ids is not None else "inputs_embeds"] = _cut(tokens, layers)
@@ -155,10 +160,7 @@ class _Context:
 
     def documents(self, positions: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor:
         """Packed documents' ids from ``position_ids`` that restart (a new document wherever they do not count up by
-        one, as transformers' own masks read them), for Ulysses, whose attention runs on whole sequences."""
-        if self.kind == "ring":
-            raise ValueError("the ring does not split packed documents (position_ids that restart) yet: use "
-                             "context_parallel='ulysses', which runs them on whole sequences")
+        one, as transformers' own masks read them)."""
         if pads is not None:
             raise ValueError("packed documents (position_ids that restart) beside a padding mask: one device reads "
                              "them as one document; pack without padding, or pad without restarting positions")
@@ -182,22 +184,14 @@ class _Context:
         return comm.copy_to_ranks(embeds, context_group(self.placement)) if plain else embeds
 
     def to_contiguous(self, module: nn.Module, args: tuple) -> tuple:
-        """A ring's hidden states before the head: this rank's head-tail parts exchanged for contiguous ones (part p
-        of the 2W goes to rank p // 2)."""
+        """A ring's hidden states before the head: this rank's parts (head-tail, or balanced) exchanged for
+        contiguous ones."""
         self.reordered = True
-        world, rank = self.world, self.rank
-        if world == 1:
+        if self.world == 1:
             return args
-        seq = args[0].shape[1] * world
-        holds = [[start // (seq // (2 * world)) for start, _ in parts] for parts in head_tail(world, seq)]
-        send = [sum(part // 2 == r for part in holds[rank]) for r in range(world)]
-        recv = [sum(part // 2 == rank for part in holds[r]) for r in range(world)]
-        parts = rearrange(args[0], "b (p c) h -> p b c h", p=2).contiguous()
-        got = comm.all_to_all_mirror(parts, send, recv, context_group(self.placement))
-        arriving = [part for held in holds for part in held if part // 2 == rank]  # in source rank order
-        if arriving != sorted(arriving):
-            got = got[torch.tensor(sorted(range(len(arriving)), key=arriving.__getitem__), device=got.device)]
-        return (rearrange(got, "p b c h -> b (p c) h"), *args[1:])
+        seq = args[0].shape[1] * self.world
+        hidden = regroup(args[0], self.batch.segments, contiguous(self.world, seq), context_group(self.placement))
+        return (hidden, *args[1:])
 
     def leave(self, module: nn.Module, args: tuple, output: object) -> object:
         if isinstance(output, tuple):
@@ -226,11 +220,11 @@ class _Context:
                           shape=shape, sync_data=False)
 
 
-def _padding(mask: torch.Tensor | None, batch: int, seq: int, kind: str) -> tuple[torch.Tensor | None, bool]:
+def _padding(mask: torch.Tensor | None, batch: int, seq: int) -> tuple[torch.Tensor | None, bool]:
     """The padded positions of a 2-D ``attention_mask`` (None for none), and whether the attention must hide them:
     padding on the right needs nothing (causal attention keeps every real token from the padding after it, so the
     mask is dropped and the real tokens' outputs stay one device's); padding elsewhere (on the left) needs its keys
-    hidden, which Ulysses does by a mask on whole sequences and the ring does not (it names Ulysses)."""
+    hidden: a document of its own."""
     if mask is None:
         return None, False
     if mask.ndim != 2 or tuple(mask.shape) != (batch, seq):
@@ -240,11 +234,20 @@ def _padding(mask: torch.Tensor | None, batch: int, seq: int, kind: str) -> tupl
     if bool(real.all()):
         return None, False
     right = not bool((real[:, 1:] & ~real[:, :-1]).any())
-    if not right and kind == "ring":
-        raise ValueError("the ring takes right padding only (each row's ones, then its zeros): pad on the right with "
-                         f"labels = {IGNORE} (tokenizer.padding_side = 'right'), or use context_parallel='ulysses', "
-                         "which hides padding anywhere")
     return ~real, not right
+
+
+def _first_keys(documents: torch.Tensor) -> torch.Tensor:
+    """Each token's first visible key for the ring: the start of its document's run of tokens. Each document must be
+    one run (padding on the left or right of a row, packed documents): the ring's keys of a query are one span."""
+    at = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    if starts.sum(1).tolist() != [row.unique().numel() for row in documents]:
+        raise ValueError("the ring takes padding on the left or the right of each row (one run of zeros in the "
+                         "attention_mask): padding inside a row hides keys in the middle of a query's span; use "
+                         "context_parallel='ulysses', which hides padding anywhere")
+    return torch.where(starts, at, 0).cummax(1).values
 
 
 _GENERATE = ("a model parallelized with context_parallel splits whole sequences over its ranks, and decoding runs one "

@@ -12,7 +12,8 @@ import sys
 import torch
 from torch import nn
 
-from tpflow.ops.context_attention import head_tail, ring_attention, ulysses_attention
+from tpflow.ops.bounded_ring import RingExchange, bounded_ring_attention, ring_exchange
+from tpflow.ops.context_attention import Segments, ring_attention, ulysses_attention
 from tpflow.placement import Placement
 
 __all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_group", "register"]
@@ -47,8 +48,14 @@ class Batch:
     """What the model's entry found in the batch that its attention modules need, shared by them.
 
     Args:
-        documents: ``[batch, seq]``, each token's document (packed documents: ``position_ids`` that restart), or None
-            for one document a row.
+        documents: ``[batch, seq]``, each token's document (packed documents: ``position_ids`` that restart; hidden
+            padding), or None for one document a row.
+        segments: every rank's segments of the sequence in this batch (the ring's: head-tail, or balanced by work
+            over packed documents).
+        first: ``[batch, seq]``, the ring's: each query's first visible key (its document's start), or None where
+            every query sees the keys from the row's start.
+        exchanges: the ring's ``RingExchange`` of this batch for each sliding window (None: none), made by the first
+            layer that needs it.
 
     Example::
 
@@ -57,6 +64,21 @@ class Batch:
     """
 
     documents: torch.Tensor | None = None
+    segments: tuple[Segments, ...] = ()
+    first: torch.Tensor | None = None
+    exchanges: dict[int | None, RingExchange] = dataclasses.field(default_factory=dict)
+
+    def exchange(self, q: torch.Tensor, window: int | None) -> RingExchange:
+        """The ring's exchange for a window of ``window`` tokens (or none) over this batch's first keys."""
+        if window not in self.exchanges:
+            seq = sum(n for parts in self.segments for _, n in parts)
+            at = torch.arange(seq, device=q.device)
+            first = self.first if self.first is not None else torch.zeros(q.shape[0], seq, dtype=torch.long,
+                                                                           device=q.device)
+            if window is not None:
+                first = torch.maximum(first, at - window + 1)
+            self.exchanges[window] = ring_exchange(self.segments, first)
+        return self.exchanges[window]
 
 
 class _Attention:
@@ -77,13 +99,16 @@ class _Attention:
             if extra.get(key) is not None:
                 raise ValueError(f"{self.name!r} passes {key!r} to its attention, which context parallelism does not "
                                  f"split ({_UNSPLIT[key]})")
-        if sliding_window is not None and sliding_window < seq and self.kind == "ring":
-            raise ValueError(f"{self.name!r} attends over a sliding window of {sliding_window} tokens, which the ring "
-                             f"does not split yet: use context_parallel='ulysses', train on sequences of at most "
-                             f"{sliding_window} tokens, or without the window (config.sliding_window = None)")
+        window = sliding_window if sliding_window is not None and sliding_window < seq else None
         causal = extra.get("is_causal", getattr(module, "is_causal", True))
-        if self.kind == "ring":
-            out = ring_attention(q, k, v, segments=head_tail(world, seq), group=group, causal=causal, scale=scaling,
+        if self.kind == "ring" and (window is not None or self.batch.first is not None):
+            if not causal:
+                raise ValueError(f"{self.name!r} is not causal: the ring splits packed documents, hidden padding and "
+                                 f"sliding windows of causal attention only; use context_parallel='ulysses'")
+            out = bounded_ring_attention(q, k, v, exchange=self.batch.exchange(q, window), group=group,
+                                         scale=scaling, softcap=softcap)
+        elif self.kind == "ring":
+            out = ring_attention(q, k, v, segments=self.batch.segments, group=group, causal=causal, scale=scaling,
                                  softcap=softcap)
         else:
             out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
