@@ -131,17 +131,20 @@ _MOE_EXTRA = {  # what each family needs besides the shared sizes (OLMoE plans k
 }
 
 
-def tiny_moe(kind: str, experts: str = "eager", dtype: torch.dtype = torch.float64, layers: int = 2) -> nn.Module:
+def tiny_moe(kind: str, experts: str = "eager", dtype: torch.dtype = torch.float64, layers: int = 2,
+             **extra) -> nn.Module:
     """A Hugging Face mixture-of-experts causal LM of ``kind`` (random weights; ``layers`` layers, 4 experts, top-2,
     the router's auxiliary loss in ``labels=``): ``experts`` is its experts implementation (``"eager"``: a loop, which
-    runs in fp64; ``"grouped_mm"``: ``torch._grouped_mm``, fp32 and lower; ``"tpflow"``: tpflow's grouped GEMM)."""
+    runs in fp64; ``"grouped_mm"``: ``torch._grouped_mm``, fp32 and lower; ``"tpflow"``: tpflow's grouped GEMM);
+    ``extra``: more config (it wins)."""
     import transformers
 
-    sizes = {"num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, **_MOE_EXTRA.get(kind, {})}
+    sizes = {"num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, **_MOE_EXTRA.get(kind, {}),
+             "output_router_logits": True, "router_aux_loss_coef": 0.1, **extra}
     config = transformers.AutoConfig.for_model(
         kind, vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=48, num_experts=4,
         num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
-        max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1, **sizes)
+        max_position_embeddings=64, **sizes)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, experts_implementation=experts).to(dtype)
 

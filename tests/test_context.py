@@ -165,6 +165,17 @@ def _attention_ops(world: int) -> None:
             torch.testing.assert_close(out, cut(want), msg=what)
             for got, ref in zip(mine, whole):
                 torch.testing.assert_close(got.grad, cut(ref.grad), msg=what)
+    sinks = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)  # gpt-oss's, on the plain ring
+    whole = [t.detach().clone().requires_grad_() for t in (q, k, v)] + [sinks.detach().clone().requires_grad_()]
+    _with_sinks(*whole).backward(dout)
+    parts = head_tail(world, seq)
+    mine = [torch.cat([t.detach()[:, :, a:a + n] for a, n in parts[rank]], 2).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, segments=parts, group=None, sinks=sinks)
+    out.backward(torch.cat([dout[:, :, a:a + n] for a, n in parts[rank]], 2))
+    for got, ref in zip(mine, whole):
+        torch.testing.assert_close(got.grad, torch.cat([ref.grad[:, :, a:a + n] for a, n in parts[rank]], 2))
+    dist.all_reduce(sinks.grad)
+    torch.testing.assert_close(sinks.grad, whole[3].grad)
 
 
 def _firsts(rows: int, seq: int, window: int | None, seed: int) -> torch.Tensor:
@@ -184,11 +195,26 @@ def _firsts(rows: int, seq: int, window: int | None, seed: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def _with_sinks(q, k, v, sinks, first=None):
+    """Attention with gpt-oss's sinks written out as transformers' eager attention does (a sink logit per head
+    concatenated to the scores, the softmax over both, the sink's column dropped), fp64, causal."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    at = torch.arange(q.shape[2])
+    seen = at[:, None] >= at[None, :]
+    if first is not None:
+        seen = seen & (at[None, None, :] >= first[:, :, None])
+    scores = (q @ k.mT * q.shape[-1] ** -0.5).masked_fill(~seen[:, None] if seen.ndim == 3 else ~seen, float("-inf"))
+    logits = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
+    return logits.softmax(-1)[..., :-1] @ v
+
+
 def _bounded_ring(world: int) -> None:
     """``bounded_ring_attention`` against the fp64 reference, forward and every gradient: random packed documents and
     left padding, with and without a sliding window (narrower than a part, and wider), GQA, softcap; head-tail,
-    contiguous and a shuffled cut into 4W parts; through the Triton kernels (fp32) too on 2 ranks. Each rank's bytes
-    are what its queries see: a window of 3 sends at most 2 tokens a segment."""
+    contiguous and a shuffled cut into 4W parts; through the Triton kernels (fp32) too on 2 ranks; attention sinks
+    (gpt-oss's) against transformers' way of computing them. Each rank's bytes are what its queries see: a window of 3
+    sends at most 2 tokens a segment."""
     from tpflow.kernels.attention import attention_ref
     from tpflow.ops import contiguous, head_tail
     from tpflow.ops.bounded_ring import bounded_ring_attention, ring_exchange
@@ -198,15 +224,21 @@ def _bounded_ring(world: int) -> None:
     order = torch.randperm(4 * world, generator=torch.Generator().manual_seed(world)).view(world, 4)
     shuffled = [tuple((int(p) * chunk, chunk) for p in sorted(parts)) for parts in order]
     kernels = ["torch", "triton"] if world == 2 and importlib.util.find_spec("triton") else ["torch"]
-    for (heads, kv, softcap, window), layout, kernel in itertools.product(
-            ((4, 2, None, None), (4, 1, 3.0, 3), (2, 2, None, 11)), (head_tail, contiguous, shuffled), kernels):
+    for (heads, kv, softcap, window, sinks), layout, kernel in itertools.product(
+            ((4, 2, None, None, False), (4, 1, 3.0, 3, False), (2, 2, None, 11, False), (4, 2, None, 5, True)),
+            (head_tail, contiguous, shuffled), kernels):
         dtype = torch.float64 if kernel == "torch" else torch.float32
         g = torch.Generator().manual_seed(heads + kv)
         q, k, v = (torch.randn(2, h, seq, 16, generator=g, dtype=dtype) for h in (heads, kv, kv))
         dout = torch.randn(2, heads, seq, 16, generator=g, dtype=dtype)
         first = _firsts(2, seq, window, seed=seq + kv)
+        sink = torch.randn(heads, generator=g, dtype=dtype).requires_grad_() if sinks else None
         whole = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        want, _ = attention_ref(*whole, causal=True, softcap=softcap, first=first)
+        if sinks:
+            whole.append(sink.detach().double().requires_grad_())
+            want = _with_sinks(*whole, first=first)
+        else:
+            want, _ = attention_ref(*whole, causal=True, softcap=softcap, first=first)
         want.backward(dout.double())
         parts = layout if isinstance(layout, list) else layout(world, seq)
 
@@ -219,13 +251,17 @@ def _bounded_ring(world: int) -> None:
             assert all(sum(n for ranges in need for _, n in ranges) <= 2 * len(parts[dst])
                        for dst, need in enumerate(exchange.needs)), exchange.needs
         with tpf.config.override(kernels=kernel):
-            out = bounded_ring_attention(*mine, exchange=exchange, group=None, softcap=softcap)
+            out = bounded_ring_attention(*mine, exchange=exchange, group=None, softcap=softcap, sinks=sink)
             out.backward(cut(dout))
         tol = {} if kernel == "torch" else {"rtol": 1e-4, "atol": 1e-5}
         what = f"{kernel} {getattr(layout, '__name__', 'shuffled')} heads={heads}/{kv} window={window}"
         torch.testing.assert_close(out.double(), cut(want), **tol, msg=what)
         for got, ref in zip(mine, whole):
             torch.testing.assert_close(got.grad.double(), cut(ref.grad), **tol, msg=what)
+        if sinks:  # each rank's share of the sinks' gradient: its queries'
+            total = sink.grad.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total.double(), whole[3].grad, **tol, msg=what)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -344,6 +380,51 @@ def _sliding_windows() -> None:
         torch.testing.assert_close(out.logits.full_tensor(), want.logits, **tol, msg=what)
         torch.testing.assert_close(out.loss, want.loss.float(), **tol, msg=what)
         _equal(model, ref, what, tol, grads=True)
+
+
+def _sinks() -> None:
+    """gpt-oss: attention sinks (a logit per head in each softmax's denominator) and sliding windows on alternate
+    layers, its experts beside; whole rows and restarting position_ids (gpt-oss's masks ignore them: one device
+    attends across the documents, and so does the split), ring and Ulysses (its eager attention on the rank's heads
+    and sinks): the loss, logits, every gradient and every parameter after two AdamW steps equal one device's; context
+    x tensor on 4 ranks. The router's auxiliary loss is off: it is not a sum over tokens, so a rank's share of it is
+    not one device's."""
+    from tests.models import tiny_moe
+
+    tensor = 2 if dist.get_world_size() == 4 else 1
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in ([9, 7], [4, 12])])
+    for kind, packed in itertools.product(("ring", "ulysses"), (False, True)):
+        ref = tiny_moe("gpt_oss", sliding_window=5, output_router_logits=False)
+        ref.config._attn_implementation = "eager"
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        kwargs = {"position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)} if packed else \
+            {"labels": ids}
+        what = f"gpt-oss {kind} packed={packed} tensor={tensor}"
+        with within(60):
+            out = model(ids, **kwargs)
+            out.loss.backward()
+        want = ref(ids, **kwargs, use_cache=False)
+        want.loss.backward()
+        torch.testing.assert_close(out.logits.full_tensor(), want.logits, **TOL, msg=what)
+        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=what)
+        _equal(model, ref, what, TOL, grads=True)
+        model.zero_grad()
+        ref.zero_grad()
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref)]
+        for _ in range(2):
+            for m, opt in zip((model, ref), opts):
+                m(ids, **kwargs, use_cache=False).loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        _equal(model, ref, what, TOL, grads=False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sinks_match_one_device(world):
+    harness.run(world, _sinks, timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 4])

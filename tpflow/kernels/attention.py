@@ -38,7 +38,7 @@ if importlib.util.find_spec("triton") is not None:
 else:  # CPU installs without triton run the torch reference
     attention_tiles = None
 
-__all__ = ["attention", "attention_backward", "attention_ref", "merge"]
+__all__ = ["add_sinks", "attention", "attention_backward", "attention_ref", "merge", "sinks_backward"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_HEAD_DIM = 128  # the kernels hold a [tile, head dim] fp32 accumulator (two in the backward) in registers
@@ -319,3 +319,50 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     lse = torch.where(seen, m + total.log(), float("-inf"))
     out = out_a * (w_a / total)[..., None] + out_b * (w_b / total)[..., None]
     return out.to(torch.promote_types(out_a.dtype, out_b.dtype)), lse
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention sinks (gpt-oss's): each head's sink logit joins the softmax's denominator as a key whose value is 0,
+    so the queries' outputs over every block shrink by their share of it. Apply once, to the merge of all blocks.
+
+    Args:
+        out: ``[B, H, L, D]`` the queries' attention over every block.
+        lse: ``[B, H, L]`` its log-sum-exp.
+        sinks: ``[H]`` each head's sink logit.
+
+    Returns:
+        ``(out, lse)`` with the sinks: out in its dtype, lse in its dtype. A block's gradients from these (as
+        ``attention_backward`` takes them) are those of attention with the sinks.
+
+    Example::
+
+        >>> out, lse = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1)          # one key of score 0
+        >>> add_sinks(out, lse, torch.zeros(1))                              # a sink as large: half the weight
+        (tensor([[[[0.5000, 0.5000]]]]), tensor([[[0.6931]]]))
+    """
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None].expand_as(lse))
+    return out * (lse - total).exp()[..., None].to(out.dtype), total
+
+
+def sinks_backward(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sinks from ``add_sinks``' results: ``-sum(p_sink * rowsum(dout * out))`` per head, where
+    ``p_sink = exp(sink - lse)`` is the sink's share of each query's softmax.
+
+    Args:
+        out, lse: what ``add_sinks`` returned.
+        dout: the gradient of ``out``.
+        sinks: ``[H]``.
+
+    Returns:
+        ``[H]`` in the sinks' dtype.
+
+    Example::
+
+        >>> sinks = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        >>> out, lse = add_sinks(torch.ones(1, 1, 1, 2, dtype=torch.float64), torch.zeros(1, 1, 1,
+        ...                      dtype=torch.float64), sinks)
+        >>> out.sum().backward()
+        >>> torch.testing.assert_close(sinks_backward(out, lse, torch.ones_like(out), sinks), sinks.grad)
+    """
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(torch.exp(sinks.to(lse.dtype)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tpflow.comm.transport import Transport, as_transport
-from tpflow.kernels.attention import attention, attention_backward, merge
+from tpflow.kernels.attention import add_sinks, attention, attention_backward, merge, sinks_backward
 from tpflow.kernels.epilogue import accumulate_dtype
 from tpflow.ops.context_attention import Segments
 
@@ -163,7 +163,7 @@ class _Step:
 
 class _BoundedRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, exchange, transport, scale, softcap):
+    def forward(ctx, q, k, v, sinks, exchange, transport, scale, softcap):
         W, r = transport.world_size, transport.rank
         wide = accumulate_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=wide, device=q.device)
@@ -181,14 +181,16 @@ class _BoundedRing(torch.autograd.Function):
                                   q_offset=q_at, k_offset=k_at, softcap=softcap,
                                   first=exchange.first[:, q_at:q_at + rows.stop - rows.start])
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *block)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.exchange, ctx.transport, ctx.scale, ctx.softcap = exchange, transport, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         exchange, transport = ctx.exchange, ctx.transport
         W, r = transport.world_size, transport.rank
         wide = accumulate_dtype(q.dtype)
@@ -228,12 +230,13 @@ class _BoundedRing(torch.autograd.Function):
                 n = piece.stop - piece.start
                 dkv[:, :, :, piece] += mine[:, :, :, at:at + n]
                 at += n
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dsinks = None if sinks is None else sinks_backward(out, lse, dout, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
 
 
 def bounded_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, exchange: RingExchange,
                            group: dist.ProcessGroup | Transport | None, scale: float | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries on every rank's keys and values, each query seeing keys from its first
     one (``exchange.first``) up to itself, each rank fetching from the others only the keys its queries see.
     Differentiable in q, k and v.
@@ -245,6 +248,7 @@ def bounded_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         group: the ranks the sequence is split over: a process group, a ``Transport``, or None for the world.
         scale: the scores' factor (default ``D ** -0.5``).
         softcap: scores capped to ``softcap * tanh(s / softcap)``, or None.
+        sinks: ``[Hq]`` each head's sink logit in the softmax's denominator (gpt-oss's), or None.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype.
@@ -272,5 +276,5 @@ def bounded_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"bounded_ring_attention: q {list(q.shape)} and k {list(k.shape)} do not match the "
                          f"exchange's batch of {exchange.first.shape[0]} rows and this rank's segments "
                          f"{exchange.segments[transport.rank]}")
-    return _BoundedRing.apply(q, k, v, exchange, transport, scale, softcap)
+    return _BoundedRing.apply(q, k, v, sinks, exchange, transport, scale, softcap)
 

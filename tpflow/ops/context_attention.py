@@ -25,7 +25,7 @@ from einops import rearrange
 
 from tpflow import comm
 from tpflow.comm.transport import Handle, Transport, as_transport
-from tpflow.kernels.attention import attention, attention_backward, merge
+from tpflow.kernels.attention import add_sinks, attention, attention_backward, merge, sinks_backward
 from tpflow.kernels.epilogue import accumulate_dtype
 
 __all__ = ["Segments", "attention_work", "balanced", "contiguous", "head_tail", "regroup", "ring_attention",
@@ -212,7 +212,7 @@ def _blocks(mine: Segments, theirs: Segments, causal: bool) -> Iterator[tuple[sl
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segments, transport, causal, scale, softcap):
+    def forward(ctx, q, k, v, sinks, segments, transport, causal, scale, softcap):
         W, r = transport.world_size, transport.rank
         wide = accumulate_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=wide, device=q.device)
@@ -230,16 +230,18 @@ class _Ring(torch.autograd.Function):
                 got.wait()
                 sent.wait()
                 kv = arriving
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         # the last block held (rank r + 1's) is the backward's first: it runs the other way round, so that every
         # block's gradient ends on its own rank with no last hop to wait for
-        ctx.save_for_backward(q, k, v, out, lse, kv if W > 1 else kv.new_empty(0))
+        ctx.save_for_backward(q, k, v, out, lse, kv if W > 1 else kv.new_empty(0), sinks)
         ctx.segments, ctx.transport, ctx.causal, ctx.scale, ctx.softcap = segments, transport, causal, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, last = ctx.saved_tensors
+        q, k, v, out, lse, last, sinks = ctx.saved_tensors
         transport, segments = ctx.transport, ctx.segments
         W, r = transport.world_size, transport.rank
         right, left = (r + 1) % W, (r - 1) % W
@@ -276,12 +278,13 @@ class _Ring(torch.autograd.Function):
                 kv = arriving
         for handle in sent_grads:
             handle.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        dsinks = None if sinks is None else sinks_backward(out, lse, dout, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments: Sequence[Segments],
                    group: dist.ProcessGroup | Transport | None, causal: bool = True, scale: float | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries on every rank's keys and values, the key / value blocks passed around the
     ring of ``group``: ring attention. Differentiable in q, k and v.
 
@@ -302,6 +305,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment
         causal: hide from each query the keys at later positions.
         scale: the scores' factor (default ``D ** -0.5``).
         softcap: scores capped to ``softcap * tanh(s / softcap)`` (Gemma 2's), or None.
+        sinks: ``[Hq]`` each head's sink logit in the softmax's denominator (gpt-oss's), or None.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype: this rank's queries' attention over the whole sequence.
@@ -323,7 +327,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment
     if lengths != {q.shape[2]} or k.shape[2] != q.shape[2]:
         raise ValueError(f"ring_attention: every rank must hold {q.shape[2]} tokens as q does (k {k.shape[2]}); the "
                          f"segments give {sorted(lengths)}")
-    return _Ring.apply(q, k, v, tuple(map(tuple, segments)), transport, causal, scale, softcap)
+    return _Ring.apply(q, k, v, sinks, tuple(map(tuple, segments)), transport, causal, scale, softcap)
 
 
 def ulysses_degrees(heads: int, kv_heads: int) -> list[int]:

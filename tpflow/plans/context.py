@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,7 @@ class _Context:
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         self.same_inputs = InputCheck(type(model).__name__, placement, axis=0, kind="context-parallel")
+        self.packing = _masks_documents(model)
         self.reordered = False
         model.register_forward_pre_hook(self.enter, with_kwargs=True)
         model.register_forward_hook(self.leave)
@@ -130,7 +132,7 @@ class _Context:
         elif positions.shape != (batch, seq):
             raise ValueError(f"context parallelism takes position_ids [batch, seq] = {[batch, seq]} (got "
                              f"{list(positions.shape)})")
-        elif not bool((positions.diff(dim=1) == 1).all()):
+        elif self.packing and not bool((positions.diff(dim=1) == 1).all()):
             self.batch.documents = self.documents(positions, pads)
         first = None if self.kind == "ulysses" or self.batch.documents is None else _first_keys(self.batch.documents)
         self.batch.first, self.batch.exchanges = first, {}
@@ -218,6 +220,19 @@ class _Context:
             return from_local(local, self.logits_placement, split(1), shape=shape)
         return from_local(local, self.logits_placement, (split(1), split(2) if vocab_split else broadcast),
                           shape=shape, sync_data=False)
+
+
+def _masks_documents(model: nn.Module) -> bool:
+    """Whether the model's own masks keep packed documents apart: its decoder hands ``position_ids`` to the mask
+    builders (Llama's, Qwen3's do; gpt-oss's does not, so one device attends across documents there, and so does the
+    split)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return True
+    builds = re.findall(r"mask_kwargs\s*=\s*\{[^}]*\}|create_\w*mask\([^)]*\)", source)
+    return not builds or any("position_ids" in b for b in builds)
 
 
 def _padding(mask: torch.Tensor | None, batch: int, seq: int) -> tuple[torch.Tensor | None, bool]:

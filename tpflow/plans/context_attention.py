@@ -10,6 +10,7 @@ import dataclasses
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tpflow.ops.bounded_ring import RingExchange, bounded_ring_attention, ring_exchange
@@ -21,7 +22,7 @@ __all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_gr
 IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
 _STATE = "_tpflow_context"
 ULYSSES_ORIGINALS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")  # causal without a mask of ours
-_UNSPLIT = {"s_aux": "attention sinks, gpt-oss's", "position_bias": "a learned position bias over the whole scores",
+_UNSPLIT = {"position_bias": "a learned position bias over the whole scores",
             "cu_seq_lens_q": "packed documents by cu_seq_lens", "cu_seq_lens_k": "packed documents by cu_seq_lens"}
 
 
@@ -101,24 +102,26 @@ class _Attention:
                                  f"split ({_UNSPLIT[key]})")
         window = sliding_window if sliding_window is not None and sliding_window < seq else None
         causal = extra.get("is_causal", getattr(module, "is_causal", True))
+        sinks = extra.get("s_aux")  # gpt-oss's: a logit per head in the softmax's denominator
         if self.kind == "ring" and (window is not None or self.batch.first is not None):
             if not causal:
                 raise ValueError(f"{self.name!r} is not causal: the ring splits packed documents, hidden padding and "
                                  f"sliding windows of causal attention only; use context_parallel='ulysses'")
             out = bounded_ring_attention(q, k, v, exchange=self.batch.exchange(q, window), group=group,
-                                         scale=scaling, softcap=softcap)
+                                         scale=scaling, softcap=softcap, sinks=sinks)
         elif self.kind == "ring":
             out = ring_attention(q, k, v, segments=self.batch.segments, group=group, causal=causal, scale=scaling,
-                                 softcap=softcap)
+                                 softcap=softcap, sinks=sinks)
         else:
             out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
-                                                                      softcap), group)
+                                                                      softcap, sinks), group)
         return out.transpose(1, 2), None
 
-    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap) -> torch.Tensor:
+    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
         """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
         the flash kernels causal by the module, eager by a mask made for the whole sequence; packed documents by a
-        mask that keeps each token in its document (eager and sdpa)."""
+        mask that keeps each token in its document (eager and sdpa). The module is seen through ``_RankHeads``:
+        this rank's key/value groups and sinks."""
         seq, documents, mask = q.shape[2], self.batch.documents, None
         window = sliding_window is not None and sliding_window < seq
         if documents is not None or window:
@@ -137,17 +140,27 @@ class _Attention:
                                                                     ).masked_fill(~seen, torch.finfo(q.dtype).min)
         elif self.original == "eager" and causal:
             mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
-        groups = getattr(module, "num_key_value_groups", None)
-        module.num_key_value_groups = q.shape[1] // k.shape[1]  # this rank's heads (kv heads maybe repeated)
-        try:
-            out = _original(module, self.original)(module, q, k, v, mask, dropout=0.0, scaling=scaling,
-                                                   sliding_window=sliding_window, softcap=softcap, is_causal=causal)[0]
-        finally:
-            if groups is None:
-                del module.num_key_value_groups
-            else:
-                module.num_key_value_groups = groups
+        own = {"num_key_value_groups": q.shape[1] // k.shape[1]}  # this rank's heads (kv heads maybe repeated)
+        extra = {}
+        if sinks is not None:  # this rank's block of heads (Ulysses' all-to-all gives rank r the r-th)
+            rank = dist.get_rank(context_group(self.placement))
+            own["sinks"] = extra["s_aux"] = sinks[rank * q.shape[1]:(rank + 1) * q.shape[1]]
+        out = _original(module, self.original)(_RankHeads(module, own), q, k, v, mask, dropout=0.0, scaling=scaling,
+                                               sliding_window=sliding_window, softcap=softcap, is_causal=causal,
+                                               **extra)[0]
         return out.transpose(1, 2)
+
+
+class _RankHeads:
+    """An attention module as its attention function sees it under Ulysses: its own attributes, but those of this
+    rank's heads (``own``: key/value groups, sinks)."""
+
+    def __init__(self, module: nn.Module, own: dict) -> None:
+        self.__dict__.update(own)
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
 
 
 def _original(module: nn.Module, name: str):
