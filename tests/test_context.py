@@ -321,7 +321,8 @@ def _packed_documents() -> None:
     labels -100 at each document's first token): Ulysses (under sdpa and eager) and the ring (its cut balanced by the
     documents' work) keep attention inside each document, so the loss, logits, every gradient and every parameter
     after two AdamW steps equal one device's (which masks them alike, without a cache); context x tensor on 4
-    ranks."""
+    ranks. Given as cu_seq_lens (one row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) packs it)
+    beside the position_ids, the same."""
     tensor = 2 if dist.get_world_size() == 4 else 1
     # rows of 16 tokens: documents of random-ish lengths; then long documents first, which the ring's head-tail cut
     # would leave unbalanced (its cut balanced by work moves the parts before the head)
@@ -357,6 +358,21 @@ def _packed_documents() -> None:
                 opt.step()
                 opt.zero_grad()
         _equal(model, ref, what, TOL, grads=False)
+    lengths = [3, 9, 4]
+    positions = torch.tensor([[p for n in lengths for p in range(n)]])
+    cu = torch.tensor([0, 3, 12, 16], dtype=torch.int32)
+    flash = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 9, "max_length_k": 9}
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(8))
+    labels = ids.masked_fill(positions == 0, -100)
+    ref = tiny_lm("llama")
+    want = ref(ids, position_ids=positions, labels=labels, use_cache=False)
+    for kind in ("ring", "ulysses"):
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        with within(60):
+            out = model(ids, position_ids=positions, labels=labels, **flash)
+        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=f"cu_seq_lens {kind}")
+        torch.testing.assert_close(out.logits.full_tensor(), want.logits, **TOL, msg=f"cu_seq_lens {kind}")
 
 
 def _sliding_windows() -> None:
@@ -454,6 +470,13 @@ def _refusals() -> None:
             ring(ids[:, :14], labels=ids[:, :14])
         with pytest.raises(ValueError, match=r"labels \[2, 15\] must have the tokens' shape \[2, 16\]"):
             ring(ids, labels=ids[:, 1:])
+        with pytest.raises(ValueError, match=r"cu_seq_lens_q \[0, 5, 12\] must count up from 0 to the 16 tokens"):
+            cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+            ring(ids[:1], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+        with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k equal"):
+            ring(ids[:1], cu_seq_lens_q=torch.tensor([0, 16]), cu_seq_lens_k=torch.tensor([0, 8, 16]))
+        with pytest.raises(ValueError, match="position_ids go from 5 to 3 at token 6 of row 0: packed documents count"):
+            ring(ids, position_ids=torch.tensor([0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]).expand(2, 16))
         with pytest.raises(ValueError, match="the ring takes padding on the left or the right"):
             ring(ids, attention_mask=torch.ones_like(ids).index_fill_(1, torch.tensor([3]), 0))
         with pytest.raises(ValueError, match=r"takes a 2-D padding mask \[batch, seq\] = \[2, 16\]"):

@@ -105,7 +105,8 @@ class _Context:
         if tokens is None:
             raise ValueError("context parallelism cuts input_ids (or inputs_embeds) by the sequence: pass one")
         labels, positions = named.get("labels"), named.get("position_ids")
-        for x in (tokens, labels, positions):  # first, every call: ranks fed other shapes must not part ways
+        for x in (tokens, labels, positions, named.get("attention_mask"), named.get("cu_seq_lens_q")):
+            # first, every call: ranks fed other shapes must not part ways
             self.same_inputs.check(x, always=True)
         if named.get("past_key_values") is not None or named.get("logits_to_keep") not in (None, 0):
             raise ValueError(_GENERATE)
@@ -120,20 +121,24 @@ class _Context:
                              f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
                              f"and the other tokens' logits as they are)")
         pads, hidden = _padding(named.pop("attention_mask", None), batch, seq)
-        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-            if named.get(key) is not None:
-                raise ValueError(f"context parallelism takes packed documents by their position_ids (restarting at "
-                                 f"each document, as DataCollatorWithFlattening gives them), not by {key}=: pass "
-                                 f"position_ids alone")
+        lengths = _cu_seq_lens(named, batch, seq)
         # padding to hide: a document of its own, which the real tokens do not see
-        self.batch.documents = pads.long() if hidden else None
+        documents = pads.long() if hidden else None
         if positions is None:
             positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
         elif positions.shape != (batch, seq):
             raise ValueError(f"context parallelism takes position_ids [batch, seq] = {[batch, seq]} (got "
                              f"{list(positions.shape)})")
         elif self.packing and not bool((positions.diff(dim=1) == 1).all()):
-            self.batch.documents = self.documents(positions, pads)
+            documents = self.documents(positions, pads)
+        if lengths is not None:
+            if pads is not None:
+                raise ValueError("cu_seq_lens beside a padding mask: pack without padding")
+            if documents is not None and not torch.equal(documents, lengths):
+                raise ValueError("position_ids restart where cu_seq_lens_q does not start a document: pass the two "
+                                 "from one collator (DataCollatorWithFlattening), or either alone")
+            documents = lengths
+        self.batch.documents = documents
         first = None if self.kind == "ulysses" or self.batch.documents is None else _first_keys(self.batch.documents)
         self.batch.first, self.batch.exchanges = first, {}
         self.batch.segments = tuple(self.cut(seq, first))
@@ -166,8 +171,14 @@ class _Context:
         if pads is not None:
             raise ValueError("packed documents (position_ids that restart) beside a padding mask: one device reads "
                              "them as one document; pack without padding, or pad without restarting positions")
-        first = positions[:, :1] - 1
-        return (torch.diff(positions, prepend=first, dim=1) != 1).cumsum(1)
+        starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=1) != 1
+        back = starts & (positions != 0)
+        if bool(back.any()):
+            row, token = (int(i) for i in back.nonzero()[0])
+            raise ValueError(f"position_ids go from {int(positions[row, token - 1])} to "
+                             f"{int(positions[row, token])} at token {token} of row {row}: packed documents count up "
+                             f"by one from 0 each (as DataCollatorWithFlattening gives them)")
+        return starts.cumsum(1)
 
     def whole_gradient(self, embeds: torch.Tensor) -> torch.Tensor:
         """``inputs_embeds`` made by plain trainable tensors (a soft prompt, a projector before the model) gets its
@@ -220,6 +231,26 @@ class _Context:
             return from_local(local, self.logits_placement, split(1), shape=shape)
         return from_local(local, self.logits_placement, (split(1), split(2) if vocab_split else broadcast),
                           shape=shape, sync_data=False)
+
+
+def _cu_seq_lens(named: dict, batch: int, seq: int) -> torch.Tensor | None:
+    """Packed documents given as flash-attention's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one row, the documents'
+    cumulative lengths: what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives): each token's
+    document, ``[1, seq]``, or None. The four keyword arguments are taken out of ``named``."""
+    q, k = named.pop("cu_seq_lens_q", None), named.pop("cu_seq_lens_k", None)
+    named.pop("max_length_q", None)
+    named.pop("max_length_k", None)
+    if q is None and k is None:
+        return None
+    if q is None or k is None or not torch.equal(q, k):
+        raise ValueError("context parallelism takes cu_seq_lens_q and cu_seq_lens_k equal (self-attention over packed "
+                         "documents)")
+    if batch != 1 or q.ndim != 1 or q.numel() < 2 or int(q[0]) != 0 or int(q[-1]) != seq or \
+            bool((q.diff() <= 0).any()):
+        raise ValueError(f"cu_seq_lens_q {q.tolist()} must count up from 0 to the {seq} tokens of one row (the "
+                         f"documents' cumulative lengths, batch 1 as DataCollatorWithFlattening packs it; got batch "
+                         f"{batch})")
+    return torch.bucketize(torch.arange(seq, device=q.device), q[1:-1].to(torch.long), right=True)[None]
 
 
 def _masks_documents(model: nn.Module) -> bool:
