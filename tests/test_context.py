@@ -376,18 +376,25 @@ def _packed_documents() -> None:
 
 
 def _sliding_windows() -> None:
-    """Sliding windows shorter than the sequence (Mistral's on every layer under sdpa; Gemma 2's local layers beside
-    its global ones, softcapped, under eager): Ulysses' whole-sequence attention masks each query to its window, the
-    ring fetches the keys the window reaches; the logits, the loss and every gradient equal one device's; context x
-    tensor on 4 ranks."""
+    """Sliding windows shorter than the sequence (Mistral's on every layer under sdpa; Gemma 2's and Gemma 3's local
+    layers beside their global ones, softcapped, under eager) and Llama 4's attention chunks (of 6 tokens, its
+    chunked layers beside a global one, dense): Ulysses' whole-sequence attention masks each query to its window or
+    chunk, the ring fetches the keys they reach; the logits, the loss, every gradient and every parameter after two
+    AdamW steps with clipping equal one device's; context x tensor on 4 ranks."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     tensor = 2 if dist.get_world_size() == 4 else 1
-    for (family, implementation), kind in itertools.product((("mistral", "sdpa"), ("gemma2", "eager")),
-                                                            ("ring", "ulysses")):
-        ref = tiny_lm(family, sliding_window=6, attn_implementation=implementation)
+    gemma3 = {"layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+              "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0}
+    llama4 = {"layers": 4, "attention_chunk_size": 6, "intermediate_size_mlp": 96, "num_local_experts": 4,
+              "num_experts_per_tok": 1, "interleave_moe_layer_step": 8, "no_rope_layers": [1, 1, 1, 0]}
+    for (family, implementation, extra), kind in itertools.product(
+            (("mistral", "sdpa", {}), ("gemma2", "eager", {}), ("gemma3_text", "eager", gemma3),
+             ("llama4_text", "sdpa", llama4)), ("ring", "ulysses")):
+        ref = tiny_lm(family, sliding_window=6, attn_implementation=implementation, **extra)
         model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
                                 plan=tpf.hf_plan(ref, context_parallel=kind))
-        tol, what = (LOOSE if family == "gemma2" else TOL), f"{family} {kind} window 6 of 16, tensor={tensor}"
+        tol = LOOSE if family.startswith("gemma") else TOL
+        what = f"{family} {kind} window / chunk 6 of 16, tensor={tensor}"
         with within(60):
             out = model(ids, labels=ids)
             out.loss.backward()
@@ -396,6 +403,11 @@ def _sliding_windows() -> None:
         torch.testing.assert_close(out.logits.full_tensor(), want.logits, **tol, msg=what)
         torch.testing.assert_close(out.loss, want.loss.float(), **tol, msg=what)
         _equal(model, ref, what, tol, grads=True)
+        model.zero_grad()
+        ref.zero_grad()
+        got, expected = train_lm(model, ids), train_lm(ref, ids)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=what)
+        _equal(model, ref, what, tol, grads=False)
 
 
 def _sinks() -> None:

@@ -458,8 +458,6 @@ class ContextParallel(Style):
             raise ValueError(f"the ring needs the model's output head (get_output_embeddings()), before which its "
                              f"parts become contiguous; {type(model).__name__} has none: use context_parallel="
                              f"'ulysses'")
-        if getattr(model.config, "attention_chunk_size", None):
-            raise ValueError("chunked attention (config.attention_chunk_size) is not split by context parallelism")
         context, tensor = plan.named.hierarchy
         counts = heads.attention_heads(module)
         if self.kind == "ulysses" and counts is not None:

@@ -55,8 +55,8 @@ class Batch:
             over packed documents).
         first: ``[batch, seq]``, the ring's: each query's first visible key (its document's start), or None where
             every query sees the keys from the row's start.
-        exchanges: the ring's ``RingExchange`` of this batch for each sliding window (None: none), made by the first
-            layer that needs it.
+        exchanges: the ring's ``RingExchange`` of this batch for each (sliding window, attention chunk) (None: none),
+            made by the first layer that needs it.
 
     Example::
 
@@ -67,19 +67,22 @@ class Batch:
     documents: torch.Tensor | None = None
     segments: tuple[Segments, ...] = ()
     first: torch.Tensor | None = None
-    exchanges: dict[int | None, RingExchange] = dataclasses.field(default_factory=dict)
+    exchanges: dict[tuple[int | None, int | None], RingExchange] = dataclasses.field(default_factory=dict)
 
-    def exchange(self, q: torch.Tensor, window: int | None) -> RingExchange:
-        """The ring's exchange for a window of ``window`` tokens (or none) over this batch's first keys."""
-        if window not in self.exchanges:
+    def exchange(self, q: torch.Tensor, window: int | None, chunk: int | None) -> RingExchange:
+        """The ring's exchange for a sliding window of ``window`` tokens and attention chunks of ``chunk`` (Llama 4's;
+        either None: none) over this batch's first keys."""
+        if (window, chunk) not in self.exchanges:
             seq = sum(n for parts in self.segments for _, n in parts)
             at = torch.arange(seq, device=q.device)
             first = self.first if self.first is not None else torch.zeros(q.shape[0], seq, dtype=torch.long,
                                                                            device=q.device)
             if window is not None:
                 first = torch.maximum(first, at - window + 1)
-            self.exchanges[window] = ring_exchange(self.segments, first)
-        return self.exchanges[window]
+            if chunk is not None:
+                first = torch.maximum(first, at // chunk * chunk)
+            self.exchanges[window, chunk] = ring_exchange(self.segments, first)
+        return self.exchanges[window, chunk]
 
 
 class _Attention:
@@ -101,38 +104,42 @@ class _Attention:
                 raise ValueError(f"{self.name!r} passes {key!r} to its attention, which context parallelism does not "
                                  f"split ({_UNSPLIT[key]})")
         window = sliding_window if sliding_window is not None and sliding_window < seq else None
+        chunk = _chunk(module, seq)
         causal = extra.get("is_causal", getattr(module, "is_causal", True))
         sinks = extra.get("s_aux")  # gpt-oss's: a logit per head in the softmax's denominator
-        if self.kind == "ring" and (window is not None or self.batch.first is not None):
+        if self.kind == "ring" and (window is not None or chunk is not None or self.batch.first is not None):
             if not causal:
-                raise ValueError(f"{self.name!r} is not causal: the ring splits packed documents, hidden padding and "
-                                 f"sliding windows of causal attention only; use context_parallel='ulysses'")
-            out = bounded_ring_attention(q, k, v, exchange=self.batch.exchange(q, window), group=group,
+                raise ValueError(f"{self.name!r} is not causal: the ring splits packed documents, hidden padding, "
+                                 f"sliding windows and chunks of causal attention only; use "
+                                 f"context_parallel='ulysses'")
+            out = bounded_ring_attention(q, k, v, exchange=self.batch.exchange(q, window, chunk), group=group,
                                          scale=scaling, softcap=softcap, sinks=sinks)
         elif self.kind == "ring":
             out = ring_attention(q, k, v, segments=self.batch.segments, group=group, causal=causal, scale=scaling,
                                  softcap=softcap, sinks=sinks)
         else:
             out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
-                                                                      softcap, sinks), group)
+                                                                      softcap, sinks, chunk), group)
         return out.transpose(1, 2), None
 
-    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
+    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap, sinks, chunk) -> torch.Tensor:
         """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
-        the flash kernels causal by the module, eager by a mask made for the whole sequence; packed documents by a
-        mask that keeps each token in its document (eager and sdpa). The module is seen through ``_RankHeads``:
-        this rank's key/value groups and sinks."""
+        the flash kernels causal by the module, eager by a mask made for the whole sequence; packed documents,
+        sliding windows and chunks by a mask that keeps each token in its document, window and chunk (eager and
+        sdpa). The module is seen through ``_RankHeads``: this rank's key/value groups and sinks."""
         seq, documents, mask = q.shape[2], self.batch.documents, None
         window = sliding_window is not None and sliding_window < seq
-        if documents is not None or window:
+        if documents is not None or window or chunk is not None:
             if self.original not in ("eager", "sdpa"):
-                raise ValueError(f"{self.name!r}: Ulysses runs packed documents, hidden padding and sliding windows "
-                                 f"through eager or sdpa attention (a mask over the whole sequence), not "
+                raise ValueError(f"{self.name!r}: Ulysses runs packed documents, hidden padding, sliding windows and "
+                                 f"chunks through eager or sdpa attention (a mask over the whole sequence), not "
                                  f"{self.original!r}: load the model with one of them")
             at = torch.arange(seq, device=q.device)
             seen = (at[:, None] >= at[None, :]) if causal else torch.ones(seq, seq, dtype=torch.bool, device=q.device)
             if window:  # the last sliding_window keys, the query's own included (transformers' rule)
                 seen = seen & (at[:, None] - at[None, :] < sliding_window)
+            if chunk is not None:
+                seen = seen & (at[:, None] // chunk == at[None, :] // chunk)
             seen = seen[None, None]
             if documents is not None:
                 seen = seen & (documents[:, None, :, None] == documents[:, None, None, :])  # [B, 1, S, S]
@@ -161,6 +168,17 @@ class _RankHeads:
 
     def __getattr__(self, name: str):
         return getattr(self._module, name)
+
+
+def _chunk(module: nn.Module, seq: int) -> int | None:
+    """The attention chunk of ``module`` (Llama 4's chunked layers: each query sees its chunk of
+    ``config.attention_chunk_size`` tokens), or None (none, or one as long as the sequence)."""
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    size = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None)
+    if not size or size >= seq or types is None or layer is None or types[layer] != "chunked_attention":
+        return None
+    return size
 
 
 def _original(module: nn.Module, name: str):
