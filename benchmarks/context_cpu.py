@@ -3,6 +3,7 @@ ring's transfer hidden behind its compute on an emulated slow link.
 
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py train [--tokens 4096 16384 32768]
     python -m tpflow.launch --nproc_per_node 1 benchmarks/context_cpu.py overlap [--tokens 4096]
+    python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py packed [--tokens 8192] [--window 512]
 
 ``train``: a Hugging Face Llama of tiny width (hidden ``--hidden``, 4 heads of 16, 2 key/value heads, ``--layers``
 layers, vocabulary 512, fp32, one sequence of ``--tokens``) by its own ``labels=`` loss, three ways side by side:
@@ -21,6 +22,16 @@ gradients' all-reduce.
 ``overlap``: ``ring_attention`` forward + backward on 2 ranks as threads of one process (``tpf.comm.FakeWorld``),
 the link's bandwidth set from the measured compute so the transfer would take 0.5x and 1x of it; overlap
 E = (compute + transfer - ring) / min(compute, transfer), the share of the shorter of the two hidden.
+
+``packed``: batches of documents of random lengths packed into rows (``position_ids`` restarting at each, lengths
+drawn log-uniformly from 16 to ``--tokens`` / 2). First, on rank 0 alone, the balance of the ring's attention work
+(the (query, key) pairs each rank scores) over 100 random batches at W = 2, 4 and 8: max / mean of the ranks', with
+the head-tail cut and with ``balanced``. Then the same measurements as ``train`` on one packed batch of 2 rows, ring
+and Ulysses against one device; the bounded ring's bytes against the layout's minimum counted from the documents
+themselves: the keys and values of other ranks' tokens some query of this rank sees, sent once forward and again in
+the backward, their fp32 gradients once back, the parts that move before the head, the gradients' all-reduce. Last,
+a Mistral with a sliding window of ``--window`` tokens on one sequence: the ring's bytes against the same model's
+whole-sequence ring (the window set to none), and its loss against one device's.
 
 Each run is appended to ``benchmarks/results/context_<mode>_<cpu>_<date>.md``.
 """
@@ -43,19 +54,22 @@ from tpflow import comm
 from tpflow.bench.measure import every_rank, step_times
 from tpflow.comm import FakeWorld
 from tpflow.global_tensor.gradients import reduce_partial_gradients
-from tpflow.ops import head_tail, ring_attention
+from tpflow.ops import attention_work, balanced, head_tail, ring_attention
 
 HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 2, 16, 512
 
 
-def _model(hidden: int, layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(hidden: int, layers: int, window: int | None = None):
+    """A Llama, or with ``window`` a Mistral with that sliding window (the same weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=1 << 17, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+    sizes = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                 max_position_embeddings=1 << 17, attn_implementation="sdpa")
+    if window is None:
+        return LlamaForCausalLM(LlamaConfig(**sizes))
+    return MistralForCausalLM(MistralConfig(sliding_window=window, **sizes))
 
 
 def _minimum(kind: str, tokens: int, world: int, hidden: int, layers: int, params: int) -> int:
@@ -74,32 +88,32 @@ def _minimum(kind: str, tokens: int, world: int, hidden: int, layers: int, param
     return layers * 2 * heads * (world - 1) // world + reduce
 
 
-def _step(model, ids, params) -> torch.Tensor:
-    loss = model(ids, labels=ids).loss
+def _step(model, ids, params, **kwargs) -> torch.Tensor:
+    loss = model(ids, labels=ids, **kwargs).loss
     loss.backward()
     reduce_partial_gradients(params)
     return loss.detach()
 
 
-def _measure(model, ids, reps: int, active: bool) -> tuple[float, float, int, float]:
+def _measure(model, ids, reps: int, active: bool, **kwargs) -> tuple[float, float, int, float]:
     """(peak bytes, median seconds, bytes sent a step, loss) of this rank; a rank not ``active`` only waits."""
     params = list(model.parameters()) if active else []
     peak = sent = 0
     loss, times = float("nan"), []
     if active:
         model.requires_grad_(True)
-        _step(model, ids, params)  # warm-up: lazy set-up is not the step's
+        _step(model, ids, params, **kwargs)  # warm-up: lazy set-up is not the step's
         model.zero_grad(set_to_none=True)
         reset_peak()
         before, _ = resident()
         start_bytes = comm.stats.bytes_sent
-        loss = _step(model, ids, params).item()
+        loss = _step(model, ids, params, **kwargs).item()
         sent = comm.stats.bytes_sent - start_bytes
         peak = resident()[1] - before
         model.zero_grad(set_to_none=True)
         for _ in range(reps):
             start = time.perf_counter()
-            _step(model, ids, params)
+            _step(model, ids, params, **kwargs)
             times.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     slowest = step_times(times if active else [0.0] * reps)  # a collective: every rank takes part
@@ -175,19 +189,151 @@ def bench_overlap(args) -> None:
     print(f"appended to {write('context_overlap', lines, args.out)}")
 
 
+def _documents(tokens: int, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """``[rows, tokens]`` position_ids of documents of log-uniform random lengths (16 to tokens / 2) packed end to
+    end, the last cut to fit."""
+    out = []
+    for _ in range(rows):
+        positions: list[int] = []
+        while len(positions) < tokens:
+            length = int(torch.exp(torch.empty(1).uniform_(2.77, float(torch.log(torch.tensor(tokens / 2))),
+                                                            generator=gen)))
+            positions += list(range(length))
+        out.append(positions[:tokens])
+    return torch.tensor(out)
+
+
+def _first(positions: torch.Tensor) -> torch.Tensor:
+    """Each query's first key: its document's start."""
+    at = torch.arange(positions.shape[1])
+    return (at - positions).expand_as(positions)
+
+
+def _seen(first: torch.Tensor, mine: list[int]) -> torch.Tensor:
+    """``[S]``: the keys some query at the positions ``mine`` sees (from its first key to itself), in any row."""
+    marks = torch.zeros(first.shape[0], first.shape[1] + 1, dtype=torch.long)
+    index = torch.tensor(mine)
+    marks.scatter_add_(1, first[:, index], torch.ones(first.shape[0], len(mine), dtype=torch.long))
+    marks.scatter_add_(1, index.expand(first.shape[0], -1) + 1, -torch.ones(first.shape[0], len(mine),
+                                                                           dtype=torch.long))
+    return (marks.cumsum(1)[:, :-1] > 0).any(0)
+
+
+def _bounded_minimum(first: torch.Tensor, segments, hidden: int, layers: int, params: int) -> int:
+    """The fewest bytes this rank sends in a step of the bounded ring (fp32), counted from the documents."""
+    world, rank = len(segments), dist.get_rank()
+    seq = first.shape[1]
+    positions = [[p for a, n in parts for p in range(a, a + n)] for parts in segments]
+    owner = torch.empty(seq, dtype=torch.long)
+    for r, held in enumerate(positions):
+        owner[held] = r
+    kv = 2 * KV_HEADS * HEAD_DIM * 4 * first.shape[0]  # a token's keys and values, every row
+    theirs = sum(int((_seen(first, positions[dst]) & (owner == rank)).sum()) for dst in range(world) if dst != rank)
+    mine = int((_seen(first, positions[rank]) & (owner != rank)).sum())
+    moving = sum(p // (seq // world) != rank for p in positions[rank])
+    reduce = 2 * (world - 1) * params * 4 // world
+    return layers * kv * (2 * theirs + mine) + 2 * moving * hidden * 4 * first.shape[0] + reduce
+
+
+def _balance_table(tokens: int) -> list[str]:
+    lines = [f"Balance of the ring's attention work over 100 random packed batches of 2 rows x {tokens:,} tokens "
+             "(max / mean of the ranks' query-key pairs: the mean over the batches, and the worst):", "",
+             "| W | head-tail: mean | worst | balanced: mean | worst |", "|---|---|---|---|---|"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [_first(_documents(tokens, 2, gen)) for _ in range(100)]
+    for world in (2, 4, 8):
+        if tokens % (2 * world):
+            continue
+        ratios = {}
+        for name, cut in (("head-tail", lambda f, w=world: head_tail(w, f.shape[1])),
+                          ("balanced", lambda f, w=world: balanced(w, f))):
+            work = [attention_work(cut(f), f) for f in batches]
+            ratios[name] = [max(w) / (sum(w) / len(w)) for w in work]
+        lines.append(f"| {world} | {statistics.mean(ratios['head-tail']):.3f} | {max(ratios['head-tail']):.3f} | "
+                     f"{statistics.mean(ratios['balanced']):.3f} | {max(ratios['balanced']):.3f} |")
+    return lines
+
+
+def packed(args) -> None:
+    torch.set_num_threads(1)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks leave the resident set
+    world, rank = dist.get_world_size(), dist.get_rank()
+    P = tpf.placement("cpu", list(range(world)))
+    tokens = args.tokens[0]
+    lines = [f"# Context parallelism over packed documents and a sliding window: {world} CPU rank(s), Llama / Mistral "
+             f"hidden {args.hidden}, {args.layers} layers, {HEADS} heads of {HEAD_DIM} ({KV_HEADS} kv), vocabulary "
+             f"{VOCAB}, fp32", "",
+             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py packed --tokens "
+             f"{tokens} --window {args.window} --hidden {args.hidden} --layers {args.layers} --reps {args.reps}`", "",
+             *_balance_table(tokens), ""]
+    positions = _documents(tokens, 2, torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, positions.shape, generator=torch.Generator().manual_seed(2))
+    first = _first(positions)
+    segments = balanced(world, first)
+    work = attention_work(segments, first)
+    lines += [f"The packed batch measured: 2 rows of {positions.eq(0).sum().item()} documents; the ring's cut "
+              f"balanced: work max / mean {max(work) / (sum(work) / world):.3f} (head-tail: "
+              f"{max(attention_work(head_tail(world, tokens), first)) / (sum(work) / world):.3f}).", "",
+              "| batch | mode | peak MiB per rank | vs one device | x W | time ms | vs one device | bytes sent | "
+              "vs minimum | loss - one device's |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ref = _model(args.hidden, args.layers)
+    params = sum(p.numel() for p in ref.parameters())
+    cases = [("packed", ref, {"position_ids": positions}, ids)]
+    window = _model(args.hidden, args.layers, window=args.window)
+    one_row = ids[:1]
+    cases.append((f"window {args.window}", window, {}, one_row))
+    for batch, base, kwargs, tokens_in in cases:
+        one = _measure(base, tokens_in, args.reps, active=rank == 0, **kwargs, use_cache=False)
+        one_peak, one_time = every_rank([one[0]]).max().item(), every_rank([one[1]]).max().item()
+        one_loss = every_rank([one[3] if rank == 0 else -1e9]).max().item()
+        rows = [("one device", one_peak, one_time, 0, 0, 0.0)]
+        kinds = ("ring", "ulysses") if batch == "packed" else ("ring", "whole-sequence ring")
+        for kind in kinds:
+            model = base if kind != "whole-sequence ring" else _model(args.hidden, args.layers)
+            plan = tpf.hf_plan(model, context_parallel=kind.split()[-1])
+            model = tpf.parallelize(copy.deepcopy(model), placement=P, plan=plan)
+            peak, seconds, sent, loss = _measure(model, tokens_in, args.reps, active=True, **kwargs)
+            if kind == "ulysses":
+                minimum = _minimum(kind, tokens, world, args.hidden, args.layers, params) * 2  # 2 rows
+                minimum -= 2 * (world - 1) * params * 4 // world  # the all-reduce counted once
+            elif kind == "whole-sequence ring":
+                minimum = _minimum("ring", tokens, world, args.hidden, args.layers, params)
+            else:
+                row_first = first if batch == "packed" else torch.clamp(
+                    torch.arange(tokens) - args.window + 1, min=0)[None]
+                cut = segments if batch == "packed" else head_tail(world, tokens)
+                minimum = _bounded_minimum(row_first, cut, args.hidden, args.layers, params)
+            diff = loss - one_loss if kind != "whole-sequence ring" else float("nan")
+            rows.append((kind, every_rank([peak]).max().item(), every_rank([seconds]).max().item(),
+                         every_rank([sent]).max().item(), every_rank([minimum]).max().item(), diff))
+        for mode, peak, seconds, sent, minimum, diff in rows:
+            versus = f"{sent / minimum:.3f}" if minimum else "-"
+            lines.append(f"| {batch} | {mode} | {peak / 2**20:,.1f} | {peak / one_peak:.3f} | "
+                         f"{peak * world / one_peak:.2f} | {seconds * 1e3:,.0f} | {seconds / one_time:.2f} | "
+                         f"{sent:,.0f} | {versus} | {diff:.1e} |")
+    if rank == 0:
+        print("\n".join(lines))
+        print(f"appended to {write('context_packed', lines, args.out)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["train", "overlap"])
+    parser.add_argument("mode", choices=["train", "overlap", "packed"])
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if args.mode == "train":
         args.tokens = args.tokens or [4096, 16384, 32768]
         tpf.init_distributed()
         train(args)
+    elif args.mode == "packed":
+        args.tokens = args.tokens or [8192]
+        tpf.init_distributed()
+        packed(args)
     else:
         args.tokens = (args.tokens or [4096])[0]
         if tpf.get_rank() == 0:  # under the launcher; one process is enough

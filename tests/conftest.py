@@ -60,6 +60,8 @@ class Launches:
                     f"benchmarks/context_cpu.py train --tokens 32 --hidden 16 --layers 1 --reps 1 --out "
                     f"{self.folder('context')}",
                     f"benchmarks/context_cpu.py overlap --tokens 64 --reps 1 --out {self.folder('context-overlap')}",
+                    f"benchmarks/context_cpu.py packed --tokens 64 --window 8 --hidden 16 --layers 1 --reps 1 --out "
+                    f"{self.folder('context-packed')}",
                     f"benchmarks/decode_cpu.py --batch 2 --new-tokens 2 --reps 1 --vocab 64 --hidden 32 --layers 1 "
                     f"--out {self.folder('decode')}",
                     f"benchmarks/shm_cpu.py --reps 10 --out {self.folder('shm')}",

@@ -26,6 +26,7 @@ def test_pytest_benchmark_suites_run():
 
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
+                                         (2, "context-packed"),
                                          (2, "decode"), (2, "shm"), (2, "loaded"), (2, "trainer"),
                                          (2, "lora"), (2, "profile")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
@@ -39,6 +40,14 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 32 | ")]
         assert [r[1] for r in rows] == ["one device", "ring", "ulysses"], text
         assert all(r[8] == "1.000" and abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows[1:]), text
+    if name == "context-packed":  # the balanced cut within 10% of even; the minimum sent, one device's loss
+        balance = [line.split(" | ") for line in text.splitlines() if line.startswith("| 2 | ")]
+        assert balance and float(balance[0][4].rstrip(" |")) <= 1.1, text
+        rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| packed | ", "| window 8 | "))]
+        assert [r[1] for r in rows] == ["one device", "ring", "ulysses", "one device", "ring",
+                                        "whole-sequence ring"], text
+        assert all(r[8] == "1.000" for r in rows if r[1] != "one device"), text
+        assert all(abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows if r[1] in ("ring", "ulysses")), text
     if name == "decode":  # tpflow's tokens equal transformers' and one device's
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "shm":  # both transports measured at every size

@@ -212,7 +212,8 @@ def _with_sinks(q, k, v, sinks, first=None):
 def _bounded_ring(world: int) -> None:
     """``bounded_ring_attention`` against the fp64 reference, forward and every gradient: random packed documents and
     left padding, with and without a sliding window (narrower than a part, and wider), GQA, softcap; head-tail,
-    contiguous and a shuffled cut into 4W parts; through the Triton kernels (fp32) too on 2 ranks; attention sinks
+    contiguous and a shuffled cut into 4W parts; fp32 through torch's CPU flash kernel with each block's mask, and
+    through the Triton kernels on 2 ranks; attention sinks
     (gpt-oss's) against transformers' way of computing them. Each rank's bytes are what its queries see: a window of 3
     sends at most 2 tokens a segment."""
     from tpflow.kernels.attention import attention_ref
@@ -223,11 +224,12 @@ def _bounded_ring(world: int) -> None:
     chunk = seq // (4 * world)
     order = torch.randperm(4 * world, generator=torch.Generator().manual_seed(world)).view(world, 4)
     shuffled = [tuple((int(p) * chunk, chunk) for p in sorted(parts)) for parts in order]
-    kernels = ["torch", "triton"] if world == 2 and importlib.util.find_spec("triton") else ["torch"]
-    for (heads, kv, softcap, window, sinks), layout, kernel in itertools.product(
+    # fp64: the reference; fp32: torch's CPU flash kernel with each block's mask, or the Triton kernels
+    kernels = [("torch", torch.float64), ("torch", torch.float32)]
+    kernels += [("triton", torch.float32)] if world == 2 and importlib.util.find_spec("triton") else []
+    for (heads, kv, softcap, window, sinks), layout, (kernel, dtype) in itertools.product(
             ((4, 2, None, None, False), (4, 1, 3.0, 3, False), (2, 2, None, 11, False), (4, 2, None, 5, True)),
             (head_tail, contiguous, shuffled), kernels):
-        dtype = torch.float64 if kernel == "torch" else torch.float32
         g = torch.Generator().manual_seed(heads + kv)
         q, k, v = (torch.randn(2, h, seq, 16, generator=g, dtype=dtype) for h in (heads, kv, kv))
         dout = torch.randn(2, heads, seq, 16, generator=g, dtype=dtype)
@@ -253,8 +255,8 @@ def _bounded_ring(world: int) -> None:
         with tpf.config.override(kernels=kernel):
             out = bounded_ring_attention(*mine, exchange=exchange, group=None, softcap=softcap, sinks=sink)
             out.backward(cut(dout))
-        tol = {} if kernel == "torch" else {"rtol": 1e-4, "atol": 1e-5}
-        what = f"{kernel} {getattr(layout, '__name__', 'shuffled')} heads={heads}/{kv} window={window}"
+        tol = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+        what = f"{kernel} {dtype} {getattr(layout, '__name__', 'shuffled')} heads={heads}/{kv} window={window}"
         torch.testing.assert_close(out.double(), cut(want), **tol, msg=what)
         for got, ref in zip(mine, whole):
             torch.testing.assert_close(got.grad.double(), cut(ref.grad), **tol, msg=what)

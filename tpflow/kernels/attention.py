@@ -18,7 +18,8 @@ Dispatch as ``matmul``'s: CUDA tensors run the Triton kernels (``attention_tiles
 backward, reading every tensor through its strides, so transformers' ``[B, L, H, D].transpose(1, 2)`` views need no
 copy); CPU tensors run the torch reference (an explicit softmax in fp32) unless the ``kernels`` switch is
 ``"triton"``, which runs the kernels through Triton's interpreter; without gradients, a CPU block whose mask torch's
-flash kernel expresses (none, or the diagonal block) runs that kernel. fp64 and softcapped scores run the reference.
+flash kernel expresses (none, or the diagonal block) runs that kernel, and a block with first keys runs it with a
+``[B, 1, Lq, Lk]`` mask (the same in ``attention_backward``). fp64 and softcapped scores run the reference.
 All are differentiable, through ``lse`` too (the merge of a ring's steps differentiates through it).
 ``attention_backward`` gives a block's gradients from its queries' final output and log-sum-exp: a ring's backward.
 """
@@ -185,9 +186,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not grads and first is None and _cpu_flash(q, k, causal, q_offset - k_offset, softcap):  # CPU: no scores
+    if not grads and _cpu_flash(q, k, causal, q_offset - k_offset, softcap, first):  # CPU: no [Lq, Lk] scores
+        mask = _block_mask(q, k, causal, q_offset, k_offset, first)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, *_repeated(q, k, v), 0.0, causal, scale=scale)
+            q, *_repeated(q, k, v), 0.0, causal and mask is None, attn_mask=mask, scale=scale)
+        if mask is not None:  # a query that sees no key: the kernel's out is 0, its lse 0, not -inf
+            lse = lse.masked_fill(~(mask == 0).any(-1), float("-inf"))
         return out, lse
     if not _kernels(q, softcap):
         return attention_ref(q, k, v, causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset,
@@ -208,11 +212,27 @@ def _kernels(q: torch.Tensor, softcap: float | None) -> bool:
     return softcap is None and q.dtype != torch.float64 and q.shape[-1] <= _MAX_HEAD_DIM and use_triton(q)
 
 
-def _cpu_flash(q: torch.Tensor, k: torch.Tensor, causal: bool, diag: int, softcap: float | None) -> bool:
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, causal: bool, diag: int, softcap: float | None,
+               first: torch.Tensor | None) -> bool:
     """Whether torch's CPU flash attention computes the block: on CPU without the Triton switch, no softcap, and
-    its causal mask (query i sees keys 0..i) the block's (no mask, or the diagonal block of equal lengths)."""
+    its causal mask (query i sees keys 0..i) the block's (no mask, or the diagonal block of equal lengths), or a
+    mask of the block's first keys."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and softcap is None
-            and not use_triton(q) and (not causal or (diag == 0 and q.shape[2] == k.shape[2])))
+            and not use_triton(q) and (first is not None or not causal or (diag == 0 and q.shape[2] == k.shape[2])))
+
+
+def _block_mask(q: torch.Tensor, k: torch.Tensor, causal: bool, q_offset: int, k_offset: int,
+                first: torch.Tensor | None) -> torch.Tensor | None:
+    """The block's additive ``[B, 1, Lq, Lk]`` mask (0 where a query sees a key, -inf elsewhere) where it has first
+    keys, else None."""
+    if first is None:
+        return None
+    queries = torch.arange(q.shape[2], device=q.device) + q_offset
+    keys = torch.arange(k.shape[2], device=q.device) + k_offset
+    seen = keys >= first[:, :, None]
+    if causal:
+        seen = seen & (keys <= queries[:, None])
+    return torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))[:, None]
 
 
 def _repeated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,9 +272,12 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     diag = q_offset - k_offset
-    if first is None and _cpu_flash(q, k, causal, diag, softcap):
+    if _cpu_flash(q, k, causal, diag, softcap, first):
+        mask = _block_mask(q, k, causal, q_offset, k_offset, first)
+        hidden = lse == float("-inf")  # queries that see no key anywhere: no gradient (and no nan from -inf - -inf)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype), q, *_repeated(q, k, v), out.to(q.dtype), lse.float().contiguous(), 0.0, causal,
+            dout.to(q.dtype).masked_fill(hidden[..., None], 0), q, *_repeated(q, k, v), out.to(q.dtype),
+            lse.float().masked_fill(hidden, 0.0).contiguous(), 0.0, causal and mask is None, attn_mask=mask,
             scale=scale)
         return dq.float(), _per_kv_head(dk, k.shape[1], torch.float32), _per_kv_head(dv, k.shape[1], torch.float32)
     if _kernels(q, softcap):  # the kernels read lse as contiguous [B, Hq, Lq] (a ring's is a slice of its rows)

@@ -13,9 +13,19 @@ from tpflow.ops.collective_matmul import (
     matmul_reduce_scatter,
     matmul_reduce_scatter_ref,
 )
-from tpflow.ops.context_attention import contiguous, head_tail, ring_attention, ulysses_attention, ulysses_degrees
+from tpflow.ops.context_attention import (
+    attention_work,
+    balanced,
+    contiguous,
+    head_tail,
+    regroup,
+    ring_attention,
+    ulysses_attention,
+    ulysses_degrees,
+)
 from tpflow.ops.cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy
 
-__all__ = ["ALGOS", "RingExchange", "all_gather_matmul", "all_gather_matmul_ref", "bounded_ring_attention",
-           "contiguous", "head_tail", "linear_cross_entropy", "matmul_reduce_scatter", "matmul_reduce_scatter_ref",
-           "ring_attention", "ring_exchange", "ulysses_attention", "ulysses_degrees", "vocab_parallel_cross_entropy"]
+__all__ = ["ALGOS", "RingExchange", "all_gather_matmul", "all_gather_matmul_ref", "attention_work", "balanced",
+           "bounded_ring_attention", "contiguous", "head_tail", "linear_cross_entropy", "matmul_reduce_scatter",
+           "matmul_reduce_scatter_ref", "regroup", "ring_attention", "ring_exchange", "ulysses_attention",
+           "ulysses_degrees", "vocab_parallel_cross_entropy"]
