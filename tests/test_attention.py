@@ -161,6 +161,45 @@ def test_ring_blocks_on_a_gpu(case):
     _check(*case)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: bf16, and blocks the size of the compiled kernels' tiles")
+@pytest.mark.parametrize("window", [None, 300], ids=["documents", "documents-window-300"])
+def test_first_keys_on_a_gpu(window):
+    """Packed documents (and left padding, a window) on the compiled kernels' tiles: a ring's crossing block and
+    the diagonal block, bf16."""
+    for q_offset, k_offset, Lq, Lk in ((1000, 37, 1000, 1531), (0, 0, 1531, 1531)):
+        first = _firsts(2, Lq, q_offset, window, seed=Lq)
+        _check(torch.bfloat16, 2, 4, 2, Lq, Lk, 128, True, q_offset, k_offset, True, first=first)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: long packed sequences against torch's attention")
+@pytest.mark.parametrize("tokens", [8192, 32768])
+def test_long_packed_sequences_against_sdpa(tokens):
+    """bf16, 8 query heads on 2 kv heads of 128 dims, documents of random lengths and a window of 4096 on one row:
+    out and gradients within twice the error of torch's attention with the same mask in bf16, both against it in
+    fp32."""
+    first = _firsts(1, tokens, 0, 4096, seed=tokens)
+    at = torch.arange(tokens, device=DEVICE)
+    seen = (at[None, :, None] >= at[None, None, :]) & (at[None, None, :] >= first[:, :, None])
+    q = _rand(1, 8, tokens, 128, dtype=torch.bfloat16, seed=1)
+    k, v = (_rand(1, 2, tokens, 128, dtype=torch.bfloat16, seed=s) for s in (2, 3))
+    dout = _rand(1, 8, tokens, 128, dtype=torch.bfloat16, seed=4)
+
+    def sdpa(q, k, v):
+        k, v = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
+
+    def results(fn, *inputs):
+        inputs = [t.detach().requires_grad_() for t in inputs]
+        out = fn(*inputs)
+        return (out.detach(), *torch.autograd.grad(out, inputs, dout.to(out.dtype)))
+
+    got = results(lambda q, k, v: attention(q, k, v, causal=True, first=first)[0], q, k, v)
+    torch_bf16 = results(sdpa, q, k, v)
+    ref = results(sdpa, q.float(), k.float(), v.float())
+    for what, got_t, want_t, ref_t in zip(("out", "dq", "dk", "dv"), got, torch_bf16, ref):
+        _close(got_t, want_t, ref_t.double(), torch.bfloat16, what)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: long sequences against torch's flash attention")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("tokens", [4096, 32768])

@@ -266,6 +266,28 @@ def _bounded_ring(world: int) -> None:
             torch.testing.assert_close(total.double(), whole[3].grad, **tol, msg=what)
 
 
+def test_bounded_attention_on_whole_sequences():
+    """``bounded_attention`` (Ulysses' heads over packed documents): pieces of 5 of 23 tokens, uneven, documents
+    and left padding under a window of 7, GQA, sinks; fp64 (the reference) and fp32 (torch's CPU flash kernel with
+    each pair's mask), forward and every gradient against the whole-sequence reference."""
+    from tpflow.ops.bounded_ring import bounded_attention, pieces, ring_exchange
+
+    g = torch.Generator().manual_seed(3)
+    first = _firsts(2, 23, 7, seed=2)
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = (torch.randn(2, h, 23, 16, generator=g, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+        sinks = torch.randn(4, generator=g, dtype=dtype, requires_grad=True)
+        dout = torch.randn(2, 4, 23, 16, generator=g, dtype=dtype)
+        whole = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+        _with_sinks(*whole, first=first).backward(dout.double())
+        out = bounded_attention(q, k, v, exchange=ring_exchange([pieces(23, 5)], first), sinks=sinks)
+        out.backward(dout)
+        tol = {} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+        torch.testing.assert_close(out.double(), _with_sinks(*whole, first=first).detach(), **tol)
+        for got, want in zip((q, k, v, sinks), whole):
+            torch.testing.assert_close(got.grad.double(), want.grad, **tol)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_bounded_ring_attention_matches_the_reference(world):
     harness.run(world, _bounded_ring, world, timeout=300)
@@ -274,7 +296,8 @@ def test_bounded_ring_attention_matches_the_reference(world):
 def _right_padding() -> None:
     """Rows of different lengths, padded on the right with an ``attention_mask`` and labels = -100 at the padding: the
     loss, every gradient and the real tokens' logits equal one device's with the mask, ring and Ulysses; padded on the
-    left, both hide the padding from the real tokens alike; padding inside a row, the ring refuses, naming Ulysses."""
+    left, both hide the padding from the real tokens alike; padding inside a row, Ulysses by a mask on whole sequences,
+    and the ring refuses it, naming Ulysses."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, 11:] = 0  # the second row: 11 tokens, then 5 of padding
@@ -312,10 +335,24 @@ def _right_padding() -> None:
         _equal(model, ref, f"{kind} left-padded", TOL, grads=True)
     inside = torch.ones_like(ids)
     inside[1, 6:9] = 0
+    labels = ids.masked_fill(inside == 0, -100)
+    labels[1, 9] = -100  # scored at the last padded position
+    ref.zero_grad()
+    want = ref(ids, attention_mask=inside, labels=labels)
+    want.loss.backward()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                            plan=tpf.hf_plan(ref, context_parallel="ulysses"))
+    model.zero_grad()
+    with within(60):
+        out = model(ids, attention_mask=inside, labels=labels)
+        out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg="inside")
+    torch.testing.assert_close(out.logits.full_tensor()[inside.bool()], want.logits[inside.bool()], **TOL)
+    _equal(model, ref, "ulysses padded inside", TOL, grads=True)
     with within(60), pytest.raises(ValueError, match="padding on the left or the right .* context_parallel='ulysses'"):
         model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
                                 plan=tpf.hf_plan(ref, context_parallel="ring"))
-        model(ids, attention_mask=inside, labels=ids.masked_fill(inside == 0, -100))
+        model(ids, attention_mask=inside, labels=labels)
 
 
 def _packed_documents() -> None:

@@ -7,6 +7,10 @@ sliding window of w tokens costs a rank about w tokens of keys and values from i
 
 The backward replays the steps: each rank fetches the same keys again, computes their gradients and sends them back
 to their rank (fp32, fp64 for fp64), which adds them to its own.
+
+``bounded_attention`` is the same on one rank holding whole sequences (Ulysses' heads): the sequence cut into pieces
+(``pieces``), each pair of pieces in which some query sees some key computed on its own, so that no ``[S, S]`` mask
+or scores are ever held.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from tpflow.comm.accounting import stats
 from tpflow.comm.transport import Transport, as_transport
 from tpflow.kernels.attention import add_sinks, attention, attention_backward, merge, sinks_backward
 from tpflow.kernels.epilogue import accumulate_dtype
 from tpflow.ops.context_attention import Segments
 
-__all__ = ["RingExchange", "bounded_ring_attention", "ring_exchange"]
+__all__ = ["RingExchange", "bounded_attention", "bounded_ring_attention", "pieces", "ring_exchange"]
 
 Ranges = tuple[tuple[int, int], ...]  # (first position, length) of tokens, each inside one segment of their rank
 
@@ -278,3 +283,64 @@ def bounded_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                          f"{exchange.segments[transport.rank]}")
     return _BoundedRing.apply(q, k, v, sinks, exchange, transport, scale, softcap)
 
+
+
+class _Alone(Transport):
+    """One rank by itself: every key is here, nothing is sent."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.stats = 0, 1, stats
+
+    def post(self, sends=(), recvs=(), tag: int = 0):
+        raise RuntimeError("a rank alone sends nothing")
+
+
+def pieces(seq: int, size: int) -> Segments:
+    """A ``seq``-token sequence cut into pieces of ``size`` tokens (the last maybe shorter): one rank's segments for
+    ``bounded_attention``.
+
+    Args:
+        seq: the tokens.
+        size: a piece's.
+
+    Returns:
+        The segments ``(first position, length)``.
+
+    Example::
+
+        >>> pieces(10, 4)
+        ((0, 4), (4, 4), (8, 2))
+    """
+    return tuple((start, min(size, seq - start)) for start in range(0, seq, size))
+
+
+def bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, exchange: RingExchange,
+                      scale: float | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of whole sequences held by one rank, each query seeing keys from its first one
+    (``exchange.first``) up to itself, pair of pieces by pair of pieces (those no query of one sees a key of the
+    other skipped). Differentiable in q, k, v and the sinks.
+
+    Args:
+        q: ``[B, Hq, S, D]``.
+        k, v: ``[B, Hkv, S, D]``.
+        exchange: ``ring_exchange([pieces(S, size)], first)``, one rank's.
+        scale, softcap, sinks: as in ``bounded_ring_attention``.
+
+    Returns:
+        ``[B, Hq, S, D]`` in q's dtype.
+
+    Example::
+
+        >>> q, k, v = torch.randn(3, 1, 2, 8, 16).unbind(0)
+        >>> first = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3]])          # documents of 3 and 5 tokens
+        >>> out = bounded_attention(q, k, v, exchange=ring_exchange([pieces(8, 2)], first))
+        >>> seen = (torch.arange(8)[:, None] >= torch.arange(8)) & (torch.arange(8) >= first.T)
+        >>> whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+        >>> torch.testing.assert_close(out, whole)
+    """
+    if len(exchange.segments) != 1:
+        raise ValueError(f"bounded_attention runs on one rank's pieces; the exchange has {len(exchange.segments)} "
+                         f"ranks': use bounded_ring_attention")
+    return bounded_ring_attention(q, k, v, exchange=exchange, group=_Alone(), scale=scale, softcap=softcap,
+                                  sinks=sinks)

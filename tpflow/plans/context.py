@@ -139,7 +139,7 @@ class _Context:
                                  "from one collator (DataCollatorWithFlattening), or either alone")
             documents = lengths
         self.batch.documents = documents
-        first = None if self.kind == "ulysses" or self.batch.documents is None else _first_keys(self.batch.documents)
+        first = None if documents is None else _first_keys(documents, self.kind)
         self.batch.first, self.batch.exchanges = first, {}
         self.batch.segments = tuple(self.cut(seq, first))
         for key in ("labels", "shift_labels"):
@@ -283,13 +283,16 @@ def _padding(mask: torch.Tensor | None, batch: int, seq: int) -> tuple[torch.Ten
     return ~real, not right
 
 
-def _first_keys(documents: torch.Tensor) -> torch.Tensor:
-    """Each token's first visible key for the ring: the start of its document's run of tokens. Each document must be
-    one run (padding on the left or right of a row, packed documents): the ring's keys of a query are one span."""
+def _first_keys(documents: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """Each token's first visible key: the start of its document's run of tokens. Each document must be one run
+    (padding on the left or right of a row, packed documents) for a query's keys to be one span: the ring refuses
+    others; Ulysses (None) masks them on whole sequences."""
     at = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     if starts.sum(1).tolist() != [row.unique().numel() for row in documents]:
+        if kind == "ulysses":
+            return None
         raise ValueError("the ring takes padding on the left or the right of each row (one run of zeros in the "
                          "attention_mask): padding inside a row hides keys in the middle of a query's span; use "
                          "context_parallel='ulysses', which hides padding anywhere")

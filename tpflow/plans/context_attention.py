@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpflow.ops.bounded_ring import RingExchange, bounded_ring_attention, ring_exchange
+from tpflow.ops.bounded_ring import RingExchange, bounded_attention, bounded_ring_attention, pieces, ring_exchange
 from tpflow.ops.context_attention import Segments, ring_attention, ulysses_attention
 from tpflow.placement import Placement
 
@@ -22,6 +22,7 @@ __all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_gr
 IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
 _STATE = "_tpflow_context"
 ULYSSES_ORIGINALS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")  # causal without a mask of ours
+PIECE = 1024  # Ulysses' whole sequences over packed documents, windows, chunks: attention pair of pieces by pair
 _UNSPLIT = {"position_bias": "a learned position bias over the whole scores",
             "cu_seq_lens_q": "packed documents by cu_seq_lens", "cu_seq_lens_k": "packed documents by cu_seq_lens"}
 
@@ -53,10 +54,10 @@ class Batch:
             padding), or None for one document a row.
         segments: every rank's segments of the sequence in this batch (the ring's: head-tail, or balanced by work
             over packed documents).
-        first: ``[batch, seq]``, the ring's: each query's first visible key (its document's start), or None where
-            every query sees the keys from the row's start.
-        exchanges: the ring's ``RingExchange`` of this batch for each (sliding window, attention chunk) (None: none),
-            made by the first layer that needs it.
+        first: ``[batch, seq]``, each query's first visible key (its document's start), or None where every query
+            sees the keys from the row's start (or, under Ulysses, where the documents are not runs of tokens).
+        exchanges: the ``RingExchange`` of this batch for each (sliding window, attention chunk, whole sequences on
+            one rank) (None: none), made by the first layer that needs it.
 
     Example::
 
@@ -67,13 +68,16 @@ class Batch:
     documents: torch.Tensor | None = None
     segments: tuple[Segments, ...] = ()
     first: torch.Tensor | None = None
-    exchanges: dict[tuple[int | None, int | None], RingExchange] = dataclasses.field(default_factory=dict)
+    exchanges: dict[tuple[int | None, int | None, bool], RingExchange] = dataclasses.field(default_factory=dict)
 
-    def exchange(self, q: torch.Tensor, window: int | None, chunk: int | None) -> RingExchange:
-        """The ring's exchange for a sliding window of ``window`` tokens and attention chunks of ``chunk`` (Llama 4's;
-        either None: none) over this batch's first keys."""
-        if (window, chunk) not in self.exchanges:
+    def exchange(self, q: torch.Tensor, window: int | None, chunk: int | None, alone: bool = False) -> RingExchange:
+        """The exchange for a sliding window of ``window`` tokens and attention chunks of ``chunk`` (Llama 4's;
+        either None: none) over this batch's first keys: the ring's, or ``alone`` one rank's pieces of whole
+        sequences (Ulysses')."""
+        key = (window, chunk, alone)
+        if key not in self.exchanges:
             seq = sum(n for parts in self.segments for _, n in parts)
+            segments = (pieces(seq, PIECE),) if alone else self.segments
             at = torch.arange(seq, device=q.device)
             first = self.first if self.first is not None else torch.zeros(q.shape[0], seq, dtype=torch.long,
                                                                            device=q.device)
@@ -81,8 +85,8 @@ class Batch:
                 first = torch.maximum(first, at - window + 1)
             if chunk is not None:
                 first = torch.maximum(first, at // chunk * chunk)
-            self.exchanges[window, chunk] = ring_exchange(self.segments, first)
-        return self.exchanges[window, chunk]
+            self.exchanges[key] = ring_exchange(segments, first)
+        return self.exchanges[key]
 
 
 class _Attention:
@@ -117,22 +121,35 @@ class _Attention:
         elif self.kind == "ring":
             out = ring_attention(q, k, v, segments=self.batch.segments, group=group, causal=causal, scale=scaling,
                                  softcap=softcap, sinks=sinks)
+        elif causal and (window is not None or chunk is not None or self.batch.first is not None):
+            out = ulysses_attention(q, k, v, lambda *qkv: bounded_attention(
+                *qkv, exchange=self.batch.exchange(q, window, chunk, alone=True), scale=scaling, softcap=softcap,
+                sinks=self._rank_heads(sinks, qkv[0])), group)
         else:
             out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
                                                                       softcap, sinks, chunk), group)
         return out.transpose(1, 2), None
 
+    def _rank_heads(self, per_head: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        """This rank's block of a per-head tensor under Ulysses (its all-to-all gives rank r the r-th block of
+        ``q.shape[1]`` heads)."""
+        if per_head is None:
+            return None
+        rank = dist.get_rank(context_group(self.placement))
+        return per_head[rank * q.shape[1]:(rank + 1) * q.shape[1]]
+
     def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap, sinks, chunk) -> torch.Tensor:
         """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
-        the flash kernels causal by the module, eager by a mask made for the whole sequence; packed documents,
-        sliding windows and chunks by a mask that keeps each token in its document, window and chunk (eager and
-        sdpa). The module is seen through ``_RankHeads``: this rank's key/value groups and sinks."""
+        the flash kernels causal by the module, eager by a mask made for the whole sequence; what first keys cannot
+        say (padding inside a row, attention that is not causal) by a mask that keeps each token in its document,
+        window and chunk (eager and sdpa). The module is seen through ``_RankHeads``: this rank's key/value groups
+        and sinks."""
         seq, documents, mask = q.shape[2], self.batch.documents, None
         window = sliding_window is not None and sliding_window < seq
         if documents is not None or window or chunk is not None:
             if self.original not in ("eager", "sdpa"):
-                raise ValueError(f"{self.name!r}: Ulysses runs packed documents, hidden padding, sliding windows and "
-                                 f"chunks through eager or sdpa attention (a mask over the whole sequence), not "
+                raise ValueError(f"{self.name!r}: Ulysses runs padding inside a row, and masks of attention that is "
+                                 f"not causal, through eager or sdpa attention (a mask over the whole sequence), not "
                                  f"{self.original!r}: load the model with one of them")
             at = torch.arange(seq, device=q.device)
             seen = (at[:, None] >= at[None, :]) if causal else torch.ones(seq, seq, dtype=torch.bool, device=q.device)
@@ -149,9 +166,8 @@ class _Attention:
             mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
         own = {"num_key_value_groups": q.shape[1] // k.shape[1]}  # this rank's heads (kv heads maybe repeated)
         extra = {}
-        if sinks is not None:  # this rank's block of heads (Ulysses' all-to-all gives rank r the r-th)
-            rank = dist.get_rank(context_group(self.placement))
-            own["sinks"] = extra["s_aux"] = sinks[rank * q.shape[1]:(rank + 1) * q.shape[1]]
+        if sinks is not None:
+            own["sinks"] = extra["s_aux"] = self._rank_heads(sinks, q)
         out = _original(module, self.original)(_RankHeads(module, own), q, k, v, mask, dropout=0.0, scaling=scaling,
                                                sliding_window=sliding_window, softcap=softcap, is_causal=causal,
                                                **extra)[0]
