@@ -5,7 +5,7 @@ Ulysses context parallelism; the ring over packed documents and sliding windows 
 
 from __future__ import annotations
 
-from tpflow.ops.bounded_ring import RingExchange, bounded_ring_attention, ring_exchange
+from tpflow.ops.bounded_ring import RingExchange, bounded_attention, bounded_ring_attention, pieces, ring_exchange
 from tpflow.ops.collective_matmul import (
     ALGOS,
     all_gather_matmul,
@@ -26,6 +26,6 @@ from tpflow.ops.context_attention import (
 from tpflow.ops.cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy
 
 __all__ = ["ALGOS", "RingExchange", "all_gather_matmul", "all_gather_matmul_ref", "attention_work", "balanced",
-           "bounded_ring_attention", "contiguous", "head_tail", "linear_cross_entropy", "matmul_reduce_scatter",
-           "matmul_reduce_scatter_ref", "regroup", "ring_attention", "ring_exchange", "ulysses_attention",
-           "ulysses_degrees", "vocab_parallel_cross_entropy"]
+           "bounded_attention", "bounded_ring_attention", "contiguous", "head_tail", "linear_cross_entropy",
+           "matmul_reduce_scatter", "matmul_reduce_scatter_ref", "pieces", "regroup", "ring_attention",
+           "ring_exchange", "ulysses_attention", "ulysses_degrees", "vocab_parallel_cross_entropy"]
