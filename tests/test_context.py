@@ -419,8 +419,10 @@ def _sliding_windows() -> None:
     layers beside their global ones, softcapped, under eager) and Llama 4's attention chunks (of 6 tokens, its
     chunked layers beside a global one, dense): Ulysses' whole-sequence attention masks each query to its window or
     chunk, the ring fetches the keys they reach; the logits, the loss, every gradient and every parameter after two
-    AdamW steps with clipping equal one device's; context x tensor on 4 ranks."""
+    AdamW steps with clipping equal one device's; then packed documents under the windows and chunks; context x
+    tensor on 4 ranks."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in ([3, 10, 3], [8, 8])])
     tensor = 2 if dist.get_world_size() == 4 else 1
     gemma3 = {"layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0}
@@ -447,6 +449,17 @@ def _sliding_windows() -> None:
         got, expected = train_lm(model, ids), train_lm(ref, ids)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=what)
         _equal(model, ref, what, tol, grads=False)
+        model.zero_grad()  # then packed documents under the windows and chunks
+        ref.zero_grad()
+        packed = {"position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)}
+        with within(60):
+            out = model(ids, **packed)
+            out.loss.backward()
+        want = ref(ids, **packed, use_cache=False)
+        want.loss.backward()
+        torch.testing.assert_close(out.logits.full_tensor(), want.logits, **tol, msg=f"{what}, packed")
+        torch.testing.assert_close(out.loss, want.loss.float(), **tol, msg=f"{what}, packed")
+        _equal(model, ref, f"{what}, packed", tol, grads=True)
 
 
 def _sinks() -> None:

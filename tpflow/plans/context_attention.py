@@ -81,10 +81,11 @@ class Batch:
             at = torch.arange(seq, device=q.device)
             first = self.first if self.first is not None else torch.zeros(q.shape[0], seq, dtype=torch.long,
                                                                            device=q.device)
+            start = first  # each token's document's
             if window is not None:
                 first = torch.maximum(first, at - window + 1)
-            if chunk is not None:
-                first = torch.maximum(first, at // chunk * chunk)
+            if chunk is not None:  # chunks count from each document's start, as transformers' masks count them
+                first = torch.maximum(first, start + (at - start) // chunk * chunk)
             self.exchanges[key] = ring_exchange(segments, first)
         return self.exchanges[key]
 
