@@ -5,17 +5,20 @@ every layer, attention included, the model's own code unchanged.
   cut to this rank's part of the sequence, with its global ``position_ids`` (rotary positions stay right); the
   labels are shifted over the whole sequence first (``shift_labels``, so the label of a part's last token is the
   next part's first), and ``num_items_in_batch`` is their count over the whole sequence, so each rank's share of
-  the model's own ``labels=`` loss is its tokens' sum over every rank's count.
+  the model's own ``labels=`` loss is its tokens' sum over every rank's count. The batch's padding and packed
+  documents (``tpflow.plans.context_batch``) give each query its first visible key, and the ring a cut balanced by
+  their work.
 - Attention: the model's attention implementation becomes ``"tpflow_context"`` (registered with transformers'
   ``AttentionInterface``); on each attention module it runs ``ring_attention`` (the rank's two head-tail parts,
-  key / value blocks around the ring, with the module's scaling and softcap) or ``ulysses_attention`` around the
-  model's original implementation (sdpa or eager), on whole sequences of the rank's heads
+  key / value blocks around the ring, with the module's scaling and softcap; ``bounded_ring_attention`` where
+  queries see keys from a first one on) or ``ulysses_attention`` around the model's original implementation (sdpa
+  or eager; ``bounded_attention`` for documents, windows and chunks), on whole sequences of the rank's heads
   (``tpflow.plans.context_attention``).
 - ``inputs_embeds`` made by plain trainable tensors before the model (a soft prompt, a projector) gets its whole
   gradient on every rank (summed over the context ranks in the backward), as one device computes it.
-- Before the head, a ring's head-tail parts are exchanged into contiguous ones (an all-to-all of the hidden
-  states, much smaller than the logits), so that ``.logits`` comes back as a global tensor split over the sequence
-  (``full_tensor()`` gives it whole) and the shifted labels are cut alike.
+- Before the head, a ring's parts (head-tail, or balanced) are exchanged into contiguous ones (an all-to-all of the
+  hidden states, much smaller than the logits), so that ``.logits`` comes back as a global tensor split over the
+  sequence (``full_tensor()`` gives it whole) and the shifted labels are cut alike.
 - At the exit (a forward hook) the loss is summed over the context ranks (all-reduce forward, identity backward):
   every rank holds one device's loss, and each rank's backward gives its tokens' share of every gradient, which
   the weights' partial-sum gradients add up over the context axis.
@@ -30,7 +33,6 @@ import copy
 import dataclasses
 import inspect
 import math
-import re
 
 import torch
 import torch.nn.functional as F
@@ -51,13 +53,13 @@ from tpflow.plans.context_attention import (
     context_group,
     register,
 )
+from tpflow.plans.context_batch import IGNORE, first_keys, masks_documents, read_documents
 from tpflow.plans.inputs import InputCheck
 from tpflow.plans.style import Plan, Style
 from tpflow.sbp import broadcast, split
 
 __all__ = ["ContextParallel", "context_parallel"]
 
-IGNORE = -100  # transformers' ignore_index of the labels
 # what a model may pass its attention that the split cannot honour: the keyword, and why
 
 
@@ -76,7 +78,7 @@ class _Context:
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         self.same_inputs = InputCheck(type(model).__name__, placement, axis=0, kind="context-parallel")
-        self.packing = _masks_documents(model)
+        self.packing = masks_documents(model)
         self.reordered = False
         model.register_forward_pre_hook(self.enter, with_kwargs=True)
         model.register_forward_hook(self.leave)
@@ -120,26 +122,10 @@ class _Context:
                              f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
                              f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
                              f"and the other tokens' logits as they are)")
-        pads, hidden = _padding(named.pop("attention_mask", None), batch, seq)
-        lengths = _cu_seq_lens(named, batch, seq)
-        # padding to hide: a document of its own, which the real tokens do not see
-        documents = pads.long() if hidden else None
-        if positions is None:
-            positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
-        elif positions.shape != (batch, seq):
-            raise ValueError(f"context parallelism takes position_ids [batch, seq] = {[batch, seq]} (got "
-                             f"{list(positions.shape)})")
-        elif self.packing and not bool((positions.diff(dim=1) == 1).all()):
-            documents = self.documents(positions, pads)
-        if lengths is not None:
-            if pads is not None:
-                raise ValueError("cu_seq_lens beside a padding mask: pack without padding")
-            if documents is not None and not torch.equal(documents, lengths):
-                raise ValueError("position_ids restart where cu_seq_lens_q does not start a document: pass the two "
-                                 "from one collator (DataCollatorWithFlattening), or either alone")
-            documents = lengths
+        pads, documents, positions = read_documents(named, batch, seq, self.packing)
+        positions = positions.to(tokens.device)
         self.batch.documents = documents
-        first = None if documents is None else _first_keys(documents, self.kind)
+        first = None if documents is None else first_keys(documents, self.kind)
         self.batch.first, self.batch.exchanges = first, {}
         self.batch.segments = tuple(self.cut(seq, first))
         for key in ("labels", "shift_labels"):
@@ -164,21 +150,6 @@ class _Context:
             named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
         self.reordered = False
         return (), named
-
-    def documents(self, positions: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor:
-        """Packed documents' ids from ``position_ids`` that restart (a new document wherever they do not count up by
-        one, as transformers' own masks read them)."""
-        if pads is not None:
-            raise ValueError("packed documents (position_ids that restart) beside a padding mask: one device reads "
-                             "them as one document; pack without padding, or pad without restarting positions")
-        starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=1) != 1
-        back = starts & (positions != 0)
-        if bool(back.any()):
-            row, token = (int(i) for i in back.nonzero()[0])
-            raise ValueError(f"position_ids go from {int(positions[row, token - 1])} to "
-                             f"{int(positions[row, token])} at token {token} of row {row}: packed documents count up "
-                             f"by one from 0 each (as DataCollatorWithFlattening gives them)")
-        return starts.cumsum(1)
 
     def whole_gradient(self, embeds: torch.Tensor) -> torch.Tensor:
         """``inputs_embeds`` made by plain trainable tensors (a soft prompt, a projector before the model) gets its
@@ -231,72 +202,6 @@ class _Context:
             return from_local(local, self.logits_placement, split(1), shape=shape)
         return from_local(local, self.logits_placement, (split(1), split(2) if vocab_split else broadcast),
                           shape=shape, sync_data=False)
-
-
-def _cu_seq_lens(named: dict, batch: int, seq: int) -> torch.Tensor | None:
-    """Packed documents given as flash-attention's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one row, the documents'
-    cumulative lengths: what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives): each token's
-    document, ``[1, seq]``, or None. The four keyword arguments are taken out of ``named``."""
-    q, k = named.pop("cu_seq_lens_q", None), named.pop("cu_seq_lens_k", None)
-    named.pop("max_length_q", None)
-    named.pop("max_length_k", None)
-    if q is None and k is None:
-        return None
-    if q is None or k is None or not torch.equal(q, k):
-        raise ValueError("context parallelism takes cu_seq_lens_q and cu_seq_lens_k equal (self-attention over packed "
-                         "documents)")
-    if batch != 1 or q.ndim != 1 or q.numel() < 2 or int(q[0]) != 0 or int(q[-1]) != seq or \
-            bool((q.diff() <= 0).any()):
-        raise ValueError(f"cu_seq_lens_q {q.tolist()} must count up from 0 to the {seq} tokens of one row (the "
-                         f"documents' cumulative lengths, batch 1 as DataCollatorWithFlattening packs it; got batch "
-                         f"{batch})")
-    return torch.bucketize(torch.arange(seq, device=q.device), q[1:-1].to(torch.long), right=True)[None]
-
-
-def _masks_documents(model: nn.Module) -> bool:
-    """Whether the model's own masks keep packed documents apart: its decoder hands ``position_ids`` to the mask
-    builders (Llama's, Qwen3's do; gpt-oss's does not, so one device attends across documents there, and so does the
-    split)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    try:
-        source = inspect.getsource(type(decoder).forward)
-    except (OSError, TypeError):
-        return True
-    builds = re.findall(r"mask_kwargs\s*=\s*\{[^}]*\}|create_\w*mask\([^)]*\)", source)
-    return not builds or any("position_ids" in b for b in builds)
-
-
-def _padding(mask: torch.Tensor | None, batch: int, seq: int) -> tuple[torch.Tensor | None, bool]:
-    """The padded positions of a 2-D ``attention_mask`` (None for none), and whether the attention must hide them:
-    padding on the right needs nothing (causal attention keeps every real token from the padding after it, so the
-    mask is dropped and the real tokens' outputs stay one device's); padding elsewhere (on the left) needs its keys
-    hidden: a document of its own."""
-    if mask is None:
-        return None, False
-    if mask.ndim != 2 or tuple(mask.shape) != (batch, seq):
-        raise ValueError(f"context parallelism takes a 2-D padding mask [batch, seq] = {[batch, seq]} (got "
-                         f"{list(mask.shape)}): a 4-D mask (packed documents, a mask of your own) is not supported")
-    real = mask.bool()
-    if bool(real.all()):
-        return None, False
-    right = not bool((real[:, 1:] & ~real[:, :-1]).any())
-    return ~real, not right
-
-
-def _first_keys(documents: torch.Tensor, kind: str) -> torch.Tensor | None:
-    """Each token's first visible key: the start of its document's run of tokens. Each document must be one run
-    (padding on the left or right of a row, packed documents) for a query's keys to be one span: the ring refuses
-    others; Ulysses (None) masks them on whole sequences."""
-    at = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    if starts.sum(1).tolist() != [row.unique().numel() for row in documents]:
-        if kind == "ulysses":
-            return None
-        raise ValueError("the ring takes padding on the left or the right of each row (one run of zeros in the "
-                         "attention_mask): padding inside a row hides keys in the middle of a query's span; use "
-                         "context_parallel='ulysses', which hides padding anywhere")
-    return torch.where(starts, at, 0).cummax(1).values
 
 
 _GENERATE = ("a model parallelized with context_parallel splits whole sequences over its ranks, and decoding runs one "
