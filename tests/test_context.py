@@ -453,14 +453,13 @@ def _same_training(model, ref, ids: torch.Tensor, kwargs: dict, what: str, tol: 
     _equal(model, ref, what, tol, grads=False)
 
 
-def _sliding_windows() -> None:
+def _families() -> None:
     """Whole, packed and left-padded batches (not under eager, whose one-device rows of left padding are nan), each
-    then two AdamW steps with clipping, on Llama and Qwen3 (no window),
-    sliding windows shorter than the sequence (Mistral's on every layer under sdpa; Gemma 2's and Gemma 3's local
-    layers beside their global ones, softcapped, under eager) and Llama 4's attention chunks (of 6 tokens, its
-    chunked layers beside a global one, dense): the ring fetches the keys each query's document, window or chunk
-    reaches, Ulysses runs them on whole sequences; the logits, the loss, every gradient and every parameter equal
-    one device's; context x tensor on 4 ranks."""
+    then two AdamW steps with clipping, on Llama and Qwen3 (no window), sliding windows shorter than the sequence
+    (Mistral's on every layer under sdpa; Gemma 2's and Gemma 3's local layers beside their global ones, softcapped,
+    under eager) and Llama 4's attention chunks (of 6 tokens, its chunked layers beside a global one, dense): the
+    ring fetches the keys each query's document, window or chunk reaches, Ulysses runs them on whole sequences; the
+    logits, the loss, every gradient and every parameter equal one device's; context x tensor on 4 ranks."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     tensor = 2 if dist.get_world_size() == 4 else 1
     gemma3 = {"layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
@@ -505,8 +504,8 @@ def test_sinks_match_one_device(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sliding_windows_match_one_device(world):
-    harness.run(world, _sliding_windows)
+def test_whole_packed_and_padded_batches_match_one_device(world):
+    harness.run(world, _families, timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 4])
