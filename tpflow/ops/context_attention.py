@@ -148,7 +148,7 @@ def _runs(pieces: list[int], size: int) -> Segments:
     return tuple((a, n) for a, n in out)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8)  # a packed batch has its own cut: keep the last few
 def _moves(have: tuple[Segments, ...], want: tuple[Segments, ...], rank: int) -> tuple[list, list, list, list]:
     """For ``regroup`` on ``rank``: its local rows in the order they leave, the counts to each rank, the counts from
     each, and the received rows' order in the new cut."""
