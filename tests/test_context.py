@@ -266,6 +266,19 @@ def _bounded_ring(world: int) -> None:
             torch.testing.assert_close(total.double(), whole[3].grad, **tol, msg=what)
 
 
+def test_which_models_read_packed_documents():
+    """Restarting position_ids are documents where one device keeps them apart: Llama's and Gemma 2's mask builders
+    read them, gpt-oss's do not, and under the flash kernels transformers finds them itself."""
+    from tests.models import tiny_moe
+    from tpflow.plans.context_batch import masks_documents
+
+    assert masks_documents(tiny_lm("llama")) and masks_documents(tiny_lm("gemma2"))
+    oss = tiny_moe("gpt_oss")
+    assert not masks_documents(oss)
+    oss.config._attn_implementation = "flash_attention_2"
+    assert masks_documents(oss)
+
+
 def test_bounded_attention_on_whole_sequences():
     """``bounded_attention`` (Ulysses' heads over packed documents): pieces of 5 of 23 tokens, uneven, documents
     and left padding under a window of 7, GQA, sinks; fp64 (the reference) and fp32 (torch's CPU flash kernel with

@@ -72,13 +72,13 @@ class _Context:
     """The root model's hooks: the inputs cut on entry, the loss summed and the logits made global on exit."""
 
     def __init__(self, model: nn.Module, kind: str, placement: Placement, logits_placement: Placement,
-                 batch: Batch) -> None:
+                 batch: Batch, packing: bool) -> None:
         self.kind, self.placement, self.logits_placement, self.batch = kind, placement, logits_placement, batch
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         self.same_inputs = InputCheck(type(model).__name__, placement, axis=0, kind="context-parallel")
-        self.packing = masks_documents(model)
+        self.packing = packing
         self.reordered = False
         model.register_forward_pre_hook(self.enter, with_kwargs=True)
         model.register_forward_hook(self.leave)
@@ -281,11 +281,12 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
     """
     register()
     _own_config(model)
+    packing = masks_documents(model)  # read under the model's own attention implementation
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:  # transformers only warns where it cannot switch
         raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "
                          f"so context parallelism cannot run it")
-    context = _Context(model, kind, placement, logits_placement, batch)
+    context = _Context(model, kind, placement, logits_placement, batch, packing)
     if kind == "ring":
         _head(model).register_forward_pre_hook(context.to_contiguous)
     model.generate = _NoGenerate()

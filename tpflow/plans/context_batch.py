@@ -146,12 +146,13 @@ def first_keys(documents: torch.Tensor, kind: str) -> torch.Tensor | None:
 
 
 def masks_documents(model: nn.Module) -> bool:
-    """Whether the model's own masks keep packed documents apart: its decoder hands ``position_ids`` to the mask
+    """Whether the model's own attention keeps packed documents apart: under the flash kernels transformers finds
+    them from ``position_ids`` itself; under the others, where the decoder hands ``position_ids`` to the mask
     builders (Llama's, Qwen3's do; gpt-oss's does not, so one device attends across documents there, and so does the
     split).
 
     Args:
-        model: a Hugging Face causal LM.
+        model: a Hugging Face causal LM, under its own attention implementation.
 
     Returns:
         True or False (True where its source cannot be read).
@@ -163,6 +164,8 @@ def masks_documents(model: nn.Module) -> bool:
         ...                                              intermediate_size=32, vocab_size=32)))
         True
     """
+    if str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("flash"):
+        return True
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     try:
         source = inspect.getsource(type(decoder).forward)
