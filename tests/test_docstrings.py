@@ -15,7 +15,8 @@ import tpflow
 
 # need triton: checked if present
 SKIP = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles",
-        "tpflow.kernels.grouped_tiles", "tpflow.kernels.attention_tiles"}
+        "tpflow.kernels.grouped_tiles", "tpflow.kernels.attention_tiles",
+          "tpflow.kernels.attention_grad_tiles"}
 
 
 def _modules():

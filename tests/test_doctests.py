@@ -26,7 +26,8 @@ WORLD = re.compile(r"Example \((\d+) ranks?\)::")
 ON_RANK = re.compile(r"#.*\bon rank (\d+)")
 ANY = "<output on another rank>\n"
 TRITON = {"tpflow.kernels.tiles", "tpflow.kernels.tuning", "tpflow.kernels.launcher", "tpflow.kernels.loss_tiles",
-          "tpflow.kernels.grouped_tiles", "tpflow.kernels.attention_tiles"}
+          "tpflow.kernels.grouped_tiles", "tpflow.kernels.attention_tiles",
+          "tpflow.kernels.attention_grad_tiles"}
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest without a GPU
 
 

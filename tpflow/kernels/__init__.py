@@ -6,10 +6,10 @@ tensors tpflow's Triton kernels (``tiles``, picked and launched by ``launcher``,
 interpreter. ``epilogue`` holds the fused epilogue's math in torch. ``cross_entropy`` (its kernels in
 ``loss_tiles``) is one rank's half of a loss over classes split across ranks. ``grouped`` (its kernels in
 ``grouped_tiles``) is the experts' grouped GEMM, and ``experts_forward`` puts it under transformers' MoE models
-(``experts_implementation="tpflow"``). ``attention`` (its kernels in ``attention_tiles``) is flash-attention on one
-block of queries and one of keys at any global positions, returning the log-sum-exp that a context-parallel ring
-merges its steps by. The collectives that combine these kernels with communication are in
-``tpflow.ops``.
+(``experts_implementation="tpflow"``). ``attention`` (its kernels in ``attention_tiles`` and, backward,
+``attention_grad_tiles``) is flash-attention on one block of queries and one of keys at any global positions (each
+query's first key too), returning the log-sum-exp that a context-parallel ring merges its steps by. The collectives
+that combine these kernels with communication are in ``tpflow.ops``.
 """
 
 from __future__ import annotations

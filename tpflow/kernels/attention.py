@@ -14,12 +14,13 @@ Causal attention hides from each query the keys at later global positions, so a 
 sees no key of the block gets ``out = 0`` and ``lse = -inf``: ``merge`` gives such a block no weight, and its
 gradients are 0.
 
-Dispatch as ``matmul``'s: CUDA tensors run the Triton kernels (``attention_tiles``: flash-attention 2, forward and
-backward, reading every tensor through its strides, so transformers' ``[B, L, H, D].transpose(1, 2)`` views need no
-copy); CPU tensors run the torch reference (an explicit softmax in fp32) unless the ``kernels`` switch is
-``"triton"``, which runs the kernels through Triton's interpreter; without gradients, a CPU block whose mask torch's
-flash kernel expresses (none, or the diagonal block) runs that kernel, and a block with first keys runs it with a
-``[B, 1, Lq, Lk]`` mask (the same in ``attention_backward``). fp64 and softcapped scores run the reference.
+Dispatch as ``matmul``'s: CUDA tensors run the Triton kernels (``attention_tiles``, ``attention_grad_tiles``:
+flash-attention 2, forward and backward, reading every tensor through its strides, so transformers'
+``[B, L, H, D].transpose(1, 2)`` views need no copy); CPU tensors run the torch reference (an explicit softmax in
+fp32) unless the ``kernels`` switch is ``"triton"``, which runs the kernels through Triton's interpreter; without
+gradients, a CPU block whose mask torch's flash kernel expresses (none, or the diagonal block) runs that kernel, and a
+block with first keys runs it with a ``[B, 1, Lq, Lk]`` mask (the same in ``attention_backward``). fp64 and softcapped
+scores run the reference.
 All are differentiable, through ``lse`` too (the merge of a ring's steps differentiates through it).
 ``attention_backward`` gives a block's gradients from its queries' final output and log-sum-exp: a ring's backward.
 """
@@ -35,9 +36,9 @@ from tpflow.kernels.linear import wanted
 from tpflow.kernels.matmul import use_triton
 
 if importlib.util.find_spec("triton") is not None:
-    from tpflow.kernels import attention_tiles
+    from tpflow.kernels import attention_grad_tiles, attention_tiles
 else:  # CPU installs without triton run the torch reference
-    attention_tiles = None
+    attention_tiles = attention_grad_tiles = None
 
 __all__ = ["add_sinks", "attention", "attention_backward", "attention_ref", "merge", "sinks_backward"]
 
@@ -130,8 +131,8 @@ class _Attention(torch.autograd.Function):
         dq = torch.empty_like(q) if wanted(ctx, 0) else None
         dk, dv = (torch.empty_like(k), torch.empty_like(v)) if wanted(ctx, 1) or wanted(ctx, 2) else (None, None)
         dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
-        attention_tiles.backward(q, k, v, out, lse, dout, None if dlse is None else dlse.float().contiguous(), dq, dk,
-                                 dv, ctx.scale, ctx.diag, ctx.causal, lo)
+        attention_grad_tiles.backward(q, k, v, out, lse, dout, None if dlse is None else dlse.float().contiguous(), dq,
+                                      dk, dv, ctx.scale, ctx.diag, ctx.causal, lo)
         return dq, dk, dv, None, None, None, None
 
 
@@ -282,8 +283,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         return dq.float(), _per_kv_head(dk, k.shape[1], torch.float32), _per_kv_head(dv, k.shape[1], torch.float32)
     if _kernels(q, softcap):  # the kernels read lse as contiguous [B, Hq, Lq] (a ring's is a slice of its rows)
         dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-        attention_tiles.backward(q, k, v, out.to(q.dtype), lse.float().contiguous(), dout.to(q.dtype), None, dq, dk,
-                                 dv, scale, diag, causal, _first_keys(first, k_offset))
+        attention_grad_tiles.backward(q, k, v, out.to(q.dtype), lse.float().contiguous(), dout.to(q.dtype), None, dq,
+                                      dk, dv, scale, diag, causal, _first_keys(first, k_offset))
         return dq, dk, dv
     return _reference_backward(q, k, v, out, lse, dout, causal, scale, q_offset, k_offset, softcap, first)
 
