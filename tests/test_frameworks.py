@@ -235,6 +235,66 @@ def test_trl_sft_trainer_with_packing_trains_as_one_device(tmp_path, world, layo
     harness.run(world, _sft_rank, reference, layout, str(tmp_path / "ranks"), strategy)
 
 
+class _PackedToMultiple:
+    """``DataCollatorWithFlattening``'s packed row, padded on the right to a multiple of ``multiple`` tokens (labels
+    -100, positions counting on): the lengths a context-parallel cut takes."""
+
+    def __init__(self, multiple: int) -> None:
+        self.multiple, self.flatten = multiple, transformers.DataCollatorWithFlattening()
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.flatten(features)
+        extra = -batch["input_ids"].shape[1] % self.multiple
+        last = batch["position_ids"][:, -1:]
+        batch["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, extra))
+        batch["labels"] = torch.nn.functional.pad(batch["labels"], (0, extra), value=-100)
+        batch["position_ids"] = torch.cat([batch["position_ids"], last + 1 + torch.arange(extra)[None]], 1)
+        return batch
+
+
+def _packed_trainer(model, folder: str) -> tuple[list[float], dict]:
+    """Trainer on packed documents (4 a step), its losses and the trained parameters."""
+    import datasets
+
+    from tests.models import VOCAB
+
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(3, VOCAB, (n,), generator=g).tolist()}
+            for n in (5, 7, 4, 9, 6, 3, 8, 6, 5, 7, 4, 9)]
+    args = transformers.TrainingArguments(folder, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
+                                          max_grad_norm=0.5, seed=0, logging_steps=1, save_strategy="no",
+                                          report_to=[], use_cpu=True, disable_tqdm=True, adam_epsilon=EPS)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                   data_collator=_PackedToMultiple(4))
+    if isinstance(next(model.parameters()), torch.distributed.tensor.DTensor):
+        tpf.adopt(trainer)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], _whole(model)
+
+
+def _packed_rank(reference: tuple, kind: str, folder: str) -> None:
+    """A context-parallel model under Trainer (``tpf.adopt``: every rank reads the same packed rows) trains as one
+    device: its losses and every parameter."""
+    from tests.models import tiny_lm
+
+    ref = tiny_lm("llama")
+    model = tpf.parallelize(ref, placement=tpf.placement("cpu", [0, 1]), plan=tpf.hf_plan(ref, context_parallel=kind))
+    with within(120):
+        losses, params = _packed_trainer(model, folder)
+    torch.testing.assert_close(losses, reference[0], rtol=1e-6, atol=0)
+    _equal(params, reference[1], 1e-8)
+
+
+@pytest.mark.parametrize("kind", ["ring", "ulysses"])
+def test_trainer_trains_a_context_parallel_model_on_packed_documents_as_one_device(tmp_path, kind):
+    pytest.importorskip("datasets")
+    from tests.models import tiny_lm
+
+    reference = _packed_trainer(tiny_lm("llama"), str(tmp_path / "one-device"))
+    harness.run(2, _packed_rank, reference, kind, str(tmp_path / "ranks"))
+
+
 def _plain_loop(model, ids: torch.Tensor, backward=None, clip=None) -> list[float]:
     """AdamW steps with clipping on ``ids`` (``backward`` / ``clip``: a framework's own)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS)

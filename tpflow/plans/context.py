@@ -328,6 +328,11 @@ class ContextParallel(Style):
 
     kind: str = "ring"
 
+    @property
+    def one_batch(self) -> bool:
+        """Every rank reads the whole batch (the entry cuts it): trainers shard no data over the context ranks."""
+        return True
+
     def __post_init__(self) -> None:
         if self.kind not in ("ring", "ulysses"):
             raise ValueError(f"ContextParallel(kind={self.kind!r}): use 'ring' or 'ulysses'")

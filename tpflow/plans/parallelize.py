@@ -126,7 +126,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     export_whole(model)
     if inner is not model:  # what a PEFT model's merge_and_unload gives back saves whole too
         export_whole(inner)
-        mark(inner, matched.named)
+        mark(inner, matched.batches)
     decode_alike(model, matched.placement)
     random = draws_random(model)
     if random:
@@ -135,5 +135,5 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     if reader is not None:
         check_inputs(model.get_submodule(reader), reader, matched.placement, random=random)
     expect_fsdp(model, matched.named)
-    mark(model, matched.named)
+    mark(model, matched.batches)
     return model

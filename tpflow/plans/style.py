@@ -125,6 +125,12 @@ class Style(ABC):
         parallelism, splitting the sequence through every layer already, refuses beside it (default False)."""
         return False
 
+    @property
+    def one_batch(self) -> bool:
+        """Whether every rank of the placement must read the same batch, its axes all model axes (context
+        parallelism's), so that trainers shard no data over them (default False)."""
+        return False
+
 
 class Plan:
     """The plan ``parallelize`` applies to ``model``: each matched module with its pattern and entry.
@@ -146,6 +152,7 @@ class Plan:
         grads: per module name, how the gradients of parameters it keeps whole are found (``"partial"``,
             ``"whole"``, ``"auto"``: ``tpflow.layers.replicated``).
         layers: each swapped module's replacement, by ``id`` of the module it replaced.
+        batches: the placement trainers shard data by (``tpf.adopt``).
 
     Example::
 
@@ -168,6 +175,14 @@ sequence_dim=0, fuse=False)), 2)
         self.layers: dict[int, nn.Module] = {}
         self._finally: dict[Hashable, Callable[[], None]] = {}
         self._shared: dict[Hashable, object] = {}
+
+    @property
+    def batches(self) -> Placement:
+        """The placement ``tpf.adopt`` shards data by (its axes but the last are data axes): ``named``, or where an
+        entry keeps one batch on every rank (context parallelism), its ranks as one row."""
+        if any(entry.one_batch for entry in self._distinct()):
+            return Placement(self.named.type, self.named.flat_ranks)
+        return self.named
 
     @property
     def world(self) -> int:
