@@ -120,6 +120,33 @@ def _measure(model, ids, reps: int, active: bool, **kwargs) -> tuple[float, floa
     return peak, statistics.median(slowest), sent, loss
 
 
+TABLE = ["| {} | mode | peak MiB per rank | vs one device | x W | time ms | vs one device | bytes sent | vs minimum | "
+         "loss - one device's |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def _one_device(model, ids, reps: int, **kwargs) -> tuple[float, float, float]:
+    """(peak, seconds, loss) of ``model`` on rank 0 alone, the others waiting; on every rank."""
+    one = _measure(model, ids, reps, active=dist.get_rank() == 0, **kwargs)
+    return (every_rank([one[0]]).max().item(), every_rank([one[1]]).max().item(),
+            every_rank([one[3] if dist.get_rank() == 0 else -1e9]).max().item())
+
+
+def _slowest(kind: str, peak: float, seconds: float, sent: int, minimum: int, diff: float) -> tuple:
+    """A mode's row: its peak, time, bytes and minimum on the rank where each is largest."""
+    return (kind, every_rank([peak]).max().item(), every_rank([seconds]).max().item(), every_rank([sent]).max().item(),
+            every_rank([minimum]).max().item(), diff)
+
+
+def _lines(label: str, rows: list[tuple], one_peak: float, one_time: float, world: int) -> list[str]:
+    """The table's lines of one batch: each mode against one device's peak and time, its bytes against its minimum."""
+    out = []
+    for mode, peak, seconds, sent, minimum, diff in rows:
+        versus = f"{sent / minimum:.3f}" if minimum else "-"
+        out.append(f"| {label} | {mode} | {peak / 2**20:,.1f} | {peak / one_peak:.3f} | {peak * world / one_peak:.2f} "
+                   f"| {seconds * 1e3:,.0f} | {seconds / one_time:.2f} | {sent:,.0f} | {versus} | {diff:.1e} |")
+    return out
+
+
 def train(args) -> None:
     torch.set_num_threads(1)
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks leave the resident set
@@ -129,27 +156,19 @@ def train(args) -> None:
              f"{HEADS} heads of {HEAD_DIM} ({KV_HEADS} kv), vocabulary {VOCAB}, fp32, batch 1", "",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py train --tokens "
              f"{' '.join(map(str, args.tokens))} --hidden {args.hidden} --layers {args.layers} --reps {args.reps}`", "",
-             "| tokens | mode | peak MiB per rank | vs one device | x W | time ms | vs one device | bytes sent | "
-             "vs minimum | loss - one device's |", "|---|---|---|---|---|---|---|---|---|---|"]
+             TABLE[0].format("tokens"), TABLE[1]]
     for tokens in args.tokens:
         ref = _model(args.hidden, args.layers)
         ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))
-        one = _measure(ref, ids, args.reps, active=rank == 0)
-        one_peak, one_time = every_rank([one[0]]).max().item(), every_rank([one[1]]).max().item()
-        one_loss = every_rank([one[3] if rank == 0 else -1e9]).max().item()
+        one_peak, one_time, one_loss = _one_device(ref, ids, args.reps)
         rows = [("one device", one_peak, one_time, 0, 0, 0.0)]
         for kind in ("ring", "ulysses"):
             model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=tpf.hf_plan(ref, context_parallel=kind))
             peak, seconds, sent, loss = _measure(model, ids, args.reps, active=True)
             params = sum(p.numel() for p in ref.parameters())
             minimum = _minimum(kind, tokens, world, args.hidden, args.layers, params)
-            rows.append((kind, every_rank([peak]).max().item(), every_rank([seconds]).max().item(),
-                         every_rank([sent]).max().item(), every_rank([minimum]).max().item(), loss - one_loss))
-        for mode, peak, seconds, sent, minimum, diff in rows:
-            versus = f"{sent / minimum:.3f}" if minimum else "-"
-            lines.append(f"| {tokens:,} | {mode} | {peak / 2**20:,.1f} | {peak / one_peak:.3f} | "
-                         f"{peak * world / one_peak:.2f} | {seconds * 1e3:,.0f} | {seconds / one_time:.2f} | "
-                         f"{sent:,.0f} | {versus} | {diff:.1e} |")
+            rows.append(_slowest(kind, peak, seconds, sent, minimum, loss - one_loss))
+        lines += _lines(f"{tokens:,}", rows, one_peak, one_time, world)
     if rank == 0:
         print("\n".join(lines))
         print(f"appended to {write('context_train', lines, args.out)}")
@@ -274,8 +293,7 @@ def packed(args) -> None:
     lines += [f"The packed batch measured: 2 rows of {positions.eq(0).sum().item()} documents; the ring's cut "
               f"balanced: work max / mean {max(work) / (sum(work) / world):.3f} (head-tail: "
               f"{max(attention_work(head_tail(world, tokens), first)) / (sum(work) / world):.3f}).", "",
-              "| batch | mode | peak MiB per rank | vs one device | x W | time ms | vs one device | bytes sent | "
-              "vs minimum | loss - one device's |", "|---|---|---|---|---|---|---|---|---|---|"]
+              TABLE[0].format("batch"), TABLE[1]]
     ref = _model(args.hidden, args.layers)
     params = sum(p.numel() for p in ref.parameters())
     cases = [("packed", ref, {"position_ids": positions}, ids)]
@@ -283,9 +301,7 @@ def packed(args) -> None:
     one_row = ids[:1]
     cases.append((f"window {args.window}", window, {}, one_row))
     for batch, base, kwargs, tokens_in in cases:
-        one = _measure(base, tokens_in, args.reps, active=rank == 0, **kwargs, use_cache=False)
-        one_peak, one_time = every_rank([one[0]]).max().item(), every_rank([one[1]]).max().item()
-        one_loss = every_rank([one[3] if rank == 0 else -1e9]).max().item()
+        one_peak, one_time, one_loss = _one_device(base, tokens_in, args.reps, **kwargs, use_cache=False)
         rows = [("one device", one_peak, one_time, 0, 0, 0.0)]
         kinds = ("ring", "ulysses") if batch == "packed" else ("ring", "whole-sequence ring")
         for kind in kinds:
@@ -304,13 +320,8 @@ def packed(args) -> None:
                 cut = segments if batch == "packed" else head_tail(world, tokens)
                 minimum = _bounded_minimum(row_first, cut, args.hidden, args.layers, params)
             diff = loss - one_loss if kind != "whole-sequence ring" else float("nan")
-            rows.append((kind, every_rank([peak]).max().item(), every_rank([seconds]).max().item(),
-                         every_rank([sent]).max().item(), every_rank([minimum]).max().item(), diff))
-        for mode, peak, seconds, sent, minimum, diff in rows:
-            versus = f"{sent / minimum:.3f}" if minimum else "-"
-            lines.append(f"| {batch} | {mode} | {peak / 2**20:,.1f} | {peak / one_peak:.3f} | "
-                         f"{peak * world / one_peak:.2f} | {seconds * 1e3:,.0f} | {seconds / one_time:.2f} | "
-                         f"{sent:,.0f} | {versus} | {diff:.1e} |")
+            rows.append(_slowest(kind, peak, seconds, sent, minimum, diff))
+        lines += _lines(batch, rows, one_peak, one_time, world)
     if rank == 0:
         print("\n".join(lines))
         print(f"appended to {write('context_packed', lines, args.out)}")

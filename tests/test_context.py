@@ -307,65 +307,29 @@ def test_bounded_ring_attention_matches_the_reference(world):
 
 
 def _right_padding() -> None:
-    """Rows of different lengths, padded on the right with an ``attention_mask`` and labels = -100 at the padding: the
-    loss, every gradient and the real tokens' logits equal one device's with the mask, ring and Ulysses; padded on the
-    left, both hide the padding from the real tokens alike; padding inside a row, Ulysses by a mask on whole sequences,
-    and the ring refuses it, naming Ulysses."""
+    """Rows padded with an ``attention_mask`` and labels = -100 at the padding: on the right (the mask dropped:
+    causal attention keeps the real tokens from the padding after them), ring and Ulysses; inside a row, Ulysses by a
+    mask on whole sequences, and the ring refuses it, naming Ulysses. The real tokens' logits, the loss, every
+    gradient and every parameter after two AdamW steps equal one device's with the mask (left padding:
+    ``_families``)."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, 11:] = 0  # the second row: 11 tokens, then 5 of padding
-    labels = ids.masked_fill(mask == 0, -100)
-    ref = tiny_lm("llama")
-    want = ref(ids, attention_mask=mask, labels=labels)
-    want.loss.backward()
-    for kind in ("ring", "ulysses"):
-        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
-                                plan=tpf.hf_plan(ref, context_parallel=kind))
-        model.zero_grad()
-        with within(60):
-            out = model(ids, attention_mask=mask, labels=labels)
-            out.loss.backward()
-        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=kind)
-        real = mask.bool()
-        torch.testing.assert_close(out.logits.full_tensor()[real], want.logits[real], **TOL, msg=kind)
-        _equal(model, ref, f"{kind} padded", TOL, grads=True)
-    left = torch.ones_like(ids)
-    left[1, :5] = 0  # the second row padded on the left: its real tokens must not see the padding before them
-    labels = ids.masked_fill(left == 0, -100)
-    labels[1, 5] = -100  # scored at the last padded position: one device's masked attention gives it no real query
-    ref.zero_grad()
-    want = ref(ids, attention_mask=left, labels=labels)
-    want.loss.backward()
-    for kind in ("ring", "ulysses"):
-        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
-                                plan=tpf.hf_plan(ref, context_parallel=kind))
-        model.zero_grad()
-        with within(60):
-            out = model(ids, attention_mask=left, labels=labels)
-            out.loss.backward()
-        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=kind)
-        torch.testing.assert_close(out.logits.full_tensor()[left.bool()], want.logits[left.bool()], **TOL, msg=kind)
-        _equal(model, ref, f"{kind} left-padded", TOL, grads=True)
+    right = torch.ones_like(ids)
+    right[1, 11:] = 0  # the second row: 11 tokens, then 5 of padding
     inside = torch.ones_like(ids)
     inside[1, 6:9] = 0
-    labels = ids.masked_fill(inside == 0, -100)
-    labels[1, 9] = -100  # scored at the last padded position
-    ref.zero_grad()
-    want = ref(ids, attention_mask=inside, labels=labels)
-    want.loss.backward()
-    model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
-                            plan=tpf.hf_plan(ref, context_parallel="ulysses"))
-    model.zero_grad()
-    with within(60):
-        out = model(ids, attention_mask=inside, labels=labels)
-        out.loss.backward()
-    torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg="inside")
-    torch.testing.assert_close(out.logits.full_tensor()[inside.bool()], want.logits[inside.bool()], **TOL)
-    _equal(model, ref, "ulysses padded inside", TOL, grads=True)
+    inside_labels = ids.masked_fill(inside == 0, -100)
+    inside_labels[1, 9] = -100  # scored at the last padded position
+    for mask, labels, kinds in ((right, ids.masked_fill(right == 0, -100), ("ring", "ulysses")),
+                                (inside, inside_labels, ("ulysses",))):
+        for kind in kinds:
+            ref = tiny_lm("llama")
+            model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                    plan=tpf.hf_plan(ref, context_parallel=kind))
+            _same_training(model, ref, ids, {"attention_mask": mask, "labels": labels}, f"{kind} padded", TOL)
     with within(60), pytest.raises(ValueError, match="padding on the left or the right .* context_parallel='ulysses'"):
-        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
-                                plan=tpf.hf_plan(ref, context_parallel="ring"))
-        model(ids, attention_mask=inside, labels=labels)
+        ref = tiny_lm("llama")
+        model = tpf.parallelize(ref, placement=_placement(1), plan=tpf.hf_plan(ref, context_parallel="ring"))
+        model(ids, attention_mask=inside, labels=inside_labels)
 
 
 def _packed_documents() -> None:
