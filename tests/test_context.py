@@ -436,7 +436,8 @@ def _families() -> None:
     (Mistral's on every layer under sdpa; Gemma 2's and Gemma 3's local layers beside their global ones, softcapped,
     under eager) and Llama 4's attention chunks (of 6 tokens, its chunked layers beside a global one, dense): the
     ring fetches the keys each query's document, window or chunk reaches, Ulysses runs them on whole sequences; the
-    logits, the loss, every gradient and every parameter equal one device's; context x tensor on 4 ranks."""
+    logits, the loss, every gradient and every parameter equal one device's; one rank, two, and context x tensor on
+    4 ranks."""
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     tensor = 2 if dist.get_world_size() == 4 else 1
     gemma3 = {"layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
@@ -480,7 +481,7 @@ def test_sinks_match_one_device(world):
     harness.run(world, _sinks, timeout=300)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_whole_packed_and_padded_batches_match_one_device(world):
     harness.run(world, _families, timeout=300)
 
