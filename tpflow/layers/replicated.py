@@ -169,15 +169,19 @@ def replicate(model: nn.Module, placement: Placement, grads: str | Mapping[str, 
                 converted[id(p)] = gradients.adopt(nn.Parameter(_global(p, placement), requires_grad=p.requires_grad))
             setattr(module, n, converted[id(p)])
         setattr(module, _STATE, _Replica(module, placement, chosen.get(name, default)))
-    for root in _whole_subtrees(model):
+    roots = _whole_subtrees(model)
+    if model not in roots:  # the model's own forward may read a parameter without calling its module
+        roots.append(model)
+    for root in roots:
         _Subtree(root)
     return model
 
 
 class _Subtree:
-    """A module left whole with replicated modules inside: around its call every one of their parameters is read as a
-    local tensor, so its own code may read a child's parameter without calling the child (``nn.MultiheadAttention``
-    reads ``out_proj.weight``). A child it calls shows its own views meanwhile, as ever."""
+    """A module with replicated modules inside (one left whole, and the model itself): around its call every one of
+    their parameters is read as a local tensor, so its code may read a child's parameter without calling the child
+    (``nn.MultiheadAttention`` reads ``out_proj.weight``, a state-space mixer passes ``self.conv1d.weight`` to its
+    kernel, Gemma 4 reads ``embed_tokens.weight[pad_id]``). A child it calls shows its own views meanwhile, as ever."""
 
     def __init__(self, root: nn.Module) -> None:
         self.inside = [(m, getattr(m, _STATE)) for m in root.modules() if m is not root and hasattr(m, _STATE)]

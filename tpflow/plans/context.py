@@ -55,6 +55,7 @@ from tpflow.plans.context_attention import (
 )
 from tpflow.plans.context_batch import IGNORE, first_keys, masks_documents, read_documents
 from tpflow.plans.inputs import InputCheck
+from tpflow.plans.mixers import is_attention, unsplit_mixers
 from tpflow.plans.style import Plan, Style
 from tpflow.sbp import broadcast, split
 
@@ -356,9 +357,15 @@ class ContextParallel(Style):
         if sequence:
             raise ValueError(f"context parallelism splits the sequence through every layer already: drop the "
                              f"sequence-parallel entries {sequence}")
+        unsplit = plan.shared("context mixers", lambda: unsplit_mixers(model))
+        if unsplit:
+            raise ValueError(f"context parallelism splits the sequence over the ranks, and {type(model).__name__}'s "
+                             f"layers mix tokens other than by attention, which each rank would run on its part of "
+                             f"the sequence without the earlier tokens' state: {'; '.join(unsplit[:3])}. Train it "
+                             f"with tensor or data parallelism")
         kinds = {entry.kind for _, entry in plan.matches.values() if isinstance(entry, ContextParallel)}
         missed = [n for n, m in plan.modules.items()
-                  if heads.attention_heads(m) is not None and not isinstance(plan.entry(n), ContextParallel)]
+                  if is_attention(m) and not isinstance(plan.entry(n), ContextParallel)]
         if len(kinds) > 1 or missed:
             raise ValueError(f"context parallelism splits the sequence through every attention module alike: plan "
                              f"each with the same tpf.ContextParallel entry (got kinds {sorted(kinds)}; unplanned: "

@@ -95,6 +95,18 @@ class _Attention:
 
     def __init__(self, name: str, kind: str, placement: Placement, original: str, batch: Batch) -> None:
         self.name, self.kind, self.placement, self.original, self.batch = name, kind, placement, original, batch
+        self.used = False
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self.used = False
+
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        """An attention module that computed its attention itself, not through transformers' AttentionInterface,
+        would have run it on this rank's tokens alone."""
+        if not self.used:
+            raise ValueError(f"{self.name!r} ({type(module).__name__}) computed its attention without transformers' "
+                             f"AttentionInterface, on this rank's part of the sequence alone: context parallelism "
+                             f"cannot split it. Train the model with tensor or data parallelism")
 
     def __call__(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
                  scaling: float | None, sliding_window: int | None, softcap: float | None,
@@ -216,7 +228,24 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if state is None:
         raise RuntimeError(f"{type(module).__name__} runs tpflow's context-parallel attention, but parallelize gave it "
                            f"no tpf.ContextParallel entry: plan every attention module of the model")
-    return state(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs)
+    if attention_mask is not None and not _only_causal(attention_mask):
+        raise ValueError(f"{state.name!r} ({type(module).__name__}) passes its attention a mask it builds itself, "
+                         f"which says more than causality (a learned or data-dependent mask, a 4-D mask given to the "
+                         f"model): context parallelism, which makes each query's mask from the global positions, "
+                         f"cannot split it. Train the model with tensor or data parallelism")
+    state.used = True
+    out, weights = state(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs)
+    return out.contiguous(), weights  # as transformers' own attention functions return it (a module may view it)
+
+
+def _only_causal(mask: torch.Tensor) -> bool:
+    """Whether an attention mask (boolean, or additive: 0 where seen) hides exactly the later keys, which the
+    context-parallel attention hides by the global positions already (a mask made for this rank's tokens alone)."""
+    lq, lk = mask.shape[-2:]
+    causal = torch.ones(lq, lk, dtype=torch.bool, device=mask.device).tril(lk - lq)
+    if mask.dtype == torch.bool:
+        return bool((mask == causal).all())
+    return bool(((mask == 0) == causal).all() and (mask[..., ~causal] <= torch.finfo(mask.dtype).min / 2).all())
 
 
 def register() -> None:
@@ -254,4 +283,7 @@ def attach(module: nn.Module, name: str, kind: str, placement: Placement, origin
         >>> attention = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2), 0)
         >>> attach(attention, "layers.0.self_attn", "ring", tpf.placement("cpu", [[0], [1]]), "sdpa", Batch())
     """
-    setattr(module, _STATE, _Attention(name, kind, placement, original, batch))
+    state = _Attention(name, kind, placement, original, batch)
+    setattr(module, _STATE, state)
+    module.register_forward_pre_hook(state.enter)
+    module.register_forward_hook(state.leave)

@@ -34,6 +34,7 @@ from tpflow.plans.context import ContextParallel
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.heads import attention_heads
 from tpflow.plans.linear import ColumnParallel, RowParallel
+from tpflow.plans.mixers import is_attention
 from tpflow.plans.names import style_of
 from tpflow.plans.sequence import GatherSequence, SequenceParallel
 from tpflow.plans.style import Style
@@ -243,6 +244,6 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         plan[first] = SequenceParallel(split_input=True)
     if context is not None:
         for name, module in model.named_modules():
-            if attention_heads(module) is not None:
+            if is_attention(module):
                 plan[re.sub(r"\.\d+(?=\.|$)", ".*", name)] = context
     return plan

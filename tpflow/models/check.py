@@ -1,0 +1,157 @@
+"""One model type checked on this rank's process group against the same model on one device: the verdict a support
+matrix row holds.
+
+A mode is ``"tp"`` (``plan="auto"``: the model's own tensor-parallel plan, or tpflow's), ``"cp"`` (``hf_plan(
+context_parallel="ring")``: the sequence split over the ranks, the weights whole) or ``"ep"`` (``hf_plan(
+expert_parallel=True)``: a mixture's experts shared out over the ranks whole, ``n/a`` for a dense model). The model and
+its one-device copy take the same batch; the check compares the logits, the ``labels=`` loss, every parameter's
+gradient, every parameter after an AdamW step and, but for context parallelism, ``generate``'s greedy tokens. A plan
+``parallelize`` refuses is ``refused`` with its sentence; anything else raised is ``failing``; a number off, or a mode
+that did not apply (no parameter split, logits not split over the sequence), is ``wrong``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tpflow.models.zoo import VOCAB, tiny_model
+
+__all__ = ["MODES", "Verdict", "check"]
+
+MODES = ("tp", "cp", "ep")
+# relative to the largest value compared: logits to fp32's rounding (transformers' eager attention takes its softmax
+# in fp32 for fp64 models); gradients too, as the models' own loss takes logits.float(); parameters after AdamW,
+# whose normalized step magnifies a near-zero gradient's rounding, to a hundredth of a step
+LOGITS_TOLERANCE = 1e-6
+TOLERANCE = 1e-5
+_FLOOR = 1e-6  # the least scale a comparison is relative to
+STEP_TOLERANCE = 1e-4
+_SEQUENCE = 16  # a multiple of 2W for the ring at 2 and 4 ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """How one model type fares under one mode: ``status`` is ``"exact"``, ``"refused"``, ``"failing"``, ``"wrong"``,
+    ``"n/a"`` (no experts to share out) or ``"not built"``; ``why`` the sentence (the refusal's, the error's, what
+    differs)."""
+
+    status: str
+    why: str = ""
+
+
+class _Wrong(Exception):
+    pass
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _close(what: str, got: torch.Tensor | None, want: torch.Tensor | None, tolerance: float = TOLERANCE) -> None:
+    if (got is None) != (want is None):
+        raise _Wrong(f"{what}: {'no' if got is None else 'a'} gradient where one device has "
+                     f"{'one' if got is None else 'none'}")
+    if want is None:
+        return
+    got, want = _whole(got).double(), want.double()
+    if got.shape != want.shape:
+        raise _Wrong(f"{what}: shape {list(got.shape)}, one device's {list(want.shape)}")
+    scale = max(want.abs().max().item(), _FLOOR)  # a gradient that is rounding noise (an argument of 0) is 0
+    err = (got - want).abs().max().item() / scale
+    if not err <= tolerance:
+        raise _Wrong(f"{what}: {err:.1e} off (relative to its largest value)")
+
+
+def _split_somewhere(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements)
+               for p in model.parameters())
+
+
+def _train_step(model: torch.nn.Module, ids: torch.Tensor):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    opt.step()
+    opt.zero_grad()
+    return out, grads
+
+
+def _compare(mode: str, model: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor) -> None:
+    if mode != "cp" and not _split_somewhere(model):
+        raise _Wrong("no parameter is split: the model runs whole on every rank")
+    out, grads = _train_step(model, ids)
+    out_ref, grads_ref = _train_step(ref, ids)
+    if mode == "cp" and not (isinstance(out.logits, DTensor) and any(
+            pl.is_shard(1) for pl in out.logits.placements)):
+        raise _Wrong("the logits are not split over the sequence: the model ran without context parallelism")
+    _close("logits", out.logits, out_ref.logits, LOGITS_TOLERANCE)
+    _close("loss", out.loss, out_ref.loss)
+    names = dict(ref.named_parameters())
+    for name, g in grads.items():
+        _close(f"{name}'s gradient", g, grads_ref[name])
+    for name, p in model.named_parameters():
+        _close(f"{name} after AdamW", p.detach(), names[name].detach(), STEP_TOLERANCE)
+    if mode != "cp":
+        model.eval()
+        ref.eval()
+        prompt = ids[:, :5]
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+        if not torch.equal(model.generate(prompt, **kwargs), ref.generate(prompt, **kwargs)):
+            raise _Wrong("generate's greedy tokens differ")
+
+
+def check(kind: str, mode: str, placement) -> Verdict:
+    """Check model type ``kind`` under ``mode`` on ``placement``'s ranks (every rank calls it alike).
+
+    Args:
+        kind: a model type (``tpflow.models.zoo.causal_lm_types()``).
+        mode: one of ``MODES``.
+        placement: the ranks (``tpf.placement``), 1-D.
+
+    Returns:
+        The ``Verdict``.
+
+    Example::
+
+        >>> check("llama", "tp", tpf.placement("cpu", ranks=[0, 1]))
+        Verdict(status='exact', why='')
+    """
+    import tpflow as tpf
+
+    try:
+        ref = tiny_model(kind)
+    except Exception as e:
+        return Verdict("not built", _first_line(e))
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, VOCAB, (2, _SEQUENCE), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = tpf.hf_plan(model, context_parallel="ring" if mode == "cp" else None, expert_parallel=mode == "ep")
+            if mode == "ep" and not any(isinstance(entry, tpf.ExpertParallel) for entry in plan.values()):
+                return Verdict("n/a", "no experts")
+            tpf.parallelize(model, placement=placement, plan=plan)
+        except ValueError as e:
+            return Verdict("refused", _first_line(e))
+        except Exception as e:
+            return Verdict("failing", f"parallelize: {type(e).__name__}: {_first_line(e)}")
+        try:
+            _compare(mode, model, ref, ids)
+        except _Wrong as e:
+            return Verdict("wrong", str(e))
+        except ValueError as e:  # what only a batch shows (a mask an attention module builds itself)
+            return Verdict("refused", f"at the first forward: {_first_line(e)}")
+        except Exception as e:
+            return Verdict("failing", f"{type(e).__name__}: {_first_line(e)}")
+    return Verdict("exact")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:400]

@@ -1,0 +1,90 @@
+"""What mixes tokens in a decoder layer, as context parallelism must know it: attention run through transformers'
+``AttentionInterface`` (which the split runs over the whole sequence), and everything else that reads other tokens
+(a convolution over the sequence, a state space, linear attention, a recurrence), which a rank holding part of the
+sequence would run without the earlier tokens' state and get silently wrong.
+
+Each decoder layer's children are read by what they are: attention (``is_attention``), a norm, a linear layer, an
+MLP or a mixture of experts (token-wise), dropout; any other child, or any of them holding a convolution, is a mixer
+context parallelism cannot split, refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from tpflow.plans.heads import attention_heads
+
+__all__ = ["is_attention", "unsplit_mixers"]
+
+# children that work token by token, by their class names; anything else in a decoder layer must be attention
+_TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropout|Identity|Linear$|Embedding|Act|"
+                        r"GELU|SiLU|ReLU|Rotary|HyperConnection")
+_WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mixer": "a state space",
+        "DeltaNet": "linear attention (a delta rule's state)", "Lightning": "linear attention",
+        "Linear": "linear attention", "Recurrent": "a recurrence", "Rwkv": "a recurrence (RWKV's time mixing)",
+        "LSTM": "a recurrence (xLSTM)", "Retention": "a recurrence"}
+
+
+def is_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face attention module that runs its attention through transformers'
+    ``AttentionInterface``: q / k / v projections and head counts, or fused ones (Phi-3's ``qkv_proj``, GPT-NeoX's
+    ``query_key_value``) and MLA's latent ones, marked as transformers marks its attention modules (``config``,
+    ``layer_idx``, ``scaling``, ``is_causal``).
+
+    Args:
+        module: any module.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> from transformers import Phi3Config, Phi3ForCausalLM
+        >>> model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> is_attention(model.model.layers[0].self_attn), is_attention(model.model.layers[0].mlp)
+        (True, False)
+    """
+    if attention_heads(module) is not None:
+        return True
+    return all(hasattr(module, name) for name in ("config", "layer_idx", "scaling", "is_causal"))
+
+
+def _why(module: nn.Module) -> str:
+    name = type(module).__name__
+    if any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in module.modules()):
+        return _WHY["Conv"]
+    return next((why for key, why in _WHY.items() if key in name), "a token mixer tpflow does not know")
+
+
+def unsplit_mixers(model: nn.Module) -> list[str]:
+    """The modules of ``model``'s decoder layers that mix tokens other than by attention through transformers'
+    ``AttentionInterface``, each as ``"name (Class): what it is"``; empty where context parallelism splits every one.
+
+    Args:
+        model: a model whose decoder layers are the items of its ``nn.ModuleList`` s.
+
+    Returns:
+        One line per module context parallelism cannot split.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> unsplit_mixers(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                              num_hidden_layers=1, num_attention_heads=4)))
+        []
+    """
+    found = []
+    for list_name, layers in model.named_modules():
+        if not isinstance(layers, nn.ModuleList):
+            continue
+        for index, layer in enumerate(layers):
+            for child_name, child in layer.named_children():
+                attention = any(is_attention(m) for m in child.modules())
+                convolves = any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in child.modules())
+                tokenwise = _TOKENWISE.search(type(child).__name__) and not convolves
+                if convolves or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
+                    found.append(f"{list_name}.{index}.{child_name} ({type(child).__name__}): {_why(child)}")
+    return found
