@@ -79,6 +79,11 @@ class _Replica:
             module.__dict__[name] = shown[name] = view  # found before nn.Module.__getattr__ looks in _parameters
         self.shown.append(shown)
 
+    def whole(self, module: nn.Module) -> bool:
+        """Whether every parameter is a copy on every rank now (not sharded by FSDP2 between its calls)."""
+        params = [module._parameters.get(name) for name in self.names]
+        return all(isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements) for p in params)
+
     def hide(self, module: nn.Module) -> None:
         """Take back the views of the call that ends: an enclosing call's views come back, else the parameters."""
         if self.shown:
@@ -187,21 +192,22 @@ class _Subtree:
         self.inside = [(m, getattr(m, _STATE)) for m in root.modules() if m is not root and hasattr(m, _STATE)]
         root.register_forward_pre_hook(self.before, with_kwargs=True)
         root.register_forward_hook(self.after, always_call=True)
-        self.shown: list[bool] = []
+        self.shown: list[list[tuple[nn.Module, _Replica]]] = []  # per call in progress: the replicas it showed
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = [*args, *kwargs.values()]
-        plain = not any(isinstance(a, DTensor) for a in inputs)
-        self.shown.append(plain)
-        if plain:
+        shown = []
+        if not any(isinstance(a, DTensor) for a in inputs):
             split = is_split(inputs) if torch.is_grad_enabled() and not torch.compiler.is_compiling() else False
-            for child, replica in self.inside:
+            # (parameters FSDP2 holds sharded until their module's own call gathers them are shown by that call)
+            shown = [(child, replica) for child, replica in self.inside if replica.whole(child)]
+            for child, replica in shown:
                 replica.show(child, split)
+        self.shown.append(shown)
 
     def after(self, module: nn.Module, args: tuple, output: object) -> None:
-        if self.shown.pop():
-            for child, replica in reversed(self.inside):
-                replica.hide(child)
+        for child, replica in reversed(self.shown.pop()):
+            replica.hide(child)
 
 
 def _whole_subtrees(model: nn.Module) -> list[nn.Module]:

@@ -139,7 +139,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
 
         A module on the meta device gives this rank's rows allocated and not initialised (for
         ``tpf.load_safetensors``). A subclass of ``nn.Embedding`` (a scaled embedding) becomes a subclass of both,
-        whose own forward runs around this layer's lookup, with its buffers and attributes kept.
+        whose own forward runs around this layer's lookup, with its buffers, submodules and attributes kept.
 
         Args:
             module: the ``nn.Embedding`` to convert (left unchanged); ``max_norm``, ``scale_grad_by_freq`` and
@@ -169,6 +169,8 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
                 setattr(layer, name, value)
         for name, buffer in module.named_buffers(recurse=False):
             layer.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+        for name, child in module.named_children():  # a subclass's own modules (Inkling 2's embed_norm)
+            layer.add_module(name, child)
         layer.weight = layer._parameter(module.weight, layer._axes(split(0)))
         return layer
 

@@ -14,7 +14,20 @@ _NAMES = {"tp": "tensor", "cp": "context (ring)", "ep": "expert"}
 
 
 def columns(modes: list[str], worlds: list[int]) -> list[tuple[str, int]]:
-    """The matrix's columns: each mode at each degree."""
+    """The matrix's columns: each mode at each degree.
+
+    Args:
+        modes: the modes (``tpflow.models.check.MODES``).
+        worlds: the degrees.
+
+    Returns:
+        ``(mode, world)`` pairs, mode by mode.
+
+    Example::
+
+        >>> columns(["tp", "cp"], [2, 4])
+        [('tp', 2), ('tp', 4), ('cp', 2), ('cp', 4)]
+    """
     return [(mode, world) for mode in modes for world in worlds]
 
 

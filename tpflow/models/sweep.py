@@ -106,7 +106,7 @@ def sweep(kinds: Iterable[str], modes: Iterable[str], world: int,
 
     Example::
 
-        >>> sweep(["llama"], ["tp"], world=2)
+        >>> sweep(["llama"], ["tp"], world=2)  # launches its own rank processes  # doctest: +SKIP
         {('llama', 'tp'): Verdict(status='exact', why='')}
     """
     verdicts: dict[tuple[str, str], Verdict] = {}

@@ -125,8 +125,9 @@ def tiny_config(kind: str):
 
     values = transformers.AutoConfig.for_model(kind).to_dict()
     shrunk = _shrunk(values)
-    if shrunk.get("qk_rope_head_dim"):  # MLA: the rotary part is a head's width
+    if shrunk.get("qk_rope_head_dim"):  # MLA: the rotary part is a head's width, a key / value head per query head
         shrunk["head_dim"] = shrunk["qk_rope_head_dim"]
+        shrunk["num_key_value_heads"] = shrunk.get("num_attention_heads", 4)
     if isinstance(values.get("per_layer_config"), dict):  # per-layer overrides for layers the tiny model lacks
         shrunk["per_layer_config"] = {}
     return transformers.AutoConfig.for_model(kind, **{**shrunk, **_FAMILY.get(kind, {})})

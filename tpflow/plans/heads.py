@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from tpflow import comm
 from tpflow.global_tensor import from_local, gradients
@@ -23,7 +23,7 @@ from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast, split
 
-__all__ = ["PER_HEAD", "attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "split_per_head"]
+__all__ = ["attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "split_per_head"]
 
 
 def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -51,6 +51,9 @@ def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
     if not isinstance(heads, int):
         return None
     kv = getattr(config, "num_key_value_heads", None) or heads
+    width = getattr(module.k_proj, "out_features", None)  # a layer's own count (MiMo's sliding layers double it)
+    if isinstance(width, int) and isinstance(module.head_dim, int) and width % module.head_dim == 0:
+        kv = width // module.head_dim
     return heads, kv, module.head_dim
 
 
@@ -184,17 +187,14 @@ def keep_head(projection: nn.Linear, attention: nn.Module, counts: tuple[int, in
 
 # an attention module's own parameters known to hold one entry per query head (by name: a shape can match by
 # coincidence, DiffLlama's lambdas are [head_dim], shared by every head)
-PER_HEAD = ("sinks",)  # gpt-oss's attention sinks
-
-
 def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
-    """Split an attention module's own per-head parameters (``PER_HEAD``, with a first dim of
-    ``num_attention_heads``: gpt-oss's attention sinks) with its heads over the last axis of ``placement``, each rank
-    its heads' entries, read as local blocks around each call; returns their names. Its q / k / v must be column
-    layers, which split the heads so.
+    """Split an attention module's own per-head parameters (its own, with a first dim of ``num_attention_heads``:
+    gpt-oss's attention sinks, Beam's gate bias) with its heads over the last axis of ``placement``, each rank its
+    heads' entries, read as local blocks around each call; returns their names. Its queries must come from a column
+    layer, which splits the heads so.
 
     Args:
-        module: a Hugging Face attention module (``attention_heads`` is not None).
+        module: a Hugging Face attention module (its ``config`` says ``num_attention_heads``).
         placement: the ranks; the last axis is the tensor-parallel one.
 
     Returns:
@@ -209,9 +209,9 @@ def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
         >>> split_per_head(attention, tpf.placement("cpu", ranks=[0, 1])), attention.sinks.to_local().shape
         (['sinks'], torch.Size([2]))
     """
-    heads = attention_heads(module)[0]
+    heads = module.config.num_attention_heads
     names = [n for n, p in module.named_parameters(recurse=False)
-             if n in PER_HEAD and p.ndim >= 1 and p.shape[0] == heads]
+             if p.ndim >= 1 and p.shape[0] == heads and not isinstance(p, DTensor)]
     if not names:
         return names
     pl, coord = placement, placement.coordinate()

@@ -36,6 +36,7 @@ from tpflow.plans.heads import attention_heads
 from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.mixers import is_attention
 from tpflow.plans.names import style_of
+from tpflow.plans.planner import planned
 from tpflow.plans.sequence import GatherSequence, SequenceParallel
 from tpflow.plans.style import Style
 from tpflow.plans.vocab import VocabParallel
@@ -145,6 +146,21 @@ def _check_layers_found(model: nn.Module, own: dict[str, object], names: list[st
                      f"pass plan={{pattern: style}} with the names it has")
 
 
+def _fuse_alike(model: nn.Module, plan: dict[str, Style], names: list[str]) -> None:
+    """Fuse the column layers of one parent only where they read inputs of one width, with a bias or none alike: MLA's
+    ``q_b_proj`` and ``kv_b_proj`` read two latents, never one input; Whisper's ``k_proj`` has no bias."""
+    parents: dict[str, list[str]] = {}
+    for pattern, entry in plan.items():
+        if isinstance(entry, ColumnParallel) and entry.fuse:
+            parents.setdefault(pattern.rpartition(".")[0], []).append(pattern)
+    for patterns in parents.values():
+        widths = {(getattr(m, "in_features", None), getattr(m, "bias", None) is None, getattr(m, "weight", m).dtype)
+                  for p in patterns for n in names if fnmatch.fnmatchcase(n, p) for m in [model.get_submodule(n)]}
+        if len(widths) > 1:
+            for pattern in patterns:
+                plan[pattern] = dataclasses.replace(plan[pattern], fuse=False)
+
+
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
             vocab_parallel: bool = True, expert_parallel: bool | str = False,
             context_parallel: str | None = None) -> dict[str, Style]:
@@ -192,9 +208,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     if context_parallel is not None and sequence_parallel:
         raise ValueError("context_parallel splits the sequence through every layer already: drop sequence_parallel")
     context = None if context_parallel is None else ContextParallel(context_parallel)  # the kind checked first
-    if not own:
-        raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan (no config.base_model_tp_plan or "
-                         f"_tp_plan): pass plan={{pattern: style}} to parallelize")
+    if not own:  # transformers ships none: tpflow's, read off the module tree (or a sentence naming why not)
+        own = planned(model)
     plan: dict[str, Style] = {}
     embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
     names = [name for name, _ in model.named_modules()]
@@ -223,6 +238,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             else:  # attention reshapes q / k / v by its input's shape: it gets every token, gathered on entry
                 plan[parent] = GatherSequence()
         plan[pattern] = entry
+    _fuse_alike(model, plan, names)
     for block in blocks:
         plan[block] = GatherSequence(split_output=True)
     if vocab_parallel and embedding is not None:

@@ -17,6 +17,7 @@ from tpflow.layers import ColumnParallelLinear, ParallelLinear, RowParallelLinea
 from tpflow.placement import Placement
 from tpflow.plans import heads
 from tpflow.plans.fusion import fused_groups, join_group
+from tpflow.plans.mixers import is_attention
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["ColumnParallel", "RowParallel"]
@@ -142,6 +143,9 @@ class ColumnParallel(_LinearEntry):
                                      f"so its {proj} stays whole on every rank and each keeps its head, which needs a "
                                      f"plain column entry (no sequence parallelism, no gather_output): use "
                                      f"{attention[1][1]} ranks or fewer, or plan it as tpf.ColumnParallel()")
+        parent, _, child = name.rpartition(".")
+        if child in _QUERIES and not self.gather_output and is_attention(plan.modules.get(parent)):
+            _per_head_left_whole(parent, plan)
         if self.fuse:
             _fused(plan)
 
@@ -177,8 +181,8 @@ class ColumnParallel(_LinearEntry):
             plan.replicate_as(name, "partial")
             return None
         layer = super().apply(name, module, plan)
-        if attention is not None and child == "q_proj" and not self.gather_output:
-            heads.split_per_head(plan.modules[parent], plan.placement)
+        if child in _QUERIES and not self.gather_output and is_attention(plan.modules.get(parent)):
+            heads.split_per_head(plan.modules[parent], plan.placement)  # its queries' heads split: its own per head
         group = next((names for names in _fused(plan).values() if name in names), None)
         if group is not None:
             join_group(plan, parent, group)
@@ -234,14 +238,33 @@ class RowParallel(_LinearEntry):
         return not self.input_is_parallel
 
 
+_QUERIES = ("q_proj", "q_b_proj")  # the projection that splits an attention's heads (MLA's from its latent)
+
+
+def _per_head_left_whole(parent: str, plan: Plan) -> None:
+    """Refuse an attention module whose queries split by heads beside a linear child that makes a value per head and
+    is not split by heads (Doge's ``dt_proj``, a row layer): it would give every rank every head's values."""
+    module = plan.modules[parent]
+    counts = {getattr(module.config, key, None) for key in ("num_attention_heads", "num_key_value_heads")}
+    for child, linear in module.named_children():
+        entry = plan.entry(f"{parent}.{child}")
+        if isinstance(linear, nn.Linear) and linear.out_features in counts and not isinstance(entry, ColumnParallel):
+            raise ValueError(f"{parent!r}: its heads split over the ranks, and its {child!r} (an nn.Linear "
+                             f"{'out of the plan' if entry is None else 'not split by heads'})"
+                             f" makes a value per head, for every head: tpflow cannot give each rank its heads' "
+                             f"share of it. Leave the attention whole (take its q / k / v / o entries out of the "
+                             f"plan) or parallelize the model otherwise")
+
+
 def _attention(name: str, plan: Plan) -> tuple[str, tuple[int, int, int]] | None:
     """The attention module whose q / k / v projection ``name`` is, with its head counts, where its q_proj is a
-    column entry (so its heads split over the ranks); None otherwise."""
+    column entry that keeps its output split (so its heads split over the ranks); None otherwise."""
     parent, _, child = name.rpartition(".")
     module = plan.modules.get(parent) if child in _PROJECTIONS else None
     counts = None if module is None else heads.attention_heads(module)
-    if counts is None or not isinstance(plan.entry(f"{parent}.q_proj"), ColumnParallel):
-        return None
+    queries = plan.entry(f"{parent}.q_proj")
+    if counts is None or not isinstance(queries, ColumnParallel) or queries.gather_output:
+        return None  # (gathered queries: every rank runs every head, k / v gathered too)
     return parent, counts
 
 

@@ -24,7 +24,8 @@ _TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropou
 _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mixer": "a state space",
         "DeltaNet": "linear attention (a delta rule's state)", "Lightning": "linear attention",
         "Linear": "linear attention", "Recurrent": "a recurrence", "Rwkv": "a recurrence (RWKV's time mixing)",
-        "LSTM": "a recurrence (xLSTM)", "Retention": "a recurrence"}
+        "LSTM": "a recurrence (xLSTM)", "Retention": "a recurrence",
+        "Indexer": "a sparse-attention indexer, which picks each query's keys over the whole sequence"}
 
 
 def is_attention(module: nn.Module) -> bool:
@@ -42,7 +43,7 @@ def is_attention(module: nn.Module) -> bool:
     Example::
 
         >>> from transformers import Phi3Config, Phi3ForCausalLM
-        >>> model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+        >>> model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=16, intermediate_size=32, pad_token_id=0,
         ...                                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
         >>> is_attention(model.model.layers[0].self_attn), is_attention(model.model.layers[0].mlp)
         (True, False)
@@ -84,6 +85,10 @@ def unsplit_mixers(model: nn.Module) -> list[str]:
             for child_name, child in layer.named_children():
                 attention = any(is_attention(m) for m in child.modules())
                 convolves = any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in child.modules())
+                indexed = next((m for m in child.modules() if "Indexer" in type(m).__name__), None)
+                if indexed is not None:
+                    found.append(f"{list_name}.{index}.{child_name} ({type(child).__name__}): {_WHY['Indexer']}")
+                    continue
                 tokenwise = _TOKENWISE.search(type(child).__name__) and not convolves
                 if convolves or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
                     found.append(f"{list_name}.{index}.{child_name} ({type(child).__name__}): {_why(child)}")

@@ -9,6 +9,9 @@ tpflow's or a user's own (``tpf.Style``), a name, or one of torch's own styles (
     "sequence_parallel"                   SequenceParallel(): runs on this rank's tokens
     "moe_tp_experts"                      ExpertTensorParallel(): every expert split over the ranks
     "ep_dispatch_experts"                 ExpertParallel(): the experts shared out over the ranks, whole
+    "mla_kv_a_proj"                       LatentKeyValue(): MLA's shared projection, its rotary key's gradient summed
+    "local_params"                        Replicated(): a module whose split parameters it reads as local tensors,
+                                          as every tpflow layer does (its own per-head ones split with the heads)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.linear import ColumnParallel, RowParallel
+from tpflow.plans.mla import LatentKeyValue
 from tpflow.plans.replicated import Replicated
 from tpflow.plans.sequence import SequenceParallel
 from tpflow.plans.style import Style
@@ -42,6 +46,8 @@ STYLES: dict[str, Style] = {
     "embedding_rowwise": VocabParallel(),
     "moe_tp_experts": ExpertTensorParallel(),
     "ep_dispatch_experts": ExpertParallel(),
+    "mla_kv_a_proj": LatentKeyValue(),
+    "local_params": Replicated(),
 }
 
 

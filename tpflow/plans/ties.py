@@ -2,7 +2,8 @@
 changes, made one parameter again once the layers are built.
 
 A parameter a planned layer shares with a module the plan leaves alone would come untied, and one its layers split
-differently cannot be one block: both are errors naming the fix.
+differently cannot be one block: both are errors naming the fix. A parent holding its planned child's parameter
+under a name of its own (BERT's prediction head keeps ``bias``, its decoder's) holds the child's new one.
 """
 
 from __future__ import annotations
@@ -43,18 +44,21 @@ class Ties:
             if len(keys) < 2 or not any(id(plan.modules[m]) in layouts for m, _ in shared):
                 continue  # one module under several names, or no remade layer involved
             names = [f"{m}.{attr}" for m, attr in shared]
-            left = [name for name, (m, _) in zip(names, shared) if id(plan.modules[m]) not in layouts]
+            remade = [m for m, _ in shared if id(plan.modules[m]) in layouts]
+            left = [name for name, (m, _) in zip(names, shared) if id(plan.modules[m]) not in layouts
+                    and not any(r.startswith(m + ".") for r in remade)]  # (a parent's alias follows its layer's)
             if left:
                 first = next(layouts[id(plan.modules[m])][0] for m, _ in shared if id(plan.modules[m]) in layouts)
                 raise ValueError(f"plan pattern {plan.pattern(first)!r}: the parameters of {first!r} are shared with "
                                  f"{left}; parallelizing it alone would untie them: plan both (an embedding and its "
                                  f"tied head: 'vocab' for each), untie them first, or leave {first!r} out of the plan")
-            dims = {name: layouts[id(plan.modules[m])][1].get(attr) for name, (m, attr) in zip(names, shared)}
+            dims = {name: layouts[id(plan.modules[m])][1].get(attr) for name, (m, attr) in zip(names, shared)
+                    if id(plan.modules[m]) in layouts}
             if len(set(dims.values())) > 1:
                 raise ValueError(f"{names} are one tied parameter, but their plan entries split it differently "
                                  f"({dims}: the dim each splits): give them entries that hold the same block (an "
                                  f"embedding and its head: 'vocab' for each)")
-            self.tied.append(sorted(keys))
+            self.tied.append(sorted(keys, key=lambda k: (k[0] not in layouts, k)))  # a remade layer's first
 
     def join(self, plan: Plan) -> None:
         """Make each tied parameter one again among the built layers (the first owner's block for every owner).

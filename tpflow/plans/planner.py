@@ -1,0 +1,246 @@
+"""tpflow's own plan for a causal LM transformers ships none for (GPT-J, OPT, the BERT and BART families' decoders,
+...): read off its module tree, so that ``plan="auto"`` splits it or names what it cannot split.
+
+Each decoder layer (an item of the model's ``nn.ModuleList`` of layers) is read by roles:
+
+- attention: a module with separate ``nn.Linear`` q / k / v projections (``q_proj`` / ``k_proj`` / ``v_proj``,
+  ``query`` / ``key`` / ``value``, ...): column entries, which split its heads; its output projection (``o_proj``,
+  ``out_proj``, ``dense``, or BERT's ``output.dense`` beside it): a row entry; the module itself a ``SplitHeads``
+  entry, which checks that the heads split over the ranks and gives the module its rank's head counts (a module
+  that views its projections by ``self.num_heads`` then reads its own);
+- the MLP: ``nn.Linear`` layers named as up projections (``fc1``, ``fc_in``, ``c_fc``, ``up_proj`` / ``gate_proj``,
+  ``dense_h_to_4h``, BERT's ``intermediate.dense``): column entries; as down projections (``fc2``, ``fc_out``,
+  ``c_proj``, ``down_proj``, ``dense_4h_to_h``, BERT's ``output.dense``): row entries.
+
+What it cannot split it refuses by name: q / k / v fused in one projection (``query_key_value``, ``c_attn``,
+``qkv_proj``, ``Wqkv``), whose layout (per head, or q | k | v) the plan cannot tell; GPT-2's ``Conv1D`` layers;
+state-space and recurrent mixers (Mamba, RWKV, xLSTM); attention biases made for every head outside the attention
+(ALiBi); a layer with no attention it can read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import inspect
+import re
+
+from torch import nn
+
+from tpflow.plans.style import Plan, Style
+
+__all__ = ["SplitHeads", "planned"]
+
+_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("query_proj", "key_proj", "value_proj"),
+        ("Wq", "Wk", "Wv"), ("project_q", "project_k", "project_v"))
+_OUT = ("o_proj", "out_proj", "dense", "Wo", "attention_out")
+_UP = ("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "dense_h_to_4h", "intermediate.dense")
+_DOWN = ("fc2", "fc_out", "c_proj", "down_proj", "dense_4h_to_h", "output.dense")
+_FUSED = ("query_key_value", "c_attn", "qkv_proj", "Wqkv")
+_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads")
+_WIDTHS = ("embed_dim", "all_head_size", "inner_dim")  # heads x head_dim, which a module may reshape by
+
+
+def _layers(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The model's stacks of decoder layers: ``nn.ModuleList`` s of modules holding linear layers (or GPT-2's
+    ``Conv1D``), not inside a vision or audio tower or another stack (a BERT-style model's ``encoder.layer`` is its
+    decoder)."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or not len(module) or any(name.startswith(f + ".") for f, _ in found):
+            continue
+        if re.search(r"(^|\.)(vision|image|audio|visual)", name):
+            continue
+        if any(isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" for m in module[0].modules()):
+            found.append((name, module))
+    return found
+
+
+def _attention(layer: nn.Module) -> list[tuple[str, tuple[str, str, str], str | None]]:
+    """Each attention module of a layer: its name in the layer, its q / k / v names and its output projection's
+    (relative to the layer), or None where it has none the plan can name."""
+    found = []
+    for name, module in layer.named_modules():
+        triple = next((t for t in _QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
+        if triple is None:
+            continue
+        out = next((n for n in _OUT if isinstance(getattr(module, n, None), nn.Linear)), None)
+        prefix = f"{name}." if name else ""
+        if out is not None:
+            out = prefix + out
+        else:  # BERT's: the attention's parent holds output.dense
+            parent = name.rpartition(".")[0]
+            holder = layer.get_submodule(parent) if parent else layer
+            if isinstance(getattr(getattr(holder, "output", None), "dense", None), nn.Linear):
+                out = f"{parent}.output.dense" if parent else "output.dense"
+        found.append((name, triple, out))
+    return found
+
+
+def _mlp(layer: nn.Module, taken: set[str]) -> dict[str, str]:
+    """The layer's MLP: its up projections (column) and down projections (row), where it has both."""
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and n not in taken
+               and not any(n.startswith(t + ".") for t in taken)}
+    up = [n for n in linears if any(n == u or n.endswith("." + u) for u in _UP)]
+    down = [n for n in linears if any(n == d or n.endswith("." + d) for d in _DOWN)]
+    widths = {linears[n].out_features for n in up}
+    if not up or not down or any("Norm" in type(m).__name__ and getattr(m, "weight", None) is not None
+                                 and m.weight.numel() in widths for m in layer.modules()):
+        return {}  # no pair, or a norm over the whole intermediate features (BitNet's): the MLP stays whole
+    return {**{n: "colwise" for n in up}, **{n: "rowwise" for n in down}}
+
+
+def _refusal(model: nn.Module, layer: nn.Module, where: str) -> str | None:
+    """What the plan cannot split in ``layer``, as a sentence, or None."""
+    for name, module in layer.named_modules():
+        if any(isinstance(getattr(module, n, None), (nn.Linear, nn.Module)) and not isinstance(
+                getattr(module, n, None), nn.ModuleList) for n in _FUSED if hasattr(module, n)):
+            fused = next(n for n in _FUSED if hasattr(module, n))
+            return (f"{where}.{name}.{fused} projects q / k / v in one layer, whose layout (by head, or q | k | v) "
+                    f"tpflow cannot tell")
+        if type(module).__name__ == "Conv1D":
+            return f"{where}.{name} is a GPT-2 Conv1D (a transposed linear layer), which tpflow does not split"
+    if hasattr(getattr(model, "config", None), "alibi"):
+        return "its attention biases (ALiBi) are made for every head outside the attention"
+    for name, module in layer.named_modules():
+        given = set(inspect.signature(module.forward).parameters) & {"position_bias", "alibi", "attention_bias"}
+        if given and _attention_of(module):
+            return (f"{where}.{name} takes a bias for every head made outside it ({', '.join(sorted(given))}), which "
+                    f"the plan cannot cut to its rank's heads")
+    return None
+
+
+def _attention_of(module: nn.Module) -> bool:
+    return any(all(isinstance(getattr(module, n, None), nn.Linear) for n in t) for t in _QKV)
+
+
+def planned(model: nn.Module) -> dict[str, object]:
+    """tpflow's own plan for ``model``, read off its module tree (module patterns mapped to entries or Hugging Face
+    style names); a ValueError naming what it cannot split.
+
+    Args:
+        model: a causal LM transformers ships no tensor-parallel plan for.
+
+    Returns:
+        The plan (its attention and MLP layers; ``hf_plan`` adds the vocabulary's).
+
+    Example::
+
+        >>> from transformers import OPTConfig, OPTForCausalLM
+        >>> model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+        ...                                  num_attention_heads=4, word_embed_proj_dim=16))
+        >>> sorted(planned(model).items())[:3]
+        [('model.decoder.layers.*.fc1', 'colwise'), ('model.decoder.layers.*.fc2', 'rowwise'), \
+('model.decoder.layers.*.self_attn', SplitHeads())]
+    """
+    stacks = _layers(model)
+    if not stacks:
+        raise ValueError(f"{type(model).__name__} has no decoder layers tpflow can read (an nn.ModuleList of layers "
+                         f"with linear layers)")
+    plan: dict[str, object] = {}
+    for name, layers in stacks:
+        for index, layer in enumerate(layers):
+            where = f"{name}.{index}"
+            why = _refusal(model, layer, where)
+            attention = _attention(layer)
+            if why is None and not attention:
+                why = (f"{where} ({type(layer).__name__}) has no attention with separate q / k / v linear layers "
+                       f"(a state space, a recurrence, or projections tpflow cannot name)")
+            if why is not None:
+                raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan, and tpflow cannot plan it "
+                                 f"from its modules: {why}. Pass plan={{pattern: style}} to parallelize, or train it "
+                                 f"with data parallelism")
+            taken = set()  # (each layer's own names: BERT's output.dense is its MLP's, attention.output.dense not)
+            for attn, triple, out in attention:
+                taken.update(f"{attn}.{proj}" if attn else proj for proj in triple)
+                if out is not None:
+                    taken.add(out)
+                if _whole_width(layer.get_submodule(attn) if attn else layer, triple) or out is None:
+                    continue  # a norm over every head's features (BitNet's): the attention stays whole
+                prefix = f"{where}.{attn}" if attn else where
+                plan[prefix] = SplitHeads()
+                plan.update({f"{prefix}.{proj}": "colwise" for proj in triple})
+                plan[f"{where}.{out}"] = "rowwise"
+            plan.update({f"{where}.{n}": style for n, style in _mlp(layer, taken).items()})
+    if not plan:
+        raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan, and tpflow finds nothing in its "
+                         f"layers it can split (attention normed over every head, no MLP it can name)")
+    return _patterns(model, plan, [name for name, _ in stacks])
+
+
+def _patterns(model: nn.Module, plan: dict[str, object], stacks: list[str]) -> dict[str, object]:
+    """Each layer's names as one pattern over the layers (``layers.*.fc1``) where the pattern matches those names
+    alone (BERT's ``layer.*.output.dense`` would match ``attention.output.dense`` too: those stay per layer)."""
+    names = [n for n, _ in model.named_modules()]
+    grouped: dict[str, list[str]] = {}
+    for name in plan:
+        stack = next(s for s in stacks if name.startswith(s + "."))
+        grouped.setdefault(f"{stack}.*.{name[len(stack) + 1:].partition('.')[2]}".rstrip("."), []).append(name)
+    out: dict[str, object] = {}
+    for pattern, members in grouped.items():
+        styles = {repr(plan[m]) for m in members}
+        if len(styles) == 1 and {n for n in names if fnmatch.fnmatchcase(n, pattern)} == set(members):
+            out[pattern] = plan[members[0]]
+        else:
+            out.update({m: plan[m] for m in members})
+    return out
+
+
+def _whole_width(attention: nn.Module, triple: tuple[str, str, str]) -> bool:
+    """Whether a norm inside the attention works on every head's features at once (its weight as wide as the
+    queries), which a rank holding its heads cannot compute."""
+    width = getattr(attention, triple[0]).out_features
+    return any("Norm" in type(m).__name__ and getattr(m, "weight", None) is not None and m.weight.numel() == width
+               for m in attention.modules())
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitHeads(Style):
+    """Plan entry for an attention module whose q / k / v are column layers: its heads must split over the
+    tensor-parallel ranks, and its head counts (``num_heads``, ``num_key_value_heads``, ``embed_dim``, ...) become
+    its rank's, so that code viewing its projections by them reads this rank's heads.
+
+    Example::
+
+        >>> from transformers import OPTConfig, OPTForCausalLM
+        >>> model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+        ...                                  num_attention_heads=4, word_embed_proj_dim=16))
+        >>> model = tpf.parallelize(model, placement=tpf.placement("cpu", ranks=[0, 1]), plan="auto")
+        >>> model.model.decoder.layers[0].self_attn.num_heads                  # this rank's 2 of 4
+        2
+    """
+
+    def check(self, name: str, module: nn.Module, plan: Plan) -> None:
+        heads, kv, _ = _counts(module)
+        if heads is None:
+            raise ValueError(f"{name!r}: SplitHeads needs the module's head count (one of {_HEADS})")
+        for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
+            if count % plan.world:
+                raise ValueError(f"{name!r} has {count} {what}, which do not split over {plan.world} tensor-parallel "
+                                 f"ranks: use a degree that divides them")
+
+    def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
+        heads, kv, width = _counts(module)
+        world = plan.world
+        for attr in _HEADS:
+            if getattr(module, attr, None) == heads:
+                setattr(module, attr, heads // world)
+        for attr in _KV_HEADS:
+            if getattr(module, attr, None) == kv:
+                setattr(module, attr, kv // world)
+        for attr in _WIDTHS:
+            if width is not None and getattr(module, attr, None) == width:
+                setattr(module, attr, width // world)
+
+
+def _counts(module: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """An attention module's ``(heads, key/value heads, heads x head_dim)``, from its own attributes."""
+    config = getattr(module, "config", None)  # a module that keeps no count of its own reads its config's
+    heads = next((getattr(m, a) for m in (module, config) for a in _HEADS if isinstance(getattr(m, a, None), int)),
+                 None)
+    kv = next((getattr(m, a) for m in (module, config) for a in _KV_HEADS if isinstance(getattr(m, a, None), int)),
+              heads)
+    triple = next((t for t in _QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
+    width = getattr(module, triple[0]).out_features if triple else None
+    return heads, kv, width
