@@ -42,26 +42,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpflow import comm
 from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.expert_factors import block, mark_over_data, over_data
+from tpflow.layers.expert_layouts import layout, takes_sorted_rows
 from tpflow.placement import Placement
 
 __all__ = ["add_delta", "check_experts", "experts_axis", "mark_over_data", "over_data", "split_experts"]
 
-_NAMES = ("gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")  # per expert: [E, 2I] split as gate_up_proj, [E, H] kept whole
 _STATE = "_tpflow_experts"
-
-
-def _layout(module: nn.Module) -> tuple[int, int, bool]:
-    """(the dim of ``gate_up_proj`` holding the 2I gate and up features, the dim of ``down_proj`` holding I, whether
-    gate and up are concatenated halves rather than interleaved), read off transformers' experts attributes."""
-    concatenated = bool(getattr(module, "is_concatenated", True))
-    return (2, 1, concatenated) if getattr(module, "is_transposed", False) else (1, 2, concatenated)
 
 
 def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermediate") -> None:
@@ -86,20 +78,25 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
         Traceback (most recent call last):
         ValueError: mlp.experts: its intermediate size 6 does not split over 4 tensor-parallel ranks: use 1, 2, 3 ...
     """
-    params = {n: getattr(module, n, None) for n in _NAMES}
+    shape = layout(module)
+    params = {n: getattr(module, n, None) for n in (shape.up, "down_proj")}
     if any(not isinstance(p, nn.Parameter) or p.ndim != 3 or isinstance(p, DTensor) for p in params.values()):
         raise ValueError(f"{name} ({type(module).__name__}) is not a layout tpflow knows for experts: it needs 3-D "
-                         f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters (transposed where the module's "
-                         f"is_transposed says so), called as experts(hidden_states, top_k_index, top_k_weights); leave "
-                         f"it out of the plan (it stays whole on every rank), or plan its parts as nn.Linear modules")
-    features, inner, _ = _layout(module)
-    gate_up, down = params["gate_up_proj"], params["down_proj"]
-    size, total = down.shape[inner], down.shape[0]
-    if gate_up.shape[0] != total or gate_up.shape[features] != 2 * size:
-        raise ValueError(f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not "
-                         f"hold one expert count and one intermediate size (gate_up_proj's dim {features} is twice "
-                         f"down_proj's dim {inner})")
+                         f"gate_up_proj [E, 2I, H] (or an ungated up_proj [E, I, H]) and down_proj [E, H, I] "
+                         f"parameters (transposed where the module's is_transposed or its shapes say so), called as "
+                         f"experts(hidden_states, top_k_index, top_k_weights) or experts(sorted_rows); leave it out of "
+                         f"the plan (it stays whole on every rank), or plan its parts as nn.Linear modules")
+    up, down = params[shape.up], params["down_proj"]
+    size, total = down.shape[shape.inner], down.shape[0]
+    if up.shape[0] != total or up.shape[shape.features] != shape.factor * size:
+        raise ValueError(f"{name}: {shape.up} {tuple(up.shape)} and down_proj {tuple(down.shape)} do not hold one "
+                         f"expert count and one intermediate size ({shape.up}'s dim {shape.features} is "
+                         f"{shape.factor} x down_proj's dim {shape.inner})")
     if by == "experts":
+        if takes_sorted_rows(module):
+            raise ValueError(f"{name} ({type(module).__name__}) takes every expert's rows sorted by expert, not the "
+                             f"routed ids expert parallelism sends: split it by the intermediate dim "
+                             f"(tpf.ExpertTensorParallel())")
         others = [n for n, p in module.named_parameters(recurse=False) if p.shape[:1] != (total,)]
         if others:
             raise ValueError(f"{name} ({type(module).__name__}) has parameters {others} that are not per expert "
@@ -109,7 +106,7 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
             raise ValueError(f"{name}: its {total} experts do not split over {ranks} ranks: use "
                              f"{', '.join(map(str, fits[:-1]))} or {fits[-1]} ranks")
         return
-    extra = [n for n, p in module.named_parameters(recurse=False) if n not in (*_NAMES, *_BIASES)]
+    extra = [n for n, p in module.named_parameters(recurse=False) if n not in (shape.up, "down_proj", *_BIASES)]
     if extra:
         raise ValueError(f"{name} ({type(module).__name__}) has parameters {extra} besides gate_up_proj, down_proj and "
                          "their biases, which tpflow does not know how to split over the intermediate dim: use expert "
@@ -172,6 +169,10 @@ class _Slices:
         for name, view in zip(self.reads.names, views):
             module.__dict__[name] = view
         given = {**dict(zip(self.inputs, args)), **kwargs}
+        if len(self.inputs) == 1:  # every expert's rows, sorted by expert (Llama 4's): whole, gradient summed
+            tokens = comm.copy_to_ranks(given[self.inputs[0]], self.group)
+            self.routing = (tokens, *views)
+            return (tokens,), {}
         tokens, ids, weights = (given[n] for n in self.inputs)
         # the tokens and the routing weights: whole here, their gradients this rank's partial sums
         tokens, weights = (comm.copy_to_ranks(t, self.group) for t in (tokens, weights))
@@ -312,7 +313,7 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
         check_experts(label, module, pl.hierarchy[over], "experts")
         if tp > 1:
             check_experts(label, module, tp, "intermediate")
-    features, inner, packed = _layout(module)
+    shape = layout(module)
     total = module._parameters["down_proj"].shape[0]
     whole = (Replicate(),) * pl.ndim
     for name, full in list(module.named_parameters(recurse=False)):
@@ -320,7 +321,7 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
         if by == "experts":
             splits.append((over, 0, False, Shard(0)))
         if by == "intermediate" or (axis is not None and tp > 1):
-            dim, halves, split = _intermediate(name, features, inner, packed)
+            dim, halves, split = shape.split(name)
             if dim is not None:
                 splits.append((pl.ndim - 1, dim, halves, split))
         placements = list(whole)
@@ -375,17 +376,6 @@ def add_delta(module: nn.Module, name: str, delta: Callable[[], torch.Tensor | N
     if state is None:
         raise ValueError(f"{type(module).__name__} is not split by split_experts: nothing reads its blocks")
     state.deltas.setdefault(name, []).append(delta)
-
-
-def _intermediate(name: str, features: int, inner: int, packed: bool) -> tuple[int | None, bool, object]:
-    """How the parameter ``name`` splits by the intermediate dim: (its dim, whether as gate and up halves, the
-    DTensor placement); ``down_proj_bias`` stays whole (dim None), added by one rank (``_Slices``)."""
-    if name in ("gate_up_proj", "gate_up_proj_bias"):
-        dim = features if name == "gate_up_proj" else 1
-        return dim, packed, _StridedShard(dim, split_factor=2) if packed else Shard(dim)
-    if name == "down_proj":
-        return inner, False, Shard(inner)
-    return None, False, Replicate()
 
 
 def experts_axis(placement: Placement, axis: str, by: str = "experts") -> int:

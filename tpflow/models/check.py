@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import traceback
 import warnings
 
 import torch
@@ -157,6 +158,8 @@ def check(kind: str, mode: str, placement) -> Verdict:
         except _Wrong as e:
             return Verdict("wrong", str(e))
         except ValueError as e:  # what only a batch shows (a mask an attention module builds itself)
+            if "/tpflow/" not in traceback.extract_tb(e.__traceback__)[-1].filename:
+                return Verdict("failing", f"{type(e).__name__}: {_first_line(e)}")  # the model's, not a refusal
             return Verdict("refused", f"at the first forward: {_first_line(e)}")
         except Exception as e:
             return Verdict("failing", f"{type(e).__name__}: {_first_line(e)}")

@@ -12,7 +12,9 @@
     context_attention  the attention implementation context parallelism registers with transformers
     names         "column", "row", HF's style strings; torch_styles: torch's own styles, read as entries
     fusion, ties, agreement    what entries share: fused column groups, tied parameters, the ranks' agreement
-    hf            plan="auto": a Hugging Face model's own plan, as entries
+    hf            plan="auto": a Hugging Face model's own plan, as entries; planner: tpflow's for a model without one
+    mla           entry LatentKeyValue: MLA's shared key / value projection (HF's "mla_kv_a_proj")
+    mixers        what mixes tokens in a layer: attention context parallelism splits, and what it refuses
     inputs        the tensor-parallel ranks fed the same data: checked at the first layer reading it whole
     pretrained    save_pretrained of a parallelized Hugging Face model: whole tensors, rank 0 writing
     decoding      generate alike on every rank: one random state per tensor-parallel group, no rank left waiting
@@ -26,12 +28,14 @@ from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.fsdp import fsdp_ignored_params
 from tpflow.plans.hf import hf_plan
 from tpflow.plans.linear import ColumnParallel, RowParallel
+from tpflow.plans.mla import LatentKeyValue
 from tpflow.plans.parallelize import parallelize
+from tpflow.plans.planner import SplitHeads
 from tpflow.plans.replicated import Replicated
 from tpflow.plans.sequence import GatherSequence, SequenceParallel
 from tpflow.plans.style import Style
 from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["ColumnParallel", "ContextParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence",
-           "Replicated", "RowParallel", "SequenceParallel", "Style", "VocabParallel", "fsdp_ignored_params", "hf_plan",
-           "parallelize"]
+           "LatentKeyValue", "Replicated", "RowParallel", "SequenceParallel", "SplitHeads", "Style", "VocabParallel",
+           "fsdp_ignored_params", "hf_plan", "parallelize"]

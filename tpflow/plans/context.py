@@ -55,11 +55,35 @@ from tpflow.plans.context_attention import (
 )
 from tpflow.plans.context_batch import IGNORE, first_keys, masks_documents, read_documents
 from tpflow.plans.inputs import InputCheck
-from tpflow.plans.mixers import is_attention, unsplit_mixers
+from tpflow.plans.mixers import is_attention, own_loss, own_positions, unsplit_mixers
 from tpflow.plans.style import Plan, Style
 from tpflow.sbp import broadcast, split
 
-__all__ = ["ContextParallel", "context_parallel"]
+__all__ = ["ContextParallel", "context_parallel", "refuse_unsplit"]
+
+
+def refuse_unsplit(model: nn.Module) -> None:
+    """Raise, naming them, where ``model``'s layers mix tokens other than by attention context parallelism splits
+    (or hold no attention it can split at all).
+
+    Args:
+        model: a Hugging Face model.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> refuse_unsplit(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                              num_hidden_layers=1, num_attention_heads=4)))
+    """
+    unsplit = unsplit_mixers(model)
+    if unsplit:
+        raise ValueError(f"context parallelism splits the sequence over the ranks, and {type(model).__name__}'s "
+                         f"layers mix tokens other than by attention it can split, which each rank would run on its "
+                         f"part of the sequence without the earlier tokens: {'; '.join(unsplit[:3])}. Train it with "
+                         f"tensor or data parallelism")
+    if not any(is_attention(m) for m in model.modules()):
+        raise ValueError(f"context parallelism splits attention run through transformers' AttentionInterface, and "
+                         f"{type(model).__name__} has none: train it with tensor or data parallelism")
 
 # what a model may pass its attention that the split cannot honour: the keyword, and why
 
@@ -80,6 +104,7 @@ class _Context:
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         self.same_inputs = InputCheck(type(model).__name__, placement, axis=0, kind="context-parallel")
         self.packing = packing
+        self.own_positions, self.own_loss = own_positions(model), own_loss(model)
         self.reordered = False
         model.register_forward_pre_hook(self.enter, with_kwargs=True)
         model.register_forward_hook(self.leave)
@@ -123,6 +148,14 @@ class _Context:
                              f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
                              f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
                              f"and the other tokens' logits as they are)")
+        if named.get("position_ids") is None and self.own_positions is not None:
+            raise ValueError(f"{self.own_positions} counts positions its own way when none are given (from "
+                             f"padding_idx + 1, past the padding): context parallelism, which gives every rank its "
+                             f"tokens' global positions, needs them given: pass position_ids")
+        if labels is not None and self.own_loss:
+            raise ValueError(f"{type(module).__name__} computes its labels= loss in its own code, on the logits of "
+                             f"this rank's tokens against every label: under context parallelism compute the loss "
+                             f"from .logits (a global tensor split over the sequence), or pass no labels")
         pads, documents, positions = read_documents(named, batch, seq, self.packing)
         positions = positions.to(tokens.device)
         self.batch.documents = documents
@@ -357,12 +390,7 @@ class ContextParallel(Style):
         if sequence:
             raise ValueError(f"context parallelism splits the sequence through every layer already: drop the "
                              f"sequence-parallel entries {sequence}")
-        unsplit = plan.shared("context mixers", lambda: unsplit_mixers(model))
-        if unsplit:
-            raise ValueError(f"context parallelism splits the sequence over the ranks, and {type(model).__name__}'s "
-                             f"layers mix tokens other than by attention, which each rank would run on its part of "
-                             f"the sequence without the earlier tokens' state: {'; '.join(unsplit[:3])}. Train it "
-                             f"with tensor or data parallelism")
+        plan.shared("context mixers", lambda: refuse_unsplit(model))
         kinds = {entry.kind for _, entry in plan.matches.values() if isinstance(entry, ContextParallel)}
         missed = [n for n, m in plan.modules.items()
                   if is_attention(m) and not isinstance(plan.entry(n), ContextParallel)]

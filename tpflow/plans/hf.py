@@ -16,6 +16,11 @@ transformers keeps the plan on the config (``base_model_tp_plan``, keys under th
   a tied pair stays one parameter. With ``vocab_parallel=False`` the head gathers whole logits (HF's
   ``colwise_gather_output``) and the embedding stays whole; a tied head then stays whole with it.
 
+A model transformers ships no plan for gets tpflow's, read off its module tree (``tpflow.plans.planner``: separate or
+head-by-head fused q / k / v as column layers with their heads split, the output projection and the MLP's down
+projections as row layers), or a sentence naming what cannot be split. ``python -m tpflow.models`` checks every
+registered causal LM against one device and writes what each gets (``docs/models.md``).
+
 Every other module with parameters (the norms) is replicated by ``parallelize``, with its
 gradients found from the autograd graph, so entries such as ``replicated_with_grad_allreduce`` are kept but
 not needed for the numbers to be right.
@@ -30,7 +35,7 @@ import re
 from torch import nn
 
 from tpflow.plans.adapters import wrapped_model
-from tpflow.plans.context import ContextParallel
+from tpflow.plans.context import ContextParallel, refuse_unsplit
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.heads import attention_heads
 from tpflow.plans.linear import ColumnParallel, RowParallel
@@ -164,10 +169,13 @@ def _fuse_alike(model: nn.Module, plan: dict[str, Style], names: list[str]) -> N
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
             vocab_parallel: bool = True, expert_parallel: bool | str = False,
             context_parallel: str | None = None) -> dict[str, Style]:
-    """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries.
+    """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries, or, for
+    a model transformers ships no plan for, tpflow's, read off its layers (``tpflow.plans.planner``). What each model
+    type of transformers' registry gets, tensor, context and expert parallel, is in ``docs/models.md``
+    (``python -m tpflow.models``).
 
     Args:
-        model: a transformers model (its ``config.base_model_tp_plan`` and class ``_tp_plan``).
+        model: a transformers model (its ``config.base_model_tp_plan`` and class ``_tp_plan``, else its modules).
         sequence_parallel: split the activations between the layer pairs over the ranks by tokens (dim 1): the
             norms run on this rank's tokens, and the first decoder layer's input sequence must be a multiple of
             the ranks (training; generation needs ``False``).
@@ -208,6 +216,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     if context_parallel is not None and sequence_parallel:
         raise ValueError("context_parallel splits the sequence through every layer already: drop sequence_parallel")
     context = None if context_parallel is None else ContextParallel(context_parallel)  # the kind checked first
+    if context is not None:
+        refuse_unsplit(model)  # before any plan: no model runs without its context split in silence
     if not own:  # transformers ships none: tpflow's, read off the module tree (or a sentence naming why not)
         own = planned(model)
     plan: dict[str, Style] = {}

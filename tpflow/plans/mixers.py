@@ -10,17 +10,18 @@ context parallelism cannot split, refused by name.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 from torch import nn
 
 from tpflow.plans.heads import attention_heads
 
-__all__ = ["is_attention", "unsplit_mixers"]
+__all__ = ["is_attention", "own_loss", "own_positions", "unsplit_mixers"]
 
 # children that work token by token, by their class names; anything else in a decoder layer must be attention
 _TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropout|Identity|Linear$|Embedding|Act|"
-                        r"GELU|SiLU|ReLU|Rotary|HyperConnection")
+                        r"GELU|SiLU|ReLU|Rotary|HyperConnection|Intermediate|Output$")
 _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mixer": "a state space",
         "DeltaNet": "linear attention (a delta rule's state)", "Lightning": "linear attention",
         "Linear": "linear attention", "Recurrent": "a recurrence", "Rwkv": "a recurrence (RWKV's time mixing)",
@@ -93,3 +94,48 @@ def unsplit_mixers(model: nn.Module) -> list[str]:
                 if convolves or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
                     found.append(f"{list_name}.{index}.{child_name} ({type(child).__name__}): {_why(child)}")
     return found
+
+
+def own_positions(model: nn.Module) -> str | None:
+    """The learned position embedding of ``model`` that counts positions its own way when none are given (RoBERTa's:
+    from ``padding_idx + 1``, past the padding), which the global positions context parallelism passes would
+    replace; its name, or None.
+
+    Args:
+        model: a Hugging Face model.
+
+    Returns:
+        The embedding's name, or None.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> own_positions(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                             num_hidden_layers=1, num_attention_heads=4)))
+    """
+    return next((name for name, m in model.named_modules() if isinstance(m, nn.Embedding) and "position" in name
+                 and m.padding_idx is not None), None)
+
+
+def own_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s forward computes its ``labels=`` loss in its own code rather than through transformers'
+    ``loss_function`` (which takes the shifted labels context parallelism cuts to each rank's tokens).
+
+    Args:
+        model: a Hugging Face model.
+
+    Returns:
+        True where the loss is its own.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> own_loss(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                        num_hidden_layers=1, num_attention_heads=4)))
+        False
+    """
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return "labels" in source and "loss_function" not in source

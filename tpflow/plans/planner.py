@@ -12,8 +12,9 @@ Each decoder layer (an item of the model's ``nn.ModuleList`` of layers) is read 
   ``dense_h_to_4h``, BERT's ``intermediate.dense``): column entries; as down projections (``fc2``, ``fc_out``,
   ``c_proj``, ``down_proj``, ``dense_4h_to_h``, BERT's ``output.dense``): row entries.
 
-What it cannot split it refuses by name: q / k / v fused in one projection (``query_key_value``, ``c_attn``,
-``qkv_proj``, ``Wqkv``), whose layout (per head, or q | k | v) the plan cannot tell; GPT-2's ``Conv1D`` layers;
+A q / k / v projection fused in one layer is split by whole heads where the module views it head by head (Persimmon,
+GPT-NeoX-Japanese, Falcon: ``_BY_HEAD``). What it cannot split it refuses by name: other fused projections
+(``c_attn``, ``qkv_proj``, ``Wqkv``: q | k | v blocks, or a layout the plan cannot tell); GPT-2's ``Conv1D`` layers;
 state-space and recurrent mixers (Mamba, RWKV, xLSTM); attention biases made for every head outside the attention
 (ALiBi); a layer with no attention it can read.
 """
@@ -37,9 +38,14 @@ _OUT = ("o_proj", "out_proj", "dense", "Wo", "attention_out")
 _UP = ("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "dense_h_to_4h", "intermediate.dense")
 _DOWN = ("fc2", "fc_out", "c_proj", "down_proj", "dense_4h_to_h", "output.dense")
 _FUSED = ("query_key_value", "c_attn", "qkv_proj", "Wqkv")
+# fused q / k / v projections whose output the module views head by head ([heads, 3, head_dim], or Falcon's new
+# architecture's [key/value heads, queries per key/value head + 2, head_dim]): a split by whole heads is a column split
+_BY_HEAD = {"PersimmonAttention": "query_key_value", "GPTNeoXJapaneseAttention": "query_key_value",
+            "FalconAttention": "query_key_value"}
 _HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads")
-_WIDTHS = ("embed_dim", "all_head_size", "inner_dim")  # heads x head_dim, which a module may reshape by
+_WIDTHS = ("embed_dim", "all_head_size", "inner_dim", "split_size", "hidden_size")  # heads x head_dim
+_HEAD_DIMS = ("head_dim", "head_size", "attention_head_size")
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -63,6 +69,8 @@ def _attention(layer: nn.Module) -> list[tuple[str, tuple[str, str, str], str | 
     found = []
     for name, module in layer.named_modules():
         triple = next((t for t in _QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
+        if triple is None and _by_head(module) is not None:
+            triple = (_by_head(module),)
         if triple is None:
             continue
         out = next((n for n in _OUT if isinstance(getattr(module, n, None), nn.Linear)), None)
@@ -91,21 +99,31 @@ def _mlp(layer: nn.Module, taken: set[str]) -> dict[str, str]:
     return {**{n: "colwise" for n in up}, **{n: "rowwise" for n in down}}
 
 
+def _by_head(module: nn.Module) -> str | None:
+    """The fused q / k / v projection of an attention module that views it head by head, or None."""
+    fused = _BY_HEAD.get(type(module).__name__)
+    if fused is None or not isinstance(getattr(module, fused, None), nn.Linear):
+        return None
+    config = getattr(module, "config", None)
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return None  # Falcon's multi-query: [q heads | k | v], not by head
+    return fused
+
+
 def _refusal(model: nn.Module, layer: nn.Module, where: str) -> str | None:
     """What the plan cannot split in ``layer``, as a sentence, or None."""
     for name, module in layer.named_modules():
-        if any(isinstance(getattr(module, n, None), (nn.Linear, nn.Module)) and not isinstance(
-                getattr(module, n, None), nn.ModuleList) for n in _FUSED if hasattr(module, n)):
+        if _by_head(module) is None and any(isinstance(getattr(module, n, None), nn.Module) for n in _FUSED):
             fused = next(n for n in _FUSED if hasattr(module, n))
             return (f"{where}.{name}.{fused} projects q / k / v in one layer, whose layout (by head, or q | k | v) "
                     f"tpflow cannot tell")
         if type(module).__name__ == "Conv1D":
             return f"{where}.{name} is a GPT-2 Conv1D (a transposed linear layer), which tpflow does not split"
-    if hasattr(getattr(model, "config", None), "alibi"):
-        return "its attention biases (ALiBi) are made for every head outside the attention"
     for name, module in layer.named_modules():
-        given = set(inspect.signature(module.forward).parameters) & {"position_bias", "alibi", "attention_bias"}
-        if given and _attention_of(module):
+        given = set(inspect.signature(module.forward).parameters) & {"position_bias", "alibi"}
+        if getattr(getattr(model, "config", None), "alibi", None) is False:
+            given.discard("alibi")  # (Falcon's, rotary unless its config says alibi)
+        if given and (_attention_of(module) or _by_head(module) is not None):
             return (f"{where}.{name} takes a bias for every head made outside it ({', '.join(sorted(given))}), which "
                     f"the plan cannot cut to its rank's heads")
     return None
@@ -232,6 +250,25 @@ class SplitHeads(Style):
         for attr in _WIDTHS:
             if width is not None and getattr(module, attr, None) == width:
                 setattr(module, attr, width // world)
+        module.forward = _OnRankHeads(module, name)
+
+
+class _OnRankHeads:
+    """An attention module's forward on this rank's heads: a shape error there (code that reshapes by its input's
+    whole width, which no head count says) becomes a sentence naming the module and the way out."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        except RuntimeError as e:
+            raise ValueError(f"{self.name!r} ({type(self.module).__name__}) failed on this rank's heads ({e}): its "
+                             f"code computes with a width tpflow cannot give it its rank's share of (its input's). "
+                             f"Leave "
+                             f"its q / k / v / output projections out of the plan, or parallelize the model "
+                             f"otherwise") from e
 
 
 def _counts(module: nn.Module) -> tuple[int | None, int | None, int | None]:
@@ -241,6 +278,9 @@ def _counts(module: nn.Module) -> tuple[int | None, int | None, int | None]:
                  None)
     kv = next((getattr(m, a) for m in (module, config) for a in _KV_HEADS if isinstance(getattr(m, a, None), int)),
               heads)
+    head_dim = next((getattr(module, a) for a in _HEAD_DIMS if isinstance(getattr(module, a, None), int)), None)
     triple = next((t for t in _QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
     width = getattr(module, triple[0]).out_features if triple else None
+    if width is None and heads is not None and head_dim is not None:
+        width = heads * head_dim
     return heads, kv, width

@@ -1,0 +1,66 @@
+"""The support matrix (``python -m tpflow.models``, ``docs/models.md``): a representative set of model types, one for
+each mechanism the matrix reports, checked on 2 and 4 ranks gives the statuses the committed matrix records; the
+matrix covers transformers' whole causal-LM registry at the installed version."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import harness
+from tests.checks import all_ranks
+from tests.harness import ROOT
+
+transformers = pytest.importorskip("transformers")
+
+MATRIX = ROOT / "docs" / "models.md"
+REPRESENTATIVE = {
+    2: ("llama",            # transformers' plan; context and expert parallelism
+        "phi3",             # fused q / k / v under context parallelism
+        "qwen3_next",       # a hybrid: its mixers read a replicated weight outside its module; context refused
+        "deepseek_v2",      # MLA: mla_kv_a_proj
+        "granite_swa",      # local_params, sinks split with the heads
+        "minimax",          # lightning attention: context refused
+        "doge",             # a per-head projection: tensor refused; a mask of its own: context refused
+        "mixtral",          # experts split or shared out
+        "opt",              # tpflow's own plan (SplitHeads)
+        "bert",             # tpflow's own plan, BERT's layout and its head's tied bias
+        "persimmon",        # fused q / k / v viewed head by head
+        "gpt2",             # Conv1D: refused
+        "mamba"),           # a state space: refused
+    4: ("mimo_v2_flash",    # a layer's own key/value head count, fewer than the ranks in others
+        "olmo2",            # gathered q / k / v beside fewer key/value heads than ranks
+        "opt"),
+}
+
+
+def _rank(kinds, modes):
+    import tpflow.models
+
+    return {(kind, mode): tpflow.models.check(kind, mode, all_ranks()).status for kind in kinds for mode in modes}
+
+
+@pytest.mark.parametrize("world", sorted(REPRESENTATIVE))
+def test_representative_models_match_the_committed_matrix(world):
+    from tpflow.models.check import MODES
+    from tpflow.models.report import read_matrix
+
+    recorded = read_matrix(MATRIX.read_text())
+    got = harness.run(world, _rank, REPRESENTATIVE[world], MODES, timeout=600)[0]
+    differ = {key: (status, recorded.get((*key, world))) for key, status in got.items()
+              if recorded.get((*key, world)) != status}
+    assert not differ, f"{world} ranks, (now, docs/models.md): {differ}; run python -m tpflow.models --out " \
+                       f"docs/models.md"
+
+
+def test_matrix_covers_the_registry_at_this_version():
+    from tpflow.models.report import read_matrix
+    from tpflow.models.zoo import causal_lm_types
+
+    text = MATRIX.read_text()
+    assert f"transformers {transformers.__version__}" in text, "docs/models.md was made with another transformers"
+    assert {kind for kind, _, _ in read_matrix(text)} == set(causal_lm_types())
+    rows = re.findall(r"^\| (\S+) \|", text, re.M)
+    assert "wrong" not in {s for s in read_matrix(text).values()}, "a silently wrong number in the matrix"
+    assert len(rows) >= len(causal_lm_types())
