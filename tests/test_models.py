@@ -24,14 +24,19 @@ REPRESENTATIVE = {
         "minimax",          # lightning attention: context refused
         "doge",             # a per-head projection: tensor refused; a mask of its own: context refused
         "mixtral",          # experts split or shared out
+        "llama4_text",      # experts taking sorted rows, stored transposed without saying so
+        "nemotron_h",       # ungated experts (up_proj); a hybrid: context refused
         "opt",              # tpflow's own plan (SplitHeads)
         "bert",             # tpflow's own plan, BERT's layout and its head's tied bias
         "persimmon",        # fused q / k / v viewed head by head
-        "gpt2",             # Conv1D: refused
+        "bloom",            # fused by head, ALiBi biases cut to the rank's heads
+        "gpt2",             # tpflow's own plan: Conv1D, q | k | v fused as blocks
+        "gpt_bigcode",      # a multi-query fused c_attn: refused
         "mamba"),           # a state space: refused
     4: ("mimo_v2_flash",    # a layer's own key/value head count, fewer than the ranks in others
         "olmo2",            # gathered q / k / v beside fewer key/value heads than ranks
-        "opt"),
+        "stablelm",         # tpflow's own plan, k / v kept whole with fewer key/value heads than ranks
+        "gpt2"),
 }
 
 
@@ -64,3 +69,37 @@ def test_matrix_covers_the_registry_at_this_version():
     rows = re.findall(r"^\| (\S+) \|", text, re.M)
     assert "wrong" not in {s for s in read_matrix(text).values()}, "a silently wrong number in the matrix"
     assert len(rows) >= len(causal_lm_types())
+
+
+def _export_rank(kinds):
+    """A model tpflow plans, trained a step, saved by save_pretrained on every rank: from_pretrained on one device
+    holds its values and gives its logits (GPT-2's Conv1D blocks, q | k | v fused, in their checkpoint layout)."""
+    import copy
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import tpflow as tpf
+    from tpflow.models.zoo import VOCAB, tiny_model
+
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    for kind in kinds:
+        model = tpf.parallelize(copy.deepcopy(tiny_model(kind)), placement=all_ranks(), plan="auto")
+        model(ids, labels=ids).loss.backward()
+        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+        whole = {name: p.full_tensor() for name, p in model.named_parameters()}
+        logits = model(ids).logits.full_tensor()
+        where = [tempfile.mkdtemp(prefix="tpflow-models-")]
+        dist.broadcast_object_list(where)
+        model.save_pretrained(where[0])
+        if dist.get_rank() == 0:
+            back = transformers.AutoModelForCausalLM.from_pretrained(where[0], dtype=torch.float64)
+            for name, p in back.named_parameters():
+                assert torch.equal(p, whole[name]), f"{kind}: {name} exported"
+            torch.testing.assert_close(back(ids).logits, logits, rtol=1e-9, atol=1e-9, msg=f"{kind}: logits")
+        dist.barrier()
+
+
+def test_planned_models_export_in_their_own_layout():
+    harness.run(2, _export_rank, ("gpt2", "bert", "persimmon"), timeout=300)

@@ -46,6 +46,7 @@ from tpflow.placement import Placement, placement
 from tpflow.plans import (
     ColumnParallel,
     ContextParallel,
+    Conv1DParallel,
     ExpertParallel,
     ExpertTensorParallel,
     GatherSequence,
@@ -67,6 +68,7 @@ __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
     "ContextParallel",
+    "Conv1DParallel",
     "ExpertParallel",
     "ExpertTensorParallel",
     "GatherSequence",

@@ -34,7 +34,14 @@ after an AdamW step and, but for context parallelism, `generate`'s greedy tokens
 
 **exact**: every number matches; **refused**: `parallelize` (or the first forward) raised a sentence naming what is
 missing (the note); **wrong**: a number differs, or the mode did not apply; **failing**: anything else raised;
-**not built**: the tiny config does not build or run on one device."""
+**not built**: the tiny config does not build or run on one device. One cell, on the ranks of a launch:
+
+```python
+import tpflow as tpf
+from tpflow.models import check
+
+print(check("gpt2", "tp", tpf.placement("cpu", ranks=[0, 1])))   # Verdict(status='exact', why='')
+```"""
 
 
 def main(argv: list[str] | None = None) -> int:

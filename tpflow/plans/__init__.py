@@ -13,6 +13,7 @@
     names         "column", "row", HF's style strings; torch_styles: torch's own styles, read as entries
     fusion, ties, agreement    what entries share: fused column groups, tied parameters, the ranks' agreement
     hf            plan="auto": a Hugging Face model's own plan, as entries; planner: tpflow's for a model without one
+    conv1d        entry Conv1DParallel: GPT-2's transposed Conv1D split in place (its q | k | v blocks too)
     mla           entry LatentKeyValue: MLA's shared key / value projection (HF's "mla_kv_a_proj")
     mixers        what mixes tokens in a layer: attention context parallelism splits, and what it refuses
     inputs        the tensor-parallel ranks fed the same data: checked at the first layer reading it whole
@@ -24,6 +25,7 @@
 from __future__ import annotations
 
 from tpflow.plans.context import ContextParallel
+from tpflow.plans.conv1d import Conv1DParallel
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.fsdp import fsdp_ignored_params
 from tpflow.plans.hf import hf_plan
@@ -36,6 +38,6 @@ from tpflow.plans.sequence import GatherSequence, SequenceParallel
 from tpflow.plans.style import Style
 from tpflow.plans.vocab import VocabParallel
 
-__all__ = ["ColumnParallel", "ContextParallel", "ExpertParallel", "ExpertTensorParallel", "GatherSequence",
-           "LatentKeyValue", "Replicated", "RowParallel", "SequenceParallel", "SplitHeads", "Style", "VocabParallel",
-           "fsdp_ignored_params", "hf_plan", "parallelize"]
+__all__ = ["ColumnParallel", "ContextParallel", "Conv1DParallel", "ExpertParallel", "ExpertTensorParallel",
+           "GatherSequence", "LatentKeyValue", "Replicated", "RowParallel", "SequenceParallel", "SplitHeads", "Style",
+           "VocabParallel", "fsdp_ignored_params", "hf_plan", "parallelize"]

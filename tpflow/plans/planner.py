@@ -13,10 +13,12 @@ Each decoder layer (an item of the model's ``nn.ModuleList`` of layers) is read 
   ``c_proj``, ``down_proj``, ``dense_4h_to_h``, BERT's ``output.dense``): row entries.
 
 A q / k / v projection fused in one layer is split by whole heads where the module views it head by head (Persimmon,
-GPT-NeoX-Japanese, Falcon: ``_BY_HEAD``). What it cannot split it refuses by name: other fused projections
-(``c_attn``, ``qkv_proj``, ``Wqkv``: q | k | v blocks, or a layout the plan cannot tell); GPT-2's ``Conv1D`` layers;
-state-space and recurrent mixers (Mamba, RWKV, xLSTM); attention biases made for every head outside the attention
-(ALiBi); a layer with no attention it can read.
+GPT-NeoX-Japanese, Falcon: ``_BY_HEAD``), and as three blocks each split over the ranks where it is GPT-2's ``c_attn``
+(as wide as three of its ``c_proj``'s inputs); GPT-2's transposed ``Conv1D`` layers take ``Conv1DParallel`` entries.
+What it cannot split it refuses by name: other fused projections (GPT-BigCode's multi-query ``c_attn``, ``qkv_proj``,
+``Wqkv``: a layout the plan cannot tell);
+state-space and recurrent mixers (Mamba, RWKV, xLSTM); position biases made for every head outside the attention
+(CPM-Ant's; ALiBi's ``alibi=`` is cut to the rank's heads); a layer with no attention it can read.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import fnmatch
 import inspect
 import re
 
+import torch
 from torch import nn
 
+from tpflow.plans.conv1d import Conv1DParallel
+from tpflow.plans.heads import attention_heads
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["SplitHeads", "planned"]
@@ -41,7 +46,7 @@ _FUSED = ("query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # fused q / k / v projections whose output the module views head by head ([heads, 3, head_dim], or Falcon's new
 # architecture's [key/value heads, queries per key/value head + 2, head_dim]): a split by whole heads is a column split
 _BY_HEAD = {"PersimmonAttention": "query_key_value", "GPTNeoXJapaneseAttention": "query_key_value",
-            "FalconAttention": "query_key_value"}
+            "FalconAttention": "query_key_value", "BloomAttention": "query_key_value"}
 _HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads")
 _WIDTHS = ("embed_dim", "all_head_size", "inner_dim", "split_size", "hidden_size")  # heads x head_dim
@@ -63,17 +68,40 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
-def _attention(layer: nn.Module) -> list[tuple[str, tuple[str, str, str], str | None]]:
-    """Each attention module of a layer: its name in the layer, its q / k / v names and its output projection's
-    (relative to the layer), or None where it has none the plan can name."""
+def _linear(module: object) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _width(module: nn.Module, side: str) -> int:
+    """A linear layer's (or a transposed Conv1D's) ``"out"`` or ``"in"`` features."""
+    if isinstance(module, nn.Linear):
+        return module.out_features if side == "out" else module.in_features
+    return module.weight.shape[1] if side == "out" else module.weight.shape[0]
+
+
+def _column(module: nn.Module, parts: int = 1) -> object:
+    return "colwise" if isinstance(module, nn.Linear) else Conv1DParallel("column", parts)
+
+
+def _row(module: nn.Module) -> object:
+    return "rowwise" if isinstance(module, nn.Linear) else Conv1DParallel("row")
+
+
+def _attention(layer: nn.Module) -> list[tuple[str, dict[str, object], str | None]]:
+    """Each attention module of a layer: its name in the layer, its q / k / v projections' entries by their names,
+    and its output projection's name (relative to the layer), or None where it has none the plan can name."""
     found = []
     for name, module in layer.named_modules():
         triple = next((t for t in _QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
-        if triple is None and _by_head(module) is not None:
-            triple = (_by_head(module),)
-        if triple is None:
+        columns = {n: "colwise" for n in triple} if triple else {}
+        if not columns and _by_head(module) is not None:
+            columns = {_by_head(module): "colwise"}
+        fused, out = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
+        if not columns and _linear(fused) and _linear(out) and _width(fused, "out") == 3 * _width(out, "in"):
+            columns = {"c_attn": _column(fused, 3)}  # GPT-2's q | k | v blocks, each split over the ranks
+        if not columns:
             continue
-        out = next((n for n in _OUT if isinstance(getattr(module, n, None), nn.Linear)), None)
+        out = next((n for n in (*_OUT, "c_proj") if _linear(getattr(module, n, None))), None)
         prefix = f"{name}." if name else ""
         if out is not None:
             out = prefix + out
@@ -82,21 +110,21 @@ def _attention(layer: nn.Module) -> list[tuple[str, tuple[str, str, str], str | 
             holder = layer.get_submodule(parent) if parent else layer
             if isinstance(getattr(getattr(holder, "output", None), "dense", None), nn.Linear):
                 out = f"{parent}.output.dense" if parent else "output.dense"
-        found.append((name, triple, out))
+        found.append((name, columns, out))
     return found
 
 
-def _mlp(layer: nn.Module, taken: set[str]) -> dict[str, str]:
+def _mlp(layer: nn.Module, taken: set[str]) -> dict[str, object]:
     """The layer's MLP: its up projections (column) and down projections (row), where it has both."""
-    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and n not in taken
+    linears = {n: m for n, m in layer.named_modules() if _linear(m) and n not in taken
                and not any(n.startswith(t + ".") for t in taken)}
     up = [n for n in linears if any(n == u or n.endswith("." + u) for u in _UP)]
     down = [n for n in linears if any(n == d or n.endswith("." + d) for d in _DOWN)]
-    widths = {linears[n].out_features for n in up}
+    widths = {_width(linears[n], "out") for n in up}
     if not up or not down or any("Norm" in type(m).__name__ and getattr(m, "weight", None) is not None
                                  and m.weight.numel() in widths for m in layer.modules()):
         return {}  # no pair, or a norm over the whole intermediate features (BitNet's): the MLP stays whole
-    return {**{n: "colwise" for n in up}, **{n: "rowwise" for n in down}}
+    return {**{n: _column(linears[n]) for n in up}, **{n: _row(linears[n]) for n in down}}
 
 
 def _by_head(module: nn.Module) -> str | None:
@@ -113,16 +141,12 @@ def _by_head(module: nn.Module) -> str | None:
 def _refusal(model: nn.Module, layer: nn.Module, where: str) -> str | None:
     """What the plan cannot split in ``layer``, as a sentence, or None."""
     for name, module in layer.named_modules():
-        if _by_head(module) is None and any(isinstance(getattr(module, n, None), nn.Module) for n in _FUSED):
-            fused = next(n for n in _FUSED if hasattr(module, n))
+        fused = next((n for n in _FUSED if isinstance(getattr(module, n, None), nn.Module)), None)
+        if fused is not None and _by_head(module) is None and not _attention(module):
             return (f"{where}.{name}.{fused} projects q / k / v in one layer, whose layout (by head, or q | k | v) "
                     f"tpflow cannot tell")
-        if type(module).__name__ == "Conv1D":
-            return f"{where}.{name} is a GPT-2 Conv1D (a transposed linear layer), which tpflow does not split"
     for name, module in layer.named_modules():
-        given = set(inspect.signature(module.forward).parameters) & {"position_bias", "alibi"}
-        if getattr(getattr(model, "config", None), "alibi", None) is False:
-            given.discard("alibi")  # (Falcon's, rotary unless its config says alibi)
+        given = set(inspect.signature(module.forward).parameters) & {"position_bias"}  # (ALiBi: cut to its heads)
         if given and (_attention_of(module) or _by_head(module) is not None):
             return (f"{where}.{name} takes a bias for every head made outside it ({', '.join(sorted(given))}), which "
                     f"the plan cannot cut to its rank's heads")
@@ -170,16 +194,17 @@ def planned(model: nn.Module) -> dict[str, object]:
                                  f"from its modules: {why}. Pass plan={{pattern: style}} to parallelize, or train it "
                                  f"with data parallelism")
             taken = set()  # (each layer's own names: BERT's output.dense is its MLP's, attention.output.dense not)
-            for attn, triple, out in attention:
-                taken.update(f"{attn}.{proj}" if attn else proj for proj in triple)
+            for attn, columns, out in attention:
+                taken.update(f"{attn}.{proj}" if attn else proj for proj in columns)
                 if out is not None:
                     taken.add(out)
-                if _whole_width(layer.get_submodule(attn) if attn else layer, triple) or out is None:
+                module = layer.get_submodule(attn) if attn else layer
+                if out is None or _whole_width(module, _width(layer.get_submodule(out), "in")):
                     continue  # a norm over every head's features (BitNet's): the attention stays whole
                 prefix = f"{where}.{attn}" if attn else where
                 plan[prefix] = SplitHeads()
-                plan.update({f"{prefix}.{proj}": "colwise" for proj in triple})
-                plan[f"{where}.{out}"] = "rowwise"
+                plan.update({f"{prefix}.{proj}": style for proj, style in columns.items()})
+                plan[f"{where}.{out}"] = _row(layer.get_submodule(out))
             plan.update({f"{where}.{n}": style for n, style in _mlp(layer, taken).items()})
     if not plan:
         raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan, and tpflow finds nothing in its "
@@ -205,10 +230,9 @@ def _patterns(model: nn.Module, plan: dict[str, object], stacks: list[str]) -> d
     return out
 
 
-def _whole_width(attention: nn.Module, triple: tuple[str, str, str]) -> bool:
+def _whole_width(attention: nn.Module, width: int) -> bool:
     """Whether a norm inside the attention works on every head's features at once (its weight as wide as the
-    queries), which a rank holding its heads cannot compute."""
-    width = getattr(attention, triple[0]).out_features
+    heads' output), which a rank holding its heads cannot compute."""
     return any("Norm" in type(m).__name__ and getattr(m, "weight", None) is not None and m.weight.numel() == width
                for m in attention.modules())
 
@@ -234,7 +258,7 @@ class SplitHeads(Style):
         if heads is None:
             raise ValueError(f"{name!r}: SplitHeads needs the module's head count (one of {_HEADS})")
         for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
-            if count % plan.world:
+            if count % plan.world and not (count == kv and _keeps_heads(module, plan.world)):
                 raise ValueError(f"{name!r} has {count} {what}, which do not split over {plan.world} tensor-parallel "
                                  f"ranks: use a degree that divides them")
 
@@ -244,13 +268,41 @@ class SplitHeads(Style):
         for attr in _HEADS:
             if getattr(module, attr, None) == heads:
                 setattr(module, attr, heads // world)
-        for attr in _KV_HEADS:
+        for attr in _KV_HEADS:  # (fewer than the ranks: each rank keeps its one key/value head whole)
             if getattr(module, attr, None) == kv:
-                setattr(module, attr, kv // world)
+                setattr(module, attr, max(kv // world, 1))
         for attr in _WIDTHS:
             if width is not None and getattr(module, attr, None) == width:
                 setattr(module, attr, width // world)
         module.forward = _OnRankHeads(module, name)
+        if "alibi" in inspect.signature(type(module).forward).parameters and plan.placement.coordinate() is not None:
+            module.register_forward_pre_hook(_RankAlibi(heads, world, plan.placement.coordinate()[-1]),
+                                             with_kwargs=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankAlibi:
+    """This rank's heads' rows of the ALiBi biases the model made for every head (transformers' ``[batch x heads,
+    1, keys]``, BLOOM's and Falcon's), passed to the attention as ``alibi=``."""
+
+    heads: int
+    world: int
+    rank: int
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        alibi = kwargs.get("alibi")
+        if not isinstance(alibi, torch.Tensor):
+            return None
+        per_rank = self.heads // self.world
+        by_head = alibi.unflatten(0, (-1, self.heads))[:, self.rank * per_rank:(self.rank + 1) * per_rank]
+        return args, {**kwargs, "alibi": by_head.flatten(0, 1)}
+
+
+def _keeps_heads(module: nn.Module, world: int) -> bool:
+    """Whether the column entries of a q_proj / k_proj / v_proj attention keep its k / v whole with fewer key/value
+    heads than ranks, each rank its head (``tpflow.plans.heads``)."""
+    counts = attention_heads(module)
+    return counts is not None and world % counts[1] == 0
 
 
 class _OnRankHeads:
@@ -283,4 +335,6 @@ def _counts(module: nn.Module) -> tuple[int | None, int | None, int | None]:
     width = getattr(module, triple[0]).out_features if triple else None
     if width is None and heads is not None and head_dim is not None:
         width = heads * head_dim
+    if width is None and _linear(getattr(module, "c_attn", None)):  # GPT-2's q | k | v blocks
+        width = _width(module.c_attn, "out") // 3
     return heads, kv, width
