@@ -121,9 +121,12 @@ def _mlp(layer: nn.Module, taken: set[str]) -> dict[str, object]:
     up = [n for n in linears if any(n == u or n.endswith("." + u) for u in _UP)]
     down = [n for n in linears if any(n == d or n.endswith("." + d) for d in _DOWN)]
     widths = {_width(linears[n], "out") for n in up}
-    if not up or not down or any("Norm" in type(m).__name__ and getattr(m, "weight", None) is not None
-                                 and m.weight.numel() in widths for m in layer.modules()):
-        return {}  # no pair, or a norm over the whole intermediate features (BitNet's): the MLP stays whole
+    if not up or not down or widths != {_width(linears[n], "in") for n in down} or any(
+            "Norm" in type(m).__name__ and getattr(m, "weight", None) is not None and m.weight.numel() in widths
+            for m in layer.modules()):
+        # no pair; a pair of other widths (a GLU fused in one up projection, then chunked); a norm over the whole
+        # intermediate features (BitNet's): the MLP stays whole
+        return {}
     return {**{n: _column(linears[n]) for n in up}, **{n: _row(linears[n]) for n in down}}
 
 
