@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tpflow.models.zoo import VOCAB, tiny_model
+from tpflow.placement import Placement
 
 __all__ = ["MODES", "Verdict", "check"]
 
@@ -116,7 +117,7 @@ def _compare(mode: str, model: torch.nn.Module, ref: torch.nn.Module, ids: torch
             raise _Wrong("generate's greedy tokens differ")
 
 
-def check(kind: str, mode: str, placement) -> Verdict:
+def check(kind: str, mode: str, placement: Placement) -> Verdict:
     """Check model type ``kind`` under ``mode`` on ``placement``'s ranks (every rank calls it alike).
 
     Args:
