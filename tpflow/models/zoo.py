@@ -79,7 +79,7 @@ def _layer_kinds(values: dict, count: int) -> list[int]:
     for i in range(count):
         kinds.setdefault(tuple(str(v[i]) for v in lists), i)
     keep = sorted(kinds.values())
-    return sorted(set(keep) | set(range(count))) [:max(2, len(keep))] if len(keep) < 2 else keep
+    return keep if len(keep) >= 2 else list(range(min(2, count)))
 
 
 def _shrunk(values: dict) -> dict:
