@@ -1,6 +1,7 @@
 """Pipelines: modules on placements run as stages over micro-batches.
 
     stage      tpf.stage: a module on a placement (OneFlow's set_stage), its input boxed there
+    plain_reads  a plain stage's module reading its parameters' local blocks (eagerly, and over a pipeline step)
     actions    what a schedule table holds: forwards, backwards, weight gradients, transfers
     schedule   schedules as data: per-stage tables of actions (GPipe, 1F1B, interleaved, ZB-H1)
     replay     a table replayed before it runs: the executor's rules, NCCL's streams, peaks, a grid
