@@ -103,3 +103,14 @@ def _export_rank(kinds):
 
 def test_planned_models_export_in_their_own_layout():
     harness.run(2, _export_rank, ("gpt2", "bert", "persimmon"), timeout=300)
+
+
+def test_tpflows_own_plans_on_one_rank_match_one_device():
+    """World size 1 (the matrix's degrees are 2 and 4): tpflow's planned layouts, the experts' new layouts and MLA's
+    entry are exact on one rank too."""
+    from tpflow.models.check import MODES
+
+    got = harness.run(1, _rank, ("gpt2", "bert", "bloom", "llama4_text", "nemotron_h", "deepseek_v2"), MODES,
+                      timeout=300)[0]
+    assert {key: s for key, s in got.items() if s not in ("exact", "n/a")} == {
+        ("llama4_text", "ep"): "refused", ("nemotron_h", "cp"): "refused", ("bloom", "cp"): "refused"}, got
