@@ -31,11 +31,16 @@ REPRESENTATIVE = {
         "persimmon",        # fused q / k / v viewed head by head
         "bloom",            # fused by head, ALiBi biases cut to the rank's heads
         "gpt2",             # tpflow's own plan: Conv1D, q | k | v fused as blocks
-        "gpt_bigcode",      # a multi-query fused c_attn: refused
-        "mamba"),           # a state space: refused
+        "gpt_bigcode",      # a multi-query fused c_attn (MultiQueryColumns)
+        "mpt",              # q | k | v blocks split in place (BlocksParallel), position_bias cut to the heads
+        "codegen",          # four model-parallel blocks of q | v | k, its out_proj reading them (SplitHeads(groups))
+        "gemma3n_text",     # activation sparsity: those MLPs whole; layers reusing another's keys and values
+        "gemma4",           # reads its embedding's weight itself: the vocabulary stays whole
+        "mamba"),           # a state space: whole, said in the plan
     4: ("mimo_v2_flash",    # a layer's own key/value head count, fewer than the ranks in others
         "olmo2",            # gathered q / k / v beside fewer key/value heads than ranks
         "stablelm",         # tpflow's own plan, k / v kept whole with fewer key/value heads than ranks
+        "falcon",           # multi-query, one query head per rank, ALiBi off
         "gpt2"),
 }
 
@@ -102,7 +107,7 @@ def _export_rank(kinds):
 
 
 def test_planned_models_export_in_their_own_layout():
-    harness.run(2, _export_rank, ("gpt2", "bert", "persimmon"), timeout=300)
+    harness.run(2, _export_rank, ("gpt2", "bert", "persimmon", "gpt_bigcode", "codegen"), timeout=300)
 
 
 def test_tpflows_own_plans_on_one_rank_match_one_device():
@@ -110,7 +115,44 @@ def test_tpflows_own_plans_on_one_rank_match_one_device():
     entry are exact on one rank too."""
     from tpflow.models.check import MODES
 
-    got = harness.run(1, _rank, ("gpt2", "bert", "bloom", "llama4_text", "nemotron_h", "deepseek_v2"), MODES,
-                      timeout=300)[0]
+    got = harness.run(1, _rank, ("gpt2", "bert", "bloom", "llama4_text", "nemotron_h", "deepseek_v2", "gpt_bigcode",
+                                 "codegen"), MODES, timeout=300)[0]
     assert {key: s for key, s in got.items() if s not in ("exact", "n/a")} == {
-        ("llama4_text", "ep"): "refused", ("nemotron_h", "cp"): "refused", ("bloom", "cp"): "refused"}, got
+        ("llama4_text", "ep"): "refused", ("nemotron_h", "cp"): "refused", ("bloom", "cp"): "refused",
+        ("codegen", "cp"): "refused"}, got
+
+
+def test_own_plans_say_what_stays_whole_and_refuse_by_name():
+    """What tpflow's plans keep whole is said in the plan (a state space, an MLP with activation sparsity); what
+    they cannot split is a sentence naming it and the way out (no ranks needed: the plan is read before any)."""
+    import tpflow as tpf
+    from tpflow.models.zoo import tiny_config, tiny_model
+    from tpflow.plans.names import style_of
+
+    plan = tpf.hf_plan(tiny_model("mamba"))
+    assert plan["backbone.layers.*.mixer"] == tpf.Replicated(why="a state space, which tpflow does not split")
+    assert isinstance(plan["backbone.embeddings"], tpf.VocabParallel)
+    gemma3n = tpf.hf_plan(tiny_model("gemma3n_text"))
+    assert "activation sparsity" in gemma3n["model.layers.0.mlp"].why
+    assert "model.layers.0.mlp.gate_proj" not in gemma3n and "model.layers.2.mlp.gate_proj" in gemma3n
+    bigcode = tpf.hf_plan(tiny_model("gpt_bigcode"))
+    assert bigcode["transformer.h.*.attn.c_attn"] == tpf.MultiQueryColumns(16)
+    codegen = tpf.hf_plan(tiny_model("codegen"))
+    assert codegen["transformer.h.*.attn"] == tpf.SplitHeads(groups=4)
+    assert codegen["transformer.h.*.attn.out_proj"] == tpf.BlocksParallel("row", 4)
+
+    sparse = transformers.AutoModelForCausalLM.from_config(tiny_config("big_bird").__class__(
+        **{**tiny_config("big_bird").to_dict(), "attention_type": "block_sparse"}))
+    with pytest.raises(ValueError, match=r"bert.encoder.layer.0 \(BigBirdLayer\) runs block-sparse "
+                                         r"attention.*attention_type='original_full'"):
+        tpf.hf_plan(sparse)
+    gemma4 = tiny_model("gemma4")
+    with pytest.raises(ValueError, match=r"vocab_parallel=True: Gemma4Model's forward reads "
+                                         r"model.language_model.embed_tokens.weight itself"):
+        tpf.hf_plan(gemma4, vocab_parallel=True)
+    assert not any(isinstance(e, tpf.VocabParallel) for e in tpf.hf_plan(gemma4).values())
+    with pytest.raises(ValueError, match=r"'all_reduce' splits the module's own parameters.*tpf.SummedParameters"):
+        style_of("layers.*.mlp.shared_experts", "all_reduce")
+    with pytest.raises(ValueError, match=r"XLNetLMHeadModel carries no tensor-parallel plan.*transformer.layer.0 "
+                                         r"\(XLNetLayer\) has no attention with separate q / k / v"):
+        tpf.hf_plan(tiny_model("xlnet"))

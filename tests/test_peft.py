@@ -492,3 +492,36 @@ def _refusals_rank() -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_what_adapters_cannot_follow_is_refused(world):
     harness.run(world, _refusals_rank)
+
+
+def _planned_rank(kinds: dict[str, tuple[str, ...]]) -> None:
+    """LoRA on models tpflow plans itself (issue 46), PEFT first: GPT-BigCode's multi-query ``c_attn`` (whole on
+    every rank, each computing its query heads' and the key / value features: its adapter's B does the same) trains
+    as one device; a layer split in place (MPT's ``Wqkv`` blocks) is refused by name, never run unsplit."""
+    from tests.models import train_lm
+    from tpflow.models.zoo import tiny_model
+
+    for kind, targets in kinds.items():
+        base = tiny_model(kind)
+        torch.manual_seed(3)
+        reference = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=list(targets)))
+        with torch.no_grad():
+            for i, (name, p) in enumerate(reference.named_parameters()):
+                if "lora_B" in name:
+                    p.normal_(std=0.1, generator=torch.Generator().manual_seed(i))
+        model = copy.deepcopy(reference)
+        try:
+            tpf.parallelize(model, placement=all_ranks(), plan="auto")
+        except ValueError as e:
+            assert kind == "mpt" and "Wqkv" in str(e), (kind, e)
+            continue
+        want = train_lm(reference, _ids())
+        torch.testing.assert_close(train_lm(model, _ids()), want, rtol=1e-6, atol=1e-6, msg=kind)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-6, msg=f"{kind}: {name}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_lora_on_tpflows_own_plans_trains_as_one_device(world):
+    harness.run(world, _planned_rank, {"gpt_bigcode": ("c_attn", "c_proj", "c_fc"), "mpt": ("Wqkv", "up_proj")},
+                timeout=300)

@@ -44,6 +44,7 @@ from tpflow.layers import ColumnParallelLinear, RowParallelLinear, VocabParallel
 from tpflow.pipeline import Pipeline, PipelineError, Stage, stage
 from tpflow.placement import Placement, placement
 from tpflow.plans import (
+    BlocksParallel,
     ColumnParallel,
     ContextParallel,
     Conv1DParallel,
@@ -51,11 +52,13 @@ from tpflow.plans import (
     ExpertTensorParallel,
     GatherSequence,
     LatentKeyValue,
+    MultiQueryColumns,
     Replicated,
     RowParallel,
     SequenceParallel,
     SplitHeads,
     Style,
+    SummedParameters,
     VocabParallel,
     fsdp_ignored_params,
     hf_plan,
@@ -65,6 +68,7 @@ from tpflow.plans.lora import lora
 from tpflow.world import get_rank, get_world_size, init_distributed
 
 __all__ = [
+    "BlocksParallel",
     "ColumnParallel",
     "ColumnParallelLinear",
     "ContextParallel",
@@ -73,6 +77,7 @@ __all__ = [
     "ExpertTensorParallel",
     "GatherSequence",
     "LatentKeyValue",
+    "MultiQueryColumns",
     "Pipeline",
     "PipelineError",
     "Placement",
@@ -83,6 +88,7 @@ __all__ = [
     "SplitHeads",
     "Stage",
     "Style",
+    "SummedParameters",
     "VocabParallel",
     "VocabParallelEmbedding",
     "adopt",

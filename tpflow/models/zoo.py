@@ -2,8 +2,9 @@
 matrix (``python -m tpflow.models``) sweeps.
 
 A registered config's defaults are a full-size model. ``tiny_config`` shrinks every size it knows by name (widths,
-heads, layers, experts, the vocabulary), in the config and in its text sub-config, and keeps one layer of each kind
-a hybrid stacks (attention, state space, linear attention, dense or sparse MLP) so that every mixer is checked.
+heads, layers, experts, the vocabulary), in the config and in its sub-configs, and keeps one layer of each kind
+a hybrid stacks (attention, state space, linear attention, dense or sparse MLP, a layer reusing another's keys and
+values, a layer with overrides of its own) so that every mixer is checked.
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ _SIZES = {
     "linear_num_value_heads": 4, "expert_ffn_hidden_size": 48, "zero_expert_num": 2, "unpadded_vocab_size": VOCAB,
     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "num_dense_layers": 1,
     "image_size": 32, "patch_size": 8, "num_channels": 3, "out_hidden_size": 64, "projection_dim": 64,
+    "kv_n_heads": 2, "moe_top_k": 2, "num_experts_per_token": 2, "num_expert_group": 1, "linear_num_heads": 4,
+    "mamba_d_ssm": 128, "hc_lowrank": 16, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+    "indexer_budget": 8, "indexer_compress_ratio": 4, "attention_head_size": 16, "feed_forward_size": 96,
+    "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 211, "local_attention_window_len": 4,
+    "shared_experts_intermediate_size": 80, "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64,
 }
-_DERIVED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size")
+# sizes a config may leave None that the tiny model sets (derived from others, or an indexer the layers need)
+_DERIVED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
+            "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 # what a family needs besides the sizes by name (its layer kinds derived from a period, a check of its own)
 _FAMILY = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
@@ -49,9 +57,35 @@ _FAMILY = {
     "mamba2": {"num_heads": 8},
     "kimi_linear": {"num_hidden_layers": 3},
     "deepseek_v2": {"topk_group": 1, "n_group": 1},
-    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [8, 8]},
+    # training takes the sequence (16) as the axial shape's product and a multiple of every chunk; LSH chunked
+    # only past 16 tokens (its cached decoding fails on a chunked LSH layer)
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4],
+                 "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 16},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "dbrx": {"attn_config": {"clip_qkv": 8.0, "rope_theta": 500000.0}},  # its checkpoints' values: its code reads them
+    "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},  # as its checkpoints (unset, 0 by default)
+    "dots3_note_text": {"head_dim": 16},  # its sliding layers' heads: qk_nope_head_dim + qk_rope_head_dim wide
+    "dots3_note": {"text_config": {"head_dim": 16}},
+    # its hybrid layers share one attention block, tied from the first to the others: two of them
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "git": {"num_image_with_embedding": 0},  # text only: no image tokens for its loss to skip
+    "xmod": {"default_language": "en_XX"},
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},  # its cache rounds half the width up to 64s, its layers not
+    "blt": {"use_cache": False},  # its cache is sized by the top config, which has no layers
+    "big_bird": {"attention_type": "original_full"},  # a decoder's, as BigBirdForCausalLM asks
+    # its attention computes in four model-parallel blocks (mp_num, fixed), each a quarter of the heads: 16 heads
+    # as CodeGen-350M's, so that each block's split over 4 ranks
+    "codegen": {"n_head": 16, "rotary_dim": 4},
 }
+# modules a model keeps in fp32 whatever its dtype, as its forward casts their inputs to fp32 (Inkling 2's router)
+_FP32 = {"inkling2_text": "mlp.gate"}
+# what transformers cannot run tiny here on tokens alone, said rather than tried
+_DRAFTER = "a drafter: it runs on its target model's keys and values, not on tokens alone"
+_CODEBOOKS = "a decoder of audio codebooks: its ids and labels are laid out per codebook"
+_UNBUILT = {"gemma4_assistant": _DRAFTER, "gemma4_unified_assistant": _DRAFTER, "musicgen": _CODEBOOKS,
+            "musicgen_melody": _CODEBOOKS,
+            "xglm": "its attention clamps fp64 scores with an fp32 scalar of fp64's least value: an overflow"}
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 MAX_PARAMETERS = 20_000_000  # a config whose sizes are named otherwise stays big: refused, not built
 
@@ -72,9 +106,8 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _layer_kinds(values: dict, count: int) -> list[int]:
+def _layer_kinds(lists: list, count: int) -> list[int]:
     """The layers to keep of ``count``: the first of each distinct kind (over every per-layer list), at least 2."""
-    lists = [v for v in values.values() if isinstance(v, (list, tuple)) and len(v) == count and count > 2]
     kinds = {}
     for i in range(count):
         kinds.setdefault(tuple(str(v[i]) for v in lists), i)
@@ -84,23 +117,36 @@ def _layer_kinds(values: dict, count: int) -> list[int]:
 
 def _shrunk(values: dict) -> dict:
     """``values`` (a config's ``to_dict()``) with its sizes shrunk and one layer of each kind kept."""
-    out = {k: _SIZES[k] for k in values if (k in _SIZES and isinstance(values[k], int) and values[k] > 0)
-           or (k in _DERIVED and values[k] is None)}
+    out = {k: _SIZES[k] for k, v in values.items() if (k in _SIZES and isinstance(v, int) and v > 0)
+           or (k in _DERIVED and v is None)}
+    out |= {k: [_SIZES[k]] * len(v) for k, v in values.items()  # a size per layer (Gemma 3n's MLP widths)
+            if k in _SIZES and isinstance(v, list) and v and all(isinstance(x, int) and x > 0 for x in v)}
+    overrides = {int(i): {k: v for k, v in layer.items() if k not in _SIZES}  # sizes: one a name
+                 for i, layer in (values.get("per_layer_config") or {}).items()}
+    shared = values.get("num_kv_shared_layers") or 0  # the last layers reuse earlier layers' keys and values
     for key in _LAYER_COUNTS:
         count = values.get(key)
         if isinstance(count, int) and count > 0:
-            keep = _layer_kinds(values, count)
+            lists = {k: v for k, v in values.items() if isinstance(v, (list, tuple)) and len(v) == count and count > 2}
+            keep = _layer_kinds([*lists.values(), [i >= count - shared for i in range(count)],
+                                 [overrides.get(i) for i in range(count)]], count)
             out[key] = len(keep)
-            for name, v in values.items():
-                if isinstance(v, (list, tuple)) and len(v) == count and count > 2:
-                    out[name] = type(v)(v[i] for i in keep)
+            for name, v in lists.items():
+                out[name] = type(v)(out.get(name, v)[i] for i in keep)
+            if shared:
+                out["num_kv_shared_layers"] = sum(i >= count - shared for i in keep)
+            if isinstance(values.get("per_layer_config"), dict):  # a kept layer's overrides at its new index
+                out["per_layer_config"] = {new: overrides[i] for new, i in enumerate(keep) if overrides.get(i)}
     for name, v in values.items():  # dropout off: the numbers compared must not draw random masks
         if isinstance(v, float) and ("dropout" in name or "pdrop" in name or "jitter" in name or name == "layerdrop"):
             out[name] = 0.0
     for name in ("text_config", "decoder", "language_config", "vision_config", "audio_config", "attn_config",
-                 "ffn_config"):
+                 "ffn_config", "encoder_config", "decoder_config", "global_config", "patcher_config"):
         if isinstance(values.get(name), dict):
             out[name] = {**values[name], **_shrunk(values[name])}
+    if out.get("qk_rope_head_dim"):  # MLA: the rotary part is a head's width, a key / value head per query head
+        out["head_dim"] = out["qk_rope_head_dim"]
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
     for token in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         if isinstance(values.get(token), int) and values[token] >= VOCAB:
             out[token] = VOCAB - 1 - ("eos" in token)
@@ -125,12 +171,9 @@ def tiny_config(kind: str):
 
     values = transformers.AutoConfig.for_model(kind).to_dict()
     shrunk = _shrunk(values)
-    if shrunk.get("qk_rope_head_dim"):  # MLA: the rotary part is a head's width, a key / value head per query head
-        shrunk["head_dim"] = shrunk["qk_rope_head_dim"]
-        shrunk["num_key_value_heads"] = shrunk.get("num_attention_heads", 4)
-    if isinstance(values.get("per_layer_config"), dict):  # per-layer overrides for layers the tiny model lacks
-        shrunk["per_layer_config"] = {}
-    return transformers.AutoConfig.for_model(kind, **{**shrunk, **_FAMILY.get(kind, {})})
+    family = {k: {**shrunk[k], **v} if isinstance(v, dict) and isinstance(shrunk.get(k), dict) else v
+              for k, v in _FAMILY.get(kind, {}).items()}  # a sub-config's entries over its shrunk ones
+    return transformers.AutoConfig.for_model(kind, **{**shrunk, **family})
 
 
 def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -152,6 +195,8 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> 
     """
     import transformers
 
+    if kind in _UNBUILT:
+        raise ValueError(f"{kind}: {_UNBUILT[kind]}")
     config = tiny_config(kind)
     with torch.device("meta"):
         count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
@@ -163,4 +208,8 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> 
     except (TypeError, ValueError):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return model.to(dtype).train()
+    model = model.to(dtype).train()
+    for name, module in model.named_modules():
+        if kind in _FP32 and name.endswith(_FP32[kind]):
+            module.float()
+    return model

@@ -13,8 +13,11 @@
     names         "column", "row", HF's style strings; torch_styles: torch's own styles, read as entries
     fusion, ties, agreement    what entries share: fused column groups, tied parameters, the ranks' agreement
     hf            plan="auto": a Hugging Face model's own plan, as entries; planner: tpflow's for a model without one
-    conv1d        entry Conv1DParallel: GPT-2's transposed Conv1D split in place (its q | k | v blocks too)
+    summed        entry SummedParameters: a module's own parameters split, its output summed (HF's "all_reduce")
+    split_heads   entry SplitHeads: an attention module given its rank's heads (and the biases made for them)
+    in_place      entries Conv1DParallel, BlocksParallel: GPT-2's Conv1D and fused nn.Linear blocks split in place
     mla           entry LatentKeyValue: MLA's shared key / value projection (HF's "mla_kv_a_proj")
+    multi_query   entry MultiQueryColumns: a fused q | k | v projection with one key/value head (GPT-BigCode, Falcon)
     mixers        what mixes tokens in a layer: attention context parallelism splits, and what it refuses
     inputs        the tensor-parallel ranks fed the same data: checked at the first layer reading it whole
     pretrained    save_pretrained of a parallelized Hugging Face model: whole tensors, rank 0 writing
@@ -25,19 +28,22 @@
 from __future__ import annotations
 
 from tpflow.plans.context import ContextParallel
-from tpflow.plans.conv1d import Conv1DParallel
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.fsdp import fsdp_ignored_params
 from tpflow.plans.hf import hf_plan
+from tpflow.plans.in_place import BlocksParallel, Conv1DParallel
 from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.mla import LatentKeyValue
+from tpflow.plans.multi_query import MultiQueryColumns
 from tpflow.plans.parallelize import parallelize
-from tpflow.plans.planner import SplitHeads
 from tpflow.plans.replicated import Replicated
 from tpflow.plans.sequence import GatherSequence, SequenceParallel
+from tpflow.plans.split_heads import SplitHeads
 from tpflow.plans.style import Style
+from tpflow.plans.summed import SummedParameters
 from tpflow.plans.vocab import VocabParallel
 
-__all__ = ["ColumnParallel", "ContextParallel", "Conv1DParallel", "ExpertParallel", "ExpertTensorParallel",
-           "GatherSequence", "LatentKeyValue", "Replicated", "RowParallel", "SequenceParallel", "SplitHeads", "Style",
-           "VocabParallel", "fsdp_ignored_params", "hf_plan", "parallelize"]
+__all__ = ["BlocksParallel", "ColumnParallel", "ContextParallel", "Conv1DParallel", "ExpertParallel",
+           "ExpertTensorParallel", "GatherSequence", "LatentKeyValue", "MultiQueryColumns", "Replicated", "RowParallel",
+           "SequenceParallel", "SplitHeads", "Style", "SummedParameters", "VocabParallel", "fsdp_ignored_params",
+           "hf_plan", "parallelize"]

@@ -22,6 +22,7 @@ from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.fsdp import leaves_data_axes
 from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.lora import experts_lora_class, follow_whole, lora_classes
+from tpflow.plans.multi_query import MultiQueryColumns
 from tpflow.plans.style import Plan
 from tpflow.plans.vocab import VocabParallel
 
@@ -145,7 +146,7 @@ class Lifted:
                 raise ValueError(f"{what}: DoRA (PEFT's LoRA variants) on a split layer is not supported, its weight "
                                  "norm spans the ranks' blocks; use plain LoRA there (use_dora=False)")
             follows = isinstance(entry, ColumnParallel) or (isinstance(entry, RowParallel) and entry.input_is_parallel)
-            follows = follows or isinstance(entry, VocabParallel)  # a head, an embedding
+            follows = follows or isinstance(entry, (VocabParallel, MultiQueryColumns))  # a head, an embedding
             if not follows:
                 raise ValueError(f"{what}: adapters follow column, row (input_is_parallel) and vocabulary-parallel "
                                  "layers only: leave the layer out of target_modules, or out of the plan")

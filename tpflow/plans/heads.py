@@ -12,7 +12,10 @@ becomes the rank's query heads per key/value head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
@@ -23,7 +26,10 @@ from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast, split
 
-__all__ = ["attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "split_per_head"]
+__all__ = ["attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "plain_linear", "reuse_kept_head",
+           "split_per_head"]
+
+_PLAIN_LINEARS = ("FalconLinear",)  # nn.Linear subclasses whose forward is F.linear written out
 
 
 def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -57,13 +63,15 @@ def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
     return heads, kv, module.head_dim
 
 
-def keep_columns(linear: nn.Linear, start: int, end: int, placement: Placement) -> None:
-    """Make ``linear`` return only its output features ``[start, end)`` (a view), tagged as split over the ranks;
-    the gradient of its input is summed over the tensor-parallel ranks in the backward.
+def keep_columns(linear: nn.Linear, spans: Sequence[tuple[int, int]], placement: Placement) -> None:
+    """Make ``linear`` return only its output features in ``spans`` (``[start, end)`` each, joined in order), tagged
+    as split over the ranks; the gradient of its input is summed over the tensor-parallel ranks in the backward.
+    A plain ``nn.Linear`` computes those features alone; a subclass with its own forward computes them all, then
+    keeps those.
 
     Args:
         linear: the projection, whole on every rank.
-        start, end: the features this rank keeps.
+        spans: the features this rank keeps.
         placement: the ranks; the last axis is the tensor-parallel one (of one rank: nothing to sum).
 
     Example::
@@ -72,7 +80,7 @@ def keep_columns(linear: nn.Linear, start: int, end: int, placement: Placement) 
         >>> _ = torch.manual_seed(0)
         >>> k_proj = nn.Linear(8, 4)                          # whole, the same on every rank
         >>> start = 2 * tpf.get_rank()
-        >>> keep_columns(k_proj, start, start + 2, P)         # this rank's 2 of the 4 features
+        >>> keep_columns(k_proj, [(start, start + 2)], P)     # this rank's 2 of the 4 features
         >>> x = torch.ones(3, 8, requires_grad=True)
         >>> y = k_proj(x)
         >>> y.shape
@@ -83,27 +91,51 @@ def keep_columns(linear: nn.Linear, start: int, end: int, placement: Placement) 
     """
     if placement.hierarchy[-1] > 1:
         linear.register_forward_pre_hook(_SummedInput(placement))
-    linear.register_forward_hook(_KeptColumns(start, end))
+    kept = _KeptColumns(tuple(spans))
+    if plain_linear(linear):
+        linear.forward = _KeptRows(linear, kept)
+    else:
+        linear.register_forward_hook(kept)
 
 
-def kept_columns(linear: nn.Module) -> tuple[int, int] | None:
-    """The output features ``[start, end)`` that ``keep_columns`` made ``linear`` return, or None.
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``F.linear`` of its weight and bias: an ``nn.Linear``, or a subclass whose forward
+    writes it out (Falcon's ``FalconLinear``), which a column or row layer may replace.
+
+    Args:
+        module: any module.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> plain_linear(nn.Linear(2, 3)), plain_linear(nn.Conv1d(2, 3, 1))
+        (True, False)
+    """
+    return type(module) is nn.Linear or (isinstance(module, nn.Linear) and type(module).__name__ in _PLAIN_LINEARS)
+
+
+def kept_columns(linear: nn.Module) -> tuple[tuple[int, int], ...] | None:
+    """The output features' spans that ``keep_columns`` made ``linear`` return, or None.
 
     Args:
         linear: any module.
 
     Returns:
-        ``(start, end)``, or None if ``keep_columns`` did not take it.
+        The ``(start, end)`` spans, or None if ``keep_columns`` did not take it.
 
     Example::
 
         >>> k_proj = nn.Linear(8, 4)
-        >>> keep_columns(k_proj, 2, 4, tpf.placement("cpu", ranks=[0, 1]))
+        >>> keep_columns(k_proj, [(2, 4)], tpf.placement("cpu", ranks=[0, 1]))
         >>> kept_columns(k_proj), kept_columns(nn.Linear(8, 4))
-        ((2, 4), None)
+        (((2, 4),), None)
     """
-    kept = next((h for h in linear._forward_hooks.values() if isinstance(h, _KeptColumns)), None)
-    return None if kept is None else (kept.start, kept.end)
+    rows = linear.__dict__.get("forward")
+    kept = rows.kept if isinstance(rows, _KeptRows) else next(
+        (h for h in linear._forward_hooks.values() if isinstance(h, _KeptColumns)), None)
+    return None if kept is None else kept.spans
 
 
 class _SummedInput:
@@ -121,11 +153,24 @@ class _SummedInput:
 class _KeptColumns:
     """The forward hook: this rank's output features, tagged split."""
 
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
+    def __init__(self, spans: tuple[tuple[int, int], ...]) -> None:
+        self.spans = spans
 
     def __call__(self, module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
-        return tag(y[..., self.start:self.end], SPLIT)
+        return tag(torch.cat([y[..., start:end] for start, end in self.spans], -1), SPLIT)
+
+
+class _KeptRows:
+    """A plain linear layer's forward computing only the kept features: its weight's (and bias's) rows of them."""
+
+    def __init__(self, linear: nn.Linear, kept: _KeptColumns) -> None:
+        self.linear, self.kept = linear, kept
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = [slice(start, end) for start, end in self.kept.spans]
+        weight = torch.cat([self.linear.weight[r] for r in rows])
+        bias = None if self.linear.bias is None else torch.cat([self.linear.bias[r] for r in rows])
+        return tag(F.linear(x, weight, bias), SPLIT)
 
 
 def check(name: str, counts: tuple[int, int, int], world: int) -> bool:
@@ -182,7 +227,35 @@ def keep_head(projection: nn.Linear, attention: nn.Module, counts: tuple[int, in
     attention.num_key_value_groups = heads // world  # the rank's query heads share its one key/value head
     if coord is not None:
         head = coord[-1] // (world // kv)
-        keep_columns(projection, head * head_dim, (head + 1) * head_dim, placement)
+        keep_columns(projection, [(head * head_dim, (head + 1) * head_dim)], placement)
+
+
+def reuse_kept_head(attention: nn.Module, world: int) -> None:
+    """An attention module with no k / v projection of its own, reusing an earlier layer's keys and values (Gemma
+    3n's shared layers), where those keep one key/value head per rank (fewer of them than ranks): its
+    ``num_key_value_groups`` becomes the rank's query heads per key/value head, as ``keep_head`` makes the earlier
+    layer's.
+
+    Args:
+        attention: an attention module whose queries split by heads.
+        world: the tensor-parallel degree.
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> from transformers.models.llama.modeling_llama import LlamaAttention
+        >>> attention = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=1), 0)
+        >>> del attention.k_proj, attention.v_proj                 # as a layer reusing another's keys and values
+        >>> reuse_kept_head(attention, 2)
+        >>> attention.num_key_value_groups                         # its 2 query heads share the rank's one
+        2
+    """
+    config = getattr(attention, "config", None)
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if hasattr(attention, "k_proj") or not isinstance(heads, int) or not isinstance(kv, int) or kv >= world:
+        return
+    if world % kv == 0 and hasattr(attention, "num_key_value_groups"):
+        attention.num_key_value_groups = heads // world
 
 
 # an attention module's own parameters known to hold one entry per query head (by name: a shape can match by

@@ -17,8 +17,9 @@ transformers keeps the plan on the config (``base_model_tp_plan``, keys under th
   ``colwise_gather_output``) and the embedding stays whole; a tied head then stays whole with it.
 
 A model transformers ships no plan for gets tpflow's, read off its module tree (``tpflow.plans.planner``: separate or
-head-by-head fused q / k / v as column layers with their heads split, the output projection and the MLP's down
-projections as row layers), or a sentence naming what cannot be split. ``python -m tpflow.models`` checks every
+head-by-head fused q / k / v as column layers with their heads split, fused blocks and multi-query projections by
+their layouts, the output projection and the MLP's down projections as row layers, state spaces and recurrences
+whole, said in the plan), or a sentence naming what cannot be split. ``python -m tpflow.models`` checks every
 registered causal LM against one device and writes what each gets (``docs/models.md``).
 
 Every other module with parameters (the norms) is replicated by ``parallelize``, with its
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 import re
 
 from torch import nn
@@ -42,8 +44,10 @@ from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.mixers import is_attention
 from tpflow.plans.names import style_of
 from tpflow.plans.planner import planned
+from tpflow.plans.replicated import Replicated
 from tpflow.plans.sequence import GatherSequence, SequenceParallel
 from tpflow.plans.style import Style
+from tpflow.plans.summed import SummedParameters
 from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["hf_plan"]
@@ -129,6 +133,54 @@ def _shared_experts(model: nn.Module, plan: dict[str, object]) -> dict[str, str]
     return found
 
 
+def _whole_statistics(model: nn.Module, plan: dict[str, object], names: list[str]) -> dict[str, object]:
+    """``plan`` with the MLPs whose forward takes statistics over all their intermediate features kept whole, said by
+    a ``Replicated`` entry (Gemma 3n's activation sparsity: a mean and a deviation over the gate's whole output, which
+    a rank holding its block of the features would take over that block alone): the plan's patterns that match
+    inside them are written out for the other layers."""
+    whole = [n for n, m in model.named_modules() if (getattr(m, "activation_sparsity", 0) or 0) > 0]
+    if not whole:
+        return plan
+    inside = lambda name: any(name == w or name.startswith(w + ".") for w in whole)  # noqa: E731
+    out: dict[str, object] = {}
+    for pattern, style in plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if any(inside(n) for n in hits):
+            out.update({n: style for n in hits if not inside(n)})
+        else:
+            out[pattern] = style
+    why = "its activation sparsity takes a mean and a deviation over all its intermediate features"
+    return {**out, **{w: Replicated(why=why) for w in whole}}
+
+
+def _reads_weight(model: nn.Module, embedding: str | None) -> str | None:
+    """The class of a module in ``model`` whose forward computes with the input embedding's weight itself (not only
+    its device or dtype), or None."""
+    if embedding is None:
+        return None
+    attr = re.escape(embedding.rpartition(".")[2])
+    owner = type(model.get_submodule(embedding))
+    for kind in {type(m) for m in model.modules()} - {owner}:
+        try:
+            source = inspect.getsource(kind.forward)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\b{attr}\.weight\b(?!\s*=[^=]|\.(?:device|dtype|shape))", source):
+            return kind.__name__
+    return None
+
+
+def _summed(pattern: str, plan: dict[str, object]) -> SummedParameters:
+    """HF's ``"all_reduce"`` module: its own parameters split as their ``"colwise"`` / ``"rowwise"`` entries under
+    it say (their output / input features), its output summed over the ranks."""
+    dims = tuple((child.rpartition(".")[2], -2 if style == "colwise" else -1) for child, style in plan.items()
+                 if child.rpartition(".")[0] == pattern and style in ("colwise", "rowwise"))
+    if not dims:
+        raise ValueError(f"plan[{pattern!r}] = 'all_reduce' sums the output of a module whose own parameters the plan "
+                         f"splits ('colwise' / 'rowwise' entries under it), and it names none")
+    return SummedParameters(dims)
+
+
 def _tied(model: nn.Module, name: str) -> bool:
     weight = getattr(model.get_submodule(name), "weight", None)
     return weight is not None and any(p is weight for n, p in model.named_parameters(remove_duplicate=False)
@@ -167,7 +219,7 @@ def _fuse_alike(model: nn.Module, plan: dict[str, Style], names: list[str]) -> N
 
 
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
-            vocab_parallel: bool = True, expert_parallel: bool | str = False,
+            vocab_parallel: bool | None = None, expert_parallel: bool | str = False,
             context_parallel: str | None = None) -> dict[str, Style]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries, or, for
     a model transformers ships no plan for, tpflow's, read off its layers (``tpflow.plans.planner``). What each model
@@ -180,10 +232,12 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             norms run on this rank's tokens, and the first decoder layer's input sequence must be a multiple of
             the ranks (training; generation needs ``False``).
         fuse: run the column layers of one parent as one product (default True).
-        vocab_parallel: split the embedding and the head over the vocabulary (default True): ``.logits`` is then
-            a global tensor split over the vocabulary (``.full_tensor()`` gives it whole), the ``labels=`` loss is
-            computed without gathering it, and ``generate`` decodes from whole logits. False: the head gathers the
-            whole logits onto every rank, and the embedding (and a head tied to it) stays whole.
+        vocab_parallel: split the embedding and the head over the vocabulary: ``.logits`` is then a global tensor
+            split over the vocabulary (``.full_tensor()`` gives it whole), the ``labels=`` loss is computed without
+            gathering it, and ``generate`` decodes from whole logits. False: the head gathers the whole logits onto
+            every rank, and the embedding (and a head tied to it) stays whole. None (the default): True, unless the
+            model's own code reads the embedding's weight outside it (Gemma 4 takes its padding token's row), which
+            a split would give as this rank's rows; True for such a model is refused, naming the module.
         expert_parallel: a mixture of experts' experts shared out over the ranks whole (``tpf.ExpertParallel()``)
             instead of each split over them (``tpf.ExpertTensorParallel()``, the model's own plan); the name of
             a named placement's data axis (``"dp"``): shared out over its ranks, tokens exchanged by all-to-all
@@ -222,8 +276,14 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         own = planned(model)
     plan: dict[str, Style] = {}
     embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
+    reader = _reads_weight(model, embedding)
+    if vocab_parallel and reader is not None:
+        raise ValueError(f"vocab_parallel=True: {reader}'s forward reads {embedding}.weight itself, which a split "
+                         f"over the vocabulary would give it as this rank's rows: pass vocab_parallel=False (or None)")
+    vocab_parallel = reader is None if vocab_parallel is None else vocab_parallel
     names = [name for name, _ in model.named_modules()]
     own.update(_shared_experts(model, own))
+    own = _whole_statistics(model, own, names)
     experts = [pattern for pattern, style in own.items() if style == "moe_tp_experts"]
     blocks = _on_every_token(model, own, experts) if sequence_parallel else []
     _check_layers_found(model, own, names, {embedding, head})
@@ -234,7 +294,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             continue  # an experts module's parameters (the module's entry splits them); a dense MLP in an MoE model
         if style == "embedding_rowwise":  # HF's name for the vocabulary-parallel embedding, without options
             pattern = embedding or pattern
-        entry = style_of(pattern, style)
+        entry = _summed(pattern, own) if style == "all_reduce" else style_of(pattern, style)
         if expert_parallel and isinstance(entry, ExpertTensorParallel):
             entry = ExpertParallel(axis=expert_parallel if isinstance(expert_parallel, str) else None)
         if isinstance(entry, ColumnParallel):

@@ -55,7 +55,7 @@ class _LinearEntry(Style):
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self._plan_only}
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
-        if type(module) is not nn.Linear:
+        if not heads.plain_linear(module):
             raise ValueError(f"plan pattern {plan.pattern(name)!r} matches {name!r}, a {type(module).__name__}, not an "
                              f"nn.Linear")
         self.layer.check_options(**self._options())
@@ -183,6 +183,7 @@ class ColumnParallel(_LinearEntry):
         layer = super().apply(name, module, plan)
         if child in _QUERIES and not self.gather_output and is_attention(plan.modules.get(parent)):
             heads.split_per_head(plan.modules[parent], plan.placement)  # its queries' heads split: its own per head
+            heads.reuse_kept_head(plan.modules[parent], plan.world)
         group = next((names for names in _fused(plan).values() if name in names), None)
         if group is not None:
             join_group(plan, parent, group)

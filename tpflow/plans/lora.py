@@ -275,10 +275,10 @@ def follow_whole(layer: nn.Module, adapter: str, placement: Placement) -> dict[s
         >>> follow_whole(model.base_model.model[0], "default", tpf.placement("cpu", ranks=[0, 1]))
         {}
     """
-    span = heads.kept_columns(layer.base_layer)
-    if span is None:
+    spans = heads.kept_columns(layer.base_layer)
+    if spans is None:
         return {}
-    heads.keep_columns(layer.lora_B[adapter], *span, placement)
+    heads.keep_columns(layer.lora_B[adapter], spans, placement)
     return {f"lora_A.{adapter}": "whole", f"lora_B.{adapter}": "partial"}
 
 

@@ -17,7 +17,9 @@ from torch import nn
 
 from tpflow.plans.heads import attention_heads
 
-__all__ = ["is_attention", "own_loss", "own_positions", "unsplit_mixers"]
+__all__ = ["UNKNOWN", "is_attention", "layer_mixers", "own_loss", "own_positions", "unsplit_mixers"]
+
+UNKNOWN = "a token mixer tpflow does not know"
 
 # children that work token by token, by their class names; anything else in a decoder layer must be attention
 _TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropout|Identity|Linear$|Embedding|Act|"
@@ -56,9 +58,10 @@ def is_attention(module: nn.Module) -> bool:
 
 def _why(module: nn.Module) -> str:
     name = type(module).__name__
-    if any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in module.modules()):
+    named = next((why for key, why in _WHY.items() if key in name and key != "Conv"), None)
+    if named is None and any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in module.modules()):
         return _WHY["Conv"]
-    return next((why for key, why in _WHY.items() if key in name), "a token mixer tpflow does not know")
+    return named or UNKNOWN
 
 
 def unsplit_mixers(model: nn.Module) -> list[str]:
@@ -78,21 +81,38 @@ def unsplit_mixers(model: nn.Module) -> list[str]:
         ...                                              num_hidden_layers=1, num_attention_heads=4)))
         []
     """
+    return [f"{list_name}.{index}.{name} ({type(layer.get_submodule(name)).__name__}): {why}"
+            for list_name, layers in model.named_modules() if isinstance(layers, nn.ModuleList)
+            for index, layer in enumerate(layers) for name, why in layer_mixers(layer)]
+
+
+def layer_mixers(layer: nn.Module) -> list[tuple[str, str]]:
+    """The children of one decoder layer that mix tokens other than by attention through transformers'
+    ``AttentionInterface``: each child's name and what it is (``UNKNOWN`` where tpflow cannot tell).
+
+    Args:
+        layer: a decoder layer.
+
+    Returns:
+        ``(child name, what it is)`` pairs; empty for an attention-and-MLP layer.
+
+    Example::
+
+        >>> from transformers import MambaConfig, MambaForCausalLM
+        >>> model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1))
+        >>> layer_mixers(model.backbone.layers[0])
+        [('mixer', 'a state space')]
+    """
     found = []
-    for list_name, layers in model.named_modules():
-        if not isinstance(layers, nn.ModuleList):
+    for name, child in layer.named_children():
+        attention = any(is_attention(m) for m in child.modules())
+        convolves = any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in child.modules())
+        if any("Indexer" in type(m).__name__ for m in child.modules()):
+            found.append((name, _WHY["Indexer"]))
             continue
-        for index, layer in enumerate(layers):
-            for child_name, child in layer.named_children():
-                attention = any(is_attention(m) for m in child.modules())
-                convolves = any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in child.modules())
-                indexed = next((m for m in child.modules() if "Indexer" in type(m).__name__), None)
-                if indexed is not None:
-                    found.append(f"{list_name}.{index}.{child_name} ({type(child).__name__}): {_WHY['Indexer']}")
-                    continue
-                tokenwise = _TOKENWISE.search(type(child).__name__) and not convolves
-                if convolves or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
-                    found.append(f"{list_name}.{index}.{child_name} ({type(child).__name__}): {_why(child)}")
+        tokenwise = _TOKENWISE.search(type(child).__name__) and not convolves
+        if convolves or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
+            found.append((name, _why(child)))
     return found
 
 

@@ -10,6 +10,8 @@ tpflow's or a user's own (``tpf.Style``), a name, or one of torch's own styles (
     "moe_tp_experts"                      ExpertTensorParallel(): every expert split over the ranks
     "ep_dispatch_experts"                 ExpertParallel(): the experts shared out over the ranks, whole
     "mla_kv_a_proj"                       LatentKeyValue(): MLA's shared projection, its rotary key's gradient summed
+    "all_reduce"                          SummedParameters(dims): its parameters split as their own entries say, its
+                                          output summed (``hf_plan`` writes it; by name alone it says no dims)
     "local_params"                        Replicated(): a module whose split parameters it reads as local tensors,
                                           as every tpflow layer does (its own per-head ones split with the heads)
 """
@@ -88,6 +90,10 @@ def style_of(pattern: str, style: object, module: nn.Module | None = None, head:
             raise ValueError(f"plan[{pattern!r}]: torch's {type(style).__name__} is read against the module it "
                              f"matches: pass module=")
         return from_torch(pattern, style, module, head)
+    if style == "all_reduce":
+        raise ValueError(f"plan[{pattern!r}] = 'all_reduce' splits the module's own parameters, which the name does "
+                         f"not say: write tpf.SummedParameters(((name, dim), ...)), or let tpf.hf_plan read it with "
+                         f"its parameters' 'colwise' / 'rowwise' entries")
     names = ", ".join(repr(n) for n in STYLES)
     raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style tpflow knows: use one of {names}, an entry "
                      f"(tpf.ColumnParallel(...), tpf.RowParallel(...), tpf.VocabParallel(...), tpf.Replicated(...), "

@@ -1,5 +1,5 @@
-"""tpflow's own plan for a causal LM transformers ships none for (GPT-J, OPT, the BERT and BART families' decoders,
-...): read off its module tree, so that ``plan="auto"`` splits it or names what it cannot split.
+"""tpflow's own plan for a causal LM transformers ships none for (GPT-J, OPT, Falcon, MPT, Mamba, the BERT and BART
+families' decoders, ...): read off its module tree, so that ``plan="auto"`` splits it or names what it cannot split.
 
 Each decoder layer (an item of the model's ``nn.ModuleList`` of layers) is read by roles:
 
@@ -10,47 +10,50 @@ Each decoder layer (an item of the model's ``nn.ModuleList`` of layers) is read 
   that views its projections by ``self.num_heads`` then reads its own);
 - the MLP: ``nn.Linear`` layers named as up projections (``fc1``, ``fc_in``, ``c_fc``, ``up_proj`` / ``gate_proj``,
   ``dense_h_to_4h``, BERT's ``intermediate.dense``): column entries; as down projections (``fc2``, ``fc_out``,
-  ``c_proj``, ``down_proj``, ``dense_4h_to_h``, BERT's ``output.dense``): row entries.
+  ``c_proj``, ``down_proj``, ``dense_4h_to_h``, BERT's ``output.dense``): row entries;
+- a state space or a recurrence (Mamba's mixer, RWKV's time mixing, RecurrentGemma's recurrent block): whole on
+  every rank, a ``Replicated`` entry saying why.
 
-A q / k / v projection fused in one layer is split by whole heads where the module views it head by head (Persimmon,
-GPT-NeoX-Japanese, Falcon: ``_BY_HEAD``), and as three blocks each split over the ranks where it is GPT-2's ``c_attn``
-(as wide as three of its ``c_proj``'s inputs); GPT-2's transposed ``Conv1D`` layers take ``Conv1DParallel`` entries.
-What it cannot split it refuses by name: other fused projections (GPT-BigCode's multi-query ``c_attn``, ``qkv_proj``,
-``Wqkv``: a layout the plan cannot tell);
-state-space and recurrent mixers (Mamba, RWKV, xLSTM); position biases made for every head outside the attention
-(CPM-Ant's; ALiBi's ``alibi=`` is cut to the rank's heads); a layer with no attention it can read.
+A q / k / v projection fused in one layer is split by its layout:
+
+- by whole heads where the module views it head by head (Persimmon, GPT-NeoX-Japanese, BLOOM, Falcon's
+  ``new_decoder_architecture``: ``_BY_HEAD``): a column entry;
+- as blocks each split over the ranks (``BlocksParallel`` / ``Conv1DParallel``) where the module chunks it: GPT-2's
+  ``c_attn`` (as wide as three of its ``c_proj``'s inputs), MPT's ``Wqkv``, CodeGen's ``qkv_proj`` (four
+  model-parallel blocks of q | v | k, its ``out_proj`` reading the heads in that order);
+- multi-query (GPT-BigCode, Falcon: one key/value head): ``MultiQueryColumns``.
+
+What it cannot split it refuses by name: another fused projection (a layout the plan cannot tell); attention it
+cannot read, or a token mixer it does not know; a layer with neither attention nor an MLP.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
-import inspect
 import re
 
-import torch
 from torch import nn
 
-from tpflow.plans.conv1d import Conv1DParallel
-from tpflow.plans.heads import attention_heads
-from tpflow.plans.style import Plan, Style
+from tpflow.plans.in_place import BlocksParallel, Conv1DParallel
+from tpflow.plans.mixers import UNKNOWN, is_attention, layer_mixers
+from tpflow.plans.multi_query import MultiQueryColumns
+from tpflow.plans.replicated import Replicated
+from tpflow.plans.split_heads import QKV, SplitHeads, head_counts
 
-__all__ = ["SplitHeads", "planned"]
+__all__ = ["planned"]
 
-_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("query_proj", "key_proj", "value_proj"),
-        ("Wq", "Wk", "Wv"), ("project_q", "project_k", "project_v"))
-_OUT = ("o_proj", "out_proj", "dense", "Wo", "attention_out")
-_UP = ("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "dense_h_to_4h", "intermediate.dense")
-_DOWN = ("fc2", "fc_out", "c_proj", "down_proj", "dense_4h_to_h", "output.dense")
+_OUT = ("o_proj", "out_proj", "dense", "Wo", "attention_out", "out_lin")
+_UP = ("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "dense_h_to_4h", "intermediate.dense", "lin1")
+_DOWN = ("fc2", "fc_out", "c_proj", "down_proj", "dense_4h_to_h", "output.dense", "lin2")
 _FUSED = ("query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # fused q / k / v projections whose output the module views head by head ([heads, 3, head_dim], or Falcon's new
 # architecture's [key/value heads, queries per key/value head + 2, head_dim]): a split by whole heads is a column split
 _BY_HEAD = {"PersimmonAttention": "query_key_value", "GPTNeoXJapaneseAttention": "query_key_value",
-            "FalconAttention": "query_key_value", "BloomAttention": "query_key_value"}
-_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads")
-_WIDTHS = ("embed_dim", "all_head_size", "inner_dim", "split_size", "hidden_size")  # heads x head_dim
-_HEAD_DIMS = ("head_dim", "head_size", "attention_head_size")
+            "FalconAttention": "query_key_value", "BloomAttention": "query_key_value", "GPTBigCodeAttention": "c_attn"}
+_MULTI_QUERY = ("c_attn", "query_key_value")  # [queries | key | value], one key/value head (GPT-BigCode, Falcon)
+# fused q / k / v projections the module chunks into blocks: the projection, and the groups of q | k | v blocks
+# (CodeGen's mp_num = 4: its out_proj reads the heads in four blocks too)
+_BLOCKS = {"MptAttention": ("Wqkv", 1), "CodeGenAttention": ("qkv_proj", 4)}
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -87,15 +90,21 @@ def _row(module: nn.Module) -> object:
     return "rowwise" if isinstance(module, nn.Linear) else Conv1DParallel("row")
 
 
-def _attention(layer: nn.Module) -> list[tuple[str, dict[str, object], str | None]]:
+def _attention(layer: nn.Module) -> list[tuple[str, dict[str, object], str | None, int]]:
     """Each attention module of a layer: its name in the layer, its q / k / v projections' entries by their names,
-    and its output projection's name (relative to the layer), or None where it has none the plan can name."""
+    its output projection's name (relative to the layer), or None where it has none the plan can name, and the
+    blocks its heads are laid out in (``_BLOCKS``; 1 for most)."""
     found = []
     for name, module in layer.named_modules():
-        triple = next((t for t in _QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
+        triple = next((t for t in QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
         columns = {n: "colwise" for n in triple} if triple else {}
+        fused, groups = _BLOCKS.get(type(module).__name__, (None, 1))
+        if not columns and isinstance(getattr(module, fused or "", None), nn.Linear):
+            columns = {fused: BlocksParallel("column", 3 * groups)}  # q | k | v blocks the module chunks
         if not columns and _by_head(module) is not None:
             columns = {_by_head(module): "colwise"}
+        if not columns and _multi_query(module) is not None:
+            columns = {_multi_query(module): MultiQueryColumns(head_counts(module)[2] // head_counts(module)[0])}
         fused, out = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
         if not columns and _linear(fused) and _linear(out) and _width(fused, "out") == 3 * _width(out, "in"):
             columns = {"c_attn": _column(fused, 3)}  # GPT-2's q | k | v blocks, each split over the ranks
@@ -110,7 +119,7 @@ def _attention(layer: nn.Module) -> list[tuple[str, dict[str, object], str | Non
             holder = layer.get_submodule(parent) if parent else layer
             if isinstance(getattr(getattr(holder, "output", None), "dense", None), nn.Linear):
                 out = f"{parent}.output.dense" if parent else "output.dense"
-        found.append((name, columns, out))
+        found.append((name, columns, out, groups))
     return found
 
 
@@ -137,27 +146,35 @@ def _by_head(module: nn.Module) -> str | None:
         return None
     config = getattr(module, "config", None)
     if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        return None  # Falcon's multi-query: [q heads | k | v], not by head
+        return None  # multi-query: [q heads | k | v], not by head
     return fused
+
+
+def _multi_query(module: nn.Module) -> str | None:
+    """The fused ``[queries | key | value]`` projection of a multi-query attention module, or None."""
+    heads, kv, width = head_counts(module)
+    fused = next((n for n in _MULTI_QUERY if isinstance(getattr(module, n, None), nn.Linear)), None)
+    if fused is None or kv != 1 or not heads or not width or width % heads:
+        return None
+    return fused if getattr(module, fused).out_features == width + 2 * (width // heads) else None
 
 
 def _refusal(model: nn.Module, layer: nn.Module, where: str) -> str | None:
     """What the plan cannot split in ``layer``, as a sentence, or None."""
     for name, module in layer.named_modules():
+        name = f"{where}.{name}".rstrip(".")
         fused = next((n for n in _FUSED if isinstance(getattr(module, n, None), nn.Module)), None)
         if fused is not None and _by_head(module) is None and not _attention(module):
-            return (f"{where}.{name}.{fused} projects q / k / v in one layer, whose layout (by head, or q | k | v) "
+            return (f"{name}.{fused} projects q / k / v in one layer, whose layout (by head, or q | k | v) "
                     f"tpflow cannot tell")
     for name, module in layer.named_modules():
-        given = set(inspect.signature(module.forward).parameters) & {"position_bias"}  # (ALiBi: cut to its heads)
-        if given and (_attention_of(module) or _by_head(module) is not None):
-            return (f"{where}.{name} takes a bias for every head made outside it ({', '.join(sorted(given))}), which "
-                    f"the plan cannot cut to its rank's heads")
+        name = f"{where}.{name}".rstrip(".")
+        if getattr(module, "attention_type", None) == "block_sparse" and callable(
+                getattr(module, "set_attention_type", None)):
+            return (f"{name} ({type(module).__name__}) runs block-sparse attention, which it swaps for full "
+                    f"attention on short inputs by building a new module from the config's head counts, not its "
+                    f"rank's: build the model with attention_type='original_full' (a decoder's)")
     return None
-
-
-def _attention_of(module: nn.Module) -> bool:
-    return any(all(isinstance(getattr(module, n, None), nn.Linear) for n in t) for t in _QKV)
 
 
 def planned(model: nn.Module) -> dict[str, object]:
@@ -177,7 +194,7 @@ def planned(model: nn.Module) -> dict[str, object]:
         ...                                  num_attention_heads=4, word_embed_proj_dim=16))
         >>> sorted(planned(model).items())[:3]
         [('model.decoder.layers.*.fc1', 'colwise'), ('model.decoder.layers.*.fc2', 'rowwise'), \
-('model.decoder.layers.*.self_attn', SplitHeads())]
+('model.decoder.layers.*.self_attn', SplitHeads(groups=1))]
     """
     stacks = _layers(model)
     if not stacks:
@@ -189,15 +206,22 @@ def planned(model: nn.Module) -> dict[str, object]:
             where = f"{name}.{index}"
             why = _refusal(model, layer, where)
             attention = _attention(layer)
-            if why is None and not attention:
+            mixers = {n: what for n, what in layer_mixers(layer)  # (not those holding the attention it splits)
+                      if not any(a in ("", n) or a.startswith(n + ".") for a, *_ in attention)}
+            unread = any(is_attention(m) for m in layer.modules())  # attention it cannot split must not stay whole
+            if why is None and not attention and (unread or UNKNOWN in mixers.values() or not (mixers or _mlp(
+                    layer, set()))):
                 why = (f"{where} ({type(layer).__name__}) has no attention with separate q / k / v linear layers "
-                       f"(a state space, a recurrence, or projections tpflow cannot name)")
+                       f"(projections tpflow cannot name, or a token mixer it does not know)")
             if why is not None:
                 raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan, and tpflow cannot plan it "
                                  f"from its modules: {why}. Pass plan={{pattern: style}} to parallelize, or train it "
                                  f"with data parallelism")
-            taken = set()  # (each layer's own names: BERT's output.dense is its MLP's, attention.output.dense not)
-            for attn, columns, out in attention:
+            # a state space or a recurrence: whole on every rank, said in the plan
+            plan.update({f"{where}.{n}": Replicated(why=f"{what}, which tpflow does not split")
+                         for n, what in mixers.items()})
+            taken = set(mixers)  # (per layer: BERT's output.dense is its MLP's, attention.output.dense not)
+            for attn, columns, out, groups in attention:
                 taken.update(f"{attn}.{proj}" if attn else proj for proj in columns)
                 if out is not None:
                     taken.add(out)
@@ -205,9 +229,9 @@ def planned(model: nn.Module) -> dict[str, object]:
                 if out is None or _whole_width(module, _width(layer.get_submodule(out), "in")):
                     continue  # a norm over every head's features (BitNet's): the attention stays whole
                 prefix = f"{where}.{attn}" if attn else where
-                plan[prefix] = SplitHeads()
+                plan[prefix] = SplitHeads(groups)
                 plan.update({f"{prefix}.{proj}": style for proj, style in columns.items()})
-                plan[f"{where}.{out}"] = _row(layer.get_submodule(out))
+                plan[f"{where}.{out}"] = BlocksParallel("row", groups) if groups > 1 else _row(layer.get_submodule(out))
             plan.update({f"{where}.{n}": style for n, style in _mlp(layer, taken).items()})
     if not plan:
         raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan, and tpflow finds nothing in its "
@@ -238,106 +262,3 @@ def _whole_width(attention: nn.Module, width: int) -> bool:
     heads' output), which a rank holding its heads cannot compute."""
     return any("Norm" in type(m).__name__ and getattr(m, "weight", None) is not None and m.weight.numel() == width
                for m in attention.modules())
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitHeads(Style):
-    """Plan entry for an attention module whose q / k / v are column layers: its heads must split over the
-    tensor-parallel ranks, and its head counts (``num_heads``, ``num_key_value_heads``, ``embed_dim``, ...) become
-    its rank's, so that code viewing its projections by them reads this rank's heads.
-
-    Example::
-
-        >>> from transformers import OPTConfig, OPTForCausalLM
-        >>> model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
-        ...                                  num_attention_heads=4, word_embed_proj_dim=16))
-        >>> model = tpf.parallelize(model, placement=tpf.placement("cpu", ranks=[0, 1]), plan="auto")
-        >>> model.model.decoder.layers[0].self_attn.num_heads                  # this rank's 2 of 4
-        2
-    """
-
-    def check(self, name: str, module: nn.Module, plan: Plan) -> None:
-        heads, kv, _ = _counts(module)
-        if heads is None:
-            raise ValueError(f"{name!r}: SplitHeads needs the module's head count (one of {_HEADS})")
-        for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
-            if count % plan.world and not (count == kv and _keeps_heads(module, plan.world)):
-                raise ValueError(f"{name!r} has {count} {what}, which do not split over {plan.world} tensor-parallel "
-                                 f"ranks: use a degree that divides them")
-
-    def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        heads, kv, width = _counts(module)
-        world = plan.world
-        for attr in _HEADS:
-            if getattr(module, attr, None) == heads:
-                setattr(module, attr, heads // world)
-        for attr in _KV_HEADS:  # (fewer than the ranks: each rank keeps its one key/value head whole)
-            if getattr(module, attr, None) == kv:
-                setattr(module, attr, max(kv // world, 1))
-        for attr in _WIDTHS:
-            if width is not None and getattr(module, attr, None) == width:
-                setattr(module, attr, width // world)
-        module.forward = _OnRankHeads(module, name)
-        if "alibi" in inspect.signature(type(module).forward).parameters and plan.placement.coordinate() is not None:
-            module.register_forward_pre_hook(_RankAlibi(heads, world, plan.placement.coordinate()[-1]),
-                                             with_kwargs=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankAlibi:
-    """This rank's heads' rows of the ALiBi biases the model made for every head (transformers' ``[batch x heads,
-    1, keys]``, BLOOM's and Falcon's), passed to the attention as ``alibi=``."""
-
-    heads: int
-    world: int
-    rank: int
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        alibi = kwargs.get("alibi")
-        if not isinstance(alibi, torch.Tensor):
-            return None
-        per_rank = self.heads // self.world
-        by_head = alibi.unflatten(0, (-1, self.heads))[:, self.rank * per_rank:(self.rank + 1) * per_rank]
-        return args, {**kwargs, "alibi": by_head.flatten(0, 1)}
-
-
-def _keeps_heads(module: nn.Module, world: int) -> bool:
-    """Whether the column entries of a q_proj / k_proj / v_proj attention keep its k / v whole with fewer key/value
-    heads than ranks, each rank its head (``tpflow.plans.heads``)."""
-    counts = attention_heads(module)
-    return counts is not None and world % counts[1] == 0
-
-
-class _OnRankHeads:
-    """An attention module's forward on this rank's heads: a shape error there (code that reshapes by its input's
-    whole width, which no head count says) becomes a sentence naming the module and the way out."""
-
-    def __init__(self, module: nn.Module, name: str) -> None:
-        self.module, self.name = module, name
-
-    def __call__(self, *args, **kwargs):
-        try:
-            return type(self.module).forward(self.module, *args, **kwargs)
-        except RuntimeError as e:
-            raise ValueError(f"{self.name!r} ({type(self.module).__name__}) failed on this rank's heads ({e}): its "
-                             f"code computes with a width tpflow cannot give it its rank's share of (its input's). "
-                             f"Leave "
-                             f"its q / k / v / output projections out of the plan, or parallelize the model "
-                             f"otherwise") from e
-
-
-def _counts(module: nn.Module) -> tuple[int | None, int | None, int | None]:
-    """An attention module's ``(heads, key/value heads, heads x head_dim)``, from its own attributes."""
-    config = getattr(module, "config", None)  # a module that keeps no count of its own reads its config's
-    heads = next((getattr(m, a) for m in (module, config) for a in _HEADS if isinstance(getattr(m, a, None), int)),
-                 None)
-    kv = next((getattr(m, a) for m in (module, config) for a in _KV_HEADS if isinstance(getattr(m, a, None), int)),
-              heads)
-    head_dim = next((getattr(module, a) for a in _HEAD_DIMS if isinstance(getattr(module, a, None), int)), None)
-    triple = next((t for t in _QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
-    width = getattr(module, triple[0]).out_features if triple else None
-    if width is None and heads is not None and head_dim is not None:
-        width = heads * head_dim
-    if width is None and _linear(getattr(module, "c_attn", None)):  # GPT-2's q | k | v blocks
-        width = _width(module.c_attn, "out") // 3
-    return heads, kv, width

@@ -24,6 +24,7 @@ class Replicated(Style):
         grads: ``"partial"``: the module sees this rank's part of the data (Qwen3's per-head ``q_norm``), so its
             gradients are summed over the tensor-parallel ranks; ``"whole"``: it sees the same data on every rank;
             ``"auto"`` (the default): found from the autograd graph on its first call with gradients.
+        why: why the module stays whole, where a plan says so (``planned``'s state spaces and recurrences).
 
     Example::
 
@@ -41,6 +42,7 @@ class Replicated(Style):
     """
 
     grads: str = "auto"
+    why: str = ""
 
     def __post_init__(self) -> None:
         if self.grads not in GRADS:
