@@ -88,11 +88,16 @@ def check_experts(name: str, module: nn.Module, ranks: int, by: str = "intermedi
                          f"the plan (it stays whole on every rank), or plan its parts as nn.Linear modules")
     up, down = params[shape.up], params["down_proj"]
     size, total = down.shape[shape.inner], down.shape[0]
-    if up.shape[0] != total or up.shape[shape.features] != shape.factor * size:
+    zero = _zero_experts(module)  # (LongCat-Flash's gate_up_proj holds rows for its zero experts too, unused)
+    if up.shape[0] not in (total, total + zero) or up.shape[shape.features] != shape.factor * size:
         raise ValueError(f"{name}: {shape.up} {tuple(up.shape)} and down_proj {tuple(down.shape)} do not hold one "
                          f"expert count and one intermediate size ({shape.up}'s dim {shape.features} is "
                          f"{shape.factor} x down_proj's dim {shape.inner})")
     if by == "experts":
+        if zero:
+            raise ValueError(f"{name} ({type(module).__name__}) routes tokens to {zero} zero experts (its "
+                             f"identity_expert) past its {total} experts, which expert parallelism would send to no "
+                             f"rank: split it by the intermediate dim (tpf.ExpertTensorParallel())")
         if takes_sorted_rows(module):
             raise ValueError(f"{name} ({type(module).__name__}) takes every expert's rows sorted by expert, not the "
                              f"routed ids expert parallelism sends: split it by the intermediate dim "
@@ -146,7 +151,7 @@ class _Slices:
 
         self.reads = LocalReads(names, grads)
         self.deltas: dict[str, list] = {}  # per parameter name: what adds to its block around each call (add_delta)
-        self.total = module._parameters["down_proj"].shape[0]
+        self.total = module._parameters["down_proj"].shape[0] + _zero_experts(module)  # (ids past: zero experts)
         self.experts, self.exchange = experts, exchange
         self.scale = 1 / dist.get_world_size(exchange) if exchange is not None else 1.0
         self.routing: tuple[torch.Tensor, ...] | None = None  # the tokens, weights and parameters, during a call
@@ -348,7 +353,27 @@ def split_experts(module: nn.Module, placement: Placement, by: str = "intermedia
         experts = (coord[over] * count, count, total)
         module.num_experts = count  # transformers' experts code: its local experts (it sees no other rank's)
     setattr(module, _STATE, _Slices(module, pl, experts, None if axis is None else pl.mesh.get_group(over)))
+    if _zero_experts(module) and tp > 1:  # its tokens come out whole on every rank: once in the ranks' sum
+        module.identity_expert.register_forward_hook(_OnFirst(coord[-1] == 0))
     return module
+
+
+def _zero_experts(module: nn.Module) -> int:
+    """The zero experts of an experts module (LongCat-Flash's: routed past its experts, an ``identity_expert``
+    returning the tokens as they are), or 0."""
+    zero = getattr(module, "zero_expert_num", 0) or 0
+    return zero if isinstance(getattr(module, "identity_expert", None), nn.Module) else 0
+
+
+class _OnFirst:
+    """A forward hook keeping a module's output on the axis' first rank, zero on the others: a whole value added
+    into a sum over the ranks."""
+
+    def __init__(self, first: bool) -> None:
+        self.first = first
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output if self.first else output * 0
 
 
 def add_delta(module: nn.Module, name: str, delta: Callable[[], torch.Tensor | None]) -> None:
