@@ -373,7 +373,7 @@ class _OnFirst:
         self.first = first
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return output if self.first else output * 0
+        return output if self.first else torch.zeros_like(output)
 
 
 def add_delta(module: nn.Module, name: str, delta: Callable[[], torch.Tensor | None]) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
 from tpflow.models.check import MODES
-from tpflow.models.report import render
+from tpflow.models.report import read_verdicts, render
 from tpflow.models.sweep import sweep
 from tpflow.models.zoo import causal_lm_types
 
@@ -30,7 +31,9 @@ after an AdamW step and, but for context parallelism, `generate`'s greedy tokens
 
 - **tensor**: `tpf.parallelize(model, placement=P, plan="auto")`, the model's own plan read by `tpf.hf_plan`;
 - **context (ring)**: `tpf.hf_plan(model, context_parallel="ring")` on a 1-D placement (the weights whole);
-- **expert**: `tpf.hf_plan(model, expert_parallel=True)`: a mixture's experts shared out whole (n/a: no experts).
+- **expert**: `tpf.hf_plan(model, expert_parallel=True)`: a mixture's experts shared out whole (n/a: no experts);
+- **transformers' tensor**: transformers' own tensor parallelism, the model saved and loaded by
+  `from_pretrained(folder, tp_plan="auto")` (n/a: it ships no plan), checked alike: what tpflow's is compared with.
 
 **exact**: every number matches; **refused**: `parallelize` (or the first forward) raised a sentence naming what is
 missing (the note); **wrong**: a number differs, or the mode did not apply; **failing**: anything else raised;
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--types", nargs="+", help="model types (default: every registered causal LM)")
     parser.add_argument("--out", help="write the matrix here (Markdown); else print it")
+    parser.add_argument("--update", action="store_true",
+                        help="check only --types again, every mode and degree, and keep the other rows of --out")
     args = parser.parse_args(argv)
+    if args.update and not (args.out and args.types and os.path.exists(args.out)):
+        parser.error("--update re-checks --types in an existing --out matrix")
     kinds = args.types or causal_lm_types()
     started = time.monotonic()
     verdicts = {}
@@ -61,7 +68,15 @@ def main(argv: list[str] | None = None) -> int:
 
         found = sweep(kinds, args.modes, world, progress)
         verdicts.update({(kind, mode, world): v for (kind, mode), v in found.items()})
-    text = render(verdicts, kinds, args.modes, args.world, _header(args.world, time.monotonic() - started))
+    header = _header(args.world, time.monotonic() - started)
+    if args.update:  # the other rows as they were; the header says which rows were checked again, and when
+        with open(args.out) as f:
+            before = f.read()
+        verdicts = {**read_verdicts(before), **verdicts}
+        header = before[:before.index("\n| |")].rstrip() + (
+            f"\n\nChecked again on {datetime.date.today().isoformat()} with `--update --types {' '.join(kinds)}`.")
+        kinds = causal_lm_types()
+    text = render(verdicts, kinds, args.modes, args.world, header)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

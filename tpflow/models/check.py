@@ -2,8 +2,10 @@
 matrix row holds.
 
 A mode is ``"tp"`` (``plan="auto"``: the model's own tensor-parallel plan, or tpflow's), ``"cp"`` (``hf_plan(
-context_parallel="ring")``: the sequence split over the ranks, the weights whole) or ``"ep"`` (``hf_plan(
-expert_parallel=True)``: a mixture's experts shared out over the ranks whole, ``n/a`` for a dense model). The model and
+context_parallel="ring")``: the sequence split over the ranks, the weights whole), ``"ep"`` (``hf_plan(
+expert_parallel=True)``: a mixture's experts shared out over the ranks whole, ``n/a`` for a dense model) or ``"hf"``
+(transformers' own tensor parallelism, ``from_pretrained(tp_plan="auto")``, ``n/a`` where it ships no plan: what
+tpflow's is compared with). The model and
 its one-device copy take the same batch; the check compares the logits, the ``labels=`` loss, every parameter's
 gradient, every parameter after an AdamW step and, but for context parallelism, ``generate``'s greedy tokens. A plan
 ``parallelize`` refuses is ``refused`` with its sentence; anything else raised is ``failing``; a number off, or a mode
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import shutil
+import tempfile
 import traceback
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tpflow.models.zoo import VOCAB, tiny_model
@@ -25,7 +30,7 @@ from tpflow.placement import Placement
 
 __all__ = ["MODES", "Verdict", "check"]
 
-MODES = ("tp", "cp", "ep")
+MODES = ("tp", "cp", "ep", "hf")
 # relative to the largest value compared: logits to fp32's rounding (transformers' eager attention takes its softmax
 # in fp32 for fp64 models); gradients too, as the models' own loss takes logits.float(); parameters after AdamW,
 # whose normalized step magnifies a near-zero gradient's rounding, to a hundredth of a step
@@ -123,7 +128,7 @@ def check(kind: str, mode: str, placement: Placement) -> Verdict:
     Args:
         kind: a model type (``tpflow.models.zoo.causal_lm_types()``).
         mode: one of ``MODES``.
-        placement: the ranks (``tpf.placement``), 1-D.
+        placement: the ranks (``tpf.placement``), 1-D; for ``"hf"``, every rank of the default group.
 
     Returns:
         The ``Verdict``.
@@ -133,8 +138,6 @@ def check(kind: str, mode: str, placement: Placement) -> Verdict:
         >>> check("llama", "tp", tpf.placement("cpu", ranks=[0, 1]))
         Verdict(status='exact', why='')
     """
-    import tpflow as tpf
-
     ids = torch.randint(0, VOCAB, (2, _SEQUENCE), generator=torch.Generator().manual_seed(1))
     try:  # a config transformers cannot build or run tiny: said, not checked
         ref = tiny_model(kind)
@@ -142,29 +145,66 @@ def check(kind: str, mode: str, placement: Placement) -> Verdict:
             copy.deepcopy(ref)(ids, labels=ids)  # (a copy: the reference trains from where it starts)
     except Exception as e:
         return Verdict("not built", _first_line(e))
-    model = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            plan = tpf.hf_plan(model, context_parallel="ring" if mode == "cp" else None, expert_parallel=mode == "ep")
-            if mode == "ep" and not any(isinstance(entry, tpf.ExpertParallel) for entry in plan.values()):
-                return Verdict("n/a", "no experts")
-            tpf.parallelize(model, placement=placement, plan=plan)
+            model = _transformers_model(ref) if mode == "hf" else _parallelized(ref, mode, placement)
         except ValueError as e:
-            return Verdict("refused", _first_line(e))
+            if mode == "hf" and "has no `tp_plan`" in str(e):
+                return Verdict("n/a", "transformers ships no tensor-parallel plan")
+            return Verdict("failing" if mode == "hf" else "refused", _first_line(e))
         except Exception as e:
-            return Verdict("failing", f"parallelize: {type(e).__name__}: {_first_line(e)}")
+            return Verdict("failing", f"{'from_pretrained' if mode == 'hf' else 'parallelize'}: {type(e).__name__}: "
+                                      f"{_first_line(e)}")
+        if model is None:
+            return Verdict("n/a", "no experts")
         try:
             _compare(mode, model, ref, ids)
         except _Wrong as e:
             return Verdict("wrong", str(e))
         except ValueError as e:  # what only a batch shows (a mask an attention module builds itself)
-            if "/tpflow/" not in traceback.extract_tb(e.__traceback__)[-1].filename:
+            if mode == "hf" or "/tpflow/" not in traceback.extract_tb(e.__traceback__)[-1].filename:
                 return Verdict("failing", f"{type(e).__name__}: {_first_line(e)}")  # the model's, not a refusal
             return Verdict("refused", f"at the first forward: {_first_line(e)}")
         except Exception as e:
             return Verdict("failing", f"{type(e).__name__}: {_first_line(e)}")
     return Verdict("exact")
+
+
+def _parallelized(ref: torch.nn.Module, mode: str, placement: Placement) -> torch.nn.Module | None:
+    """A copy of ``ref`` parallelized under ``mode`` by tpflow; None for expert parallelism without experts."""
+    import tpflow as tpf
+
+    model = copy.deepcopy(ref)
+    plan = tpf.hf_plan(model, context_parallel="ring" if mode == "cp" else None, expert_parallel=mode == "ep")
+    if mode == "ep" and not any(isinstance(entry, tpf.ExpertParallel) for entry in plan.values()):
+        return None
+    return tpf.parallelize(model, placement=placement, plan=plan)
+
+
+def _transformers_model(ref: torch.nn.Module) -> torch.nn.Module:
+    """``ref`` saved, then loaded by transformers with its own tensor parallelism (``tp_plan="auto"``, over the
+    default group's ranks): what tpflow's is compared with."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    folder = [tempfile.mkdtemp(prefix="tpflow-models-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    try:
+        if dist.get_rank() == 0:
+            ref.save_pretrained(folder[0])
+        dist.barrier()
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto", dtype=torch.float64,
+                                                                  experts_implementation="eager")
+        dtypes = {name: p.dtype for name, p in ref.named_parameters()}  # (a module the zoo keeps in fp32)
+        for name, p in list(model.named_parameters()):
+            if dtypes.get(name, p.dtype) != p.dtype:
+                model.get_submodule(name.rpartition(".")[0]).to(dtypes[name])
+        return model.train()
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
 
 
 def _first_line(e: BaseException) -> str:

@@ -6,11 +6,11 @@ import re
 
 from tpflow.models.check import Verdict
 
-__all__ = ["columns", "read_matrix", "render"]
+__all__ = ["columns", "read_matrix", "read_verdicts", "render"]
 
 _SHORT = {"exact": "exact", "refused": "refused", "failing": "**failing**", "wrong": "**wrong**", "n/a": "n/a",
           "not built": "not built"}
-_NAMES = {"tp": "tensor", "cp": "context (ring)", "ep": "expert"}
+_NAMES = {"tp": "tensor", "cp": "context (ring)", "ep": "expert", "hf": "transformers' tensor"}
 
 
 def columns(modes: list[str], worlds: list[int]) -> list[tuple[str, int]]:
@@ -90,6 +90,24 @@ def read_matrix(text: str) -> dict[tuple[str, str, int], str]:
         >>> read_matrix(render({("llama", "tp", 2): Verdict("refused", "why")}, ["llama"], ["tp"], [2], "# Models"))
         {('llama', 'tp', 2): 'refused'}
     """
+    return {key: v.status for key, v in read_verdicts(text).items()}
+
+
+def read_verdicts(text: str) -> dict[tuple[str, str, int], Verdict]:
+    """The verdicts a rendered matrix holds, each with its note: what ``python -m tpflow.models --update`` keeps of
+    the rows it does not check again.
+
+    Args:
+        text: what ``render`` wrote.
+
+    Returns:
+        ``{(kind, mode, world): Verdict}``.
+
+    Example::
+
+        >>> read_verdicts(render({("llama", "tp", 2): Verdict("refused", "why")}, ["llama"], ["tp"], [2], "# M"))
+        {('llama', 'tp', 2): Verdict(status='refused', why='why')}
+    """
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| model type |"))
     titles = [t.strip() for t in lines[start].strip("|").split("|")[1:]]
@@ -98,11 +116,14 @@ def read_matrix(text: str) -> dict[tuple[str, str, int], str]:
     for title in titles:
         mode, world = re.fullmatch(r"(.+), (\d+) ranks", title).groups()
         cols.append((names.get(mode, mode), int(world)))
+    notes = dict(re.findall(r'^(\d+)\. <a id="n\d+"></a>(.*)$', text, re.M))
     found = {}
     for line in lines[start + 2:]:
         if not line.startswith("|"):
             break
         kind, *cells = [c.strip() for c in line.strip("|").split("|")]
         for (mode, world), cell in zip(cols, cells):
-            found[kind, mode, world] = re.sub(r"\*|\s*\[\d+\]\(#n\d+\)", "", cell)
+            note = re.search(r"\[(\d+)\]\(#n\d+\)", cell)
+            found[kind, mode, world] = Verdict(re.sub(r"\*|\s*\[\d+\]\(#n\d+\)", "", cell),
+                                               notes.get(note.group(1), "") if note else "")
     return found

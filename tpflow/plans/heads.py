@@ -166,11 +166,15 @@ class _KeptRows:
     def __init__(self, linear: nn.Linear, kept: _KeptColumns) -> None:
         self.linear, self.kept = linear, kept
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = [slice(start, end) for start, end in self.kept.spans]
-        weight = torch.cat([self.linear.weight[r] for r in rows])
-        bias = None if self.linear.bias is None else torch.cat([self.linear.bias[r] for r in rows])
-        return tag(F.linear(x, weight, bias), SPLIT)
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # (nn.Linear's name for it, for keyword calls)
+        spans = self.kept.spans
+        weight, bias = self.linear.weight, self.linear.bias
+        if len(spans) == 1:
+            rows = slice(*spans[0])
+            return tag(F.linear(input, weight[rows], None if bias is None else bias[rows]), SPLIT)
+        weight = torch.cat([weight[start:end] for start, end in spans])
+        bias = None if bias is None else torch.cat([bias[start:end] for start, end in spans])
+        return tag(F.linear(input, weight, bias), SPLIT)
 
 
 def check(name: str, counts: tuple[int, int, int], world: int) -> bool:
@@ -231,8 +235,8 @@ def keep_head(projection: nn.Linear, attention: nn.Module, counts: tuple[int, in
 
 
 def reuse_kept_head(attention: nn.Module, world: int) -> None:
-    """An attention module with no k / v projection of its own, reusing an earlier layer's keys and values (Gemma
-    3n's shared layers), where those keep one key/value head per rank (fewer of them than ranks): its
+    """An attention module that reuses an earlier layer's keys and values (Gemma 3n's and Gemma 4's shared layers:
+    ``is_kv_shared_layer``), where those keep one key/value head per rank (fewer of them than ranks): its
     ``num_key_value_groups`` becomes the rank's query heads per key/value head, as ``keep_head`` makes the earlier
     layer's.
 
@@ -245,16 +249,17 @@ def reuse_kept_head(attention: nn.Module, world: int) -> None:
         >>> from transformers import LlamaConfig
         >>> from transformers.models.llama.modeling_llama import LlamaAttention
         >>> attention = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=1), 0)
-        >>> del attention.k_proj, attention.v_proj                 # as a layer reusing another's keys and values
+        >>> attention.is_kv_shared_layer = True                    # as a layer reusing another's keys and values
         >>> reuse_kept_head(attention, 2)
         >>> attention.num_key_value_groups                         # its 2 query heads share the rank's one
         2
     """
-    config = getattr(attention, "config", None)
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if hasattr(attention, "k_proj") or not isinstance(heads, int) or not isinstance(kv, int) or kv >= world:
+    groups = getattr(attention, "num_key_value_groups", None)
+    heads = getattr(getattr(attention, "config", None), "num_attention_heads", None)
+    if not getattr(attention, "is_kv_shared_layer", False) or not isinstance(groups, int) or not isinstance(heads, int):
         return
-    if world % kv == 0 and hasattr(attention, "num_key_value_groups"):
+    kv = heads // groups  # the layer's own count, as its init made its groups
+    if kv < world and world % kv == 0:
         attention.num_key_value_groups = heads // world
 
 

@@ -40,8 +40,10 @@ from tpflow.plans.adapters import wrapped_model
 from tpflow.plans.context import ContextParallel, refuse_unsplit
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.heads import attention_heads
+from tpflow.plans.in_place import BlocksParallel, Conv1DParallel
 from tpflow.plans.linear import ColumnParallel, RowParallel
-from tpflow.plans.mixers import is_attention
+from tpflow.plans.mixers import is_attention, unsplit_mixers
+from tpflow.plans.multi_query import MultiQueryColumns
 from tpflow.plans.names import style_of
 from tpflow.plans.planner import planned
 from tpflow.plans.replicated import Replicated
@@ -141,7 +143,9 @@ def _whole_statistics(model: nn.Module, plan: dict[str, object], names: list[str
     whole = [n for n, m in model.named_modules() if (getattr(m, "activation_sparsity", 0) or 0) > 0]
     if not whole:
         return plan
-    inside = lambda name: any(name == w or name.startswith(w + ".") for w in whole)  # noqa: E731
+    def inside(name: str) -> bool:
+        return any(name == w or name.startswith(w + ".") for w in whole)
+
     out: dict[str, object] = {}
     for pattern, style in plan.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
@@ -179,6 +183,23 @@ def _summed(pattern: str, plan: dict[str, object]) -> SummedParameters:
         raise ValueError(f"plan[{pattern!r}] = 'all_reduce' sums the output of a module whose own parameters the plan "
                          f"splits ('colwise' / 'rowwise' entries under it), and it names none")
     return SummedParameters(dims)
+
+
+def _refuse_sequence_split(model: nn.Module, plan: dict[str, object]) -> None:
+    """Raise, naming them, where sequence parallelism would leave a module on this rank's tokens that needs every
+    token: a mixer other than attention (a state space, a convolution over the sequence: it would start each rank's
+    tokens from an empty state), or an entry with no sequence-parallel form (fused blocks split in place,
+    multi-query projections, summed parameters)."""
+    mixers = unsplit_mixers(model)
+    if mixers:
+        raise ValueError(f"sequence_parallel=True runs the layers on each rank's tokens, and {type(model).__name__}'s "
+                         f"layers mix tokens other than by attention: {'; '.join(mixers[:3])}. Use "
+                         f"sequence_parallel=False")
+    fixed = sorted(p for p, e in plan.items() if isinstance(e, (Conv1DParallel, BlocksParallel, MultiQueryColumns,
+                                                                       SummedParameters)))
+    if fixed:
+        raise ValueError(f"sequence_parallel=True: {fixed[0]} ({plan[fixed[0]]!r}) has no sequence-parallel form (it "
+                         f"reads and sums every token): use sequence_parallel=False")
 
 
 def _tied(model: nn.Module, name: str) -> bool:
@@ -274,6 +295,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         refuse_unsplit(model)  # before any plan: no model runs without its context split in silence
     if not own:  # transformers ships none: tpflow's, read off the module tree (or a sentence naming why not)
         own = planned(model)
+    if sequence_parallel:
+        _refuse_sequence_split(model, own)
     plan: dict[str, Style] = {}
     embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
     reader = _reads_weight(model, embedding)

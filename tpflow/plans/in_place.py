@@ -164,8 +164,8 @@ class BlocksParallel(_InPlace):
 
 
 class _Split:
-    """The hooks of one split Conv1D: its blocks in place of its parameters around each call, the input's gradient
-    summed (column) or the output summed and the bias added once (row)."""
+    """The hooks of one layer split in place: its blocks in place of its parameters around each call, the input's
+    gradient summed (column) or the output summed and the bias added once (row)."""
 
     def __init__(self, module: nn.Module, kind: str, placement: Placement) -> None:
         self.kind = kind

@@ -15,6 +15,7 @@ import dataclasses
 from torch import nn
 
 from tpflow.plans.heads import keep_columns
+from tpflow.plans.split_heads import SplitHeads
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["MultiQueryColumns"]
@@ -41,8 +42,13 @@ class MultiQueryColumns(Style):
     """
 
     head_dim: int
+    keeps_key_value = True  # (its attention's SplitHeads keeps the one key/value head whole)
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
+        parent = name.rpartition(".")[0]
+        if plan.world > 1 and not isinstance(plan.entry(parent), SplitHeads):  # (one rank: every head its own)
+            raise ValueError(f"{name!r}: MultiQueryColumns gives each rank its query heads, which its attention module "
+                             f"{parent!r} must then read as its rank's: plan it as tpf.SplitHeads()")
         queries = _queries(module, self.head_dim)
         if not isinstance(module, nn.Linear) or queries is None:
             raise ValueError(f"{name!r}: MultiQueryColumns({self.head_dim}) takes an nn.Linear projecting query "

@@ -169,6 +169,9 @@ def _refusal(model: nn.Module, layer: nn.Module, where: str) -> str | None:
                     f"tpflow cannot tell")
     for name, module in layer.named_modules():
         name = f"{where}.{name}".rstrip(".")
+        if type(module).__name__ == "FalconAttention" and getattr(module.config, "alibi", False):
+            return (f"{name} (FalconAttention) takes ALiBi biases its model folds into the attention mask for every "
+                    f"head, which the plan cannot cut to its rank's heads")
         if getattr(module, "attention_type", None) == "block_sparse" and callable(
                 getattr(module, "set_attention_type", None)):
             return (f"{name} ({type(module).__name__}) runs block-sparse attention, which it swaps for full "
@@ -201,6 +204,9 @@ def planned(model: nn.Module) -> dict[str, object]:
         raise ValueError(f"{type(model).__name__} has no decoder layers tpflow can read (an nn.ModuleList of layers "
                          f"with linear layers)")
     plan: dict[str, object] = {}
+    # a stack of MLPs alone is planned beside attention the plan reads (XLM's ffns beside its attentions), never in a
+    # model with none: fc1 / fc2 of a module not a transformer say nothing of how they connect
+    read = any(_attention(layer) for _, layers in stacks for layer in layers)
     for name, layers in stacks:
         for index, layer in enumerate(layers):
             where = f"{name}.{index}"
@@ -209,8 +215,8 @@ def planned(model: nn.Module) -> dict[str, object]:
             mixers = {n: what for n, what in layer_mixers(layer)  # (not those holding the attention it splits)
                       if not any(a in ("", n) or a.startswith(n + ".") for a, *_ in attention)}
             unread = any(is_attention(m) for m in layer.modules())  # attention it cannot split must not stay whole
-            if why is None and not attention and (unread or UNKNOWN in mixers.values() or not (mixers or _mlp(
-                    layer, set()))):
+            if why is None and not attention and (unread or UNKNOWN in mixers.values() or not (mixers or (
+                    read and _mlp(layer, set())))):
                 why = (f"{where} ({type(layer).__name__}) has no attention with separate q / k / v linear layers "
                        f"(projections tpflow cannot name, or a token mixer it does not know)")
             if why is not None:

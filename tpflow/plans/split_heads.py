@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from tpflow.plans.heads import attention_heads
-from tpflow.plans.multi_query import MultiQueryColumns
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["BIASES", "QKV", "SplitHeads", "head_counts"]
@@ -57,7 +56,7 @@ class SplitHeads(Style):
         if heads is None:
             raise ValueError(f"{name!r}: SplitHeads needs the module's head count (one of {_HEADS})")
         kept = _keeps_heads(module, plan.world) or any(  # (a multi-query projection keeps its one key/value head)
-            isinstance(plan.entry(f"{name}.{child}"), MultiQueryColumns) for child, _ in module.named_children())
+            getattr(plan.entry(f"{name}.{child}"), "keeps_key_value", False) for child, _ in module.named_children())
         for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
             if count % plan.world and not (count == kv and kept):
                 raise ValueError(f"{name!r} has {count} {what}, which do not split over {plan.world} tensor-parallel "

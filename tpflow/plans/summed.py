@@ -58,6 +58,10 @@ class SummedParameters(Style):
     dims: tuple[tuple[str, int], ...]
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
+        others = [n for n, _ in module.named_parameters() if n not in dict(self.dims)]
+        if others:  # (whole on every rank, each would add its value once per rank into the sum)
+            raise ValueError(f"{name!r}: SummedParameters sums its output over the ranks, and its parameters {others} "
+                             f"are not split by it: name them in dims, or plan the module otherwise")
         for param, dim in self.dims:
             p = module._parameters.get(param)
             if p is None or p.ndim < 2 or dim not in range(-p.ndim, p.ndim):
