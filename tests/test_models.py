@@ -169,3 +169,12 @@ def test_own_plans_say_what_stays_whole_and_refuse_by_name():
     alibi = transformers.AutoModelForCausalLM.from_config(type(falcon)(**{**falcon.to_dict(), "alibi": True}))
     with pytest.raises(ValueError, match=r"self_attention \(FalconAttention\) takes ALiBi biases its model folds"):
         tpf.hf_plan(alibi)
+
+
+def test_new_layouts_on_three_ranks_are_exact_or_refused():
+    """3 ranks (the matrix's degrees are 2 and 4): heads, blocks and intermediate sizes that do not split over 3 are
+    refused by name; what splits is exact (logits, loss, every gradient, every parameter after AdamW, tokens)."""
+    kinds = ("gpt_bigcode", "falcon", "mpt", "codegen", "inkling_text", "longcat_flash", "deepseek_v2", "mamba",
+             "gemma3n_text")
+    got = harness.run(3, _rank, kinds, ("tp",), timeout=600)[0]
+    assert {key: s for key, s in got.items() if s not in ("exact", "refused")} == {}, got

@@ -45,6 +45,11 @@ class LatentKeyValue(Style):
             raise ValueError(f"{name!r}: LatentKeyValue takes MLA's nn.Linear kv_a_proj_with_mqa, whose output ends "
                              f"with the config's qk_rope_head_dim features; got a {type(module).__name__} and "
                              f"qk_rope_head_dim={rope}")
+        heads = getattr(_text_config(plan.model), "num_attention_heads", None)
+        if isinstance(heads, int) and heads % plan.world:  # (its q_b_proj / kv_b_proj split the heads)
+            fits = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(f"{name!r}: MLA's {heads} attention heads do not split over {plan.world} tensor-parallel "
+                             f"ranks: use {', '.join(map(str, fits[:-1]))} or {fits[-1]} ranks")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl = plan.placement
@@ -61,7 +66,10 @@ class LatentKeyValue(Style):
         plan.replicate_as(name, "whole")  # its whole output's gradient is one device's now
 
 
-def _rope_dim(model: nn.Module) -> int | None:
+def _text_config(model: nn.Module) -> object:
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "qk_rope_head_dim", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _rope_dim(model: nn.Module) -> int | None:
+    return getattr(_text_config(model), "qk_rope_head_dim", None)
