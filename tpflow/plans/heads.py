@@ -27,6 +27,7 @@ from tpflow.placement import Placement
 from tpflow.sbp import broadcast, split
 
 __all__ = ["attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "plain_linear", "reuse_kept_head",
+           "split_parameter",
            "split_per_head"]
 
 _PLAIN_LINEARS = ("FalconLinear",)  # nn.Linear subclasses whose forward is F.linear written out
@@ -263,6 +264,35 @@ def reuse_kept_head(attention: nn.Module, world: int) -> None:
         attention.num_key_value_groups = heads // world
 
 
+def split_parameter(module: nn.Module, name: str, dim: int, placement: Placement) -> None:
+    """Make ``module``'s own parameter ``name`` a global parameter split along ``dim`` over the last axis of
+    ``placement``, this rank's chunk (allocated, not filled, for a parameter on the meta device, which a checkpoint
+    then fills); the module's forward must read it as its local block (``LocalReads``).
+
+    Args:
+        module: the module holding the parameter, whole on every rank.
+        name: the parameter's name in it.
+        dim: the dim split.
+        placement: the ranks; the last axis is the tensor-parallel one.
+
+    Example::
+
+        >>> layer = nn.Linear(4, 6)
+        >>> split_parameter(layer, "weight", 0, tpf.placement("cpu", ranks=[0, 1]))
+        >>> layer.weight.to_local().shape, layer.weight.shape
+        (torch.Size([3, 4]), torch.Size([6, 4]))
+    """
+    pl, coord, full = placement, placement.coordinate(), module._parameters[name]
+    if coord is None:
+        local = torch.empty(0, dtype=full.dtype)
+    else:
+        local = full.detach().chunk(pl.hierarchy[-1], dim)[coord[-1]]
+        local = torch.empty(local.shape, dtype=full.dtype) if full.is_meta else local.clone()
+    value = from_local(local.to(pl.device), pl, (broadcast,) * (pl.ndim - 1) + (split(dim),), shape=full.shape,
+                       sync_data=False)
+    setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
+
+
 # an attention module's own parameters known to hold one entry per query head (by name: a shape can match by
 # coincidence, DiffLlama's lambdas are [head_dim], shared by every head)
 def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
@@ -293,17 +323,8 @@ def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
     if not names:
         return names
     pl, coord = placement, placement.coordinate()
-    sbp = (broadcast,) * (pl.ndim - 1) + (split(0),)
     for name in names:
-        full = module._parameters[name]
-        if coord is None:
-            local = torch.empty(0, dtype=full.dtype)
-        elif full.is_meta:
-            local = torch.empty((heads // pl.hierarchy[-1], *full.shape[1:]), dtype=full.dtype)
-        else:
-            local = full.detach().chunk(pl.hierarchy[-1])[coord[-1]].clone()
-        value = from_local(local.to(pl.device), pl, sbp, shape=full.shape, sync_data=False)
-        setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
+        split_parameter(module, name, 0, pl)
     if coord is not None:
         reads = LocalReads(names, lambda p: (Partial(),) * (pl.ndim - 1) + (Shard(0),))
 

@@ -195,8 +195,8 @@ def _refuse_sequence_split(model: nn.Module, plan: dict[str, object]) -> None:
         raise ValueError(f"sequence_parallel=True runs the layers on each rank's tokens, and {type(model).__name__}'s "
                          f"layers mix tokens other than by attention: {'; '.join(mixers[:3])}. Use "
                          f"sequence_parallel=False")
-    fixed = sorted(p for p, e in plan.items() if isinstance(e, (Conv1DParallel, BlocksParallel, MultiQueryColumns,
-                                                                       SummedParameters)))
+    fixed = sorted(p for p, e in plan.items() if e == "all_reduce" or isinstance(
+        e, (Conv1DParallel, BlocksParallel, MultiQueryColumns, SummedParameters)))
     if fixed:
         raise ValueError(f"sequence_parallel=True: {fixed[0]} ({plan[fixed[0]]!r}) has no sequence-parallel form (it "
                          f"reads and sums every token): use sequence_parallel=False")

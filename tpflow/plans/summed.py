@@ -17,12 +17,11 @@ from torch import nn
 from torch.distributed.tensor import Partial
 
 from tpflow import comm
-from tpflow.global_tensor import from_local, gradients
 from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.regions import WHOLE, tag
 from tpflow.placement import Placement
+from tpflow.plans.heads import split_parameter
 from tpflow.plans.style import Plan, Style
-from tpflow.sbp import broadcast, split
 
 __all__ = ["SummedParameters"]
 
@@ -72,17 +71,10 @@ class SummedParameters(Style):
                                  f"{plan.world} tensor-parallel ranks: use a degree that divides them")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, coord = plan.placement, plan.placement.coordinate()
         for param, dim in self.dims:
-            full = module._parameters[param]
-            dim %= full.ndim
-            local = torch.empty(0, dtype=full.dtype) if coord is None else (
-                full.detach().chunk(pl.hierarchy[-1], dim)[coord[-1]].clone())
-            value = from_local(local.to(pl.device), pl, (broadcast,) * (pl.ndim - 1) + (split(dim),),
-                               shape=full.shape, sync_data=False)
-            setattr(module, param, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
-        if coord is not None:
-            _Summed(module, dict(self.dims), pl)
+            split_parameter(module, param, dim % module._parameters[param].ndim, plan.placement)
+        if plan.placement.coordinate() is not None:
+            _Summed(module, dict(self.dims), plan.placement)
 
 
 class _Summed:
