@@ -52,6 +52,8 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
             conn.send(("ok", fn(*args)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
+        finally:  # the next test's frameworks see the world, whatever this one parallelized
+            tpflow.frameworks.rows.release()
 
 
 class Pool:

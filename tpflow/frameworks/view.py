@@ -1,0 +1,263 @@
+"""The processes a framework sees once a model is split: its data-parallel rows (``tpflow.frameworks.rows``).
+
+``Trainer``, TRL's trainers and accelerate read the process grid in two places, and each is given the rows there,
+so every call site (a gather captured in a constructor, a scheduler's step count, a sampler, a reward's mean) sees
+one process per row without being named:
+
+- **accelerate's state** (``PartialState``, ``AcceleratorState``, which ``TrainingArguments`` and every
+  ``Accelerator`` read): ``num_processes`` is the number of rows, ``process_index`` this rank's row,
+  ``local_process_index`` the row's index on its node. The main process, and each node's, is the row's leader
+  only (``is_main_process``; ``Trainer``'s ``should_save``, ``should_log``, ``is_world_process_zero``), so one rank
+  writes what a process writes.
+- **their collectives**: the modules of accelerate, TRL and transformers' ``Trainer`` read ``torch.distributed``
+  (as ``torch.distributed`` or ``dist``) through a view whose default group is the rows: a gather, reduction or
+  all-to-all runs over this rank's column (its tensor-parallel coordinate in every row, which holds what its row's
+  leader holds), a broadcast "from process p" sends row p's leader's value to every rank, a barrier holds every
+  rank. An explicit ``group=`` is the caller's own and passes through.
+
+A global tensor reaching accelerate's gather (split logits, or their argmax) is made whole first (every rank
+gathers it, as every rank calls the gather), so an evaluation loop gathers what one device holds; any other
+collective given a split global tensor raises what to do. tpflow's own code uses torch.distributed directly: it
+keeps the world.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from tpflow.frameworks.rows import current
+
+__all__ = ["FRAMEWORKS", "forget", "install", "whole_for_collective"]
+
+FRAMEWORKS = ("accelerate", "trl", "transformers.trainer", "transformers.training_args")  # modules given the view
+
+# torch.distributed's functions with a default group, by how a framework's default group maps onto the rows:
+# over this rank's column (the argument naming a peer process, a row, beside), from a row's leader, over every rank
+_COLUMN = {"all_gather": None, "all_gather_into_tensor": None, "all_gather_object": None, "all_reduce": None,
+           "all_gather_coalesced": None, "all_reduce_coalesced": None, "reduce_scatter": None,
+           "reduce_scatter_tensor": None, "all_to_all": None, "all_to_all_single": None, "reduce": "dst",
+           "gather": "dst", "gather_object": "dst", "scatter": "src", "scatter_object_list": "src", "send": "dst",
+           "recv": "src", "isend": "dst", "irecv": "src", "send_object_list": "dst", "recv_object_list": "src"}
+_FROM_LEADER = ("broadcast", "broadcast_object_list")
+_EVERY_RANK = ("barrier", "monitored_barrier")
+
+
+def whole_for_collective(t: torch.Tensor, name: str) -> torch.Tensor:
+    """What a collective may read of ``t``: a global tensor broadcast over its placement is the same block on every
+    rank (its local tensor, written in place); a split or partial one is refused with what to do.
+
+    Args:
+        t: a collective's tensor argument.
+        name: the collective, for the message.
+
+    Returns:
+        ``t``, or a replicated global tensor's local tensor.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> whole_for_collective(tpf.ones(4, placement=P, sbp=tpf.sbp.broadcast), "all_reduce").shape
+        torch.Size([4])
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if all(isinstance(p, Replicate) for p in t.placements):
+        return t.to_local()
+    raise ValueError(f"torch.distributed.{name} got a global tensor laid out {tuple(t.placements)} over its ranks "
+                     f"(split logits, or what was computed from them): its blocks differ from rank to rank, so a "
+                     f"collective over the ranks would mix them; take its whole value first: tensor.full_tensor() "
+                     f"(or tpf.to_global(tensor, sbp=tpf.sbp.broadcast)), then gather that")
+
+
+def _plain(value: object, name: str) -> object:
+    if isinstance(value, torch.Tensor):
+        return whole_for_collective(value, name)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return [whole_for_collective(v, name) for v in value]
+    return value
+
+
+def _framework_collective(name: str) -> Callable:
+    """torch.distributed's ``name``, its default group read as the rows (see the module's docstring)."""
+    real = getattr(dist, name)
+    signature = inspect.signature(real)
+    peer = _COLUMN.get(name)
+
+    @functools.wraps(real)
+    def collective(*args, **kwargs):
+        rows = current()
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        if rows is None or arguments.get("group") is not None:
+            return real(*args, **kwargs)
+        for key, value in list(arguments.items()):
+            if not key.startswith("object"):  # an object list is filled in place: left as it is
+                arguments[key] = _plain(value, name)
+        if name in _COLUMN:
+            arguments["group"] = rows.column
+            if peer is not None and arguments.get(peer) is not None:  # a process of the frameworks' is a row
+                arguments[f"group_{peer}"] = arguments.pop(peer)
+        elif name in _FROM_LEADER:
+            source = arguments.pop("group_src", None)
+            source = arguments.get("src") if source is None else source
+            arguments["src"] = rows.leaders[source or 0]
+        elif name == "barrier" and arguments.get("device_ids") and torch.cuda.is_initialized():
+            arguments["device_ids"] = [torch.cuda.current_device()]  # accelerate names its local index: a row's here
+        return real(*bound.args, **bound.kwargs)
+
+    return collective
+
+
+def _rank(group: dist.ProcessGroup | None = None) -> int:
+    rows = current()
+    return dist.get_rank(group) if rows is None or group is not None else rows.row
+
+
+def _world_size(group: dist.ProcessGroup | None = None) -> int:
+    rows = current()
+    return dist.get_world_size(group) if rows is None or group is not None else rows.rows
+
+
+def _module_view(name: str, real: types.ModuleType, overrides: dict[str, object]) -> types.ModuleType:
+    """A module object holding ``real``'s names, some overridden; a name ``real`` gains later is looked up there."""
+
+    class View(types.ModuleType):
+        def __getattr__(self, attr: str) -> object:
+            return getattr(real, attr)
+
+    view = View(name, real.__doc__)
+    view.__dict__.update({k: v for k, v in vars(real).items() if not k.startswith("__")})
+    view.__dict__.update(overrides)
+    return view
+
+
+_DIST = _module_view("torch.distributed", dist, {
+    **{name: _framework_collective(name) for name in (*_COLUMN, *_FROM_LEADER, *_EVERY_RANK) if hasattr(dist, name)},
+    "get_rank": _rank, "get_world_size": _world_size})
+_TORCH = _module_view("torch", torch, {"distributed": _DIST})
+_SWAP = {id(torch): _TORCH, id(dist): _DIST, **{id(getattr(dist, n)): getattr(_DIST, n) for n in
+                                                 (*_COLUMN, *_FROM_LEADER, *_EVERY_RANK, "get_rank",
+                                                  "get_world_size") if hasattr(dist, n)}}
+
+
+def _in_scope(module_name: str) -> bool:
+    return module_name.split(".")[0] in ("accelerate", "trl") or module_name.startswith(FRAMEWORKS[2:])
+
+
+def _rebind_modules() -> None:
+    """The frameworks' loaded modules read torch.distributed through the view (a name bound to torch, to
+    torch.distributed, or to one of its functions)."""
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not _in_scope(module_name):
+            continue
+        names = vars(module)
+        for key, value in list(names.items()):
+            swap = _SWAP.get(id(value))
+            if swap is not None and not key.startswith("__"):
+                names[key] = swap
+
+
+class _Counted:
+    """accelerate's ``num_processes`` / ``process_index`` / ``local_process_index``: the rows' while the frameworks
+    see rows, else the value accelerate set (kept in its state's dict, read again once the rows are released)."""
+
+    def __init__(self, name: str, of_rows: Callable) -> None:
+        self.name, self.of_rows = name, of_rows
+
+    def __get__(self, state: object, owner: type | None = None) -> object:
+        if state is None:
+            return self
+        if self.name not in state.__dict__:
+            raise AttributeError(self.name)  # accelerate's __getattr__ says the state was reset
+        rows = current()
+        return state.__dict__[self.name] if rows is None else self.of_rows(rows)
+
+    def __set__(self, state: object, value: object) -> None:
+        state.__dict__[self.name] = value
+
+
+def _leader_only(getter: Callable) -> property:
+    """A property that is True on the row's leader only (where ``getter`` says so): what writes once a process."""
+
+    def leading(self) -> bool:
+        rows = current()
+        return getter(self) and (rows is None or rows.leader)
+
+    return property(leading)
+
+
+def _patch_class(cls: type, names: tuple[str, ...], make: Callable[[object], object]) -> None:
+    if cls.__dict__.get("_tpflow_rows"):
+        return
+    for name in names:
+        setattr(cls, name, make(cls.__dict__[name]))
+    cls._tpflow_rows = True
+
+
+def install() -> None:
+    """Give the frameworks the rows (see the module's docstring): accelerate's state and main process (imported now
+    where installed, so arguments built later read the rows), ``Trainer``'s where transformers' trainer is loaded,
+    and the view of torch.distributed in the frameworks' loaded modules. Idempotent; ``adopt`` calls it again for
+    modules loaded since.
+
+    Example::
+
+        >>> install()      # show (parallelize) calls it
+    """
+    try:
+        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.utils import operations
+    except ImportError:
+        return
+    for cls in (PartialState, AcceleratorState):
+        if not cls.__dict__.get("_tpflow_rows"):
+            cls.num_processes = _Counted("num_processes", lambda rows: rows.rows)
+            cls.process_index = _Counted("process_index", lambda rows: rows.row)
+            cls.local_process_index = _Counted("local_process_index", lambda rows: rows.local_row)
+    _patch_class(PartialState, ("is_main_process", "is_local_main_process"), lambda p: _leader_only(p.fget))
+    AcceleratorState._tpflow_rows = True
+    if not getattr(operations._gpu_gather, "_tpflow_rows", False):
+        operations._gpu_gather = _gathers_whole(operations._gpu_gather, operations.recursively_apply)
+    arguments = sys.modules.get("transformers.training_args")
+    if arguments is not None:
+        _patch_class(arguments.TrainingArguments, ("should_save", "should_log"), lambda p: _leader_only(p.fget))
+    trainer = sys.modules.get("transformers.trainer")
+    if trainer is not None:
+        _patch_class(trainer.Trainer, ("is_world_process_zero", "is_local_process_zero"),
+                     lambda method: _leader_only(method).fget)
+    _rebind_modules()
+
+
+def _gathers_whole(gather: Callable, recursively_apply: Callable) -> Callable:
+    """accelerate's gather, global tensors made whole first (``full_tensor``: every rank takes part, as every rank
+    gathers)."""
+
+    @functools.wraps(gather)
+    def gathers_whole(tensor):
+        if current() is not None:
+            tensor = recursively_apply(lambda t: t.full_tensor(), tensor, test_type=lambda t: isinstance(t, DTensor))
+        return gather(tensor)
+
+    gathers_whole._tpflow_rows = True
+    return gathers_whole
+
+
+def forget() -> None:
+    """After ``rows.release``: accelerate's state, read under the rows, is reset (the next ``Accelerator`` or
+    ``TrainingArguments`` reads the world again).
+
+    Example::
+
+        >>> forget()
+    """
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
