@@ -255,8 +255,8 @@ def test_errors_name_the_fix():
 
 
 def _autocast_and_checkpointing_rank():
-    """bf16 autocast (the kernels take one dtype: tpflow casts as autocast casts F.linear) and the model's own
-    gradient checkpointing with dropout where the data is replicated: one device's numbers."""
+    """bf16 autocast (the kernels take one dtype: tpflow casts as autocast casts F.linear, an fp64 model left fp64)
+    and the model's own gradient checkpointing with dropout where the data is replicated: one device's numbers."""
     W = dist.get_world_size()
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     ref = tiny("llama").float()
@@ -270,6 +270,13 @@ def _autocast_and_checkpointing_rank():
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         assert p.grad.dtype == p_ref.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=0.1, atol=2e-2, msg=name)
+    # an fp64 model under a bf16 autocast (TRL's default bf16=True) stays fp64, as F.linear leaves fp64 alone
+    ref = tiny("llama")
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan="auto")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    assert out.logits.dtype == out_ref.logits.dtype == torch.float64
+    torch.testing.assert_close(out.logits.full_tensor(), out_ref.logits, rtol=1e-12, atol=1e-12)
     # gradient checkpointing: the recomputed forward draws the dropout masks of the first one, the same on every
     # rank where the data is replicated (the residual stream), as one device draws them
     ref = tiny("llama")

@@ -182,6 +182,30 @@ def test_linear_on_the_torch_path_is_autograds_own_unless_backward_adds_work():
         linear(x.double(), w)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_linear_under_autocast_casts_what_f_linear_casts(device):
+    """Under autocast (bf16 and fp16) every pair of operand dtypes gives F.linear's output dtype, or fails where it
+    fails (fp64 beside a cast operand): float64 is never cast. (On CPU through torch: the interpreter's bf16 is
+    broken.)"""
+    if device == "cpu":
+        tpf.config.set(kernels="torch")
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    for dtype, x_dtype, w_dtype in itertools.product(dtypes[:2], dtypes, dtypes):
+        x = torch.randn(2, 3, dtype=x_dtype, device=device)
+        w = torch.randn(4, 3, dtype=w_dtype, device=device)
+        with torch.autocast(device, dtype=dtype):
+            try:
+                want = torch.nn.functional.linear(x, w)
+            except RuntimeError:
+                with pytest.raises((RuntimeError, ValueError)):
+                    linear(x, w)
+                continue
+            got = linear(x, w)
+        assert got.dtype == want.dtype, (dtype, x_dtype, w_dtype, got.dtype, want.dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_linear_dgrad_hook_overlaps_the_weight_gradient(monkeypatch):
     """The hook sees dx before the weight gradient is computed, and what it returns is waited after it."""
     tpf.config.set(kernels="torch")

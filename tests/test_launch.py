@@ -3,6 +3,7 @@ once per rank), clear errors for flags that make no sense, and the same script a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT
-from tpflow.launch import _report, build_parser, torchrun_args
+from tpflow.launch import _report, parse_args, script_env, torchrun_args
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -204,7 +205,7 @@ def test_ctrl_c_stops_every_rank_in_one_line(tmp_path):
 ])
 def test_nonsense_flags(flags, message):
     with pytest.raises(ValueError, match=message):
-        torchrun_args(build_parser().parse_args([*flags, "script.py"]))
+        torchrun_args(parse_args([*flags, "script.py"]))
 
 
 def test_nonsense_flags_exit_with_usage_error(tmp_path):
@@ -213,14 +214,28 @@ def test_nonsense_flags_exit_with_usage_error(tmp_path):
 
 
 def test_flags_map_to_torchrun():
-    ns = build_parser().parse_args(["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2", "--master_addr",
-                                    "10.0.0.1", "--master_port", "7788", "train.py", "--lr", "0.1"])
+    ns = parse_args(["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2", "--master_addr",
+                     "10.0.0.1", "--master_port", "7788", "train.py", "--lr", "0.1"])
     args = torchrun_args(ns)
     assert args[args.index("--nnodes") + 1] == "2" and args[args.index("--node_rank") + 1] == "1"
     assert args[args.index("--master_addr") + 1] == "10.0.0.1" and args[args.index("--master_port") + 1] == "7788"
-    assert args[-3:] == ["train.py", "--lr", "0.1"] and "--standalone" not in args
-    single = torchrun_args(build_parser().parse_args(["--nproc_per_node", "4", "train.py"]))
+    assert "train.py" not in args and "--standalone" not in args  # the script reaches the workers by script_env
+    single = torchrun_args(parse_args(["--nproc_per_node", "4", "train.py"]))
     assert "--standalone" in single
+
+
+def test_every_argument_after_the_script_reaches_it_unchanged(tmp_path):
+    """A script's own options, prefixes of the launcher's or torchrun's (``--log``: ``--logdir``, ``--log-dir``) or
+    the same names (``--nnodes``, ``--logdir``), go to the script as they were given, not to a parser on the way."""
+    script_args = ["--log", "info", "--logdir", "out", "--nnodes", "3", "--master", "x", "-m", "--", "--lr=0.1"]
+    ns = parse_args(["--nproc_per_node", "2", "--logdir", str(tmp_path / "logs"), "train.py", *script_args])
+    assert (ns.nproc_per_node, ns.script, ns.script_args, ns.nnodes) == (2, "train.py", script_args, 1)
+    assert ns.logdir == str(tmp_path / "logs")
+    assert json.loads(script_env(ns)["TPFLOW_LAUNCH_SCRIPT"]) == ["script", "train.py", *script_args]
+    proc, _ = _launch(["--nproc_per_node", "2"], tmp_path, script_args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        assert f"rank {rank} of 2: sum of ranks 1, args {script_args}" in proc.stdout, proc.stdout[-2000:]
 
 
 EXIT_SCRIPT = textwrap.dedent("""

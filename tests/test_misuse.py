@@ -90,13 +90,15 @@ def _dtypes_rank() -> None:
 
 def _sampling_rank() -> None:
     """Ranks seeded apart sample the same tokens, rank 0's one device's under its seed, on every call (the second
-    too), with the vocabulary split or the head gathering whole logits."""
+    too), with the vocabulary split or the head gathering whole logits; every rank's random state ends where one
+    device's does (what the caller draws next, TRL's shuffle, is alike)."""
     from tests.models import tiny_lm
 
     prompt = torch.tensor([[5, 17, 3, 42]])
     reference = tiny_lm("llama")
     torch.manual_seed(1000)
     want = [reference.generate(prompt, do_sample=True, max_new_tokens=6, pad_token_id=0) for _ in range(2)]
+    after = torch.get_rng_state()
     for vocab_parallel in (True, False):
         model = tpf.parallelize(copy.deepcopy(reference), placement=all_ranks(),
                                 plan=tpf.hf_plan(reference, vocab_parallel=vocab_parallel))
@@ -106,6 +108,7 @@ def _sampling_rank() -> None:
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, [g.tolist() for g in got])
         assert all(e == every[0] for e in every), f"the ranks sampled apart: {every}"
+        assert torch.equal(torch.get_rng_state(), after), "the random state did not end where one device's does"
         if dist.get_rank() == 0:
             assert [g.tolist() for g in got] == [w.tolist() for w in want], (got, want)
 

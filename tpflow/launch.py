@@ -47,10 +47,11 @@ import traceback
 
 from tpflow.comm.peers import closed_connection
 
-__all__ = ["build_parser", "main", "torchrun_args"]
+__all__ = ["build_parser", "main", "parse_args", "script_env", "torchrun_args"]
 
 _WORKER = "--tpflow-worker"  # internal: how torchrun starts each rank through this module
 _ERRORS_ENV = "TPFLOW_LAUNCH_ERRORS"  # internal: the folder where each worker records the error it raised
+_SCRIPT_ENV = "TPFLOW_LAUNCH_SCRIPT"  # internal: what each worker runs (kind, target, its arguments), as JSON
 _SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}  # frames above the script's
 
 
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         >>> ns.nproc_per_node, ns.script, ns.script_args
         (4, 'train.py', ['--lr', '0.1'])
     """
-    p = argparse.ArgumentParser(prog="python -m tpflow.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tpflow.launch", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1, help="processes on this node")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     p.add_argument("--node_rank", "--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
@@ -83,13 +85,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_VALUED = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank", "--master_addr",
+           "--master-addr", "--master_port", "--master-port", "--logdir"}  # the launcher's flags that take a value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The launcher's flags, then the script, then the script's arguments, each as it was given: argparse reads only
+    what comes before the script (its prefix matching would take a script's ``--log`` for ``--logdir``).
+
+    Args:
+        argv: the arguments after ``python -m tpflow.launch``.
+
+    Returns:
+        The namespace :func:`build_parser` gives, ``script_args`` verbatim.
+
+    Example::
+
+        >>> ns = parse_args(["--nproc_per_node", "2", "train.py", "--log", "x", "--logdir", "y", "--nnodes", "3"])
+        >>> ns.nproc_per_node, ns.script, ns.script_args, ns.logdir, ns.nnodes
+        (2, 'train.py', ['--log', 'x', '--logdir', 'y', '--nnodes', '3'], None, 1)
+    """
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        i += 2 if argv[i] in _VALUED else 1
+    ns = build_parser().parse_args(argv[:i + 1])
+    ns.script_args = list(argv[i + 1:])
+    return ns
+
+
 def torchrun_args(ns: argparse.Namespace) -> list[str]:
     """torchrun's arguments for OneFlow-style flags; ValueError for flags that make no sense.
 
     One node without ``--master_port`` rendezvouses on a free port (``--standalone``); otherwise at
     ``--master_addr``:``--master_port`` (29500 when not given). torchrun checks on its workers every 0.1 s
     (``--monitor_interval``); with ``--logdir`` it also writes each rank's stdout and stderr there. Each worker
-    runs this module again, which runs the script under torch.elastic's ``record``.
+    runs this module again, which runs the script under torch.elastic's ``record``; the script and its arguments
+    reach the workers by the environment (``script_env``), not through torchrun's parser, which would read them.
 
     Args:
         ns: the flags, as :func:`build_parser` parses them.
@@ -103,10 +134,10 @@ def torchrun_args(ns: argparse.Namespace) -> list[str]:
 
     Example::
 
-        >>> ns = build_parser().parse_args(["--nproc_per_node", "4", "train.py", "--lr", "0.1"])
+        >>> ns = parse_args(["--nproc_per_node", "4", "train.py", "--lr", "0.1"])
         >>> torchrun_args(ns)  # doctest: +NORMALIZE_WHITESPACE
         ['--nproc_per_node', '4', '--monitor_interval', '0.1', '--standalone', '-m', 'tpflow.launch',
-         '--tpflow-worker', 'script', 'train.py', '--lr', '0.1']
+         '--tpflow-worker']
     """
     if ns.nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node must be at least 1, got {ns.nproc_per_node}")
@@ -124,8 +155,24 @@ def torchrun_args(ns: argparse.Namespace) -> list[str]:
                  "--master_port", str(ns.master_port or 29500)]
     if ns.logdir:
         args += ["--log_dir", ns.logdir, "--tee", "3"]
-    worker = [_WORKER, "module" if ns.module else "script", ns.script, *ns.script_args]
-    return [*args, "-m", "tpflow.launch", *worker]
+    return [*args, "-m", "tpflow.launch", _WORKER]
+
+
+def script_env(ns: argparse.Namespace) -> dict[str, str]:
+    """The environment that tells each worker what to run: the script (or module) and its arguments, verbatim.
+
+    Args:
+        ns: the flags, as :func:`parse_args` parses them.
+
+    Returns:
+        The variables to set before torchrun starts the workers.
+
+    Example::
+
+        >>> script_env(parse_args(["train.py", "--log", "x"]))
+        {'TPFLOW_LAUNCH_SCRIPT': '["script", "train.py", "--log", "x"]'}
+    """
+    return {_SCRIPT_ENV: json.dumps(["module" if ns.module else "script", ns.script, *ns.script_args])}
 
 
 # ---- the worker: one rank ----
@@ -399,9 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_WORKER]:
-        return _run_worker(argv[1], argv[2], argv[3:])
+        kind, target, *args = json.loads(os.environ[_SCRIPT_ENV]) if len(argv) == 1 else argv[1:]
+        return _run_worker(kind, target, args)
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(argv)
     try:
         args = torchrun_args(ns)
     except ValueError as e:
@@ -414,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.nproc_per_node > 1:  # torchrun's own default for its workers, set here so it does not warn about it
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(script_env(ns))
     with _errors_folder() as folder:
         try:
             torchrun.run(torchrun.parse_args(args))

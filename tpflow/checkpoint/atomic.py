@@ -56,16 +56,20 @@ def stage(path: str | os.PathLike) -> str:
 
 
 def publish(folder: str, path: str | os.PathLike, *, keep_others: bool = False) -> None:
-    """Make the complete staging ``folder`` the checkpoint at ``path`` by renames alone: an earlier ``path`` is moved
-    aside, ``folder`` takes its name, the earlier one is removed. One process calls it.
+    """Make the complete staging ``folder`` the checkpoint at ``path``: by renames of the folder (an earlier ``path``
+    moved aside, ``folder`` takes its name, the earlier one removed), or, with ``keep_others``, file by file into an
+    existing ``path``. One process calls it.
 
     Args:
         folder: the staging folder ``stage`` gave, every part written.
         path: where the checkpoint goes.
-        keep_others: first copy into ``folder`` the files of an earlier ``path`` that this save did not write and that
-            are no model weights (a tokenizer saved into the same folder), as writing into ``path`` itself would keep
-            them; the weights of an earlier save are dropped, so that ``from_pretrained`` never reads a stale single
-            file beside a new index.
+        keep_others: ``path`` is a folder the save writes into, as ``save_pretrained`` does, not one it owns (a
+            Trainer's output folder holds its checkpoints, its logs, a tokenizer): every entry there that this save
+            does not write is left as it is, byte for byte, subfolders included, and the folder itself is never
+            replaced (a log file open there stays in it). Each new file replaces its namesake in one rename; the
+            weights files of an earlier save that this one does not write (shards of another count, a single file
+            beside a new index) are removed last, so that a kill half way leaves weights ``from_pretrained`` reads
+            whole, the earlier or the new.
 
     Example::
 
@@ -78,19 +82,21 @@ def publish(folder: str, path: str | os.PathLike, *, keep_others: bool = False) 
         >>> publish(folder, path)
         >>> os.listdir(path), os.path.exists(folder)
         (['model.safetensors'], False)
+        >>> os.makedirs(os.path.join(path, "checkpoint-5"))                   # a folder the next save must keep
+        >>> folder = stage(path)
+        >>> for name in ("config.json", "model.safetensors"):                 # the next save's files
+        ...     with open(os.path.join(folder, name), "w") as f:
+        ...         _ = f.write("{}")
+        >>> publish(folder, path, keep_others=True)
+        >>> sorted(os.listdir(path))
+        ['checkpoint-5', 'config.json', 'model.safetensors']
         >>> root.cleanup()
     """
     path = os.fspath(path)
-    if keep_others and os.path.isdir(path):
-        for root, _, files in os.walk(path):
-            for name in files:
-                source = os.path.join(root, name)
-                relative = os.path.relpath(source, path)
-                target = os.path.join(folder, relative)
-                if not os.path.exists(target) and not _WEIGHTS.match(name):
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    shutil.copy2(source, target)
     os.remove(os.path.join(folder, INCOMPLETE))
+    if keep_others and os.path.isdir(path):
+        _publish_into(folder, path)
+        return
     old = None
     if os.path.lexists(path):
         old = os.path.normpath(path) + ".old"
@@ -99,6 +105,24 @@ def publish(folder: str, path: str | os.PathLike, *, keep_others: bool = False) 
     os.replace(folder, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _publish_into(folder: str, path: str) -> None:
+    """``folder``'s entries moved into ``path``: the weights' files first, their indexes next (so an index names
+    shards already there), the rest after; then the earlier save's weights files that this one did not write."""
+    new = os.listdir(folder)
+    order = sorted(new, key=lambda n: (0 if _WEIGHTS.match(n) and not n.endswith(".json") else
+                                       1 if _WEIGHTS.match(n) else 2, n))
+    for name in order:
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(folder, name), target)
+    stale = [n for n in os.listdir(path)
+             if _WEIGHTS.match(n) and n not in new and os.path.isfile(os.path.join(path, n))]
+    for name in sorted(stale, key=lambda n: not n.endswith(".json")):  # an old index before its shards
+        os.remove(os.path.join(path, name))
+    os.rmdir(folder)
 
 
 def check_complete(path: str | os.PathLike) -> None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from tpflow.frameworks.rows import current
+from tpflow.global_tensor.collectives import collective_misuse
 
 __all__ = ["FRAMEWORKS", "forget", "install", "whole_for_collective"]
 
@@ -71,10 +72,7 @@ def whole_for_collective(t: torch.Tensor, name: str) -> torch.Tensor:
         return t
     if all(isinstance(p, Replicate) for p in t.placements):
         return t.to_local()
-    raise ValueError(f"torch.distributed.{name} got a global tensor laid out {tuple(t.placements)} over its ranks "
-                     f"(split logits, or what was computed from them): its blocks differ from rank to rank, so a "
-                     f"collective over the ranks would mix them; take its whole value first: tensor.full_tensor() "
-                     f"(or tpf.to_global(tensor, sbp=tpf.sbp.broadcast)), then gather that")
+    raise collective_misuse(name, t)
 
 
 def _plain(value: object, name: str) -> object:

@@ -12,11 +12,12 @@
     cross_entropy  the loss of logits split over the classes, and the mode routing F.cross_entropy to it
     gradients   partial-sum gradients summed in buckets by the backward (reducer) or before a step
     replicas    check_replicas: the copies of a broadcast parameter compared bit for bit over its ranks
+    collectives torch.distributed's collectives given a global tensor: refused with what to do
 """
 
 from __future__ import annotations
 
-from tpflow.global_tensor import gradients
+from tpflow.global_tensor import collectives, gradients
 from tpflow.global_tensor.blocks import get_placement, get_sbp, to_local
 from tpflow.global_tensor.convert import to_global
 from tpflow.global_tensor.creation import full, ones, rand, randn, tensor, zeros
@@ -26,6 +27,6 @@ from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
 from tpflow.global_tensor.replicas import check_replicas
 
-__all__ = ["check_replicas", "clip_grad_norm_", "cross_entropy", "from_local", "full", "get_placement", "get_sbp",
-           "gradients", "matmul", "ones", "rand", "randn", "tensor", "to_global", "to_local", "vocab_parallel_loss",
-           "zeros"]
+__all__ = ["check_replicas", "clip_grad_norm_", "collectives", "cross_entropy", "from_local", "full", "get_placement",
+           "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor", "to_global", "to_local",
+           "vocab_parallel_loss", "zeros"]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tpflow.kernels.autocast import autocast_operands
 from tpflow.kernels.epilogue import ACTIVATIONS, activate, activation_grad, bias_grad, needs_pre, saved_for_grad
 from tpflow.kernels.matmul import matmul, use_triton
 
@@ -133,7 +134,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Forward is one kernel launch (bias and activation fused); backward two (dx and dW, transposes read as
     strides), with the bias gradient summed in fp32 (fp64 for fp64 inputs). Under ``torch.autocast`` the
-    operands are cast to its dtype first, as ``F.linear``'s are (the gradients flow back through the casts).
+    operands are cast first as ``F.linear``'s are (``autocast_operands``: float64 is left alone; the gradients flow
+    back through the casts).
 
     Args:
         x: the input, of ``weight``'s dtype.
@@ -160,8 +162,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     device = x.device.type
     if torch.is_autocast_enabled(device):  # autocast's casts for F.linear, done here: the kernels take one dtype
-        dtype = torch.get_autocast_dtype(device)
-        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        x, weight, bias = autocast_operands(device, x, weight, bias)
         with torch.autocast(device, enabled=False):
             return linear(x, weight, bias, activation, out_dtype=out_dtype, dgrad_hook=dgrad_hook,
                           dgrad_dtype=dgrad_dtype)

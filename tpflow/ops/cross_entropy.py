@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tpflow import comm
 from tpflow.kernels import linear, matmul
+from tpflow.kernels.autocast import autocast_operands
 from tpflow.kernels.cross_entropy import logit_grad, logit_stats
 from tpflow.kernels.epilogue import accumulate_dtype
 
@@ -220,11 +221,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     _check(target, hidden.shape[0], classes, ignore_index, label_smoothing, reduction)
     device = hidden.device.type
     if torch.is_autocast_enabled(device):  # autocast's casts for F.linear, done here: the kernels take one dtype
-        dtype = torch.get_autocast_dtype(device)
+        hidden, weight, bias = autocast_operands(device, hidden, weight, bias)
         with torch.autocast(device, enabled=False):
-            return linear_cross_entropy(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
-                                        target, start=start, classes=classes, group=group, ignore_index=ignore_index,
-                                        label_smoothing=label_smoothing, reduction=reduction, chunk=chunk)
+            return linear_cross_entropy(hidden, weight, bias, target, start=start, classes=classes, group=group,
+                                        ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                        reduction=reduction, chunk=chunk)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _LinearCE.apply(hidden, weight, bias, target, start, classes, group, ignore_index, label_smoothing,
                            reduction, chunk, backward)

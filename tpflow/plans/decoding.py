@@ -5,8 +5,9 @@ The ranks of a tensor-parallel group compute one model on the same tokens, so th
 same: a rank that draws another token feeds the next step other inputs than its peers, and the group decodes a
 mixture. Users seed ranks apart (the DDP habit, ``torch.manual_seed(1000 + rank)``), so ``generate`` cannot trust the
 ranks' own streams: at each call the first rank's random state (CPU, and CUDA's on a CUDA placement) is sent to the
-others, which decode from it in a fork of their own (left as it was afterwards). The first rank draws from its own
-stream, so its tokens are one device's under the same seed.
+others, which take it as their own and decode from it. The first rank draws from its own stream, so its tokens are
+one device's under the same seed, and every rank of the group ends where one device's stream ends: what the caller
+draws next (TRL shuffles the batch it generated, ``torch.randperm``) is alike on every rank.
 
 Experts shared out over a data axis exchange tokens at every decoding step, so every rank must step until the last
 one is done: transformers' ``synced_gpus`` (on by default for a model FSDP2 shards). ``synced_gpus=False`` there is
@@ -47,19 +48,18 @@ class _DecodeAlike:
         cuda = pl.type == "cuda"
         state = [[torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None]]
         dist.broadcast_object_list(state, src=first, group=group)
-        if dist.get_rank() == first:
-            return inner(*args, **kwargs)
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        if dist.get_rank() != first:
             torch.set_rng_state(state[0][0])
             if cuda:
                 torch.cuda.set_rng_state(state[0][1])
-            return inner(*args, **kwargs)
+        return inner(*args, **kwargs)
 
 
 def decode_alike(model: nn.Module, placement: Placement) -> None:
     """Make ``model.generate`` (a Hugging Face model's) sample the same tokens on every tensor-parallel rank of
-    ``placement``, whatever each rank seeded (those of the group's first rank), and refuse ``synced_gpus=False`` where
-    experts shared out over a data axis need every rank to step together.
+    ``placement``, whatever each rank seeded (those of the group's first rank, whose random state every rank ends
+    with), and refuse ``synced_gpus=False`` where experts shared out over a data axis need every rank to step
+    together.
 
     Args:
         model: a model after ``parallelize`` (changed in place; models without ``generate`` are left alone).
@@ -77,6 +77,10 @@ def decode_alike(model: nn.Module, placement: Placement) -> None:
         >>> every = [None, None]
         >>> torch.distributed.all_gather_object(every, out.tolist())
         >>> every[0] == every[1]
+        True
+        >>> states = [None, None]
+        >>> torch.distributed.all_gather_object(states, torch.get_rng_state())   # where the first rank's stream ends
+        >>> torch.equal(states[0], states[1])
         True
     """
     if callable(getattr(type(model), "generate", None)):

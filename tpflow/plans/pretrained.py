@@ -5,9 +5,10 @@ after ``parallelize`` the model's instance calls it with the whole tensors inste
 writes (transformers writes from rank 0 only, so the model's placement must include it), and every rank returns
 once the files are written, or raises if rank 0 failed to write them. So it is called on every rank, as is
 transformers' ``push_to_hub``, which calls it: on one rank alone it waits in the first gather until the
-collective timeout (``TPFLOW_TIMEOUT``). Rank 0 writes into a staging folder beside ``save_directory`` and makes it
-the folder once complete (``tpflow.checkpoint.atomic``; the files of an earlier save there that this one does not
-rewrite, a tokenizer's, are kept), so a save killed half way leaves the earlier checkpoint whole. A PEFT model's
+collective timeout (``TPFLOW_TIMEOUT``). Rank 0 writes into a staging folder beside ``save_directory``, then makes
+it the folder, or, where the folder exists, moves its files into it one rename each (``tpflow.checkpoint.atomic``):
+everything else there (a Trainer's checkpoints and logs, a tokenizer) is left as it is, and a save killed half way
+leaves weights that load whole. A PEFT model's
 ``save_pretrained`` gathers its adapters only and writes PEFT's files (``adapter_model.safetensors``,
 ``adapter_config.json``), which ``PeftModel.from_pretrained`` loads on one device.
 """
