@@ -1,0 +1,168 @@
+"""The scripts users run, shaped as theirs: transformers' ``examples/pytorch/language-modeling/run_clm.py``,
+accelerate's ``examples/complete_nlp_example.py`` and TRL's trainer quickstarts, their calls in their order, each
+with tpflow's documented lines only (``tpf.parallelize`` after the model is built, ``fully_shard`` over the data axis
+on a 2 x 2 placement, ``tpf.adopt`` after the trainer or accelerator) where ``layout`` is given, and as one plain
+process where it is None.
+
+What they download is made here instead: a word-level tokenizer and its texts (``tests.models``), the model from a
+tiny config (random weights, fp64), and the accuracy that ``evaluate.load("accuracy")`` would compute. Each returns
+what a test compares with one process: the numbers the script logs, the trained parameters, and the files it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import math
+import os
+from itertools import chain
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import tpflow as tpf
+
+LAYOUTS = {"1d": None, "2x2": ("dp", "tp")}  # a layout's axis names: 1-D tensor parallel, or 2 x 2 data x tensor
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    """``n`` lines of words ``w0``..``w89`` of 3 to 11 words each (the corpus the scripts read)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (n,), generator=g).tolist()
+    return [" ".join(f"w{j}" for j in torch.randint(0, 90, (k,), generator=g).tolist()) for k in lengths]
+
+
+def split(model, layout: str | None, plan="auto"):
+    """The documented lines: ``tpf.parallelize`` over every rank (1-D), or over a named 2 x 2 placement with FSDP2
+    over its data axis; ``layout`` None leaves the model as it is (one plain process)."""
+    if layout is None:
+        return model
+    world = dist.get_world_size()
+    if layout == "1d":
+        return tpf.parallelize(model, placement=tpf.placement("cpu", list(range(world))), plan=plan)
+    from torch.distributed.fsdp import fully_shard
+
+    placement = tpf.placement("cpu", [[0, 1], [2, 3]], names=LAYOUTS[layout])
+    tpf.parallelize(model, placement=placement, plan=plan)
+    inner = model.base_model.model if hasattr(model, "peft_config") else model
+    for layer in inner.model.layers:
+        fully_shard(layer, mesh=placement.mesh["dp"])
+    fully_shard(model, mesh=placement.mesh["dp"])
+    return model
+
+
+def whole(model) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value (a global one gathered: every rank calls it)."""
+    return {n.removeprefix("_forward_module."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def digests(folder: str) -> dict[str, str]:
+    """Every file under ``folder`` (relative path -> sha256), subfolders included."""
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def accuracy(predictions: np.ndarray, references: np.ndarray) -> dict[str, float]:
+    """What ``evaluate.load("accuracy").compute`` gives."""
+    return {"accuracy": float((predictions == references).mean())}
+
+
+def run_clm(argv: list[str], layout: str | None = None, lora: bool = False) -> dict:
+    """run_clm.py's ``main()`` (from_config, the texts as its dataset), its calls in its order; ``lora``: PEFT's
+    LoRA on the model before the documented lines (the user's own lines). Returns its log history, its final
+    metrics, the trained parameters and what its output folder held before and after the final ``save_model()``."""
+    import datasets
+    import transformers
+    from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
+
+    from tests.models import tiny_lm, tiny_tokenizer
+
+    parser = HfArgumentParser((TrainingArguments,))
+    (training_args,) = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.should_log:
+        transformers.utils.logging.set_verbosity_info()
+    log_level = training_args.get_process_log_level()
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    set_seed(training_args.seed)
+    raw_datasets = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts(48)}),
+                                         "validation": datasets.Dataset.from_dict({"text": texts(30, seed=1)})})
+    tokenizer = tiny_tokenizer()
+    model = tiny_lm("llama")
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                           target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = split(model, layout)  # the documented line
+    embedding_size = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > embedding_size:
+        model.resize_token_embeddings(len(tokenizer))
+    column_names = list(raw_datasets["train"].features)
+    text_column_name = "text" if "text" in column_names else column_names[0]
+
+    def tokenize_function(examples):
+        return tokenizer(examples[text_column_name])
+
+    with training_args.main_process_first(desc="dataset map tokenization"):
+        tokenized_datasets = raw_datasets.map(tokenize_function, batched=True, remove_columns=column_names)
+    block_size = 8
+
+    def group_texts(examples):
+        concatenated_examples = {k: list(chain(*examples[k])) for k in examples}
+        total_length = len(concatenated_examples[next(iter(examples.keys()))])
+        total_length = (total_length // block_size) * block_size
+        result = {k: [t[i: i + block_size] for i in range(0, total_length, block_size)]
+                  for k, t in concatenated_examples.items()}
+        result["labels"] = result["input_ids"].copy()
+        return result
+
+    with training_args.main_process_first(desc="grouping texts together"):
+        lm_datasets = tokenized_datasets.map(group_texts, batched=True)
+    train_dataset, eval_dataset = lm_datasets["train"], lm_datasets["validation"].select(range(16))
+
+    def preprocess_logits_for_metrics(logits, labels):
+        if isinstance(logits, tuple):
+            logits = logits[0]
+        return logits.argmax(dim=-1)
+
+    def compute_metrics(eval_preds):
+        preds, labels = eval_preds
+        labels = labels[:, 1:].reshape(-1)
+        preds = preds[:, :-1].reshape(-1)
+        return accuracy(predictions=preds, references=labels)
+
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      processing_class=tokenizer, data_collator=default_data_collator, compute_metrics=compute_metrics,
+                      preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+    if layout is not None:
+        tpf.adopt(trainer)  # the documented line
+    output = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        output["before_save"] = digests(training_args.output_dir)
+        trainer.save_model()  # saves the tokenizer too for easy upload
+        metrics = train_result.metrics
+        metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        metrics = trainer.evaluate()
+        metrics["eval_samples"] = len(eval_dataset)
+        metrics["perplexity"] = math.exp(metrics["eval_loss"])
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        trainer.create_model_card(finetuned_from=None, tasks="text-generation")
+    output.update(history=[{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second"))}
+                           for h in trainer.state.log_history],
+                  eval={k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))},
+                  params=whole(model), after_save=digests(training_args.output_dir))
+    return output

@@ -1,0 +1,96 @@
+"""The scripts users run (``tests/real_scripts.py``: transformers' run_clm.py, accelerate's complete_nlp_example.py,
+TRL's trainers), with tpflow's documented lines, on 2 ranks (1-D tensor parallel) and 4 (1-D, and 2 x 2 data x
+tensor with FSDP2), against the same script as one plain process with the same seeds: every logged number, every
+evaluation (the first one too), the trained parameters, a resume from a checkpoint, and every file written (none
+lost, none touched that the script did not write)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import harness
+from tests.checks import within
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("datasets").disable_progress_bars()
+
+from tests import real_scripts  # noqa: E402  (after the skips: it imports transformers' and datasets' users)
+
+PARAMS_TOL = 1e-4  # the vocabulary-parallel loss sums its fp32 terms in another order than the model's own fp32 loss
+_TIMINGS = ("runtime", "per_second", "total_flos")
+
+
+def _clm_argv(folder: str, batch: int, resume: str | None = None) -> list[str]:
+    argv = ["--output_dir", folder, "--do_train", "--do_eval", "--max_steps", "4", "--per_device_train_batch_size",
+            str(batch), "--gradient_accumulation_steps", "2", "--per_device_eval_batch_size", "4", "--learning_rate",
+            "1e-2", "--adam_epsilon", "1e-4", "--max_grad_norm", "0.5", "--eval_strategy", "steps", "--eval_steps",
+            "2", "--save_steps", "2", "--logging_steps", "1", "--seed", "0", "--report_to", "none", "--use_cpu",
+            "--disable_tqdm", "true", "--log_level", "warning"]
+    return argv + (["--resume_from_checkpoint", resume] if resume else [])
+
+
+def _close_logs(got: list[dict], want: list[dict]) -> None:
+    """Every logged number of every step and evaluation: the same keys, losses and norms to the loss's fp32
+    rounding, accuracies and counts exactly."""
+    assert [sorted(k for k in h if not k.endswith(_TIMINGS)) for h in got] == \
+        [sorted(k for k in h if not k.endswith(_TIMINGS)) for h in want], (got, want)
+    for g, w in zip(got, want):
+        for key, value in w.items():
+            if key.endswith(_TIMINGS):
+                continue
+            if key.endswith(("accuracy", "step", "epoch", "samples")):
+                assert g[key] == value, (key, g[key], value)
+            else:
+                assert g[key] == pytest.approx(value, rel=1e-4, abs=1e-7), (key, g[key], value)
+
+
+def _close_params(got: dict, want: dict, tol: float = PARAMS_TOL) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _files(digests: dict[str, str]) -> set[str]:
+    """A folder's files, the random states aside (one a process: the rows' count of them)."""
+    return {f for f in digests if not os.path.basename(f).startswith("rng_state")}
+
+
+def _run_clm_rank(layout: str, folder: str, batch: int, lora: bool) -> dict:
+    """run_clm.py, then run_clm.py resumed from its step-2 checkpoint into another folder."""
+    with within(300):
+        first = real_scripts.run_clm(_clm_argv(os.path.join(folder, "out"), batch), layout, lora)
+        resumed = real_scripts.run_clm(_clm_argv(os.path.join(folder, "resumed"), batch,
+                                                 os.path.join(folder, "out", "checkpoint-2")), layout, lora)
+    return {"first": first, "resumed": resumed}
+
+
+@pytest.mark.parametrize("world, layout, lora", [(2, "1d", False), (4, "1d", False), (4, "2x2", False),
+                                                 (2, "1d", True), (4, "2x2", True)])
+def test_run_clm_trains_evaluates_saves_and_resumes_as_one_process(tmp_path, world, layout, lora):
+    rows = 2 if layout == "2x2" else 1
+    batch = 2
+    reference = real_scripts.run_clm(_clm_argv(str(tmp_path / "one" / "out"), batch * rows), None, lora)
+    got = harness.run(world, _run_clm_rank, layout, str(tmp_path / "ranks"), batch, lora, timeout=600)[0]
+    first = got["first"]
+    _close_logs(first["history"], reference["history"])
+    _close_logs([first["eval"]], [reference["eval"]])
+    _close_params(first["params"], reference["params"])
+    # save_model() into the folder that holds the checkpoints: every file already there kept, byte for byte, and the
+    # folder holds what one process's holds
+    before, after = first["before_save"], first["after_save"]
+    assert {f: d for f, d in after.items() if f in before and f.startswith("checkpoint-")} == \
+        {f: d for f, d in before.items() if f.startswith("checkpoint-")}
+    assert _files(after) == _files(reference["after_save"]), _files(after) ^ _files(reference["after_save"])
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert {f"checkpoint-2/{weights}", f"checkpoint-4/{weights}", weights} <= after.keys()
+    # resumed from the ranks' step-2 checkpoint, on the ranks and on one process: where the uninterrupted run ended,
+    # every number logged after the resume one process's (the run's mean training loss is of the resumed steps)
+    one = real_scripts.run_clm(_clm_argv(str(tmp_path / "one" / "resumed"), batch * rows,
+                                         str(tmp_path / "ranks" / "out" / "checkpoint-2")), None, lora)
+    _close_params(one["params"], reference["params"])
+    _close_params(got["resumed"]["params"], reference["params"])
+    _close_logs(got["resumed"]["history"], one["history"])
+    _close_logs([got["resumed"]["eval"]], [reference["eval"]])
