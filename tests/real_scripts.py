@@ -166,3 +166,99 @@ def run_clm(argv: list[str], layout: str | None = None, lora: bool = False) -> d
                   eval={k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))},
                   params=whole(model), after_save=digests(training_args.output_dir))
     return output
+
+
+def complete_nlp_example(output_dir: str, layout: str | None = None, resume_from_checkpoint: str | None = None,
+                         checkpointing_steps: int = 4, num_epochs: int = 2, batch_size: int = 4) -> dict:
+    """accelerate's complete_nlp_example.py (``training_function``) on a causal LM: the texts in blocks of 8 tokens as
+    its dataset, ``evaluate``'s accuracy over the predicted next tokens, its calls in its order (a scheduler prepared
+    with the rest, ``save_state`` every ``checkpointing_steps`` steps, ``load_state`` and ``skip_first_batches`` on a
+    resume, ``gather_for_metrics`` of the argmax). Returns each step's loss and learning rate, each epoch's accuracy,
+    the trained parameters and the files of ``output_dir``."""
+    import datasets
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import get_linear_schedule_with_warmup, set_seed
+
+    from tests.models import tiny_lm, tiny_tokenizer
+
+    accelerator = Accelerator(cpu=True, mixed_precision="no")
+    lr, seed = 1e-2, 42
+    tokenizer = tiny_tokenizer()
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts(36)}),
+                                "validation": datasets.Dataset.from_dict({"text": texts(12, seed=1)})})
+
+    def tokenize_function(examples):
+        ids = tokenizer(examples["text"])["input_ids"]
+        blocks = [row[:8] for row in ids if len(row) >= 8]
+        return {"input_ids": blocks, "attention_mask": [[1] * 8 for _ in blocks], "labels": blocks}
+
+    with accelerator.main_process_first():
+        tokenized_datasets = raw.map(tokenize_function, batched=True, remove_columns=["text"])
+    gradient_accumulation_steps = 1
+
+    def collate_fn(examples):
+        return tokenizer.pad(examples, padding="longest", return_tensors="pt")
+
+    train_dataloader = DataLoader(tokenized_datasets["train"], shuffle=True, collate_fn=collate_fn,
+                                  batch_size=batch_size)
+    eval_dataloader = DataLoader(tokenized_datasets["validation"], shuffle=False, collate_fn=collate_fn, batch_size=4)
+    set_seed(seed)
+    model = tiny_lm("llama")
+    model = model.to(accelerator.device)
+    if layout is not None:  # the documented lines
+        model = split(model, layout, plan="auto")
+        tpf.adopt(accelerator, model)
+    optimizer = torch.optim.AdamW(params=model.parameters(), lr=lr, eps=1e-4)
+    lr_scheduler = get_linear_schedule_with_warmup(
+        optimizer=optimizer, num_warmup_steps=3,
+        num_training_steps=(len(train_dataloader) * num_epochs) // gradient_accumulation_steps)
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    overall_step, starting_epoch, resume_step = 0, 0, None
+    if resume_from_checkpoint:
+        accelerator.load_state(resume_from_checkpoint)
+        training_difference = os.path.splitext(os.path.basename(resume_from_checkpoint))[0]
+        resume_step = int(training_difference.replace("step_", ""))
+        starting_epoch = resume_step // len(train_dataloader)
+        resume_step -= starting_epoch * len(train_dataloader)
+    losses, rates, evals = [], [], []
+    for epoch in range(starting_epoch, num_epochs):
+        model.train()
+        if resume_from_checkpoint and epoch == starting_epoch and resume_step is not None:
+            active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_step)
+            overall_step += resume_step
+        else:
+            active_dataloader = train_dataloader
+        for step, batch in enumerate(active_dataloader):
+            batch.to(accelerator.device)
+            outputs = model(**batch)
+            loss = outputs.loss
+            loss = loss / gradient_accumulation_steps
+            accelerator.backward(loss)
+            if step % gradient_accumulation_steps == 0:
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            overall_step += 1
+            losses.append(loss.item())
+            rates.append(lr_scheduler.get_last_lr()[0])
+            if overall_step % checkpointing_steps == 0:
+                accelerator.save_state(os.path.join(output_dir, f"step_{overall_step}"))
+        model.eval()
+        predicted, expected = [], []
+        for batch in eval_dataloader:
+            batch.to(accelerator.device)
+            with torch.no_grad():
+                outputs = model(**batch)
+            predictions = outputs.logits.argmax(dim=-1)
+            predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
+            predicted.append(predictions[:, :-1].reshape(-1).numpy())
+            expected.append(references[:, 1:].reshape(-1).numpy())
+        eval_metric = accuracy(np.concatenate(predicted), np.concatenate(expected))
+        with contextlib.redirect_stdout(io.StringIO()):
+            accelerator.print(f"epoch {epoch}:", eval_metric)
+        evals.append(eval_metric["accuracy"])
+    accelerator.end_training()
+    return {"losses": losses, "rates": rates, "evals": evals, "params": whole(accelerator.unwrap_model(model)),
+            "files": digests(output_dir)}

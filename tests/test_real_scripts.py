@@ -7,6 +7,7 @@ lost, none touched that the script did not write)."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -94,3 +95,48 @@ def test_run_clm_trains_evaluates_saves_and_resumes_as_one_process(tmp_path, wor
     _close_params(got["resumed"]["params"], reference["params"])
     _close_logs(got["resumed"]["history"], one["history"])
     _close_logs([got["resumed"]["eval"]], [reference["eval"]])
+
+
+def _nlp_rank(layout: str | None, folder: str) -> dict:
+    """complete_nlp_example.py, then the same resumed from its step-4 state (``load_state``). Its last line,
+    ``end_training``, destroys the world of plain processes: the pool's is kept (tpflow keeps its own itself)."""
+    with within(300), mock.patch.object(torch.distributed, "destroy_process_group", lambda group=None: None):
+        first = real_scripts.complete_nlp_example(os.path.join(folder, "out"), layout)
+        resumed = real_scripts.complete_nlp_example(os.path.join(folder, "resumed"), layout,
+                                                    os.path.join(folder, "out", "step_4"))
+    return {"first": first, "resumed": resumed}
+
+
+def _close_run(got: dict, want: dict) -> None:
+    assert got["evals"] == want["evals"]  # the epochs' accuracies over the gathered predictions
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-6, atol=0)
+    assert got["rates"] == pytest.approx(want["rates"], rel=1e-12)  # the schedule stepped as the processes step it
+    _close_params(got["params"], want["params"])
+
+
+@pytest.mark.parametrize("world, layout", [(2, "1d"), (4, "2x2")])
+def test_accelerate_complete_nlp_example_as_its_processes(tmp_path, world, layout):
+    """1-D: one plain process; 2 x 2: its two data-parallel rows as two plain processes (DDP), each row's numbers
+    its process's. A prepared scheduler steps once a step a row; save_state / load_state resume where the run
+    ended; the argmax of the split logits gathers for metrics."""
+    pytest.importorskip("accelerate")
+    rows = 2 if layout == "2x2" else 1
+    if rows == 1:
+        want = [real_scripts.complete_nlp_example(str(tmp_path / "one" / "out"))]
+        want[0]["resumed"] = real_scripts.complete_nlp_example(str(tmp_path / "one" / "resumed"), None,
+                                                               str(tmp_path / "one" / "out" / "step_4"))
+        want = [{"first": want[0], "resumed": want[0].pop("resumed")}]
+    else:
+        want = harness.run(rows, _nlp_rank, None, str(tmp_path / "one"), timeout=600)
+    got = harness.run(world, _nlp_rank, layout, str(tmp_path / "ranks"), timeout=600)
+    for rank, run in enumerate(got):
+        reference = want[rank * rows // world]
+        _close_run(run["first"], reference["first"])
+        _close_run(run["resumed"], reference["resumed"])
+    files = got[0]["first"]["files"]
+    assert files.keys() == want[0]["first"]["files"].keys(), files.keys() ^ want[0]["first"]["files"].keys()
+    # one process resumes from the ranks' step-4 state as from its own
+    if rows == 1:
+        one = real_scripts.complete_nlp_example(str(tmp_path / "one" / "cross"), None,
+                                                str(tmp_path / "ranks" / "out" / "step_4"))
+        _close_run(one, want[0]["resumed"])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 import tpflow as tpf
 from tests import harness
@@ -288,6 +289,23 @@ def _autocast_checks():
     torch.testing.assert_close(head.bias.grad.full_tensor(), lin.bias.grad, rtol=5e-2, atol=5e-3)
 
 
+def _argmax_checks():
+    """argmax / argmin along a split dim (the logits' over the vocabulary, or any other), with ties, a leading dim of
+    1 (generate's batch; torch's own handler fails there), uneven blocks and keepdim: one device's indices, whole on
+    every rank; split along another dim, torch's own result."""
+    for shape in [(1, 8, 37), (4, 8, 37), (1, 1, 37), (2, 5), (3,)]:
+        x = torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(len(shape))).double()
+        for dim in range(len(shape)):
+            split = tpf.tensor(x, placement=all_ranks(), sbp=tpf.sbp.split(dim))
+            for op, keepdim in ((torch.argmax, False), (torch.argmin, False), (torch.argmax, True)):
+                got = op(split, dim, keepdim=keepdim)
+                assert got.placements == (Replicate(),) and torch.equal(got.full_tensor(), op(x, dim, keepdim)), \
+                    (shape, dim, op.__name__, keepdim)
+            if len(shape) > 1:
+                other = tpf.tensor(x, placement=all_ranks(), sbp=tpf.sbp.split((dim + 1) % len(shape)))
+                assert torch.equal(other.argmax(dim).full_tensor(), x.argmax(dim)), (shape, dim)
+
+
 def _vocab_rank():
     # the Triton kernels (the interpreter here) compute on each rank's block alike: 1 rank, and 3 (uneven blocks)
     kinds = ((torch.float64, "torch"), (torch.float32, "triton"))[:2 if dist.get_world_size() in (1, 3) else 1]
@@ -299,6 +317,7 @@ def _vocab_rank():
     _embedding_checks()
     _tied_checks()
     _autocast_checks()
+    _argmax_checks()
     if dist.get_world_size() == 4:
         _two_d_checks()
     with pytest.raises(ValueError, match=r"target 37 is outside the 37 classes \[0, 37\)"):

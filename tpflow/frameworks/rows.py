@@ -174,8 +174,8 @@ def show(placement: Placement) -> Rows | None:
 
 
 def release() -> None:
-    """The frameworks see the world's processes again (and accelerate's state is reset, as it was read under the
-    rows): for a process that goes on without the model, such as a test's worker.
+    """The frameworks see the world's processes again, and accelerate's state is reset (it was read under the rows,
+    or set up for another run): for a process that goes on without the model, such as a test's worker.
 
     Example::
 
@@ -184,8 +184,6 @@ def release() -> None:
         True
     """
     global _CURRENT
-    if _CURRENT is None:
-        return
     from tpflow.frameworks import view
 
     _CURRENT = None

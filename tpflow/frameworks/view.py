@@ -13,7 +13,8 @@ one process per row without being named:
   (as ``torch.distributed`` or ``dist``) through a view whose default group is the rows: a gather, reduction or
   all-to-all runs over this rank's column (its tensor-parallel coordinate in every row, which holds what its row's
   leader holds), a broadcast "from process p" sends row p's leader's value to every rank, a barrier holds every
-  rank. An explicit ``group=`` is the caller's own and passes through.
+  rank, and their teardown of the world (accelerate's ``end_training``) leaves it to tpflow's at exit. An explicit
+  ``group=`` is the caller's own and passes through.
 
 A global tensor reaching accelerate's gather (split logits, or their argmax) is made whole first (every rank
 gathers it, as every rank calls the gather), so an evaluation loop gathers what one device holds; any other
@@ -124,6 +125,13 @@ def _world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if rows is None or group is not None else rows.rows
 
 
+def _destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """A framework's teardown of its world (accelerate's ``end_training``): the world is tpflow's, whose placements
+    hold its groups, and tpflow tears it down at exit (``tpflow.world``), so a script may go on using the model."""
+    if current() is None or group is not None:
+        dist.destroy_process_group(group)
+
+
 def _module_view(name: str, real: types.ModuleType, overrides: dict[str, object]) -> types.ModuleType:
     """A module object holding ``real``'s names, some overridden; a name ``real`` gains later is looked up there."""
 
@@ -139,11 +147,11 @@ def _module_view(name: str, real: types.ModuleType, overrides: dict[str, object]
 
 _DIST = _module_view("torch.distributed", dist, {
     **{name: _framework_collective(name) for name in (*_COLUMN, *_FROM_LEADER, *_EVERY_RANK) if hasattr(dist, name)},
-    "get_rank": _rank, "get_world_size": _world_size})
+    "get_rank": _rank, "get_world_size": _world_size, "destroy_process_group": _destroy_process_group})
 _TORCH = _module_view("torch", torch, {"distributed": _DIST})
 _SWAP = {id(torch): _TORCH, id(dist): _DIST, **{id(getattr(dist, n)): getattr(_DIST, n) for n in
                                                  (*_COLUMN, *_FROM_LEADER, *_EVERY_RANK, "get_rank",
-                                                  "get_world_size") if hasattr(dist, n)}}
+                                                  "get_world_size", "destroy_process_group") if hasattr(dist, n)}}
 
 
 def _in_scope(module_name: str) -> bool:
@@ -249,8 +257,8 @@ def _gathers_whole(gather: Callable, recursively_apply: Callable) -> Callable:
 
 
 def forget() -> None:
-    """After ``rows.release``: accelerate's state, read under the rows, is reset (the next ``Accelerator`` or
-    ``TrainingArguments`` reads the world again).
+    """After ``rows.release``: accelerate's state is reset (the next ``Accelerator`` or ``TrainingArguments`` reads
+    the world again).
 
     Example::
 
@@ -259,3 +267,4 @@ def forget() -> None:
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()

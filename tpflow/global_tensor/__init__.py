@@ -13,11 +13,12 @@
     gradients   partial-sum gradients summed in buckets by the backward (reducer) or before a step
     replicas    check_replicas: the copies of a broadcast parameter compared bit for bit over its ranks
     collectives torch.distributed's collectives given a global tensor: refused with what to do
+    argmax      argmax / argmin along a split dim (the logits' over the vocabulary), whole indices
 """
 
 from __future__ import annotations
 
-from tpflow.global_tensor import collectives, gradients
+from tpflow.global_tensor import argmax, collectives, gradients
 from tpflow.global_tensor.blocks import get_placement, get_sbp, to_local
 from tpflow.global_tensor.convert import to_global
 from tpflow.global_tensor.creation import full, ones, rand, randn, tensor, zeros
@@ -27,6 +28,6 @@ from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
 from tpflow.global_tensor.replicas import check_replicas
 
-__all__ = ["check_replicas", "clip_grad_norm_", "collectives", "cross_entropy", "from_local", "full", "get_placement",
-           "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor", "to_global", "to_local",
-           "vocab_parallel_loss", "zeros"]
+__all__ = ["argmax", "check_replicas", "clip_grad_norm_", "collectives", "cross_entropy", "from_local", "full",
+           "get_placement", "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor", "to_global",
+           "to_local", "vocab_parallel_loss", "zeros"]
