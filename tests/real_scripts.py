@@ -262,3 +262,73 @@ def complete_nlp_example(output_dir: str, layout: str | None = None, resume_from
     accelerator.end_training()
     return {"losses": losses, "rates": rates, "evals": evals, "params": whole(accelerator.unwrap_model(model)),
             "files": digests(output_dir)}
+
+
+def saved_model(folder: str, reward: bool = False) -> str:
+    """The tiny model and its tokenizer saved as a hub checkpoint is (what TRL's quickstarts name by id; TRL builds
+    its reference model from that path). Returns the folder."""
+    import transformers
+
+    from tests.models import tiny_lm, tiny_tokenizer
+
+    model = tiny_lm("llama")
+    if reward:
+        model.config.num_labels, model.config.pad_token_id = 1, 0
+        torch.manual_seed(0)
+        model = transformers.AutoModelForSequenceClassification.from_config(model.config).double()
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _prompts(n: int) -> list[str]:
+    return [" ".join(t.split()[:3]) for t in texts(n, seed=2)]
+
+
+def reward_unique_words(completions, **kwargs) -> list[float]:
+    """TRL's quickstart reward (``len(set(completion))``), over words: a tiny tokenizer's completions are words."""
+    return [float(len(set(c.split()))) for c in completions]
+
+
+def trl_trainer(kind: str, model_path: str, output_dir: str, layout: str | None = None, batch: int = 4,
+                **config) -> dict:
+    """A TRL quickstart: the model from its folder, the config, the trainer, ``train()``; ``kind`` is ``"grpo"``,
+    ``"dpo"``, ``"reward"`` or ``"sft"``. The config is TRL's defaults (``bf16=True``: autocast, which leaves the
+    fp64 model fp64) but the run's length, logging, the lr and ``config``. Returns its log history and the trained
+    parameters."""
+    import datasets
+    import transformers
+    import trl
+
+    model_class = transformers.AutoModelForSequenceClassification if kind == "reward" else \
+        transformers.AutoModelForCausalLM
+    model = model_class.from_pretrained(model_path, dtype=torch.float64)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    model = split(model, layout)  # the documented line (before the config: TRL's GRPO counts processes there)
+    prompts = _prompts(16)
+    words = texts(32, seed=3)
+    common = {"output_dir": output_dir, "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-3,
+              "per_device_train_batch_size": batch, "save_strategy": "no", "report_to": [], "use_cpu": True,
+              "seed": 0, "disable_tqdm": True, **config}
+    if kind == "grpo":
+        args = trl.GRPOConfig(max_completion_length=6, **common)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_unique_words, args=args, processing_class=tokenizer,
+                                  train_dataset=datasets.Dataset.from_dict({"prompt": prompts}))
+    elif kind == "dpo":
+        data = {"prompt": prompts, "chosen": words[:16], "rejected": words[16:]}
+        trainer = trl.DPOTrainer(model=model, args=trl.DPOConfig(**common), processing_class=tokenizer,
+                                 train_dataset=datasets.Dataset.from_dict(data))
+    elif kind == "reward":
+        data = {"chosen": [f"{p} {w}" for p, w in zip(prompts, words)],
+                "rejected": [f"{p} {w}" for p, w in zip(prompts, words[16:])]}
+        trainer = trl.RewardTrainer(model=model, args=trl.RewardConfig(**common), processing_class=tokenizer,
+                                    train_dataset=datasets.Dataset.from_dict(data))
+    else:
+        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(max_length=16, **common), processing_class=tokenizer,
+                                 train_dataset=datasets.Dataset.from_dict({"text": words}))
+    if layout is not None:
+        tpf.adopt(trainer)  # the documented line
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    return {"history": [{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second", "total_flos"))}
+                        for h in trainer.state.log_history], "params": whole(model)}

@@ -367,10 +367,56 @@ def test_lightning_fabric_model_parallel_strategy_trains_as_one_device(world, la
     harness.run(world, _fabric_rank, (losses, _whole(model)), layout)
 
 
+def _rows_rank() -> None:
+    """From parallelize on, accelerate and Trainer's arguments see the data-parallel rows as their processes: the
+    counts, the main process (one rank), their collectives (a gather over the rows, a broadcast from a row's leader
+    to every rank, an explicit group passing through, a global tensor gathered whole)."""
+    from accelerate.utils import broadcast_object_list, gather, gather_object, reduce
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = "2x2" if world == 4 else "1d"
+    args = transformers.TrainingArguments("unused", report_to=[], use_cpu=True)  # built before: read live
+    model = _parallel(layout, vocab_parallel=True)
+    rows, row = (2, rank // 2) if layout == "2x2" else (1, 0)
+    state = accelerate.PartialState(cpu=True)
+    assert (state.num_processes, state.process_index, state.local_process_index) == (rows, row, row)
+    assert (args.world_size, args.process_index) == (rows, row)
+    assert state.is_main_process == args.should_save == args.should_log == (rank == 0)
+    assert gather(torch.tensor([float(row)])).tolist() == list(map(float, range(rows)))
+    assert reduce(torch.tensor([row + 1.0]), reduction="sum").item() == rows * (rows + 1) / 2
+    assert gather_object([row]) == list(range(rows))
+    told = broadcast_object_list([rank if state.is_main_process or rank == 2 else None], from_process=rows - 1)
+    assert told == [2 if rows == 2 else 0]  # from the last row's leader, to every rank
+    world_sum = torch.ones(1)
+    accelerate.utils.operations.torch.distributed.all_reduce(world_sum, group=dist.group.WORLD)
+    assert world_sum.item() == world  # an explicit group is the caller's
+    ids = torch.randint(0, 50, (1, 6))  # a batch of one: the argmax torch's own handler fails on
+    logits = model(ids).logits
+    whole = gather(logits.argmax(-1))  # split logits' argmax, gathered whole (accelerate's own gather)
+    assert not isinstance(whole, torch.distributed.tensor.DTensor)
+    assert torch.equal(whole, torch.cat([logits.full_tensor().argmax(-1)] * rows))
+    with pytest.raises(ValueError, match="got a global tensor laid out .* take the whole value first"):
+        dist.all_gather([torch.empty(1, 6, dtype=torch.int64)] * world, logits.argmax(-1))  # the user's own
+
+
+def test_the_frameworks_see_the_rows_as_their_processes():
+    harness.run(2, _rows_rank)
+    harness.run(4, _rows_rank)
+
+
 def _refusals_rank() -> None:
+    trl = pytest.importorskip("trl")
     with pytest.raises(ValueError, match="was not parallelized"):
         tpf.adopt(accelerate.Accelerator(cpu=True), torch.nn.Linear(2, 2))
+    early = trl.GRPOConfig("unused", per_device_train_batch_size=2, num_generations=2, report_to=[], use_cpu=True)
+    model = _parallel("1d", vocab_parallel=True)
+    late = trl.GRPOConfig("unused", per_device_train_batch_size=2, num_generations=2, report_to=[], use_cpu=True)
+    assert (early.generation_batch_size, late.generation_batch_size) == (4, 2)  # 2 processes; then one row
+    with pytest.raises(ValueError, match=r"GRPOConfig was built before tpf.parallelize: it took "
+                                         r"generation_batch_size=4 from 2 processes, .* generation_batch_size=2"):
+        tpf.adopt(transformers.Trainer(model=model, args=early))
+    tpf.adopt(transformers.Trainer(model=model, args=late))
 
 
-def test_adopt_refuses_a_model_parallelize_did_not_change():
+def test_adopt_refuses_a_model_parallelize_did_not_change_and_a_config_counted_over_every_rank():
     harness.run(2, _refusals_rank)

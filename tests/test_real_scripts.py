@@ -21,7 +21,7 @@ pytest.importorskip("datasets").disable_progress_bars()
 from tests import real_scripts  # noqa: E402  (after the skips: it imports transformers' and datasets' users)
 
 PARAMS_TOL = 1e-4  # the vocabulary-parallel loss sums its fp32 terms in another order than the model's own fp32 loss
-_TIMINGS = ("runtime", "per_second", "total_flos")
+_TIMINGS = ("runtime", "per_second", "total_flos", "step_time")  # how long, not what
 
 
 def _clm_argv(folder: str, batch: int, resume: str | None = None) -> list[str]:
@@ -140,3 +140,36 @@ def test_accelerate_complete_nlp_example_as_its_processes(tmp_path, world, layou
         one = real_scripts.complete_nlp_example(str(tmp_path / "one" / "cross"), None,
                                                 str(tmp_path / "ranks" / "out" / "step_4"))
         _close_run(one, want[0]["resumed"])
+
+
+def _trl_rank(kind: str, model_path: str, folder: str, layout: str | None, config: dict) -> dict:
+    with within(300), mock.patch.object(torch.distributed, "destroy_process_group", lambda group=None: None):
+        return real_scripts.trl_trainer(kind, model_path, folder, layout, **config)
+
+
+_TRL = [("grpo", 2, "1d", {"num_generations": 4, "scale_rewards": "group", "beta": 0.0}),
+        ("grpo", 2, "1d", {"num_generations": 2, "scale_rewards": "batch", "beta": 0.04}),
+        ("grpo", 4, "2x2", {"num_generations": 2, "scale_rewards": "batch", "beta": 0.04}),
+        ("dpo", 2, "1d", {}), ("dpo", 4, "2x2", {}), ("reward", 2, "1d", {}), ("reward", 4, "2x2", {}),
+        ("sft", 4, "2x2", {})]
+
+
+@pytest.mark.parametrize("kind, world, layout, config", _TRL, ids=[f"{k}-{w}-{lay}-{'-'.join(map(str, c.values()))}"
+                                                                  for k, w, lay, c in _TRL])
+def test_trl_trainers_as_their_processes(tmp_path, kind, world, layout, config):
+    """TRL's GRPO (scale_rewards both ways, beta 0 and above, num_generations above 1: sampled completions, rewards
+    and their statistics over the batch), DPO (its reference model built from the model's folder), Reward and SFT
+    trainers, with TRL's default bf16 autocast: every logged number and the trained parameters of one plain process
+    (1-D), or of the rows as plain DDP processes (2 x 2)."""
+    pytest.importorskip("trl")
+    rows = 2 if layout == "2x2" else 1
+    model_path = real_scripts.saved_model(str(tmp_path / "model"), reward=kind == "reward")
+    if rows == 1:
+        want = [real_scripts.trl_trainer(kind, model_path, str(tmp_path / "one"), None, **config)]
+    else:
+        want = harness.run(rows, _trl_rank, kind, model_path, str(tmp_path / "one"), None, config, timeout=600)
+    got = harness.run(world, _trl_rank, kind, model_path, str(tmp_path / "ranks"), layout, config, timeout=600)
+    for rank, run in enumerate(got):
+        reference = want[rank * rows // world]
+        _close_logs(run["history"], reference["history"])
+        _close_params(run["params"], reference["params"])

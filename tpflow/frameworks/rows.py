@@ -25,9 +25,9 @@ __all__ = ["Rows", "current", "data_rows", "release", "rows_of", "show"]
 
 @dataclass(frozen=True)
 class Rows:
-    """This rank's place among a placement's data-parallel rows.
+    """This rank's place among a placement's data-parallel rows (``rows_of`` makes it).
 
-    Attributes:
+    Args:
         row: the row this rank computes (the frameworks' process index).
         rows: how many rows (the frameworks' process count).
         local_row: ``row``'s index among the rows with a rank on this node.
@@ -35,6 +35,12 @@ class Rows:
         leaders: each row's leader's global rank, in row order.
         column: the ranks at this rank's tensor-parallel coordinate, one a row, in row order.
         placement: the placement the rows are of.
+
+    Example::
+
+        >>> rows = rows_of(tpf.placement("cpu", ranks=[[0], [1]]))     # two rows of one rank
+        >>> rows.rows, rows.row == tpf.get_rank(), rows.leader, rows.leaders
+        (2, True, True, (0, 1))
     """
 
     row: int

@@ -89,7 +89,25 @@ def _adapters(folder: str) -> bool:
 
 class TrainerCheckpoints:
     """A ``Trainer``'s checkpoints of a split model (see the module's docstring): its methods take the place of the
-    trainer's own."""
+    trainer's own (``adopt`` makes one).
+
+    Args:
+        trainer: the ``transformers.Trainer`` (TRL's too) holding ``model``.
+        model: the split model (a PEFT model of one included).
+
+    Example::
+
+        >>> import tempfile, transformers
+        >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        >>> model = tpf.parallelize(transformers.AutoModelForCausalLM.from_config(config),
+        ...                         placement=tpf.placement("cpu", ranks=[0, 1]), plan="auto")
+        >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), report_to=[], use_cpu=True)
+        >>> trainer = transformers.Trainer(model=model, args=args)
+        >>> checkpoints = TrainerCheckpoints(trainer, model)
+        >>> trainer._load_from_checkpoint == checkpoints.load_model
+        True
+    """
 
     def __init__(self, trainer: Any, model: nn.Module) -> None:
         self.trainer, self.model = trainer, model
