@@ -167,8 +167,7 @@ def references(tmp_path_factory) -> dict[int, dict]:
     return {rows: _reference(rows, str(tmp_path_factory.mktemp(f"one-device-{rows}"))) for rows in (1, 2)}
 
 
-@pytest.mark.parametrize("world, layout, vocab_parallel", [(2, "1d", False), (2, "1d", True), (4, "1d", False),
-                                                           (4, "2x2", False)])
+@pytest.mark.parametrize("world, layout, vocab_parallel", [(2, "1d", False), (2, "1d", True), (4, "2x2", False)])
 def test_trainer_trains_a_parallelized_model_as_one_device(references, tmp_path, world, layout, vocab_parallel):
     from tests.models import tiny_lm
 

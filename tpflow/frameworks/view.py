@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -37,9 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from tpflow.frameworks.rows import current
 from tpflow.global_tensor.collectives import collective_misuse
 
-__all__ = ["FRAMEWORKS", "forget", "install", "whole_for_collective"]
-
-FRAMEWORKS = ("accelerate", "trl", "transformers.trainer", "transformers.training_args")  # modules given the view
+__all__ = ["forget", "install", "whole_for_collective"]
 
 # torch.distributed's functions with a default group, by how a framework's default group maps onto the rows:
 # over this rank's column (the argument naming a peer process, a row, beside), from a row's leader, over every rank
@@ -133,36 +132,34 @@ def _destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
 
 
 def _module_view(name: str, real: types.ModuleType, overrides: dict[str, object]) -> types.ModuleType:
-    """A module object holding ``real``'s names, some overridden; a name ``real`` gains later is looked up there."""
+    """A module object whose names are ``real``'s, looked up there on each use (a patched one too), but
+    ``overrides``."""
 
     class View(types.ModuleType):
         def __getattr__(self, attr: str) -> object:
             return getattr(real, attr)
 
     view = View(name, real.__doc__)
-    view.__dict__.update({k: v for k, v in vars(real).items() if not k.startswith("__")})
     view.__dict__.update(overrides)
     return view
 
 
+_VIEWED = (*_COLUMN, *_FROM_LEADER, *_EVERY_RANK)
 _DIST = _module_view("torch.distributed", dist, {
-    **{name: _framework_collective(name) for name in (*_COLUMN, *_FROM_LEADER, *_EVERY_RANK) if hasattr(dist, name)},
+    **{name: _framework_collective(name) for name in _VIEWED if hasattr(dist, name)},
     "get_rank": _rank, "get_world_size": _world_size, "destroy_process_group": _destroy_process_group})
 _TORCH = _module_view("torch", torch, {"distributed": _DIST})
-_SWAP = {id(torch): _TORCH, id(dist): _DIST, **{id(getattr(dist, n)): getattr(_DIST, n) for n in
-                                                 (*_COLUMN, *_FROM_LEADER, *_EVERY_RANK, "get_rank",
-                                                  "get_world_size", "destroy_process_group") if hasattr(dist, n)}}
-
-
-def _in_scope(module_name: str) -> bool:
-    return module_name.split(".")[0] in ("accelerate", "trl") or module_name.startswith(FRAMEWORKS[2:])
+_SWAP = {id(torch): _TORCH, id(dist): _DIST,  # what a framework's module may bind, and what it binds instead
+         **{id(getattr(dist, name)): view for name, view in vars(_DIST).items() if callable(view)
+            and hasattr(dist, name)}}
+_SCOPE = re.compile(r"(accelerate|trl)(\.|$)|transformers\.(trainer|training_args)")  # the frameworks' modules
 
 
 def _rebind_modules() -> None:
     """The frameworks' loaded modules read torch.distributed through the view (a name bound to torch, to
     torch.distributed, or to one of its functions)."""
     for module_name, module in list(sys.modules.items()):
-        if module is None or not _in_scope(module_name):
+        if module is None or not _SCOPE.match(module_name):
             continue
         names = vars(module)
         for key, value in list(names.items()):
@@ -200,12 +197,12 @@ def _leader_only(getter: Callable) -> property:
     return property(leading)
 
 
-def _patch_class(cls: type, names: tuple[str, ...], make: Callable[[object], object]) -> None:
-    if cls.__dict__.get("_tpflow_rows"):
-        return
-    for name in names:
-        setattr(cls, name, make(cls.__dict__[name]))
-    cls._tpflow_rows = True
+def _install_once(cls: type, attributes: dict[str, object]) -> None:
+    """Set ``attributes`` on a framework's class, once (``install`` runs at each ``parallelize`` and ``adopt``)."""
+    if not cls.__dict__.get("_tpflow_rows"):
+        for name, value in attributes.items():
+            setattr(cls, name, value)
+        cls._tpflow_rows = True
 
 
 def install() -> None:
@@ -223,22 +220,23 @@ def install() -> None:
         from accelerate.utils import operations
     except ImportError:
         return
-    for cls in (PartialState, AcceleratorState):
-        if not cls.__dict__.get("_tpflow_rows"):
-            cls.num_processes = _Counted("num_processes", lambda rows: rows.rows)
-            cls.process_index = _Counted("process_index", lambda rows: rows.row)
-            cls.local_process_index = _Counted("local_process_index", lambda rows: rows.local_row)
-    _patch_class(PartialState, ("is_main_process", "is_local_main_process"), lambda p: _leader_only(p.fget))
-    AcceleratorState._tpflow_rows = True
+    counts = {"num_processes": _Counted("num_processes", lambda rows: rows.rows),
+              "process_index": _Counted("process_index", lambda rows: rows.row),
+              "local_process_index": _Counted("local_process_index", lambda rows: rows.local_row)}
+    _install_once(AcceleratorState, counts)  # its main process is PartialState's
+    _install_once(PartialState, {**counts, **{name: _leader_only(PartialState.__dict__[name].fget)
+                                               for name in ("is_main_process", "is_local_main_process")}})
     if not getattr(operations._gpu_gather, "_tpflow_rows", False):
         operations._gpu_gather = _gathers_whole(operations._gpu_gather, operations.recursively_apply)
     arguments = sys.modules.get("transformers.training_args")
     if arguments is not None:
-        _patch_class(arguments.TrainingArguments, ("should_save", "should_log"), lambda p: _leader_only(p.fget))
+        cls = arguments.TrainingArguments
+        _install_once(cls, {name: _leader_only(cls.__dict__[name].fget) for name in ("should_save", "should_log")})
     trainer = sys.modules.get("transformers.trainer")
     if trainer is not None:
-        _patch_class(trainer.Trainer, ("is_world_process_zero", "is_local_process_zero"),
-                     lambda method: _leader_only(method).fget)
+        cls = trainer.Trainer
+        _install_once(cls, {name: _leader_only(cls.__dict__[name]).fget
+                            for name in ("is_world_process_zero", "is_local_process_zero")})
     _rebind_modules()
 
 
