@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT
-from tpflow.launch import _report, parse_args, script_env, torchrun_args
+from tpflow.launch import parse_args, script_env, torchrun_args
+from tpflow.launch_report import report
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -135,8 +136,8 @@ def test_failure_report_groups_errors_and_names_the_ranks_without_one():
     # message; then ranks that ended without a Python error, with their exit code or signal
     errors = {r: _error(r, "ValueError: bad degree", 10.0 + r) for r in (3, 0, 1, 2)}
     errors[5] = _error(5, "RuntimeError: Connection reset by peer", 12.0, where="")
-    report = _report(errors, {0: 1, 1: 1, 2: 1, 3: 1, 4: -9, 5: 1, 7: -15, 8: 3, 9: -15})
-    assert report.splitlines() == [
+    said = report(errors, {0: 1, 1: 1, 2: 1, 3: 1, 4: -9, 5: 1, 7: -15, 8: 3, 9: -15})
+    assert said.splitlines() == [
         "Traceback (most recent call last):", '  File "train.py", line 3, in <module>', "    ...",
         "ValueError: bad degree  # rank 0",
         "tpflow.launch: ranks 0-3 raised this error",
@@ -146,16 +147,16 @@ def test_failure_report_groups_errors_and_names_the_ranks_without_one():
         "tpflow.launch: rank 8 exited with code 3 and no Python error",
         "tpflow.launch: ranks 7, 9 were stopped (SIGTERM)",
     ]
-    assert _report({r: _error(r, "E: x", 5.0 - r) for r in (2, 0)}, {0: 1, 2: 1}).splitlines()[-2:] == [
+    assert report({r: _error(r, "E: x", 5.0 - r) for r in (2, 0)}, {0: 1, 2: 1}).splitlines()[-2:] == [
         "E: x  # rank 0", "tpflow.launch: ranks 0, 2 raised this error"]  # rank 0's, though rank 2 raised first
-    assert _report({}, {1: -15}) == "tpflow.launch: rank 1 was killed by SIGTERM (exit code -15) with no Python error"
+    assert report({}, {1: -15}) == "tpflow.launch: rank 1 was killed by SIGTERM (exit code -15) with no Python error"
 
 
 def test_a_killed_rank_is_said_before_the_others_losing_it():
     # rank 4 was killed (a SIGKILL, a C++ abort); the first error is the survivors' word that a peer is gone: the
     # death is the cause, said first
     errors = {r: _error(r, "RuntimeError: Connection closed by peer", 9.0 + r) for r in (0, 1)}
-    lines = _report(errors, {0: 1, 1: 1, 4: -6, 7: -15}).splitlines()
+    lines = report(errors, {0: 1, 1: 1, 4: -6, 7: -15}).splitlines()
     assert lines[0].startswith("tpflow.launch: rank 4 was killed by SIGABRT (exit code -6) with no Python error (a C++ "
                                "library aborted"), lines
     assert "collective with different sizes" in lines[0]
@@ -167,7 +168,7 @@ def test_a_rank_that_left_early_is_said_first():
     # and rank 1 is not said to have been stopped
     errors = {0: _error(0, "RuntimeError: Connection closed by peer", 20.0)}
     exits = {1: {"rank": 1, "time": 19.0, "how": "called sys.exit(0)"}, 2: {"rank": 2, "time": 25.0, "how": "x"}}
-    lines = _report(errors, {0: 1, 1: -15, 2: -15}, exits).splitlines()
+    lines = report(errors, {0: 1, 1: -15, 2: -15}, exits).splitlines()
     assert lines[0].startswith("tpflow.launch: rank 1 left early: it called sys.exit(0) while the other ranks went on")
     assert lines[-2:] == ["tpflow.launch: rank 0 raised this error", "tpflow.launch: rank 2 was stopped (SIGTERM)"]
 
