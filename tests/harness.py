@@ -53,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
         except BaseException:
             conn.send(("error", traceback.format_exc()))
         finally:  # the next test's frameworks see the world, whatever this one parallelized
-            tpflow.frameworks.rows.release()
+            tpflow.frameworks.view.forget()
 
 
 class Pool:

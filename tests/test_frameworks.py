@@ -378,9 +378,14 @@ def _rows_rank() -> None:
     model = _parallel(layout, vocab_parallel=True)
     rows, row = (2, rank // 2) if layout == "2x2" else (1, 0)
     state = accelerate.PartialState(cpu=True)
-    assert (state.num_processes, state.process_index, state.local_process_index) == (rows, row, row)
+    assert (state.num_processes, state.process_index, state.local_process_index) == (rows, row, rank)  # its GPU's
     assert (args.world_size, args.process_index) == (rows, row)
     assert state.is_main_process == args.should_save == args.should_log == (rank == 0)
+    assert state.is_last_process == (rank == world - world // rows) and state.use_distributed  # rows of several ranks
+    ran = []
+    state.on_main_process(lambda: ran.append(rank))()
+    state.on_process(lambda: ran.append(-rank), process_index=rows - 1)()
+    assert ran == ([0] if rank == 0 else []) + ([-rank] if rank == world - world // rows else [])
     assert gather(torch.tensor([float(row)])).tolist() == list(map(float, range(rows)))
     assert reduce(torch.tensor([row + 1.0]), reduction="sum").item() == rows * (rows + 1) / 2
     assert gather_object([row]) == list(range(rows))

@@ -253,12 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.module and not os.path.isfile(ns.script):
         parser.error(f"script {ns.script!r} not found")
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if ns.nproc_per_node > 1:  # torchrun's own default for its workers, set here so it does not warn about it
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.update(script_env(ns))
+    os.environ.update(script_env(ns))  # read by the workers torchrun starts from this process
+    try:
+        return _run(torchrun, args)
+    finally:
+        os.environ.pop(_SCRIPT_ENV, None)
+
+
+def _run(torchrun, args: list[str]) -> int:
+    """torchrun over the workers; the exit status, a failure said once."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     with errors_folder() as folder:
         try:
             torchrun.run(torchrun.parse_args(args))
@@ -273,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             return 128 + int(signum)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,10 +18,28 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["INCOMPLETE", "atomic_folder", "check_complete", "publish", "stage"]
+__all__ = ["INCOMPLETE", "atomic_folder", "check_complete", "is_weights_file", "publish", "stage"]
 
 INCOMPLETE = "INCOMPLETE"  # the marker file of a folder still being written
 _WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def is_weights_file(name: str) -> bool:
+    """Whether ``name`` is a Hugging Face model's weights file (a single file, a shard, or their index).
+
+    Args:
+        name: a file name.
+
+    Returns:
+        True for ``model.safetensors``, ``model-00001-of-00002.safetensors``, ``pytorch_model.bin``, their
+        ``.index.json``; False for anything else (an adapter's ``adapter_model.safetensors`` too).
+
+    Example::
+
+        >>> is_weights_file("model-00001-of-00002.safetensors"), is_weights_file("adapter_model.safetensors")
+        (True, False)
+    """
+    return _WEIGHTS.match(name) is not None
 
 
 def _staging(path: str) -> str:
@@ -66,10 +84,11 @@ def publish(folder: str, path: str | os.PathLike, *, keep_others: bool = False) 
         keep_others: ``path`` is a folder the save writes into, as ``save_pretrained`` does, not one it owns (a
             Trainer's output folder holds its checkpoints, its logs, a tokenizer): every entry there that this save
             does not write is left as it is, byte for byte, subfolders included, and the folder itself is never
-            replaced (a log file open there stays in it). Each new file replaces its namesake in one rename; the
-            weights files of an earlier save that this one does not write (shards of another count, a single file
-            beside a new index) are removed last, so that a kill half way leaves weights ``from_pretrained`` reads
-            whole, the earlier or the new.
+            replaced (a log file open there stays in it). Each new file replaces its namesake in one rename, the
+            weights first; the weights files of an earlier save that this one does not write (shards of another
+            count, a single file beside a new index) are removed after them, so that a kill half way leaves weights
+            ``from_pretrained`` reads whole, the earlier or the new, and the folder marked incomplete for tpflow's
+            loaders.
 
     Example::
 
@@ -93,10 +112,10 @@ def publish(folder: str, path: str | os.PathLike, *, keep_others: bool = False) 
         >>> root.cleanup()
     """
     path = os.fspath(path)
-    os.remove(os.path.join(folder, INCOMPLETE))
     if keep_others and os.path.isdir(path):
         _publish_into(folder, path)
         return
+    os.remove(os.path.join(folder, INCOMPLETE))
     old = None
     if os.path.lexists(path):
         old = os.path.normpath(path) + ".old"
@@ -108,20 +127,25 @@ def publish(folder: str, path: str | os.PathLike, *, keep_others: bool = False) 
 
 
 def _publish_into(folder: str, path: str) -> None:
-    """``folder``'s entries moved into ``path``: the weights' files first, their indexes next (so an index names
-    shards already there), the rest after; then the earlier save's weights files that this one did not write."""
+    """``folder``'s entries moved into ``path``, which holds the marker meanwhile (a save that stops half way is
+    refused on load): the weights' files first, their indexes next (an index names shards already there), then the
+    earlier save's weights files this one did not write (a single file, read before an index, goes last of all
+    weights), then the rest (the config)."""
+    os.replace(os.path.join(folder, INCOMPLETE), os.path.join(path, INCOMPLETE))
     new = os.listdir(folder)
-    order = sorted(new, key=lambda n: (0 if _WEIGHTS.match(n) and not n.endswith(".json") else
-                                       1 if _WEIGHTS.match(n) else 2, n))
-    for name in order:
+    weights = sorted((n for n in new if is_weights_file(n)), key=lambda n: (n.endswith(".json"), n))
+    stale = [n for n in os.listdir(path)
+             if is_weights_file(n) and n not in new and os.path.isfile(os.path.join(path, n))]
+    for name in weights:
+        os.replace(os.path.join(folder, name), os.path.join(path, name))
+    for name in sorted(stale, key=lambda n: not n.endswith(".json")):  # an old index before its shards
+        os.remove(os.path.join(path, name))
+    for name in sorted(set(new) - set(weights)):
         target = os.path.join(path, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
         os.replace(os.path.join(folder, name), target)
-    stale = [n for n in os.listdir(path)
-             if _WEIGHTS.match(n) and n not in new and os.path.isfile(os.path.join(path, n))]
-    for name in sorted(stale, key=lambda n: not n.endswith(".json")):  # an old index before its shards
-        os.remove(os.path.join(path, name))
+    os.remove(os.path.join(path, INCOMPLETE))
     os.rmdir(folder)
 
 

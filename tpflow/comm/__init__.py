@@ -13,6 +13,7 @@ live in ``tpflow.kernels``, and ``tpflow.ops`` combines the two.
     fake          FakeWorld: ranks as threads joined by emulated links, for tests and benchmarks
     wire          a tensor's shape, dtype and SBP (or an error) as a fixed-size message
     peers         a peer's failure said plainly: gone (a closed connection) or late (the rank waited for)
+    random_state  one random state for a group of ranks: the first rank's
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tpflow.comm.pairs import (
     reduce_scatter_to_ranks,
     scatter_to_ranks,
 )
+from tpflow.comm.random_state import share_random_state
 from tpflow.comm.transport import DistTransport, Handle, Transport, as_transport
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "reduce_scatter_to_ranks",
     "ring_bytes",
     "scatter_to_ranks",
+    "share_random_state",
     "shm",
     "stats",
     "wire",

@@ -24,6 +24,7 @@ from torch import nn
 
 from tpflow.frameworks.rows import Rows, show
 from tpflow.frameworks.states import TrainerCheckpoints, accelerate_hooks
+from tpflow.frameworks.view import install
 from tpflow.placement import Placement
 
 __all__ = ["adopt", "mark", "placement_of"]
@@ -33,7 +34,7 @@ _PLACEMENT = "_tpflow_placement"  # what parallelize leaves on the model it chan
 
 def mark(model: nn.Module, placement: Placement) -> None:
     """Leave on ``model`` the placement ``parallelize`` split it over (the one its batches are read by), for ``adopt``
-    to read, and make its rows what the frameworks see (``rows.show``).
+    to read, and make its rows what the frameworks see (``rows.show``, ``view.install``).
 
     Args:
         model: the model ``parallelize`` changed.
@@ -47,7 +48,8 @@ def mark(model: nn.Module, placement: Placement) -> None:
         (2,)
     """
     object.__setattr__(model, _PLACEMENT, placement)
-    show(placement)
+    if show(placement) is not None:
+        install()
 
 
 def placement_of(model: nn.Module) -> Placement | None:
@@ -114,7 +116,8 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
     if placement is None:
         raise ValueError("tpf.adopt takes a Trainer holding a model tpf.parallelize changed, or an Accelerator and "
                          "that model (model=): this one was not parallelized")
-    rows = show(placement)  # again: modules loaded since parallelize read torch.distributed through the view
+    rows = show(placement)  # the trainer's model's rows, whatever was parallelized since
+    install()  # again: modules loaded since parallelize read torch.distributed through the view
     if rows is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(f"tpf.adopt: the model's placement {placement!r} does not hold every rank of this world of "
                          f"{dist.get_world_size()}, so the frameworks' processes (its data-parallel rows) are not "
@@ -129,7 +132,7 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
         trainer.is_distributed_loading_by_transformers = True
         trainer._defer_fsdp_gradient_reduction = lambda: _fsdp_sync_deferred(trainer.model)  # theirs reads its
         # config.distributed_config, which a model FSDP2 sharded after tpflow split it has not
-        TrainerCheckpoints(trainer, held)
+        TrainerCheckpoints(trainer)
     prepare_model = accelerator.prepare_model
 
     def prepare_model_as_is(module: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):

@@ -7,13 +7,12 @@ rank at tensor-parallel coordinate 0, which writes what the row's process writes
 its tensor-parallel coordinate in every row (its *column*: one rank a row, in row order), over which the frameworks'
 gathers and reductions run.
 
-``show(placement)`` makes a placement's rows what the frameworks see (``tpflow.frameworks.view``); ``parallelize``
-calls it, so arguments, trainers and accelerators built after it see the rows from the start.
+``show(placement)`` makes a placement's rows what the frameworks see (``tpflow.frameworks.view`` says how they see
+them); ``parallelize`` calls it, so arguments, trainers and accelerators built after it see the rows from the start.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -30,11 +29,11 @@ class Rows:
     Args:
         row: the row this rank computes (the frameworks' process index).
         rows: how many rows (the frameworks' process count).
-        local_row: ``row``'s index among the rows with a rank on this node.
-        leader: whether this rank is its row's first (tensor-parallel coordinate 0).
+        leader: whether this rank is its row's first (tensor-parallel coordinate 0), which writes what the row's
+            process writes.
         leaders: each row's leader's global rank, in row order.
         column: the ranks at this rank's tensor-parallel coordinate, one a row, in row order.
-        placement: the placement the rows are of.
+        row_group: the ranks of this rank's row (its tensor-parallel group).
 
     Example::
 
@@ -45,16 +44,10 @@ class Rows:
 
     row: int
     rows: int
-    local_row: int
     leader: bool
     leaders: tuple[int, ...]
     column: dist.ProcessGroup
-    placement: Placement
-
-    @property
-    def main(self) -> bool:
-        """Whether this rank writes what the frameworks' main process writes: row 0's leader."""
-        return self.row == 0 and self.leader
+    row_group: dist.ProcessGroup
 
 
 _COLUMNS: dict[tuple, dict] = {}  # placement's ranks -> {tensor-parallel coordinate: its column's group}
@@ -91,17 +84,6 @@ def _row_of(placement: Placement, rank: int) -> tuple[int, int]:
     return row, rows
 
 
-def _node_ranks() -> range:
-    """The ranks on this rank's node, from torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` (one node without)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        first = rank - int(os.environ["LOCAL_RANK"])
-        node = range(first, first + int(os.environ["LOCAL_WORLD_SIZE"]))
-    except (KeyError, ValueError):
-        return range(world)
-    return node if rank in node and node.stop <= world else range(world)
-
-
 def rows_of(placement: Placement) -> Rows:
     """The rows of ``placement`` as this rank sees them; the columns' process groups are made on first use, so every
     rank calls it alike (``parallelize`` does, on every rank).
@@ -124,16 +106,18 @@ def rows_of(placement: Placement) -> Rows:
                          f"every rank of the world: {placement!r} holds {len(placement.flat_ranks)} of {world}")
     rank, tp = dist.get_rank(), placement.hierarchy[-1]
     by_rank = {r: _row_of(placement, r) for r in range(world)}
+    columns = [sorted((r for r in range(world) if placement.coordinate(r)[-1] == c), key=lambda r: by_rank[r][0])
+               for c in range(tp)]
+    if any(column != sorted(column) for column in columns):  # a group orders its ranks: it must be the rows' order
+        raise ValueError(f"the data-parallel rows of {placement!r} do not increase with the ranks of each column "
+                         f"({columns}): order the data axes so that later rows hold higher ranks")
     key = tuple(placement.flat_ranks), placement.hierarchy
     if key not in _COLUMNS:  # every rank makes every column's group, in one order
-        columns = [[r for r in range(world) if placement.coordinate(r)[-1] == c] for c in range(tp)]
-        columns = [sorted(column, key=lambda r: by_rank[r][0]) for column in columns]
         _COLUMNS[key] = {c: dist.new_group(column) for c, column in enumerate(columns)}
     row, rows = by_rank[rank]
-    leaders = tuple(sorted((r for r in range(world) if placement.coordinate(r)[-1] == 0), key=lambda r: by_rank[r][0]))
-    local = sorted({by_rank[r][0] for r in _node_ranks()})
-    return Rows(row, rows, local.index(row), placement.coordinate(rank)[-1] == 0, leaders,
-                _COLUMNS[key][placement.coordinate(rank)[-1]], placement)
+    coordinate = placement.coordinate(rank)[-1]
+    return Rows(row, rows, coordinate == 0, tuple(columns[0]), _COLUMNS[key][coordinate],
+                placement.mesh.get_group(placement.ndim - 1))
 
 
 def current() -> Rows | None:
@@ -151,9 +135,8 @@ def current() -> Rows | None:
 
 
 def show(placement: Placement) -> Rows | None:
-    """Make ``placement``'s rows the processes the frameworks see (accelerate's state, ``Trainer``'s arguments, their
-    collectives: ``tpflow.frameworks.view``), from now on in this process. A placement that does not hold every rank,
-    or a world of one, changes nothing.
+    """Make ``placement``'s rows the processes the frameworks see from now on in this process (what they read of it:
+    ``tpflow.frameworks.view``). A placement that does not hold every rank, or a world of one, changes nothing.
 
     Args:
         placement: the placement a model was parallelized over.
@@ -171,17 +154,12 @@ def show(placement: Placement) -> Rows | None:
     if not dist.is_initialized() or dist.get_world_size() == 1 \
             or sorted(placement.flat_ranks) != list(range(dist.get_world_size())):
         return None
-    from tpflow.frameworks import view  # the view needs the rows; rows are imported by plans, which need no view
-
-    rows = rows_of(placement)
-    _CURRENT = rows
-    view.install()
-    return rows
+    _CURRENT = rows_of(placement)
+    return _CURRENT
 
 
 def release() -> None:
-    """The frameworks see the world's processes again, and accelerate's state is reset (it was read under the rows,
-    or set up for another run): for a process that goes on without the model, such as a test's worker.
+    """The frameworks see the world's processes again (``view.forget`` also resets what they read under the rows).
 
     Example::
 
@@ -190,7 +168,4 @@ def release() -> None:
         True
     """
     global _CURRENT
-    from tpflow.frameworks import view
-
     _CURRENT = None
-    view.forget()

@@ -1,42 +1,75 @@
 """What the frameworks save and load of a split model, in their own files and layouts, whole.
 
-- **An optimizer's state** (``whole_states``): ``optimizer.state_dict()`` gives one device's states, each state of a
-  global parameter gathered whole (every rank calls it, as accelerate's ``save_state`` and ``Trainer``'s checkpoints
-  do here), and ``load_state_dict`` takes one device's (or these) states, each rank cutting its block of each. So a
-  checkpoint resumes on the same ranks, on another layout, or on one device, and one device's resumes here.
+- **An optimizer's state**: ``whole_state_dict(optimizer)`` is one device's ``state_dict()``, each state of a global
+  parameter gathered whole (every rank calls it); an optimizer given ``takes_whole_states`` loads one device's (or
+  its own) states, each rank cutting its block of each. So a checkpoint resumes on the same ranks, on another layout,
+  or on one device, and one device's resumes here. The optimizer's own ``state_dict()`` is torch's (this rank's
+  blocks), so calling it on one rank alone still works.
 - **``Trainer``'s checkpoints** (``TrainerCheckpoints``): the model's safetensors (``save_model``: every rank
-  gathers, the main process writes), ``optimizer.pt`` as above, the scheduler's; a resume reads the safetensors
-  block by block, or, for a PEFT model, the adapter through ``Trainer``'s own loading (each adapter's whole tensors
-  cut into its layout); each row's random state is written by its leader only.
-- **accelerate's ``save_state`` / ``load_state``** (``accelerate_hooks``): the model's weights written whole (its
-  ``model.safetensors`` loads on one device) and read back block by block.
+  gathers, the main process writes), ``optimizer.pt`` whole, the scheduler's; a resume reads the safetensors block by
+  block, or, for a PEFT model, the adapter through ``Trainer``'s own loading (each adapter's whole tensors cut into
+  its layout); each row's random state is written by its leader alone, and after a resume every rank of a row draws
+  from its leader's state.
+- **accelerate** (``accelerate_hooks``): ``get_state_dict`` of a split model is one device's (on the main process,
+  as for FSDP), so ``save_model`` and ``save_state`` write whole weights; ``save_state`` writes the optimizers' states
+  whole, and a row's other ranks write what the row's process writes (its random states) into a scratch folder,
+  not over their leader's file; ``load_state`` reads the weights back block by block and ends with a row's ranks
+  drawing alike.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tpflow.checkpoint.atomic import is_weights_file
 from tpflow.checkpoint.export import full_state_dict
 from tpflow.checkpoint.load import load_safetensors
+from tpflow.comm.random_state import share_random_state
 from tpflow.frameworks.rows import current
 
-__all__ = ["TrainerCheckpoints", "accelerate_hooks", "whole_states"]
+__all__ = ["TrainerCheckpoints", "accelerate_hooks", "takes_whole_states", "whole_state_dict"]
 
 _OPTIMIZER, _SCHEDULER = "optimizer.pt", "scheduler.pt"  # transformers' names in a checkpoint folder
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
-def whole_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make ``optimizer``'s state dicts one device's: its ``state_dict()`` gathers each state of a global parameter
-    whole (call it on every rank), its ``load_state_dict`` cuts each whole state into this rank's block. Idempotent.
+def whole_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """One device's ``optimizer.state_dict()``: each state of a global parameter gathered whole. Every rank calls it.
 
     Args:
-        optimizer: a ``torch.optim`` optimizer over a split model's parameters (accelerate's wrapper: its own).
+        optimizer: a ``torch.optim`` optimizer (accelerate's wrapper: the one it holds) over a split model.
+
+    Returns:
+        The state dict, its tensors whole.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> layer = tpf.ColumnParallelLinear(4, 6, placement=P)
+        >>> optimizer = torch.optim.Adam(layer.parameters())
+        >>> layer(torch.ones(2, 4)).sum().backward()
+        >>> optimizer.step()
+        >>> whole_state_dict(optimizer)["state"][0]["exp_avg"].shape          # [6, 4] on every rank
+        torch.Size([6, 4])
+    """
+    state = getattr(optimizer, "optimizer", optimizer).state_dict()
+    return {**state, "state": {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in values.items()}
+                               for i, values in state["state"].items()}}
+
+
+def takes_whole_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.load_state_dict`` take one device's states (``whole_state_dict``'s): each rank cuts its block
+    of each whole state; a state laid out already, or of another shape (a step count), loads as it is. Idempotent.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer (accelerate's wrapper: the one it holds) over a split model.
 
     Returns:
         ``optimizer``.
@@ -45,35 +78,30 @@ def whole_states(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> layer = tpf.ColumnParallelLinear(4, 6, placement=P)
-        >>> optimizer = whole_states(torch.optim.Adam(layer.parameters()))
+        >>> optimizer = takes_whole_states(torch.optim.Adam(layer.parameters()))
         >>> layer(torch.ones(2, 4)).sum().backward()
         >>> optimizer.step()
-        >>> optimizer.state_dict()["state"][0]["exp_avg"].shape                    # [6, 4] on every rank
-        torch.Size([6, 4])
-        >>> optimizer.load_state_dict(optimizer.state_dict())                        # each rank keeps its block
+        >>> optimizer.load_state_dict(whole_state_dict(optimizer))                # each rank keeps its block
         >>> optimizer.state[layer.weight]["exp_avg"].to_local().shape
         torch.Size([3, 4])
     """
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer holds the optimizer
-    if not getattr(optimizer, "_tpflow_whole", False):
-        optimizer.register_state_dict_post_hook(_gathered)
-        optimizer.register_load_state_dict_pre_hook(_cut)
-        optimizer._tpflow_whole = True
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not getattr(inner, "_tpflow_whole", False):
+        inner.register_load_state_dict_pre_hook(_cut)
+        inner._tpflow_whole = True
     return optimizer
 
 
-def _gathered(optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    return {**state, "state": {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in values.items()}
-                               for i, values in state["state"].items()}}
-
-
 def _cut(optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {**state, "state": {i: {k: _block(v, params[int(i)]) for k, v in values.items()}
+    """Each saved state laid out as its parameter: saved ids mapped to the parameters as torch's load maps them
+    (group by group, in order)."""
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    params = dict(zip(saved, (p for group in optimizer.param_groups for p in group["params"])))
+    return {**state, "state": {i: {k: _block(v, params.get(i)) for k, v in values.items()}
                                for i, values in state["state"].items()}}
 
 
-def _block(value: object, param: torch.Tensor) -> object:
+def _block(value: object, param: torch.Tensor | None) -> object:
     """A state saved whole, laid out as its global parameter (this rank's block); a state of another shape (a step
     count) or already laid out as it is."""
     if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor) \
@@ -83,8 +111,12 @@ def _block(value: object, param: torch.Tensor) -> object:
                              src_data_rank=None)  # each rank cuts its own block: no scatter, uneven splits too
 
 
-def _adapters(folder: str) -> bool:
-    return not any(os.path.isfile(os.path.join(folder, name)) for name in _WEIGHTS)
+def _row_draws_alike() -> None:
+    """After a framework restored each rank's random state from its row's file (written by the leader's process, whose
+    CUDA generators are the leader's devices'), every rank of a row takes its leader's state."""
+    rows = current()
+    if rows is not None:
+        share_random_state(rows.row_group)
 
 
 class TrainerCheckpoints:
@@ -92,8 +124,7 @@ class TrainerCheckpoints:
     trainer's own (``adopt`` makes one).
 
     Args:
-        trainer: the ``transformers.Trainer`` (TRL's too) holding ``model``.
-        model: the split model (a PEFT model of one included).
+        trainer: the ``transformers.Trainer`` (TRL's too) holding a split model.
 
     Example::
 
@@ -104,21 +135,22 @@ class TrainerCheckpoints:
         ...                         placement=tpf.placement("cpu", ranks=[0, 1]), plan="auto")
         >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), report_to=[], use_cpu=True)
         >>> trainer = transformers.Trainer(model=model, args=args)
-        >>> checkpoints = TrainerCheckpoints(trainer, model)
+        >>> checkpoints = TrainerCheckpoints(trainer)
         >>> trainer._load_from_checkpoint == checkpoints.load_model
         True
     """
 
-    def __init__(self, trainer: Any, model: nn.Module) -> None:
-        self.trainer, self.model = trainer, model
-        self.load_own = trainer._load_from_checkpoint
-        self.save_rng_own = trainer._save_rng_state
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.load_own, self.save_rng_own = trainer._load_from_checkpoint, trainer._save_rng_state
+        self.load_rng_own = trainer._load_rng_state
         trainer._save_optimizer_and_scheduler = self.save_optimizer_and_scheduler
         trainer._load_from_checkpoint = self.load_model
         trainer._save_rng_state = self.save_rng_state
+        trainer._load_rng_state = self.load_rng_state
 
     def save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        state = whole_states(self.trainer.optimizer).state_dict()  # every rank, in one order: the gathers meet
+        state = whole_state_dict(self.trainer.optimizer)  # every rank, in one order: the gathers meet
         if self.trainer.args.should_save:
             torch.save(state, os.path.join(output_dir, _OPTIMIZER))
             torch.save(self.trainer.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
@@ -129,19 +161,21 @@ class TrainerCheckpoints:
         if rows is None or rows.leader:
             self.save_rng_own(output_dir)
 
+    def load_rng_state(self, checkpoint: str | None) -> None:
+        self.load_rng_own(checkpoint)
+        _row_draws_alike()
+
     def load_model(self, checkpoint: str, model: nn.Module | None = None) -> None:
         """The model's safetensors, each rank reading its blocks; a PEFT checkpoint (adapter files only) through
         ``Trainer``'s own loading, whose whole adapter tensors each split layer cuts into its blocks."""
-        if _adapters(checkpoint):
-            self.load_own(checkpoint, model)
+        if any(is_weights_file(name) for name in os.listdir(checkpoint)):
+            load_safetensors(self.trainer.model if model is None else model, checkpoint)
         else:
-            load_safetensors(self.model if model is None else model, checkpoint)
+            self.load_own(checkpoint, model)
 
 
 def accelerate_hooks(accelerator: Any, is_split) -> None:
-    """accelerate's ``save_state`` writes a split model's weights whole (gathered by every rank, written by the main
-    process) and ``load_state`` reads them back block by block; the prepared optimizers' states are whole
-    (``whole_states``).
+    """Make an ``Accelerator`` save and load a split model whole (see the module's docstring).
 
     Args:
         accelerator: an ``accelerate.Accelerator``.
@@ -152,12 +186,17 @@ def accelerate_hooks(accelerator: Any, is_split) -> None:
         >>> import accelerate
         >>> accelerate_hooks(accelerate.Accelerator(cpu=True), lambda model: True)     # what adopt does
     """
+    import accelerate.accelerator
     from safetensors.torch import load_model
 
-    def save_whole(models: list, weights: list, output_dir: str) -> None:
-        for i, model in enumerate(models):
-            if is_split(model):
-                weights[i] = full_state_dict(model)
+    if not getattr(accelerate.accelerator.save_accelerator_state, "_tpflow_rows", False):
+        accelerate.accelerator.save_accelerator_state = _saved_whole(accelerate.accelerator.save_accelerator_state)
+    get_state_dict, prepare_optimizer, load_state = (accelerator.get_state_dict, accelerator.prepare_optimizer,
+                                                     accelerator.load_state)
+
+    def whole_state(model: nn.Module, unwrap: bool = True) -> dict:
+        inner = accelerator.unwrap_model(model) if unwrap else model
+        return full_state_dict(inner) if is_split(inner) else get_state_dict(model, unwrap=unwrap)
 
     def load_blocks(models: list, input_dir: str) -> None:
         """Every model read here, in its index's file (the list emptied, as accelerate asks of a hook that loads)."""
@@ -171,13 +210,46 @@ def accelerate_hooks(accelerator: Any, is_split) -> None:
                 load_model(model, f"{file}.safetensors")
         models.clear()
 
-    accelerator.register_save_state_pre_hook(save_whole)
-    accelerator.register_load_state_pre_hook(load_blocks)
-    prepare_optimizer = accelerator.prepare_optimizer
-
     def prepare_whole(optimizer, device_placement=None):
-        prepared = prepare_optimizer(optimizer, device_placement=device_placement)
-        whole_states(prepared)
-        return prepared
+        return takes_whole_states(prepare_optimizer(optimizer, device_placement=device_placement))
 
+    def load_state_alike(*args, **kwargs):
+        out = load_state(*args, **kwargs)
+        _row_draws_alike()
+        return out
+
+    accelerator.get_state_dict = whole_state
+    accelerator.register_load_state_pre_hook(load_blocks)
     accelerator.prepare_optimizer = prepare_whole
+    accelerator.load_state = load_state_alike
+
+
+class _Whole:
+    """An optimizer whose ``state_dict`` is one device's (what accelerate's ``save_accelerator_state`` reads)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return whole_state_dict(self.optimizer)
+
+
+def _saved_whole(save):
+    """accelerate's ``save_accelerator_state``: the optimizers' states whole (every rank gathers); a row's ranks but
+    its leader write what they write alone (each process's random states, under its row's name) into a scratch
+    folder, so that one rank writes each file."""
+
+    @functools.wraps(save)
+    def save_accelerator_state(output_dir, model_states, optimizers, *args, **kwargs):
+        rows = current()
+        if rows is None:
+            return save(output_dir, model_states, optimizers, *args, **kwargs)
+        optimizers = [_Whole(optimizer) for optimizer in optimizers]
+        if rows.leader:
+            return save(output_dir, model_states, optimizers, *args, **kwargs)
+        with tempfile.TemporaryDirectory(prefix="tpflow-row-") as scratch:
+            save(scratch, model_states, optimizers, *args, **kwargs)
+        return Path(output_dir)
+
+    save_accelerator_state._tpflow_rows = True
+    return save_accelerator_state

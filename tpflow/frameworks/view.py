@@ -5,10 +5,13 @@ so every call site (a gather captured in a constructor, a scheduler's step count
 one process per row without being named:
 
 - **accelerate's state** (``PartialState``, ``AcceleratorState``, which ``TrainingArguments`` and every
-  ``Accelerator`` read): ``num_processes`` is the number of rows, ``process_index`` this rank's row,
-  ``local_process_index`` the row's index on its node. The main process, and each node's, is the row's leader
-  only (``is_main_process``; ``Trainer``'s ``should_save``, ``should_log``, ``is_world_process_zero``), so one rank
-  writes what a process writes.
+  ``Accelerator`` read): ``num_processes`` is the number of rows, ``process_index`` this rank's row. The main
+  process is row 0's leader only (``is_main_process``, ``is_last_process``'s row's leader, ``on_process``;
+  ``Trainer``'s ``should_save``, ``should_log``, ``is_world_process_zero``), so one rank writes what a process
+  writes; ``local_process_index`` stays the rank's own on its node (it picks the rank's GPU), so each node's main
+  process is its first rank. The state is distributed wherever the world is (``use_distributed``, by which
+  accelerate runs main-process-only code on every process of a world of one), and ``Trainer``'s
+  ``main_process_first`` holds the other ranks back even where the rows are one.
 - **their collectives**: the modules of accelerate, TRL and transformers' ``Trainer`` read ``torch.distributed``
   (as ``torch.distributed`` or ``dist``) through a view whose default group is the rows: a gather, reduction or
   all-to-all runs over this rank's column (its tensor-parallel coordinate in every row, which holds what its row's
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpflow.frameworks.rows import current
+from tpflow.frameworks.rows import current, release
 from tpflow.global_tensor.collectives import collective_misuse
 
 __all__ = ["forget", "install", "whole_for_collective"]
@@ -85,30 +88,28 @@ def _plain(value: object, name: str) -> object:
 
 def _framework_collective(name: str) -> Callable:
     """torch.distributed's ``name``, its default group read as the rows (see the module's docstring)."""
-    real = getattr(dist, name)
-    signature = inspect.signature(real)
+    signature = inspect.signature(getattr(dist, name))
     peer = _COLUMN.get(name)
 
-    @functools.wraps(real)
+    @functools.wraps(getattr(dist, name))
     def collective(*args, **kwargs):
+        real = getattr(dist, name)  # looked up on each call: a patch of torch's applies
         rows = current()
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
         if rows is None or arguments.get("group") is not None:
             return real(*args, **kwargs)
         for key, value in list(arguments.items()):
-            if not key.startswith("object"):  # an object list is filled in place: left as it is
+            if "object" not in key:  # an object list is filled in place: left as it is
                 arguments[key] = _plain(value, name)
         if name in _COLUMN:
             arguments["group"] = rows.column
-            if peer is not None and arguments.get(peer) is not None:  # a process of the frameworks' is a row
-                arguments[f"group_{peer}"] = arguments.pop(peer)
+            if peer is not None and arguments.get(f"group_{peer}") is None:  # a framework's process is a row
+                arguments[f"group_{peer}"] = arguments.pop(peer, None) or 0
         elif name in _FROM_LEADER:
             source = arguments.pop("group_src", None)
             source = arguments.get("src") if source is None else source
             arguments["src"] = rows.leaders[source or 0]
-        elif name == "barrier" and arguments.get("device_ids") and torch.cuda.is_initialized():
-            arguments["device_ids"] = [torch.cuda.current_device()]  # accelerate names its local index: a row's here
         return real(*bound.args, **bound.kwargs)
 
     return collective
@@ -197,6 +198,44 @@ def _leader_only(getter: Callable) -> property:
     return property(leading)
 
 
+def _distributed(getter: Callable) -> property:
+    """accelerate's ``use_distributed``: the world's, while the frameworks see rows (a world of one row is still
+    several ranks, of which one writes)."""
+
+    def distributed(self) -> bool:
+        return getter(self) or (current() is not None and self.distributed_type.value != "NO")
+
+    return property(distributed)
+
+
+def _on_leader(on_process: Callable) -> Callable:
+    """accelerate's ``on_process(function, process_index)``: on that row's leader only."""
+
+    @functools.wraps(on_process)
+    def on_leader(self, function: Callable | None = None, process_index: int | None = None):
+        if function is None:
+            return functools.partial(on_leader, self, process_index=process_index)
+        rows = current()
+        chosen = on_process(self, function, process_index)
+        return chosen if rows is None or rows.leader else (lambda *args, **kwargs: None)
+
+    return on_leader
+
+
+def _first_over_every_rank(main_process_first: Callable) -> Callable:
+    """``TrainingArguments.main_process_first``: while the frameworks see rows, accelerate's own (the main process,
+    or each node's, then every other rank), which holds the ranks even where the rows are one."""
+
+    @functools.wraps(main_process_first)
+    def first(self, local: bool = True, desc: str = "work"):
+        if current() is None or self.distributed_state is None:
+            return main_process_first(self, local, desc)
+        state = self.distributed_state
+        return state.local_main_process_first() if local else state.main_process_first()
+
+    return first
+
+
 def _install_once(cls: type, attributes: dict[str, object]) -> None:
     """Set ``attributes`` on a framework's class, once (``install`` runs at each ``parallelize`` and ``adopt``)."""
     if not cls.__dict__.get("_tpflow_rows"):
@@ -213,7 +252,7 @@ def install() -> None:
 
     Example::
 
-        >>> install()      # show (parallelize) calls it
+        >>> install()      # parallelize and adopt call it
     """
     try:
         from accelerate.state import AcceleratorState, PartialState
@@ -221,22 +260,25 @@ def install() -> None:
     except ImportError:
         return
     counts = {"num_processes": _Counted("num_processes", lambda rows: rows.rows),
-              "process_index": _Counted("process_index", lambda rows: rows.row),
-              "local_process_index": _Counted("local_process_index", lambda rows: rows.local_row)}
-    _install_once(AcceleratorState, counts)  # its main process is PartialState's
-    _install_once(PartialState, {**counts, **{name: _leader_only(PartialState.__dict__[name].fget)
-                                               for name in ("is_main_process", "is_local_main_process")}})
+              "process_index": _Counted("process_index", lambda rows: rows.row)}
+    _install_once(AcceleratorState, counts)  # the rest of it is PartialState's
+    own = PartialState.__dict__
+    _install_once(PartialState, {**counts, "is_main_process": _leader_only(own["is_main_process"].fget),
+                                 "is_last_process": _leader_only(own["is_last_process"].fget),
+                                 "use_distributed": _distributed(own["use_distributed"].fget),
+                                 "on_process": _on_leader(own["on_process"])})
     if not getattr(operations._gpu_gather, "_tpflow_rows", False):
         operations._gpu_gather = _gathers_whole(operations._gpu_gather, operations.recursively_apply)
     arguments = sys.modules.get("transformers.training_args")
     if arguments is not None:
-        cls = arguments.TrainingArguments
-        _install_once(cls, {name: _leader_only(cls.__dict__[name].fget) for name in ("should_save", "should_log")})
+        own = arguments.TrainingArguments.__dict__
+        _install_once(arguments.TrainingArguments, {
+            "should_save": _leader_only(own["should_save"].fget), "should_log": _leader_only(own["should_log"].fget),
+            "main_process_first": _first_over_every_rank(own["main_process_first"])})
     trainer = sys.modules.get("transformers.trainer")
     if trainer is not None:
-        cls = trainer.Trainer
-        _install_once(cls, {name: _leader_only(cls.__dict__[name]).fget
-                            for name in ("is_world_process_zero", "is_local_process_zero")})
+        own = trainer.Trainer.__dict__
+        _install_once(trainer.Trainer, {"is_world_process_zero": _leader_only(own["is_world_process_zero"]).fget})
     _rebind_modules()
 
 
@@ -255,13 +297,16 @@ def _gathers_whole(gather: Callable, recursively_apply: Callable) -> Callable:
 
 
 def forget() -> None:
-    """After ``rows.release``: accelerate's state is reset (the next ``Accelerator`` or ``TrainingArguments`` reads
-    the world again).
+    """The frameworks see the world again (``rows.release``), and accelerate's state, read under the rows (or set up
+    for another run), is reset: for a process that goes on without the model, such as a test's worker.
 
     Example::
 
         >>> forget()
+        >>> tpf.frameworks.rows.current() is None
+        True
     """
+    release()
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)

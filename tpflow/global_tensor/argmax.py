@@ -23,7 +23,7 @@ _OPS = {torch.ops.aten.argmax.default: torch.argmax, torch.ops.aten.argmin.defau
 
 def _split_axis(x: DTensor, dim: int) -> int | None:
     """The one placement axis ``x`` is split on along ``dim`` (None: none, several, or a partial sum)."""
-    axes = [a for a, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == dim]
+    axes = [a for a, p in enumerate(x.placements) if type(p) is Shard and p.dim == dim]  # not a strided one
     if len(axes) != 1 or any(p.is_partial() for p in x.placements):
         return None
     return axes[0]
@@ -66,7 +66,8 @@ def split_argmax(x: DTensor, dim: int, keepdim: bool = False, largest: bool = Tr
         value = local.gather(dim, index)
     else:  # an empty block (fewer classes than ranks): it never wins
         shape = [*local.shape[:dim], 1, *local.shape[dim + 1:]]
-        value = torch.full(shape, -torch.inf if largest else torch.inf, dtype=local.dtype, device=local.device)
+        bounds = torch.finfo(local.dtype) if local.is_floating_point() else torch.iinfo(local.dtype)
+        value = torch.full(shape, bounds.min if largest else bounds.max, dtype=local.dtype, device=local.device)
         index = torch.zeros(shape, dtype=torch.int64, device=local.device)
     group = mesh.get_group(axis)
     values, indices = [torch.empty_like(value) for _ in range(parts)], [torch.empty_like(index) for _ in range(parts)]
@@ -93,7 +94,7 @@ def _handler(previous):
         x = args[0]
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        if dim is not None and _split_axis(x, dim % x.ndim) is not None:
+        if dim is not None and x.ndim and _split_axis(x, dim % x.ndim) is not None:
             return split_argmax(x, dim, keepdim, largest=_OPS[op_call] is torch.argmax)
         return previous(op_call, args, kwargs)
 

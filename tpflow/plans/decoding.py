@@ -16,10 +16,9 @@ refused: a rank that finished first would leave the others waiting in the next e
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
+from tpflow.comm.random_state import share_random_state
 from tpflow.layers.experts import over_data
 from tpflow.placement import Placement
 
@@ -43,15 +42,7 @@ class _DecodeAlike:
         inner = self.inner if self.inner is not None else type(self.model).generate.__get__(self.model)
         if pl.hierarchy[-1] == 1 or pl.coordinate() is None:
             return inner(*args, **kwargs)
-        group = pl.mesh.get_group(pl.ndim - 1)
-        first = dist.get_process_group_ranks(group)[0]
-        cuda = pl.type == "cuda"
-        state = [[torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None]]
-        dist.broadcast_object_list(state, src=first, group=group)
-        if dist.get_rank() != first:
-            torch.set_rng_state(state[0][0])
-            if cuda:
-                torch.cuda.set_rng_state(state[0][1])
+        share_random_state(pl.mesh.get_group(pl.ndim - 1), cuda=pl.type == "cuda")
         return inner(*args, **kwargs)
 
 
