@@ -104,14 +104,7 @@ def read_exits(folder: str) -> dict[int, dict]:
         >>> read_exits(tempfile.mkdtemp())
         {}
     """
-    found = {}
-    for name in os.listdir(folder):
-        if name.endswith(".exit"):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                with open(os.path.join(folder, name)) as f:
-                    record = json.load(f)
-                found[int(record["rank"])] = record
-    return found
+    return _read_records(folder, ".exit")
 
 
 def _launcher_frame(filename: str) -> bool:
@@ -183,15 +176,19 @@ def read_errors(folder: str) -> dict[int, dict]:
         >>> read_errors(tempfile.mkdtemp())
         {}
     """
+    return _read_records(folder, ".json")
+
+
+def _read_records(folder: str, suffix: str) -> dict[int, dict]:
+    """The records of ``folder`` whose names end with ``suffix``, by rank; one half written or unreadable is left
+    out (a rank stopped while it wrote)."""
     found = {}
     for name in os.listdir(folder):
-        if name.endswith(".json"):
-            try:
+        if name.endswith(suffix):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 with open(os.path.join(folder, name)) as f:
                     record = json.load(f)
                 found[int(record["rank"])] = record
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
     return found
 
 
