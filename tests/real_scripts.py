@@ -59,6 +59,13 @@ def whole(model) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
+def held(model) -> float:
+    """The share of the model's parameter values this rank holds (1 for a model left whole)."""
+    params = list(model.parameters())
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+    return local / sum(p.numel() for p in params)
+
+
 def digests(folder: str) -> dict[str, str]:
     """Every file under ``folder`` (relative path -> sha256), subfolders included."""
     found = {}
@@ -164,7 +171,7 @@ def run_clm(argv: list[str], layout: str | None = None, lora: bool = False) -> d
     output.update(history=[{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second"))}
                            for h in trainer.state.log_history],
                   eval={k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))},
-                  params=whole(model), after_save=digests(training_args.output_dir))
+                  params=whole(model), held=held(model), after_save=digests(training_args.output_dir))
     return output
 
 
@@ -261,7 +268,7 @@ def complete_nlp_example(output_dir: str, layout: str | None = None, resume_from
         evals.append(eval_metric["accuracy"])
     accelerator.end_training()
     return {"losses": losses, "rates": rates, "evals": evals, "params": whole(accelerator.unwrap_model(model)),
-            "files": digests(output_dir)}
+            "held": held(model), "files": digests(output_dir)}
 
 
 def saved_model(folder: str, reward: bool = False) -> str:
@@ -331,4 +338,4 @@ def trl_trainer(kind: str, model_path: str, output_dir: str, layout: str | None 
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     return {"history": [{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second", "total_flos"))}
-                        for h in trainer.state.log_history], "params": whole(model)}
+                        for h in trainer.state.log_history], "params": whole(model), "held": held(model)}

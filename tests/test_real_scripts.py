@@ -54,6 +54,13 @@ def _close_params(got: dict, want: dict, tol: float = PARAMS_TOL) -> None:
         torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _split(runs: list[dict], world: int) -> None:
+    """Each rank held its share of the model, not the whole: about 1/world (its tensor-parallel block, and on 2 x 2
+    FSDP2's half of it), norms and the key / value heads kept whole where there are fewer than ranks aside."""
+    for rank, run in enumerate(runs):
+        assert run["held"] <= 1 / world + 0.1, (rank, run["held"])
+
+
 def _files(digests: dict[str, str]) -> set[str]:
     """A folder's files, the random states aside (one a process: the rows' count of them)."""
     return {f for f in digests if not os.path.basename(f).startswith("rng_state")}
@@ -74,7 +81,9 @@ def test_run_clm_trains_evaluates_saves_and_resumes_as_one_process(tmp_path, wor
     rows = 2 if layout == "2x2" else 1
     batch = 2
     reference = real_scripts.run_clm(_clm_argv(str(tmp_path / "one" / "out"), batch * rows), None, lora)
-    got = harness.run(world, _run_clm_rank, layout, str(tmp_path / "ranks"), batch, lora, timeout=600)[0]
+    runs = harness.run(world, _run_clm_rank, layout, str(tmp_path / "ranks"), batch, lora, timeout=600)
+    _split([run["first"] for run in runs], world)
+    got = runs[0]
     first = got["first"]
     _close_logs(first["history"], reference["history"])
     _close_logs([first["eval"]], [reference["eval"]])
@@ -129,6 +138,7 @@ def test_accelerate_complete_nlp_example_as_its_processes(tmp_path, world, layou
     else:
         want = harness.run(rows, _nlp_rank, None, str(tmp_path / "one"), timeout=600)
     got = harness.run(world, _nlp_rank, layout, str(tmp_path / "ranks"), timeout=600)
+    _split([run["first"] for run in got], world)
     for rank, run in enumerate(got):
         reference = want[rank * rows // world]
         _close_run(run["first"], reference["first"])
@@ -169,6 +179,7 @@ def test_trl_trainers_as_their_processes(tmp_path, kind, world, layout, config):
     else:
         want = harness.run(rows, _trl_rank, kind, model_path, str(tmp_path / "one"), None, config, timeout=600)
     got = harness.run(world, _trl_rank, kind, model_path, str(tmp_path / "ranks"), layout, config, timeout=600)
+    _split(got, world)
     for rank, run in enumerate(got):
         reference = want[rank * rows // world]
         _close_logs(run["history"], reference["history"])

@@ -136,7 +136,7 @@ def current() -> Rows | None:
 
 def show(placement: Placement) -> Rows | None:
     """Make ``placement``'s rows the processes the frameworks see from now on in this process (what they read of it:
-    ``tpflow.frameworks.view``). A placement that does not hold every rank, or a world of one, changes nothing.
+    ``tpflow.frameworks.view``). A placement that does not hold every rank changes nothing.
 
     Args:
         placement: the placement a model was parallelized over.
@@ -151,8 +151,7 @@ def show(placement: Placement) -> Rows | None:
         1
     """
     global _CURRENT
-    if not dist.is_initialized() or dist.get_world_size() == 1 \
-            or sorted(placement.flat_ranks) != list(range(dist.get_world_size())):
+    if not dist.is_initialized() or sorted(placement.flat_ranks) != list(range(dist.get_world_size())):
         return None
     _CURRENT = rows_of(placement)
     return _CURRENT

@@ -170,8 +170,8 @@ def _rebind_modules() -> None:
 
 
 class _Counted:
-    """accelerate's ``num_processes`` / ``process_index`` / ``local_process_index``: the rows' while the frameworks
-    see rows, else the value accelerate set (kept in its state's dict, read again once the rows are released)."""
+    """accelerate's ``num_processes`` / ``process_index``: the rows' while the frameworks see rows, else the value
+    accelerate set (kept in its state's dict, read again once the rows are released)."""
 
     def __init__(self, name: str, of_rows: Callable) -> None:
         self.name, self.of_rows = name, of_rows
@@ -203,7 +203,8 @@ def _distributed(getter: Callable) -> property:
     several ranks, of which one writes)."""
 
     def distributed(self) -> bool:
-        return getter(self) or (current() is not None and self.distributed_type.value != "NO")
+        return getter(self) or (current() is not None and dist.get_world_size() > 1
+                                and self.distributed_type.value != "NO")
 
     return property(distributed)
 
@@ -288,8 +289,7 @@ def _gathers_whole(gather: Callable, recursively_apply: Callable) -> Callable:
 
     @functools.wraps(gather)
     def gathers_whole(tensor):
-        if current() is not None:
-            tensor = recursively_apply(lambda t: t.full_tensor(), tensor, test_type=lambda t: isinstance(t, DTensor))
+        tensor = recursively_apply(lambda t: t.full_tensor(), tensor, test_type=lambda t: isinstance(t, DTensor))
         return gather(tensor)
 
     gathers_whole._tpflow_rows = True
