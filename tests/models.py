@@ -125,9 +125,11 @@ _MOE_EXTRA = {  # what each family needs besides the shared sizes (OLMoE plans k
     "olmoe": {"num_key_value_heads": 4},
     "qwen2_moe": {"shared_expert_intermediate_size": 80},
     "gpt_oss": {"intermediate_size": 48},  # its experts' (it has no dense MLP)
-    "deepseek_v3": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-                    "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1,
-                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    # DeepSeek-V3's ratios (nope 128 + rope 64 keys, values 128): keys wider than values; a key/value head per query
+    # head (latent attention has no fewer)
+    "deepseek_v3": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4, "n_routed_experts": 4,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
 }
 
 

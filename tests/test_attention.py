@@ -51,19 +51,21 @@ def _results(fn, q, k, v, dout, dlse, **kw):
     return (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
 
 
-def _check(dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed, first=None):
+def _check(dtype, B, Hq, Hkv, Lq, Lk, D, causal, q_offset, k_offset, transposed, first=None, Dv=None):
     """out, lse and the gradients of q, k and v (from both out and lse) against the fp64 reference, k and v read from
     wider rows; a query that sees no key gets out 0, lse -inf and dq 0, whatever the gradient of its lse (here nan, as a
-    merge by torch.logaddexp of two -inf would give). ``first``: each query's first key (global positions)."""
+    merge by torch.logaddexp of two -inf would give). ``first``: each query's first key (global positions); ``Dv``:
+    the values' head dim (D's by default)."""
+    Dv = D if Dv is None else Dv
     q = _rand(B, Hq, Lq, D, dtype=dtype, seed=1, transposed=transposed).requires_grad_()
     k = _rand(B, Hkv, Lk, D, dtype=dtype, seed=2, transposed=transposed, padded=True).requires_grad_()
-    v = _rand(B, Hkv, Lk, D, dtype=dtype, seed=3, transposed=transposed, padded=True).requires_grad_()
+    v = _rand(B, Hkv, Lk, Dv, dtype=dtype, seed=3, transposed=transposed, padded=True).requires_grad_()
     positions = torch.arange(Lq, device=DEVICE) + q_offset
     hidden = ((positions < k_offset) & causal).expand(B, 1, Lq)  # queries before every key
     if first is not None:  # or whose first key is past the block's, or past the query itself
         last = (positions if causal else torch.full_like(positions, k_offset + Lk - 1)).clamp(max=k_offset + Lk - 1)
         hidden = hidden | (first.clamp(min=k_offset) > last)[:, None]
-    dout = _rand(B, Hq, Lq, D, dtype=dtype, seed=4)
+    dout = _rand(B, Hq, Lq, Dv, dtype=dtype, seed=4)
     dlse = _rand(B, Hq, Lq, dtype=torch.float32, seed=5).masked_fill(hidden, float("nan"))
     kw = dict(causal=causal, q_offset=q_offset, k_offset=k_offset, first=first)
     got = _results(attention, q, k, v, dout, dlse, **kw)
@@ -296,6 +298,35 @@ def test_bad_arguments():
     wide = [_rand(1, 2, 5, 160, dtype=torch.float32, seed=s) for s in (1, 2, 3)]  # past the kernels' 128: the reference
     for got_t, want_t in zip(attention(*wide, causal=True), attention_ref(*wide, causal=True)):
         assert torch.equal(got_t, want_t)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("D, Dv", [(24, 16), (16, 24)], ids=["latent-narrower-values", "wider-values"])
+def test_values_of_another_width(D, Dv, kernels):
+    """Values narrower than the keys (every DeepSeek-V2 / V3-shaped latent attention: 192 / 128) or wider: the
+    Triton kernels and torch's CPU flash kernel, which take one head dim, run on zero columns added to the narrower
+    side, the reference as it is; out, lse and every gradient against fp64, whole and as a ring's two blocks of keys
+    (``attention_backward`` from their merged result)."""
+    with tpf.config.override(kernels=kernels):
+        _check(torch.float32, 2, 4, 2, 21, 21, D, True, 0, 0, True, Dv=Dv)
+        _check(torch.float32, 1, 2, 1, 16, 24, D, True, 16, 8, False, Dv=Dv)
+        q = _rand(1, 4, 16, D, dtype=torch.float32, seed=1)
+        k, v = _rand(1, 2, 32, D, dtype=torch.float32, seed=2), _rand(1, 2, 32, Dv, dtype=torch.float32, seed=3)
+        dout = _rand(1, 4, 16, Dv, dtype=torch.float32, seed=4)
+        whole = [t.double().requires_grad_() for t in (q, k, v)]
+        out, lse = attention_ref(*whole, causal=True, q_offset=16)
+        want = torch.autograd.grad(out, whole, dout.double())
+        blocks = [attention(q, k[:, :, keys], v[:, :, keys], causal=True, q_offset=16, k_offset=keys.start)
+                  for keys in (slice(0, 16), slice(16, 32))]
+        torch.testing.assert_close(merge(*blocks[0], *blocks[1])[0].double(), out.detach(), rtol=1e-4, atol=1e-5)
+        grads = [attention_backward(q, k[:, :, keys], v[:, :, keys], out.detach().float(), lse.detach().float(),
+                                    dout, causal=True, q_offset=16, k_offset=keys.start)
+                 for keys in (slice(0, 16), slice(16, 32))]
+    got = (grads[0][0] + grads[1][0], torch.cat([grads[0][1], grads[1][1]], 2),
+           torch.cat([grads[0][2], grads[1][2]], 2))
+    for what, got_t, want_t in zip(("dq", "dk", "dv"), got, want):
+        assert got_t.shape == want_t.shape, what
+        torch.testing.assert_close(got_t.double(), want_t, rtol=1e-4, atol=1e-5, msg=what)
 
 
 # (q_offset, where the keys split, softcap): the ring's blocks of one query part, from the queries' merged result

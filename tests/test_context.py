@@ -266,17 +266,35 @@ def _bounded_ring(world: int) -> None:
             torch.testing.assert_close(total.double(), whole[3].grad, **tol, msg=what)
 
 
-def test_which_models_read_packed_documents():
-    """Restarting position_ids are documents where one device keeps them apart: Llama's and Gemma 2's mask builders
-    read them, gpt-oss's do not, and under the flash kernels transformers finds them itself."""
+def test_which_calls_read_packed_documents():
+    """Restarting position_ids are documents where one device keeps them apart in that call: Llama's and Gemma 2's
+    mask builders read them without a padding mask and without a cache (use_cache off, given or by gradient
+    checkpointing in training), gpt-oss's never; the flash kernels read cu_seq_lens_* (with max_length_*) or one
+    row's positions, whatever the cache."""
     from tests.models import tiny_moe
-    from tpflow.plans.context_batch import masks_documents
+    from tpflow.plans.context_batch import PackedDocuments
 
-    assert masks_documents(tiny_lm("llama")) and masks_documents(tiny_lm("gemma2"))
+    flash = {k: torch.tensor([0, 4]) for k in ("cu_seq_lens_q", "cu_seq_lens_k")} | {"max_length_q": 4,
+                                                                                       "max_length_k": 4}
+    for family in ("llama", "gemma2"):
+        model = tiny_lm(family)
+        reader = PackedDocuments(model)
+        assert reader.reading({"use_cache": False}, 2) == "positions"
+        assert reader.reading({}, 2) is None and reader.reading({"use_cache": True}, 2) is None
+        assert reader.reading({"use_cache": False, "attention_mask": torch.ones(2, 4)}, 2) is None
+        assert reader.reading({"use_cache": False} | flash, 1) == "positions"  # sdpa ignores cu_seq_lens
+        model.gradient_checkpointing_enable()
+        assert reader.reading({}, 2) == "positions"
+        model.eval()
+        assert reader.reading({}, 2) is None
     oss = tiny_moe("gpt_oss")
-    assert not masks_documents(oss)
+    assert PackedDocuments(oss).reading({"use_cache": False}, 1) is None
     oss.config._attn_implementation = "flash_attention_2"
-    assert masks_documents(oss)
+    reader = PackedDocuments(oss)
+    assert reader.reading({}, 1) == "positions" and reader.reading({}, 2) is None
+    assert reader.reading({"attention_mask": torch.ones(1, 4)}, 1) == "positions"
+    assert reader.reading({"attention_mask": torch.tensor([[0, 1, 1, 1]])}, 1) is None
+    assert reader.reading(flash, 2) == "lengths"
 
 
 def test_bounded_attention_on_whole_sequences():
@@ -353,10 +371,13 @@ def _packed_documents() -> None:
         model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
                                 plan=tpf.hf_plan(ref, context_parallel=kind))
         what = f"packed, {kind}, {implementation}, tensor={tensor}"
-        with within(60):
+        with within(60):  # use_cache on (the config's default): one device attends across the documents
             out = model(ids, position_ids=positions, labels=labels)
-        # use_cache=False: transformers masks packed documents only without a cache (with one, its default, one
-        # device attends across them)
+        want = ref(ids, position_ids=positions, labels=labels)
+        torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=f"{what}, use_cache")
+        torch.testing.assert_close(out.logits.full_tensor(), want.logits, **TOL, msg=f"{what}, use_cache")
+        # use_cache=False: transformers masks packed documents (only without a cache)
+        out = model(ids, position_ids=positions, labels=labels, use_cache=False)
         want = ref(ids, position_ids=positions, labels=labels, use_cache=False)
         torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=what)
         torch.testing.assert_close(out.logits.full_tensor(), want.logits, **TOL, msg=what)
@@ -385,8 +406,8 @@ def _packed_documents() -> None:
     for kind in ("ring", "ulysses"):
         model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
                                 plan=tpf.hf_plan(ref, context_parallel=kind))
-        with within(60):
-            out = model(ids, position_ids=positions, labels=labels, **flash)
+        with within(60):  # sdpa reads the documents from the positions, cu_seq_lens are the flash kernels'
+            out = model(ids, position_ids=positions, labels=labels, use_cache=False, **flash)
         torch.testing.assert_close(out.loss, want.loss.float(), **TOL, msg=f"cu_seq_lens {kind}")
         torch.testing.assert_close(out.logits.full_tensor(), want.logits, **TOL, msg=f"cu_seq_lens {kind}")
 
@@ -410,7 +431,7 @@ def _same_training(model, ref, ids: torch.Tensor, kwargs: dict, what: str, tol: 
     steps with clipping, against one device (called without a cache, which transformers' packed masks need)."""
     real = kwargs.get("attention_mask", torch.ones_like(ids)).bool()
     with within(60):
-        out = model(ids, **kwargs)
+        out = model(ids, **kwargs, use_cache=False)
         out.loss.backward()
     want = ref(ids, **kwargs, use_cache=False)
     want.loss.backward()
@@ -476,9 +497,32 @@ def _sinks() -> None:
         _same_training(model, ref, ids, kwargs, f"gpt-oss {kind} {batch}, tensor={tensor}", TOL)
 
 
+def _latent() -> None:
+    """DeepSeek-V3-shaped latent attention, its real ratios (keys of 16 + 8 rotary columns, values of 16: wider keys
+    than values, as in every DeepSeek-V2 / V3, Kimi K2, GLM-4-MoE-Lite, MiniCPM3), its experts beside: whole and
+    packed batches under the ring (keys and values travel side by side; the kernels run the values padded to the
+    keys' width) and Ulysses; the logits, loss, every gradient and every parameter after two AdamW steps equal one
+    device's; context x tensor on 4 ranks. The router's auxiliary loss is off (not a sum over tokens)."""
+    from tests.models import tiny_moe
+
+    tensor = 2 if dist.get_world_size() == 4 else 1
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(9))
+    for kind, (batch, kwargs) in itertools.product(("ring", "ulysses"), _three_batches(ids)[:2]):
+        ref = tiny_moe("deepseek_v3", output_router_logits=False, attn_implementation="sdpa")
+        assert ref.config.qk_nope_head_dim + ref.config.qk_rope_head_dim != ref.config.v_head_dim
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
+                                plan=tpf.hf_plan(ref, context_parallel=kind))
+        _same_training(model, ref, ids, kwargs, f"deepseek-v3 {kind} {batch}, tensor={tensor}", TOL)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sinks_match_one_device(world):
     harness.run(world, _sinks, timeout=300)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_latent_attention_matches_one_device(world):
+    harness.run(world, _latent, timeout=300)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -45,10 +45,17 @@ REPRESENTATIVE = {
 }
 
 
-def _rank(kinds, modes):
+RATIOS = ROOT / "docs" / "models-ratios.md"
+# at their real ratios: latent attention with keys wider than values beside 8 experts a token; one key/value head
+# (fewer than the ranks) beside 8 experts a token; zero experts beside both
+REPRESENTATIVE_RATIOS = ("deepseek_v3", "qwen3_moe", "longcat_flash")
+
+
+def _rank(kinds, modes, ratios=False):
     import tpflow.models
 
-    return {(kind, mode): tpflow.models.check(kind, mode, all_ranks()).status for kind in kinds for mode in modes}
+    return {(kind, mode): tpflow.models.check(kind, mode, all_ranks(), ratios).status for kind in kinds
+            for mode in modes}
 
 
 @pytest.mark.parametrize("world", sorted(REPRESENTATIVE))
@@ -78,6 +85,24 @@ def test_matrix_covers_the_registry_at_this_version():
     behind = sorted(key for key, s in matrix.items() if key[1] == "hf" and s == "exact"
                     and matrix[key[0], "tp", key[2]] != "exact")
     assert not behind, f"transformers' own tensor parallelism is exact where tpflow's is not: {behind}"
+
+
+def test_real_ratios_match_their_committed_matrix():
+    """``python -m tpflow.models --ratios`` (``docs/models-ratios.md``): every type whose real ratios the tiny config
+    hides, none silently wrong under tpflow's modes; representative ones checked again on 2 ranks give its statuses."""
+    from tpflow.models.check import MODES
+    from tpflow.models.report import read_matrix
+    from tpflow.models.zoo import ratio_types
+
+    text = RATIOS.read_text()
+    assert f"transformers {transformers.__version__}" in text, "docs/models-ratios.md: made with another transformers"
+    matrix = read_matrix(text)
+    assert {kind for kind, _, _ in matrix} == set(ratio_types())
+    assert "wrong" not in {s for (_, mode, _), s in matrix.items() if mode != "hf"}, "a silently wrong number"
+    got = harness.run(2, _rank, REPRESENTATIVE_RATIOS, [m for m in MODES if m != "hf"], True, timeout=600)[0]
+    differ = {key: (status, matrix.get((*key, 2))) for key, status in got.items() if matrix.get((*key, 2)) != status}
+    assert not differ, f"(now, docs/models-ratios.md): {differ}; run python -m tpflow.models --ratios --out " \
+                       f"docs/models-ratios.md"
 
 
 def _export_rank(kinds):

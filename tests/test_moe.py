@@ -3,9 +3,10 @@
 OLMoE, Qwen2-MoE, DeepSeek-V3 and gpt-oss (tpflow's own plan: it ships none) against one device: the logits, the
 ``labels=`` loss with the router's auxiliary loss, 2 AdamW steps with clipping that bites (every parameter after
 them, the routers included), greedy and sampled decoding; each rank holds 1/W of every expert's parameters. The
-default experts implementation (``torch._grouped_mm``) in fp32 too, a rank whose experts get no token, checkpoints
-(transformers' per-expert files read by slices, the export, DCP resharded), gradient checkpointing, and the
-mistakes: experts that do not split, an expert id out of range, a layout tpflow does not know."""
+default experts implementation (``torch._grouped_mm``) in fp32 too, a rank whose experts get no token, LongCat-Flash's
+zero experts (a layer routing every token to them) through training, checkpoints (transformers' per-expert files read
+by slices, the export, DCP resharded), gradient checkpointing, and the mistakes: experts that do not split, an expert
+id out of range, a layout tpflow does not know."""
 
 from __future__ import annotations
 
@@ -301,6 +302,51 @@ def _exchange_without_tokens():
         experts(x, bad, w)
 
 
+# LongCat-Flash: 4 experts and 2 zero experts (identity_expert, past the experts' ids), 2 a token, MLA attention
+_LONGCAT = {"n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2, "expert_ffn_hidden_size": 48,
+            "ffn_hidden_size": 96, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4}
+
+
+def _zero_experts():
+    """LongCat-Flash's zero experts under the experts split by the intermediate dim (``plan="auto"``): layer 0 routes
+    tokens to experts and zero experts, layer 1's router (its score correction biased) every token to its two zero
+    experts, so that no token reaches an expert there and only the first rank's identity output carries the tokens'
+    gradient. One device's logits, loss, every gradient, the losses and norms of 2 AdamW steps and every parameter
+    after them; each rank holds 1/W of every expert's matrices."""
+    P = tpf.placement("cpu", list(range(dist.get_world_size())))
+    ref = tiny_moe("longcat_flash", layers=4, **_LONGCAT)  # 2 layers of LongCat's 2 sublayers
+    with torch.no_grad():
+        ref.model.layers[1].mlp.router.e_score_correction_bias[4:] = 10.0
+    model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
+    for p in (p for e in _experts(model) for p in (e.gate_up_proj, e.down_proj)):
+        assert p.to_local().numel() * dist.get_world_size() == p.numel(), p.shape
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    routed = []
+    hook = ref.model.layers[1].mlp.experts.register_forward_pre_hook(lambda m, args: routed.append(args[1]))
+    out, want = model(ids, labels=ids), ref(ids, labels=ids)
+    hook.remove()
+    assert bool((routed[0] >= 4).all()), routed  # layer 1: every token to zero experts only
+    torch.testing.assert_close(out.logits.full_tensor(), want.logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m, name=name: f"{name}'s gradient: {m}")
+    model.zero_grad()
+    ref.zero_grad()
+    losses, norms = train_lm(model, ids, steps=2)
+    ref_losses, ref_norms = train_lm(ref, ids, steps=2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name} after AdamW: {m}")
+
+
 def _cases(kinds, modes, more):
     for kind in kinds:
         for expert_parallel in modes:
@@ -338,6 +384,13 @@ def test_experts_shared_out_over_data_ranks_by_all_to_all_match_one_device(world
     else:
         harness.run(4, _experts_over_data, "gpt_oss", 2, False, timeout=300)
         harness.run(4, _exchange_without_tokens, timeout=120)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_experts_match_one_device(world):
+    """LongCat-Flash's zero experts split by the intermediate dim, a layer routing every token to them: one device's
+    numbers through training (a backward whose ranks ran different collectives before)."""
+    harness.run(world, _zero_experts, timeout=180)
 
 
 def test_experts_that_do_not_split_are_refused():

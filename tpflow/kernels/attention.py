@@ -47,8 +47,9 @@ _MAX_HEAD_DIM = 128  # the kernels hold a [tile, head dim] fp32 accumulator (two
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"attention takes q [B, Hq, Lq, D] and k, v [B, Hkv, Lk, D], got q {tuple(q.shape)}, k "
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"attention takes q [B, Hq, Lq, D], k [B, Hkv, Lk, D] and v [B, Hkv, Lk, Dv], got q "
+                         f"{tuple(q.shape)}, k "
                          f"{tuple(k.shape)} and v {tuple(v.shape)}")
     B, Hq, _, D = q.shape
     if k.shape[0] != B or k.shape[3] != D or k.shape[1] == 0 or Hq % k.shape[1]:
@@ -157,8 +158,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     Args:
         q: ``[B, Hq, Lq, D]``, any strides (transformers' ``[B, L, H, D].transpose(1, 2)`` is read in place).
-        k, v: ``[B, Hkv, Lk, D]`` of q's dtype, any strides; Hq a multiple of Hkv, query head h reading kv head
-            ``h // (Hq // Hkv)`` (grouped-query attention, without repeating k and v).
+        k, v: ``[B, Hkv, Lk, D]`` and ``[B, Hkv, Lk, Dv]`` of q's dtype, any strides; Hq a multiple of Hkv, query
+            head h reading kv head ``h // (Hq // Hkv)`` (grouped-query attention, without repeating k and v). Dv may
+            differ from D (latent attention's values are narrower than its keys): the kernels, which take one head
+            dim, then run on the narrower side padded with zero columns, which change no score and no output.
         causal: hide from each query the keys at later positions.
         scale: the scores' factor (default ``D ** -0.5``).
         q_offset, k_offset: the global positions of the first query and the first key.
@@ -169,8 +172,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             left padding), or None: every key up to the query.
 
     Returns:
-        ``(out, lse)``: out ``[B, Hq, Lq, D]`` in q's dtype (q's strides where q is dense), lse ``[B, Hq, Lq]`` fp32
-        (fp64 for fp64 inputs).
+        ``(out, lse)``: out ``[B, Hq, Lq, Dv]`` in q's dtype (q's strides where q is dense and Dv = D), lse
+        ``[B, Hq, Lq]`` fp32 (fp64 for fp64 inputs).
 
     Example::
 
@@ -187,6 +190,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if v.shape[-1] != q.shape[-1] and (_kernels(q, softcap) or _cpu_flash(q, k, causal, q_offset - k_offset, softcap,
+                                                                           first)):
+        out, lse = attention(*_widened(max(q.shape[-1], v.shape[-1]), q, k, v), causal=causal, scale=scale,
+                             q_offset=q_offset, k_offset=k_offset, softcap=softcap, first=first)
+        return out[..., :v.shape[-1]], lse
     if not grads and _cpu_flash(q, k, causal, q_offset - k_offset, softcap, first):  # CPU: no [Lq, Lk] scores
         mask = _block_mask(q, k, causal, q_offset, k_offset, first)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -201,6 +209,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if grads:
         return _Attention.apply(q, k, v, causal, scale, diag, lo)
     return _forward(q, k, v, causal, scale, diag, lo)
+
+
+def _widened(width: int, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``ts`` with zero columns up to ``width``: torch's CPU flash kernel and the Triton kernels take one head dim
+    for q, k and v, and zero columns change no score and no output column (latent attention's keys are wider than
+    its values)."""
+    return tuple(torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in ts)
 
 
 def _first_keys(first: torch.Tensor | None, k_offset: int) -> torch.Tensor | None:
@@ -273,6 +288,11 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     diag = q_offset - k_offset
+    if v.shape[-1] != q.shape[-1] and (_kernels(q, softcap) or _cpu_flash(q, k, causal, diag, softcap, first)):
+        qw, kw, vw, ow, dw = _widened(max(q.shape[-1], v.shape[-1]), q, k, v, out, dout)
+        grads = attention_backward(qw, kw, vw, ow, lse, dw, causal=causal, scale=scale, q_offset=q_offset,
+                                   k_offset=k_offset, softcap=softcap, first=first)
+        return tuple(g[..., :t.shape[-1]] for g, t in zip(grads, (q, k, v)))
     if _cpu_flash(q, k, causal, diag, softcap, first):
         mask = _block_mask(q, k, causal, q_offset, k_offset, first)
         hidden = lse == float("-inf")  # queries that see no key anywhere: no gradient (and no nan from -inf - -inf)

@@ -367,13 +367,15 @@ def _zero_experts(module: nn.Module) -> int:
 
 class _OnFirst:
     """A forward hook keeping a module's output on the axis' first rank, zero on the others: a whole value added
-    into a sum over the ranks."""
+    into a sum over the ranks. Zero times the output, not a new zero tensor: every rank's graph must reach the
+    tokens as the first's does, or a call routing no token to a real expert leaves the tokens' gradient sum (an
+    all-reduce) out of the other ranks' backward."""
 
     def __init__(self, first: bool) -> None:
         self.first = first
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return output if self.first else torch.zeros_like(output)
+        return output if self.first else output * 0
 
 
 def add_delta(module: nn.Module, name: str, delta: Callable[[], torch.Tensor | None]) -> None:

@@ -42,7 +42,8 @@ def _worker(rank: int, world: int, port: int, conn: Connection) -> None:
     placement = tpf.placement("cpu", ranks=list(range(world)))
     while (job := conn.recv()) is not None:
         try:
-            conn.send(check(*job, placement))
+            kind, mode, ratios = job
+            conn.send(check(kind, mode, placement, ratios))
         except BaseException as e:
             conn.send(Verdict("failing", f"{type(e).__name__}: {traceback.format_exception_only(e)[-1].strip()}"))
 
@@ -59,7 +60,7 @@ class _Pool:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, job: tuple[str, str], timeout: float) -> tuple[Verdict, bool]:
+    def run(self, job: tuple[str, str, bool], timeout: float) -> tuple[Verdict, bool]:
         """Every rank's verdict combined, and whether the pool is still sound."""
         for conn in self.conns:
             conn.send(job)
@@ -92,7 +93,8 @@ class _Pool:
 
 
 def sweep(kinds: Iterable[str], modes: Iterable[str], world: int,
-          progress: Callable[[str, str, Verdict], None] | None = None) -> dict[tuple[str, str], Verdict]:
+          progress: Callable[[str, str, Verdict], None] | None = None,
+          ratios: bool = False) -> dict[tuple[str, str], Verdict]:
     """Check every model type of ``kinds`` under every mode of ``modes`` on ``world`` rank processes (gloo, CPU).
 
     Args:
@@ -100,6 +102,7 @@ def sweep(kinds: Iterable[str], modes: Iterable[str], world: int,
         modes: modes (``tpflow.models.check.MODES``).
         world: the degree: how many rank processes.
         progress: called with each verdict as it comes.
+        ratios: the tiny models at their families' real ratios (``tiny_config(kind, ratios=True)``).
 
     Returns:
         ``{(kind, mode): Verdict}``.
@@ -115,7 +118,7 @@ def sweep(kinds: Iterable[str], modes: Iterable[str], world: int,
         for kind in kinds:
             for mode in modes:
                 pool = pool or _Pool(world)
-                verdict, sound = pool.run((kind, mode), TIMEOUT_S)
+                verdict, sound = pool.run((kind, mode, ratios), TIMEOUT_S)
                 if not sound:
                     pool.close()
                     pool = None

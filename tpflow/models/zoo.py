@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["VOCAB", "causal_lm_types", "tiny_config", "tiny_model"]
+__all__ = ["VOCAB", "causal_lm_types", "ratio_types", "tiny_config", "tiny_model"]
 
 VOCAB = 101  # uneven blocks of the vocabulary over 2 and 4 ranks
 
@@ -86,6 +86,8 @@ _CODEBOOKS = "a decoder of audio codebooks: its ids and labels are laid out per 
 _UNBUILT = {"gemma4_assistant": _DRAFTER, "gemma4_unified_assistant": _DRAFTER, "musicgen": _CODEBOOKS,
             "musicgen_melody": _CODEBOOKS,
             "xglm": "its attention clamps fp64 scores with an fp32 scalar of fp64's least value: an overflow"}
+_TOP_K = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "moe_top_k", "num_experts_per_token")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 MAX_PARAMETERS = 20_000_000  # a config whose sizes are named otherwise stays big: refused, not built
 
@@ -153,11 +155,62 @@ def _shrunk(values: dict) -> dict:
     return out
 
 
-def tiny_config(kind: str):
+def _real_ratios(values: dict, shrunk: dict) -> dict:
+    """The sizes that keep a family's real ratios where the tiny ones hide them: latent attention's nope and value
+    head dims beside its rotary one (DeepSeek-V3's 128 / 128 / 64: keys wider than values), the experts each token
+    picks (capped at 8, the experts at least twice as many), and the query heads per key/value head (of the tiny
+    model's 4 query heads: 1 key/value head for Llama 3's 32 / 8, fewer than 2 ranks)."""
+    out = {}
+    rope, nope, value = (values.get(k) for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    if all(isinstance(x, int) and x > 0 for x in (rope, nope, value)):
+        scale = rope / _SIZES["qk_rope_head_dim"]
+        out |= {"qk_nope_head_dim": max(1, round(nope / scale)), "v_head_dim": max(1, round(value / scale))}
+        if isinstance(values.get("head_dim"), int) and values["head_dim"] != rope:  # dots3's sliding layers'
+            out["head_dim"] = out["qk_nope_head_dim"] + _SIZES["qk_rope_head_dim"]
+        if "qk_head_dim" in values:  # LongCat-Flash's: nope + rope
+            out["qk_head_dim"] = out["qk_nope_head_dim"] + _SIZES["qk_rope_head_dim"]
+    picks = [n for n in _TOP_K if n in shrunk and isinstance(values.get(n), int) and values[n] > 0]
+    if picks:
+        k = min(values[picks[0]], 8)
+        out |= {n: k for n in picks} | {n: max(shrunk[n], 2 * k) for n in _EXPERTS if n in shrunk}
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if "num_key_value_heads" in shrunk and not rope and isinstance(heads, int) and isinstance(kv, int) and \
+            0 < kv < heads:
+        out["num_key_value_heads"] = max(1, shrunk.get("num_attention_heads", heads) * kv // heads)
+    return out
+
+
+def ratio_types() -> list[str]:
+    """The model types whose real ratios (``tiny_config(kind, ratios=True)``) differ from the tiny config's.
+
+    Returns:
+        Model types, sorted.
+
+    Example::
+
+        >>> "deepseek_v3" in ratio_types() and "gpt2" not in ratio_types()
+        True
+    """
+    import transformers
+
+    kinds = []
+    for kind in causal_lm_types():
+        if kind in _UNBUILT:
+            continue
+        values = transformers.AutoConfig.for_model(kind).to_dict()
+        shrunk = _shrunk(values)
+        if any(shrunk.get(k) != v for k, v in _real_ratios(values, shrunk).items()):
+            kinds.append(kind)
+    return kinds
+
+
+def tiny_config(kind: str, ratios: bool = False):
     """The config of ``kind`` shrunk to a tiny model of 2 or more layers (one of each kind a hybrid stacks).
 
     Args:
         kind: a model type, one of ``causal_lm_types()``.
+        ratios: keep the family's real ratios of head dims, experts per token and key/value heads
+            (``_real_ratios``), which the tiny sizes make alike.
 
     Returns:
         A ``transformers.PretrainedConfig``.
@@ -173,10 +226,11 @@ def tiny_config(kind: str):
     shrunk = _shrunk(values)
     family = {k: {**shrunk[k], **v} if isinstance(v, dict) and isinstance(shrunk.get(k), dict) else v
               for k, v in _FAMILY.get(kind, {}).items()}  # a sub-config's entries over its shrunk ones
-    return transformers.AutoConfig.for_model(kind, **{**shrunk, **family})
+    return transformers.AutoConfig.for_model(kind, **{**shrunk, **family,
+                                                      **(_real_ratios(values, shrunk) if ratios else {})})
 
 
-def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float64, ratios: bool = False) -> nn.Module:
     """A tiny ``AutoModelForCausalLM`` of ``kind`` with random weights (the same on every rank for one ``seed``),
     eager experts (a loop, exact in fp64).
 
@@ -184,6 +238,7 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> 
         kind: a model type.
         seed: the weights' seed.
         dtype: the parameters' dtype (fp64: a checked number compares to 1e-9, not to fp32's rounding).
+        ratios: built from ``tiny_config(kind, ratios=True)``.
 
     Returns:
         The model, in train mode.
@@ -197,7 +252,7 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> 
 
     if kind in _UNBUILT:
         raise ValueError(f"{kind}: {_UNBUILT[kind]}")
-    config = tiny_config(kind)
+    config = tiny_config(kind, ratios)
     with torch.device("meta"):
         count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     if count > MAX_PARAMETERS:

@@ -141,8 +141,8 @@ def _segment(position: int, segments: Segments) -> int:
 
 
 def _gather(kv: torch.Tensor, rows: list[slice]) -> torch.Tensor:
-    """The rows of ``[2, B, H, L, D]`` keys and values, end to end (a message to send)."""
-    return torch.cat([kv[:, :, :, r] for r in rows], 3)
+    """The rows of ``[B, H, L, Dk + Dv]`` keys and values side by side, end to end (a message to send)."""
+    return torch.cat([kv[:, :, r] for r in rows], 2)
 
 
 class _Step:
@@ -154,7 +154,7 @@ class _Step:
         self.ranges = exchange.needs[r][self.src]
         out_rows = exchange.rows(r, exchange.needs[self.dst][r])
         length = sum(n for _, n in self.ranges)
-        self.buffer = kv.new_empty((*kv.shape[:3], length, kv.shape[4]))
+        self.buffer = kv.new_empty((*kv.shape[:2], length, kv.shape[3]))
         sends = [(_gather(kv, out_rows), self.dst)] if out_rows else []
         recvs = [(self.buffer, self.src)] if length else []
         self.handles = transport.post(sends=sends, recvs=recvs, tag=tag)
@@ -171,9 +171,10 @@ class _BoundedRing(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, exchange, transport, scale, softcap):
         W, r = transport.world_size, transport.rank
         wide = accumulate_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=wide, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)
-        kv = torch.stack([k, v])
+        width = k.shape[-1]
+        kv = torch.cat([k, v], -1)  # keys and values side by side (MLA's differ in width)
         coming = _Step(exchange, transport, kv, 1, 0) if W > 1 else None
         for step in range(W):
             if step == 0:
@@ -182,7 +183,8 @@ class _BoundedRing(torch.autograd.Function):
                 held, ranges = coming.wait(), coming.ranges
                 coming = _Step(exchange, transport, kv, step + 1, 0) if step + 1 < W else None
             for rows, keys, q_at, k_at in exchange.blocks(r, ranges):
-                block = attention(q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys], causal=True, scale=scale,
+                block = attention(q[:, :, rows], held[:, :, keys, :width], held[:, :, keys, width:], causal=True,
+                                  scale=scale,
                                   q_offset=q_at, k_offset=k_at, softcap=softcap,
                                   first=exchange.first[:, q_at:q_at + rows.stop - rows.start])
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *block)
@@ -200,8 +202,9 @@ class _BoundedRing(torch.autograd.Function):
         W, r = transport.world_size, transport.rank
         wide = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)
-        dkv = torch.zeros((2, *k.shape), dtype=wide, device=k.device)
-        kv = torch.stack([k, v])
+        width = k.shape[-1]
+        kv = torch.cat([k, v], -1)
+        dkv = torch.zeros(kv.shape, dtype=wide, device=k.device)
         coming = _Step(exchange, transport, kv, 1, 0) if W > 1 else None
         returns = []
         for step in range(W):
@@ -214,15 +217,15 @@ class _BoundedRing(torch.autograd.Function):
             grads = dkv if step == 0 else torch.zeros(held.shape, dtype=wide, device=held.device)
             for rows, keys, q_at, k_at in exchange.blocks(r, ranges):
                 dq_b, dk_b, dv_b = attention_backward(
-                    q[:, :, rows], held[0][:, :, keys], held[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
+                    q[:, :, rows], held[:, :, keys, :width], held[:, :, keys, width:], out[:, :, rows], lse[:, :, rows],
                     dout[:, :, rows], causal=True, scale=ctx.scale, q_offset=q_at, k_offset=k_at,
                     softcap=ctx.softcap, first=exchange.first[:, q_at:q_at + rows.stop - rows.start])
                 dq[:, :, rows] += dq_b
-                grads[0][:, :, keys] += dk_b
-                grads[1][:, :, keys] += dv_b
+                grads[:, :, keys, :width] += dk_b
+                grads[:, :, keys, width:] += dv_b
             if step > 0:  # their keys' gradients back to rank r - s; ours from rank r + s
                 back = exchange.needs[now.dst][r]
-                mine = torch.empty((*dkv.shape[:3], sum(n for _, n in back), dkv.shape[4]), dtype=wide,
+                mine = torch.empty((*dkv.shape[:2], sum(n for _, n in back), dkv.shape[3]), dtype=wide,
                                    device=dkv.device)
                 handles = transport.post(sends=[(grads, now.src)] if ranges else [],
                                          recvs=[(mine, now.dst)] if back else [], tag=1)
@@ -233,10 +236,11 @@ class _BoundedRing(torch.autograd.Function):
             at = 0
             for piece in rows:
                 n = piece.stop - piece.start
-                dkv[:, :, :, piece] += mine[:, :, :, at:at + n]
+                dkv[:, :, piece] += mine[:, :, at:at + n]
                 at += n
         dsinks = None if sinks is None else sinks_backward(out, lse, dout, sinks)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
+        return (dq.to(q.dtype), dkv[..., :width].to(k.dtype), dkv[..., width:].to(v.dtype), dsinks, None, None, None,
+                None)
 
 
 def bounded_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, exchange: RingExchange,

@@ -215,16 +215,17 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, segments, transport, causal, scale, softcap):
         W, r = transport.world_size, transport.rank
         wide = accumulate_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=wide, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)
-        kv = torch.stack([k, v])  # one message a step
+        width = k.shape[-1]
+        kv = torch.cat([k, v], -1)  # one message a step: keys and values side by side (MLA's differ in width)
         for step in range(W):
             if step < W - 1:  # the next block crosses the link while this one computes
                 arriving = torch.empty_like(kv)
                 sent, got = transport.post(sends=[(kv, (r + 1) % W)], recvs=[(arriving, (r - 1) % W)], tag=0)
             for rows, keys, masked, q_offset, k_offset in _blocks(segments[r], segments[(r - step) % W], causal):
-                block = attention(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal=masked, scale=scale,
-                                  q_offset=q_offset, k_offset=k_offset, softcap=softcap)
+                block = attention(q[:, :, rows], kv[:, :, keys, :width], kv[:, :, keys, width:], causal=masked,
+                                  scale=scale, q_offset=q_offset, k_offset=k_offset, softcap=softcap)
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], *block)
             if step < W - 1:
                 got.wait()
@@ -247,24 +248,25 @@ class _Ring(torch.autograd.Function):
         right, left = (r + 1) % W, (r - 1) % W
         wide = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=wide, device=q.device)
-        kv = last if W > 1 else torch.stack([k, v])
+        width = k.shape[-1]
+        kv = last if W > 1 else torch.cat([k, v], -1)
         got_grad, sent_grads, arriving_grad = Handle(), [], None
         for step in range(W):  # step s holds rank r + s + 1's block: the right neighbour's of the step before
             if step < W - 2:  # the next block crosses the link while this one computes (the last one is this rank's)
                 arriving = torch.empty_like(kv)
                 sent, got = transport.post(sends=[(kv, left)], recvs=[(arriving, right)], tag=0)
             elif step == W - 1:
-                kv = torch.stack([k, v])
-            dkv = torch.zeros((2, *k.shape), dtype=wide, device=k.device)
+                kv = torch.cat([k, v], -1)
+            dkv = torch.zeros(kv.shape, dtype=wide, device=k.device)
             src = (r + step + 1) % W
             for rows, keys, masked, q_offset, k_offset in _blocks(segments[r], segments[src], ctx.causal):
                 dq_b, dk_b, dv_b = attention_backward(
-                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
+                    q[:, :, rows], kv[:, :, keys, :width], kv[:, :, keys, width:], out[:, :, rows], lse[:, :, rows],
                     dout[:, :, rows], causal=masked, scale=ctx.scale, q_offset=q_offset, k_offset=k_offset,
                     softcap=ctx.softcap)
                 dq[:, :, rows] += dq_b
-                dkv[0][:, :, keys] += dk_b
-                dkv[1][:, :, keys] += dv_b
+                dkv[:, :, keys, :width] += dk_b
+                dkv[:, :, keys, width:] += dv_b
             got_grad.wait()  # the block's gradient so far, from the ranks that held it before
             if arriving_grad is not None:
                 dkv += arriving_grad
@@ -279,7 +281,8 @@ class _Ring(torch.autograd.Function):
         for handle in sent_grads:
             handle.wait()
         dsinks = None if sinks is None else sinks_backward(out, lse, dout, sinks)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
+        return (dq.to(q.dtype), dkv[..., :width].to(k.dtype), dkv[..., width:].to(v.dtype), dsinks, None, None, None,
+                None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments: Sequence[Segments],

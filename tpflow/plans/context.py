@@ -53,7 +53,7 @@ from tpflow.plans.context_attention import (
     context_group,
     register,
 )
-from tpflow.plans.context_batch import IGNORE, first_keys, masks_documents, read_documents
+from tpflow.plans.context_batch import IGNORE, PackedDocuments, first_keys, read_documents
 from tpflow.plans.inputs import InputCheck
 from tpflow.plans.mixers import is_attention, own_loss, own_positions, unsplit_mixers
 from tpflow.plans.style import Plan, Style
@@ -97,7 +97,7 @@ class _Context:
     """The root model's hooks: the inputs cut on entry, the loss summed and the logits made global on exit."""
 
     def __init__(self, model: nn.Module, kind: str, placement: Placement, logits_placement: Placement,
-                 batch: Batch, packing: bool) -> None:
+                 batch: Batch, packing: PackedDocuments) -> None:
         self.kind, self.placement, self.logits_placement, self.batch = kind, placement, logits_placement, batch
         self.signature = inspect.signature(model.forward)
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
@@ -156,7 +156,7 @@ class _Context:
             raise ValueError(f"{type(module).__name__} computes its labels= loss in its own code, on the logits of "
                              f"this rank's tokens against every label: under context parallelism compute the loss "
                              f"from .logits (a global tensor split over the sequence), or pass no labels")
-        pads, documents, positions = read_documents(named, batch, seq, self.packing)
+        pads, documents, positions = read_documents(named, batch, seq, self.packing.reading(named, batch))
         positions = positions.to(tokens.device)
         self.batch.documents = documents
         first = None if documents is None else first_keys(documents, self.kind)
@@ -315,7 +315,7 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
     """
     register()
     _own_config(model)
-    packing = masks_documents(model)  # read under the model's own attention implementation
+    packing = PackedDocuments(model)  # read under the model's own attention implementation
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:  # transformers only warns where it cannot switch
         raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "

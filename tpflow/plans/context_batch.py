@@ -5,31 +5,34 @@ before any collective, on every rank alike (the ranks were fed the same batch)."
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
 import torch
 from torch import nn
 
-__all__ = ["first_keys", "masks_documents", "read_documents"]
+__all__ = ["PackedDocuments", "first_keys", "read_documents"]
 
 IGNORE = -100  # transformers' ignore_index of the labels
 
 
-def read_documents(named: dict, batch: int, seq: int, packing: bool) -> tuple[torch.Tensor | None,
-                                                                               torch.Tensor | None, torch.Tensor]:
+def read_documents(named: dict, batch: int, seq: int, reading: str | None) -> tuple[torch.Tensor | None,
+                                                                                   torch.Tensor | None, torch.Tensor]:
     """The padding, documents and positions of a batch, taking ``attention_mask`` and the ``cu_seq_lens_*`` /
     ``max_length_*`` keywords out of ``named`` (the model's keyword arguments).
 
     Padding on the right needs nothing (causal attention keeps every real token from the padding after it);
-    padding elsewhere is a document of its own, which the real tokens do not see. Packed documents come from
-    ``position_ids`` that restart (where the model's own masks read them: ``packing``) or from ``cu_seq_lens_q`` /
-    ``cu_seq_lens_k`` (one row, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` packs it).
+    padding elsewhere is a document of its own, which the real tokens do not see. Packed documents are kept apart
+    where one device keeps them apart in this call (``reading``, from ``PackedDocuments.reading``): from
+    ``position_ids`` that restart, or from ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one row, as
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` packs it).
 
     Args:
         named: the model's keyword arguments (changed: the mask and the flash keywords taken out).
         batch, seq: the tokens' shape.
-        packing: whether restarting ``position_ids`` are documents (``masks_documents`` of the model).
+        reading: ``"positions"``, ``"lengths"``, ``"unknown"`` (restarting positions refused) or None (one device
+            attends across packed documents in this call).
 
     Returns:
         ``(pads, documents, positions)``: the padded positions ``[batch, seq]`` (or None), each token's document
@@ -39,7 +42,7 @@ def read_documents(named: dict, batch: int, seq: int, packing: bool) -> tuple[to
     Example::
 
         >>> named = {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])}
-        >>> pads, documents, positions = read_documents(named, 1, 8, packing=True)
+        >>> pads, documents, positions = read_documents(named, 1, 8, "positions")
         >>> pads, documents
         (None, tensor([[0, 0, 0, 1, 1, 2, 2, 2]]))
     """
@@ -52,11 +55,15 @@ def read_documents(named: dict, batch: int, seq: int, packing: bool) -> tuple[to
     elif positions.shape != (batch, seq):
         raise ValueError(f"context parallelism takes position_ids [batch, seq] = {[batch, seq]} (got "
                          f"{list(positions.shape)})")
-    elif packing and not bool((positions.diff(dim=1) == 1).all()):
-        documents = _restarting(positions, pads)
-    if lengths is not None:
-        if pads is not None:
-            raise ValueError("cu_seq_lens beside a padding mask: pack without padding")
+    elif reading in ("positions", "lengths", "unknown") and not bool((positions.diff(dim=1) == 1).all()):
+        if reading == "unknown":
+            raise ValueError("position_ids restart, and the model's decoder cannot be read for whether one device "
+                             "keeps such packed documents apart: pass cu_seq_lens_q / cu_seq_lens_k under a flash "
+                             "attention implementation, or unpacked rows")
+        documents = _restarting(positions)
+    if lengths is not None and pads is not None:
+        raise ValueError("cu_seq_lens beside a padding mask: pack without padding")
+    if reading == "lengths":
         if documents is not None and not torch.equal(documents, lengths.to(documents.device)):
             raise ValueError("position_ids restart where cu_seq_lens_q does not start a document: pass the two "
                              "from one collator (DataCollatorWithFlattening), or either alone")
@@ -64,12 +71,9 @@ def read_documents(named: dict, batch: int, seq: int, packing: bool) -> tuple[to
     return pads, documents, positions
 
 
-def _restarting(positions: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor:
+def _restarting(positions: torch.Tensor) -> torch.Tensor:
     """Packed documents' ids from ``position_ids`` that restart (a new document wherever they do not count up by
     one, as transformers' own masks read them), numbered from 0."""
-    if pads is not None:
-        raise ValueError("packed documents (position_ids that restart) beside a padding mask: one device reads "
-                         "them as one document; pack without padding, or pad without restarting positions")
     starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=1) != 1
     back = starts & (positions != 0)
     if bool(back.any()):
@@ -145,31 +149,74 @@ def first_keys(documents: torch.Tensor, kind: str) -> torch.Tensor | None:
     return torch.where(starts, at, 0).cummax(1).values
 
 
-def masks_documents(model: nn.Module) -> bool:
-    """Whether the model's own attention keeps packed documents apart: under the flash kernels transformers finds
-    them from ``position_ids`` itself; under the others, where the decoder hands ``position_ids`` to the mask
-    builders (Llama's, Qwen3's do; gpt-oss's does not, so one device attends across documents there, and so does the
-    split).
+class PackedDocuments:
+    """Whether one device keeps a call's packed documents apart, which transformers decides call by call: the flash
+    kernels take ``cu_seq_lens_*`` with ``max_length_*`` where given, else find documents in one row (batch 1) from
+    ``position_ids`` that restart; the other implementations ignore ``cu_seq_lens_*`` and mask documents only where
+    the decoder hands ``position_ids`` to its mask builder with no padding mask and no cache (transformers builds
+    the document mask only when ``past_key_values is None``: a call with ``use_cache`` on, the config's default,
+    makes a cache first and attends across the documents; Llama's and Qwen3's decoders read them, gpt-oss's never).
 
     Args:
         model: a Hugging Face causal LM, under its own attention implementation.
 
-    Returns:
-        True or False (True where its source cannot be read).
-
     Example::
 
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> masks_documents(LlamaForCausalLM(LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        ...                                              intermediate_size=32, vocab_size=32)))
-        True
+        >>> reader = PackedDocuments(LlamaForCausalLM(LlamaConfig(hidden_size=16, num_hidden_layers=1,
+        ...     num_attention_heads=2, intermediate_size=32, vocab_size=32)))
+        >>> reader.reading({"use_cache": False}, batch=2), reader.reading({}, batch=2)
+        ('positions', None)
     """
-    if str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("flash"):
-        return True
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+
+    def __init__(self, model: nn.Module) -> None:
+        self.flash = str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("flash")
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        self.reads_positions, self.cache_first = _decoder_masks(type(self.decoder))
+
+    def reading(self, named: dict, batch: int) -> str | None:
+        """How one device reads packed documents when called with the keyword arguments ``named``.
+
+        Args:
+            named: the call's keyword arguments (``attention_mask``, ``use_cache``, ``cu_seq_lens_*`` read).
+            batch: its rows.
+
+        Returns:
+            ``"lengths"`` (``cu_seq_lens_*``), ``"positions"`` (restarting ``position_ids``), ``"unknown"`` (the
+            decoder's source cannot be read) or None (it attends across them).
+        """
+        mask = named.get("attention_mask")
+        if self.flash:
+            if all(named.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                       "max_length_k")):
+                return "lengths"
+            padded = mask is not None and not bool(mask.bool().all())
+            return "positions" if batch == 1 and not padded else None
+        if mask is not None or self.reads_positions is False:
+            return None
+        if self.reads_positions is None:
+            return "unknown"
+        return None if self.cache_first and self._uses_cache(named) else "positions"
+
+    def _uses_cache(self, named: dict) -> bool:
+        """Whether the decoder makes a cache in this call: ``use_cache`` given, else its config's, off under
+        gradient checkpointing in training (transformers' ``merge_with_config_defaults``)."""
+        use = named.get("use_cache")
+        if use is None:
+            use = getattr(getattr(self.decoder, "config", None), "use_cache", None)
+        return bool(use) and not (getattr(self.decoder, "gradient_checkpointing", False) and self.decoder.training)
+
+
+@functools.cache
+def _decoder_masks(decoder: type) -> tuple[bool | None, bool]:
+    """Whether a decoder class hands ``position_ids`` to its mask builders (None: its source cannot be read), and
+    whether it makes a cache from ``use_cache`` that reaches them first."""
     try:
-        source = inspect.getsource(type(decoder).forward)
+        source = inspect.getsource(decoder.forward)
     except (OSError, TypeError):
-        return True
+        return None, True
     builds = re.findall(r"mask_kwargs\s*=\s*\{[^}]*\}|create_\w*mask\([^)]*\)", source)
-    return not builds or any("position_ids" in b for b in builds)
+    reads = not builds or any("position_ids" in b for b in builds)
+    cache = bool(re.search(r"past_key_values\s*=\s*\w*Cache\(", source)) and \
+        (not builds or any("past_key_values" in b for b in builds))
+    return reads, cache
