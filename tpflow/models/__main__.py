@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             before = f.read()
         verdicts = {**read_verdicts(before), **verdicts}
         header = before[:before.index("\n| |")].rstrip() + (
-            f"\n\nChecked again on {datetime.date.today().isoformat()} with `--update --types {' '.join(kinds)}`.")
+            f"\n\nChecked again on {datetime.date.today().isoformat()} with "
+            f"`{'--ratios ' * args.ratios}--update --types {' '.join(kinds)}`.")
         kinds = ratio_types() if args.ratios else causal_lm_types()
     text = render(verdicts, kinds, args.modes, args.world, header)
     if args.out:
