@@ -440,6 +440,72 @@ def test_lora_saves_loads_and_merges_as_peft_does(world):
     harness.run(world, _save_load_merge_rank)
 
 
+def _plain_peft_rank() -> None:
+    """PEFT's own calls on a parallelized model, with neither ``tpf.lora`` nor ``tpf.adopt`` (issue 54): a plain
+    ``get_peft_model`` puts each adapter in its base's layout, and two AdamW steps give one device's losses, norms and
+    every parameter; its ``save_pretrained`` writes one device's file, once; an adapter trained for a base 1/W the size
+    (its factors the shape of this rank's blocks) is refused by ``from_pretrained`` and ``load_adapter`` with one
+    device's size mismatch, or dropped as there with ``ignore_mismatched_sizes``."""
+    import os
+    import warnings
+
+    from safetensors.torch import load_file
+
+    from tests.models import tiny_lm, train_lm
+
+    base = _model("llama")
+    reference = _reference(base)
+    split = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(), plan="auto")
+    torch.manual_seed(3)
+    model = peft.get_peft_model(split, _config(base)).double()
+    _copy_adapters(model, reference)
+    attention = model.base_model.model.model.layers[0].self_attn
+    assert type(attention.q_proj.lora_B["default"]).__name__ == "ColumnParallelLinear"
+    assert type(attention.o_proj.lora_A["default"]).__name__ == "RowParallelLinear"
+    with within(90):
+        got = train_lm(model, _ids())
+    torch.testing.assert_close(got, train_lm(reference, _ids()), rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-6, msg=name)
+
+    folder = _folder()
+    with within(60):
+        model.save_pretrained(f"{folder}/split")  # every rank; rank 0 writes
+    if dist.get_rank() == 0:
+        reference.save_pretrained(f"{folder}/one")
+        assert sorted(os.listdir(f"{folder}/split")) == sorted(os.listdir(f"{folder}/one"))
+        written, want = (load_file(f"{folder}/{which}/adapter_model.safetensors") for which in ("split", "one"))
+        assert written.keys() == want.keys(), (written.keys() - want.keys(), want.keys() - written.keys())
+        for key, value in want.items():
+            torch.testing.assert_close(written[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+    world = dist.get_world_size()  # q_proj's lora_B and o_proj's lora_A of a base with 1/W the heads: a block's shape
+    small = peft.get_peft_model(tiny_lm("llama", kv_heads=2 // world, heads=4 // world),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    if dist.get_rank() == 0:
+        small.save_pretrained(f"{folder}/small")
+    dist.barrier()
+    mismatch = r"size mismatch for .*q_proj.lora_B.\w+.weight: copying a param with shape torch.Size\(\[32, 4\]\)"
+    with pytest.raises(RuntimeError, match=mismatch):
+        peft.PeftModel.from_pretrained(copy.deepcopy(base), f"{folder}/small")  # one device's refusal
+    split = tpf.parallelize(copy.deepcopy(base), placement=all_ranks(), plan="auto")
+    with within(60), pytest.raises(RuntimeError, match=mismatch):
+        peft.PeftModel.from_pretrained(copy.deepcopy(split), f"{folder}/small")
+    with within(60), pytest.raises(RuntimeError, match=mismatch):
+        model.load_adapter(f"{folder}/small", adapter_name="small")
+    with within(60), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = peft.PeftModel.from_pretrained(split, f"{folder}/small", adapter_name="kept",
+                                              ignore_mismatched_sizes=True)
+    assert any("ignore_mismatched_sizes" in str(w.message) and "q_proj.lora_B" in str(w.message) for w in caught)
+    for layer in kept.base_model.model.model.layers:  # PEFT's start, as one device leaves it: lora_B zero
+        assert not layer.self_attn.q_proj.lora_B["kept"].weight.full_tensor().any()
+
+
+def test_plain_peft_calls_on_a_parallelized_model_act_as_on_one_device():
+    harness.run(2, _plain_peft_rank, timeout=300)
+
+
 def _refusals_rank() -> None:
     """What the adapters cannot follow is refused on every rank, naming it, before the model changes."""
     from tests.models import tiny_lm
@@ -478,8 +544,8 @@ def _refusals_rank() -> None:
         tpf.parallelize(held, placement=all_ranks(), plan="auto")
     assert not any(type(m).__name__ == "VocabParallelEmbedding" for m in held.modules()), dist.get_rank()
 
-    # an adapter of another base (8 heads, not 4): refused, into the whole base as into the split one (PEFT takes a
-    # tensor of the shape of this rank's block for the block: the check cannot see a base of 1/W the size)
+    # an adapter of another base (8 heads, not 4): refused, into the whole base as into the split one (of a base 1/W
+    # the size, whose tensors have a block's shape, too: _plain_peft_rank)
     other = peft.get_peft_model(tiny_lm("llama", kv_heads=2, heads=8), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     folder = [_folder()]
     tpf.parallelize(other, placement=all_ranks(), plan="auto").save_pretrained(folder[0])

@@ -1,5 +1,6 @@
 """PEFT's LoRA adapters on tpflow's split layers, in either order: ``get_peft_model`` of a parallelized model
-(``tpf.lora(config)``), or ``parallelize`` of a PEFT model (``tpflow.plans.adapters``).
+(``tpf.lora(config)``, which PEFT's own call applies: ``tpflow.plans.peft_calls``), or ``parallelize`` of a PEFT
+model (``tpflow.plans.adapters``).
 
 An adapter follows its base layer's layout, as Megatron's and torchtitan's LoRA do. After a column layer (its output
 split over the features) ``lora_A`` is whole on every rank, a replica, and ``lora_B`` a column layer over the base's
@@ -311,9 +312,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def lora(config: Any) -> Any:
     """Make a PEFT ``LoraConfig`` put its adapters on a parallelized model's layers, each following its base layer's
-    layout (see the module's docstring): ``tpf.adopt(get_peft_model(parallelized_model, tpf.lora(config)))`` (``adopt``
-    makes its ``save_pretrained`` write PEFT's files). The other order, ``tpf.parallelize(get_peft_model(model,
-    config), ...)``, needs neither.
+    layout (see the module's docstring). PEFT's own ``get_peft_model(parallelized_model, config)`` applies it itself,
+    as do its ``add_adapter``, ``load_adapter`` and ``PeftModel.from_pretrained`` on such a model
+    (``tpflow.plans.peft_calls``, set up by ``parallelize`` and by this function); calling it is needed only where
+    PEFT is first imported after ``parallelize`` in a program that has not loaded transformers.
 
     Args:
         config: a ``peft.LoraConfig``.
@@ -340,5 +342,8 @@ def lora(config: Any) -> Any:
         raise ValueError(f"LoRA on parameters (target_parameters={config.target_parameters}, a mixture's experts) of a "
                          "parallelized model is not supported: PEFT wraps them before tpflow can split its factors; "
                          "take the other order, tpf.parallelize(get_peft_model(model, config), ...)")
+    from tpflow.plans.peft_calls import follow_peft  # which applies this function
+
+    follow_peft()
     config._register_custom_module(lora_classes())
     return config

@@ -25,6 +25,7 @@ from tpflow.plans.decoding import decode_alike
 from tpflow.plans.fsdp import expect_fsdp
 from tpflow.plans.inputs import check_inputs, draws_random
 from tpflow.plans.matching import match
+from tpflow.plans.peft_calls import follow_peft
 from tpflow.plans.pretrained import export_whole
 from tpflow.plans.random_streams import split_streams
 from tpflow.plans.ties import Ties
@@ -103,6 +104,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
     check_buffers(model)
+    follow_peft()  # PEFT's own get_peft_model, save_pretrained and loading take the split model
     lifted = Lifted(model)  # PEFT's layers out while the plan is matched and applied, their base layers in place
     try:
         matched = match(model, placement, plan)  # names, "auto" and torch's styles read as entries; patterns matched
