@@ -5,7 +5,8 @@
 For each size (float32 elements: a decode step's hidden state of one and of 8 tokens, a bucket of gradients),
 ``tpf.comm.all_reduce`` and ``tpf.comm.all_gather`` run ``--reps`` times with the ``cpu_shared_memory`` switch on,
 then off (gloo), the two taking turns in rounds of a tenth of the reps; the time is the median round's mean call,
-on the slowest rank. Each run is appended to ``benchmarks/results/shm_cpu_<cpu>_<date>.md``.
+on the slowest rank. Each run is appended to ``benchmarks/results/shm_cpu_<cpu>_<date>.md``, with what the switch on
+gave (``tpf.comm.shm.transport``: shared memory, or gloo and why, as on a machine it refuses).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     torch.set_num_threads(1)
     tpf.init_distributed()
     group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    with tpf.config.override(cpu_shared_memory=True):
+        transport = tpf.comm.shm.transport(group)
     rows = [f"| {n:,} ({n * 4 / 1024:,.0f} KiB) |" for n in SIZES]
     for i, n in enumerate(SIZES):
         reps = max(10, args.reps if n < 1 << 16 else args.reps // 20)
@@ -61,7 +64,7 @@ def main() -> None:
     if rank == 0:
         command = f"python -m tpflow.launch --nproc_per_node {world} benchmarks/shm_cpu.py --reps {args.reps}"
         lines = [f"# Collectives of {world} CPU ranks on one host: shared memory against gloo, float32", "",
-                 f"Command: `{command}`", "",
+                 f"Command: `{command}`", "", f"With the switch on: {transport}.", "",
                  "| elements | all-reduce shm us | gloo us | shm / gloo | all-gather shm us | gloo us | shm / gloo |",
                  "|---|---|---|---|---|---|---|", *rows]
         print("\n".join(lines))

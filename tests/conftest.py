@@ -7,6 +7,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TPFLOW_AUTOTUNE", "0")
+# a Python process the tests start (the launcher's ranks, the scripts) prints every thread's stack if a signal kills it
+# (a segfault, a heap corruption's abort), into the output the failing test reports; the pool's ranks keep theirs in
+# a file the harness reports (tests/harness.py)
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 import pytest
 
@@ -65,6 +69,7 @@ class Launches:
                     f"benchmarks/decode_cpu.py --batch 2 --new-tokens 2 --reps 1 --vocab 64 --hidden 32 --layers 1 "
                     f"--out {self.folder('decode')}",
                     f"benchmarks/shm_cpu.py --reps 10 --out {self.folder('shm')}",
+                    f"benchmarks/heap_cpu.py --iterations 3 --out {self.folder('heap')}",
                     f"benchmarks/trainer_cpu.py --rounds 1 --steps 2 --batch 2 --seq 8 --vocab 64 --hidden 32 "
                     f"--layers 1 --out {self.folder('trainer')}",
                     f"benchmarks/lora_cpu.py --rounds 1 --steps 2 --batch 2 --seq 16 --vocab 512 --layers 1 --rank 4 "

@@ -3,19 +3,24 @@
 ``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank and returns the per-rank
 results. A rank that raises fails the test with its traceback; a pool whose ranks stop
 answering (a hang) is killed after the timeout and replaced, so one bad test cannot stall
-the rest of the suite. ``run_python(args)`` runs a fresh Python process from the repository
-root, for what must run as a user runs it (the launcher, the examples, the benchmark scripts);
+the rest of the suite. A rank killed by a signal (a segfault, a heap corruption's abort) fails it
+with every thread's Python stack at that moment (faulthandler's, kept in a file per rank).
+``run_python(args)`` runs a fresh Python process from the repository root, for what must run as a
+user runs it (the launcher, the examples, the benchmark scripts);
 ``run_scripts(commands, nproc)`` runs several scripts in one launch (``tests/scripts.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -35,7 +40,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
+def _worker(rank: int, world_size: int, port: int, conn: Connection, faults: str) -> None:
+    faulthandler.enable(open(faults, "w"), all_threads=True)  # noqa: SIM115 (open as long as the process)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TPFLOW_TIMEOUT=str(COLLECTIVE_TIMEOUT_S))
     torch.set_num_threads(1)
@@ -61,9 +67,10 @@ class Pool:
         ctx = mp.get_context("spawn")
         self.world_size, port = world_size, _free_port()
         self.conns, self.procs = [], []
+        self.faults = tempfile.mkdtemp(prefix=f"tpflow-pool{world_size}-")  # each rank's stacks if a signal kills it
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, self._faults(rank)), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -85,7 +92,9 @@ class Pool:
                 try:
                     results[rank] = conn.recv()
                 except EOFError:
-                    results[rank] = ("error", f"rank {rank} died (exit code {self.procs[rank].exitcode})")
+                    self.procs[rank].join(timeout=5)  # its exit code, and faulthandler's stacks written
+                    results[rank] = ("error", f"rank {rank} died (exit code {self.procs[rank].exitcode})"
+                                              f"{self._stacks(rank)}")
         errors = {r: text for r, (kind, text) in sorted(results.items()) if kind == "error"}
         missing = [r for r in range(self.world_size) if r not in results]
         if errors or missing:
@@ -95,6 +104,16 @@ class Pool:
                 report += f"\nranks {missing} gave no answer (hung, or stuck waiting on a failed rank)"
             raise AssertionError(f"{fn.__name__} failed on world size {self.world_size}:{report}")
         return [results[r][1] for r in range(self.world_size)]
+
+    def _faults(self, rank: int) -> str:
+        return os.path.join(self.faults, f"rank{rank}.txt")
+
+    def _stacks(self, rank: int) -> str:
+        """What faulthandler wrote when a signal killed ``rank`` ('' if nothing)."""
+        with contextlib.suppress(OSError), open(self._faults(rank)) as f:
+            text = f.read().strip()
+            return f"; its threads' stacks then (faulthandler):\n{text}" if text else ""
+        return ""
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -110,6 +129,7 @@ class Pool:
                 proc.kill()
                 proc.join()
         self.procs = []
+        shutil.rmtree(self.faults, ignore_errors=True)
 
 
 _pools: dict[int, Pool] = {}

@@ -27,7 +27,7 @@ def test_pytest_benchmark_suites_run():
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
                                          (2, "context-packed"),
-                                         (2, "decode"), (2, "shm"), (2, "loaded"), (2, "trainer"),
+                                         (2, "decode"), (2, "shm"), (2, "heap"), (2, "loaded"), (2, "trainer"),
                                          (2, "lora"), (2, "profile")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     assert launches.get(nproc)[0]  # every script ran (a failed one fails the run)
@@ -52,6 +52,8 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "shm":  # both transports measured at every size
         assert text.count("x |") == 8, text
+    if name == "heap":  # both transports stressed, every result right
+        assert text.count(" | 3 | True |") == 2 and "| gloo (the cpu_shared_memory switch is off) |" in text, text
     if name == "trainer":  # the three modes timed
         assert text.count("x |") == 6 and "| Trainer + tpflow (tpf.adopt) |" in text, text
     if name == "lora":  # both modes timed; tpflow sends its layout's minimum

@@ -1,7 +1,13 @@
 """The shared-memory collectives of CPU ranks on one host (tpflow.comm.shm): every dtype, sizes from none to several
-slots, uneven chunks, the same bits on every rank, gloo's numbers, ranks that disagree or never arrive."""
+slots, uneven chunks, the same bits on every rank, gloo's numbers, ranks that disagree or never arrive; the futex each
+machine sleeps on, and machines that keep gloo; a rank that a heap error aborts leaves its stacks in the report."""
 
 from __future__ import annotations
+
+import os
+import platform
+import time
+from unittest import mock
 
 import pytest
 import torch
@@ -103,3 +109,77 @@ def _switched_off() -> tuple[bool, float]:
 
 def test_the_switch_turns_it_off():
     assert harness.run(2, _switched_off) == [(True, 2.0)] * 2
+
+
+def test_each_machine_sleeps_on_its_own_futex_number():
+    """202 is x86-64's futex but aarch64's accept: each machine's number from the kernel's tables, or none."""
+    expected = {"x86_64": 202, "AMD64": 202, "i686": 240, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238,
+                "armv7l": 240, "sparc64": None, "mips": None, "": None}
+    for machine, number in expected.items():
+        with mock.patch("platform.machine", return_value=machine):
+            assert shm.futex_call(platform.machine()) == number, machine
+    assert shm.refusal("x86_64") is None
+    assert "futex(2)'s system call number there is not known" in shm.refusal("sparc64")
+    assert "out of order" in shm.refusal("aarch64")
+
+
+def _machines() -> dict[str, tuple[bool, str, float]]:
+    """Per faked machine: whether a new group meets in shared memory, its transport, and an all-reduce's sum."""
+    seen = {}
+    for machine in ("sparc64", "aarch64", platform.machine()):
+        with mock.patch("platform.machine", return_value=machine):
+            group = dist.new_group(list(range(dist.get_world_size())))
+            said = shm.transport(group)
+            t = torch.ones(2)
+            tpf.comm.all_reduce(t, group)
+            seen[machine] = (shm.host_group(group) is not None, said, t[0].item())
+    return seen
+
+
+def test_an_unknown_machine_keeps_gloo_and_says_why():
+    for seen in harness.run(2, _machines):
+        assert seen["sparc64"] == (False, "gloo (sparc64: futex(2)'s system call number there is not known to "
+                                          "tpflow)", 2.0)
+        assert seen["aarch64"][0] is False and "aarch64: its stores may reach another core out of order" in \
+            seen["aarch64"][1] and seen["aarch64"][2] == 2.0
+        if platform.machine() == "x86_64":
+            assert seen["x86_64"] == (True, "shared memory (/dev/shm, futex: system call 202 on x86_64)", 2.0)
+
+
+def _waiting_cpu() -> float:
+    """CPU seconds this rank's thread spends in an all-reduce that rank 1 joins a second late."""
+    group = dist.group.WORLD
+    assert shm.host_group(group) is not None
+    t = torch.ones(1)
+    tpf.comm.all_reduce(t, group)
+    if dist.get_rank() == 1:
+        time.sleep(1.0)
+    start = time.thread_time()
+    tpf.comm.all_reduce(t, group)
+    return time.thread_time() - start
+
+
+def test_a_waiting_rank_sleeps_in_the_kernel():
+    """The futex call really sleeps (a wrong number or argument returns at once, and the rank spins its second)."""
+    waited, _ = harness.run(2, _waiting_cpu)
+    assert waited < 0.3, f"rank 0 spent {waited:.2f} CPU seconds waiting 1 s for rank 1: the futex did not sleep"
+
+
+def _aborts_in_a_worker_thread() -> None:
+    """Rank 1 aborts as glibc does on a corrupted heap (SIGABRT), from a thread of its own while the main one waits."""
+    if dist.get_rank() == 1:
+        import threading
+
+        threading.Thread(target=os.abort, name="aborting-thread").start()
+        time.sleep(30)
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_stacks_in_the_report():
+    try:
+        with pytest.raises(AssertionError) as caught:
+            harness.run(2, _aborts_in_a_worker_thread, timeout=60)
+    finally:
+        harness.discard(2)
+    report = str(caught.value)
+    assert "rank 1 died (exit code -6); its threads' stacks then (faulthandler):" in report, report
+    assert "Fatal Python error: Aborted" in report and "_aborts_in_a_worker_thread" in report, report

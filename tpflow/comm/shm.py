@@ -24,7 +24,9 @@ waiting rank leaves the core to the ones it waits for. Spinning longer cost up t
 4 busy processes, 0.85x now (``benchmarks/loaded_cpu.py``, benchmarks/README.md).
 
 The flag is published by a plain store after the bytes, which x86's total store order keeps in order for the
-reader: other machines (and groups that span hosts, or a ``/dev/shm`` that cannot hold the region) keep gloo.
+reader: other machines (and groups that span hosts, or a ``/dev/shm`` that cannot hold the region) keep gloo, and
+so does a machine whose futex system call number tpflow does not know (the number is another call elsewhere: 202,
+x86-64's futex, is aarch64's accept). ``transport(group)`` says which a group uses, and why.
 ``tpf.config.set(cpu_shared_memory=False)`` turns it off (on every rank alike).
 """
 
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from tpflow import config
 
-__all__ = ["HostGroup", "carries", "host_group"]
+__all__ = ["HostGroup", "carries", "futex_call", "host_group", "refusal", "transport"]
 
 _CAPACITY = 1 << 20  # bytes a rank's slot holds: larger tensors go in rounds
 _DIR = "/dev/shm"
@@ -57,7 +59,11 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER = 1, 2, 3  # two bits of a signature
 _NAMES = {_ALL_REDUCE: "all_reduce", _ALL_GATHER: "all_gather", _REDUCE_SCATTER: "reduce_scatter"}
 _HOT_SPINS, _YIELDS = 64, 256  # checks before yielding the core, yields before sleeping in the kernel
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64's number; shared (not private) futexes: other processes
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not private) futexes: other processes wait on them
+# futex(2)'s number in each architecture's system call table (the kernel's syscall.tbl and asm-generic/unistd.h)
+_FUTEX_CALLS = {"x86_64": 202, "amd64": 202, "i386": 240, "i686": 240, "armv7l": 240, "aarch64": 98, "riscv64": 98,
+                "loongarch64": 98, "ppc64": 221, "ppc64le": 221, "s390x": 238}
+_IN_ORDER = ("x86_64", "amd64")  # total store order: a plain store after the bytes publishes them
 _NAP = 0.05  # seconds a sleeping rank waits before it looks for a dead peer or the timeout
 
 
@@ -65,11 +71,15 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_syscall = ctypes.CDLL(None, use_errno=True).syscall  # a CDLL call lets go of the GIL while the kernel waits
-_syscall.restype = ctypes.c_long
+# syscall(2) as a function object of its own (libc's ``syscall`` keeps whatever types others give it), each argument
+# typed as the word the kernel reads: untyped, the seventh (val3) went on the stack with its upper half undefined. A
+# CFUNCTYPE call lets go of the GIL while the kernel waits.
+_syscall = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                            ctypes.POINTER(_Timespec), ctypes.c_void_p, ctypes.c_long,
+                            use_errno=True)(("syscall", ctypes.CDLL(None)))
 _NAP_SPEC = _Timespec(0, int(_NAP * 1e9))
 
-_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, HostGroup | None] = weakref.WeakKeyDictionary()
+_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, HostGroup | str] = weakref.WeakKeyDictionary()  # or why not
 _lock = threading.Lock()
 
 
@@ -130,10 +140,11 @@ class HostGroup:
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs the asynchronous collectives
         self.thread: threading.Thread | None = None  # the worker's thread
         self.queued: list[concurrent.futures.Future] = []
+        self.futex = futex_call(platform.machine())
         w = self.world
         # the first rank's token (64 bytes); arrived; the signatures; each rank's pid and pid namespace; the slots
         header = -(-(64 + 8 * w + 16 * w + 16 * w) // 64) * 64
-        self.region = _share(header + 2 * w * _CAPACITY, group)
+        self.region, self.refused = _share(header + 2 * w * _CAPACITY, group)
         self.ok = self.region is not None
         if not self.ok:
             return
@@ -158,8 +169,8 @@ class HostGroup:
                 os.sched_yield()  # a rank on this core may be the one to wait for (the GIL is let go meanwhile)
         while (late := [p for p in range(self.world) if arrived[p] < target]):
             seen = int(arrived[late[0]])
-            _syscall(_SYS_FUTEX, ctypes.c_void_p(arrived.ctypes.data + 8 * late[0]), _FUTEX_WAIT,
-                     ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(_NAP_SPEC), None, 0)
+            _syscall(self.futex, arrived.ctypes.data + 8 * late[0], _FUTEX_WAIT, seen & 0xFFFFFFFF,
+                     ctypes.byref(_NAP_SPEC), None, 0)
             if int(arrived[late[0]]) != seen:
                 continue  # woken: that rank published
             start = start or time.monotonic()
@@ -174,8 +185,7 @@ class HostGroup:
     def _publish(self) -> None:
         """Say this rank's bytes of exchange ``self.exchanges`` are in place, waking the ranks asleep on it."""
         self.arrived[self.rank] = self.exchanges
-        _syscall(_SYS_FUTEX, ctypes.c_void_p(self.arrived.ctypes.data + 8 * self.rank), _FUTEX_WAKE,
-                 ctypes.c_int(self.world), None, None, 0)
+        _syscall(self.futex, self.arrived.ctypes.data + 8 * self.rank, _FUTEX_WAKE, self.world, None, None, 0)
 
     def drain(self) -> None:
         """Wait for the collectives queued on the worker: a collective called now follows them on every rank."""
@@ -268,10 +278,53 @@ class HostGroup:
                     _sum(slots[:, a - lo:b - lo], full.dtype, mine[a - start:b - start])
 
 
-def _share(size: int, group: dist.ProcessGroup) -> mmap.mmap | None:
-    """A ``size``-byte region every rank of ``group`` maps, or None on every rank where one cannot."""
-    rank, path, token = dist.get_rank(group), None, secrets.token_bytes(16)
-    if rank == 0 and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(_DIR):
+def futex_call(machine: str) -> int | None:
+    """futex(2)'s system call number on ``machine``, as the kernel's tables give it; None where tpflow does not know
+    it (there the ranks keep gloo: a wrong number is another system call).
+
+    Args:
+        machine: an architecture as ``platform.machine()`` names it.
+
+    Returns:
+        The number, or None.
+
+    Example::
+
+        >>> tpf.comm.shm.futex_call("x86_64"), tpf.comm.shm.futex_call("aarch64"), tpf.comm.shm.futex_call("sparc64")
+        (202, 98, None)
+    """
+    return _FUTEX_CALLS.get(machine.lower())
+
+
+def refusal(machine: str) -> str | None:
+    """Why the CPU ranks of a ``machine`` host cannot meet in shared memory, None where they can.
+
+    Args:
+        machine: an architecture as ``platform.machine()`` names it.
+
+    Returns:
+        The reason (their collectives go through gloo), or None.
+
+    Example::
+
+        >>> tpf.comm.shm.refusal("x86_64") is None
+        True
+        >>> tpf.comm.shm.refusal("sparc64")
+        "sparc64: futex(2)'s system call number there is not known to tpflow"
+    """
+    if futex_call(machine) is None:
+        return f"{machine}: futex(2)'s system call number there is not known to tpflow"
+    if machine.lower() not in _IN_ORDER:
+        return f"{machine}: its stores may reach another core out of order (x86-64's total store order is relied on)"
+    return None
+
+
+def _share(size: int, group: dist.ProcessGroup) -> tuple[mmap.mmap | None, str | None]:
+    """A ``size``-byte region every rank of ``group`` maps, or (on every rank) None and why not."""
+    rank, path, token, refused = dist.get_rank(group), None, secrets.token_bytes(16), None
+    if rank == 0:
+        refused = refusal(platform.machine()) or (None if os.path.isdir(_DIR) else f"{_DIR} is missing")
+    if rank == 0 and refused is None:
         path = os.path.join(_DIR, f"tpflow-{os.getpid()}-{secrets.token_hex(6)}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -280,10 +333,10 @@ def _share(size: int, group: dist.ProcessGroup) -> mmap.mmap | None:
                 os.pwrite(fd, token, 0)
             finally:
                 os.close(fd)
-        except OSError:
+        except OSError as e:
             _unlink(path)
-            path = None
-    said = [path, token]
+            path, refused = None, f"{_DIR} cannot hold the group's {size:,} bytes ({e})"
+    said = [path, token, refused]
     dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0), group=group)
     region = None
     if said[0] is not None:
@@ -302,7 +355,7 @@ def _share(size: int, group: dist.ProcessGroup) -> mmap.mmap | None:
     if not everyone.item() and region is not None:
         region.close()
         region = None
-    return region
+    return region, None if region is not None else said[2] or "a rank cannot map the first rank's file (another host)"
 
 
 def _unlink(path: str) -> None:
@@ -310,10 +363,28 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
+def _meeting(group: dist.ProcessGroup) -> HostGroup | str:
+    """The group's ``HostGroup``, made at its first call, or why it has none."""
+    if not config.get("cpu_shared_memory"):
+        return "the cpu_shared_memory switch is off"
+    try:
+        return _groups[group]
+    except KeyError:
+        pass
+    with _lock:
+        if dist.get_world_size(group) == 1:
+            found: HostGroup | str = "a group of one rank"
+        else:
+            host = HostGroup(group)
+            found = host if host.ok else host.refused
+        _groups[group] = found
+    return found
+
+
 def host_group(group: dist.ProcessGroup) -> HostGroup | None:
     """The shared-memory meeting place of ``group``'s ranks, made at its first call on every rank; None where
-    the switch ``cpu_shared_memory`` is off, or the ranks cannot share memory (another host, not x86,
-    ``/dev/shm`` missing or full): gloo's collectives then.
+    the switch ``cpu_shared_memory`` is off, or the ranks cannot share memory (another host, a machine ``refusal``
+    names, ``/dev/shm`` missing or full): gloo's collectives then.
 
     Call it at the same point on every rank of ``group``: the first call runs two of its collectives.
 
@@ -329,16 +400,28 @@ def host_group(group: dist.ProcessGroup) -> HostGroup | None:
         >>> host is tpf.comm.shm.host_group(torch.distributed.group.WORLD)   # one per group
         True
     """
-    if not config.get("cpu_shared_memory"):
-        return None
-    try:
-        return _groups[group]
-    except KeyError:
-        pass
-    with _lock:
-        host = HostGroup(group) if dist.get_world_size(group) > 1 else None
-        host = _groups[group] = host if host is not None and host.ok else None
-    return host
+    found = _meeting(group)
+    return found if isinstance(found, HostGroup) else None
+
+
+def transport(group: dist.ProcessGroup) -> str:
+    """How the CPU collectives of ``group`` travel, and why (a report's header); called as ``host_group`` is.
+
+    Args:
+        group: the process group (one with a CPU backend: gloo).
+
+    Returns:
+        ``"shared memory (...)"``, or ``"gloo (...)"`` with the reason.
+
+    Example::
+
+        >>> tpf.comm.shm.transport(torch.distributed.group.WORLD)    # 2 ranks of an x86-64 host
+        'shared memory (/dev/shm, futex: system call 202 on x86_64)'
+    """
+    found = _meeting(group)
+    if isinstance(found, HostGroup):
+        return f"shared memory ({_DIR}, futex: system call {found.futex} on {platform.machine()})"
+    return f"gloo ({found})"
 
 
 def carries(t: torch.Tensor) -> bool:
