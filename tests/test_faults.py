@@ -92,6 +92,56 @@ def test_ranks_that_disagree_fail_on_every_rank(world):
     harness.run(world, _disagreeing_rank, timeout=120)
 
 
+def _optimizer_settings_rank():
+    """A plain loop's optimizer built with another learning rate, weight decay or betas on one rank (every weight is
+    split: no copies to compare) stops at its first step on every rank, naming the setting and the ranks; built alike,
+    two steps are one device's. ``check_replicas`` compares the settings as they are later (one rank's scheduler) and,
+    over a data x tensor placement, each split block's owners."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    odd = W - 1
+    ref = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
+    model = tpf.parallelize(copy.deepcopy(ref), placement=all_ranks(), plan="auto")
+    for setting, value, other in (("lr", 1e-2, 2e-2), ("weight_decay", 0.1, 0.0), ("betas", (0.9, 0.999), (0.9, 0.99))):
+        opt = torch.optim.AdamW(model.parameters(), **{setting: other if rank == odd else value})
+        model(ids, labels=ids).loss.backward()
+        expected = rf"optimizer: the ranks disagree on {setting} of param group 0 \(ranks? 0[0-9, ]*: " \
+                   rf"{re.escape(str(value))}; rank {odd}: {re.escape(str(other))}\): build the optimizer with the same"
+        with within(), pytest.raises(ValueError, match=expected):
+            opt.step()  # refused before it changes a parameter
+        model.zero_grad()
+    # eps: a near-zero gradient's rounding must not become a whole lr-sized step (as tests.models.train_lm)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    reference = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    with within(60):
+        for m, o in ((model, opt), (ref, reference)):
+            for _ in range(2):
+                m(ids, labels=ids).loss.backward()
+                o.step()
+                o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, msg=name)
+    opt.param_groups[0]["lr"] = 5e-3 if rank == odd else 1e-2  # a scheduler stepped on one rank only
+    with within(), pytest.raises(ValueError, match=rf"check_replicas: the optimizers of the model: the ranks disagree "
+                                                   rf"on lr of param group 0 \(.*rank {odd}: 0.005\)"):
+        tpf.check_replicas(model)
+    opt.param_groups[0]["lr"] = 1e-2
+    tpf.check_replicas(model)
+    if W == 4:  # 2 data-parallel rows of 2 tensor-parallel ranks: each block has a copy in the other row
+        model = tpf.parallelize(copy.deepcopy(ref), placement=tpf.placement("cpu", [[0, 1], [2, 3]]), plan="auto")
+        tpf.check_replicas(model)
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.to_local().add_(1e-3 * (rank == 3))
+        with within(), pytest.raises(ValueError, match=r"check_replicas: 'model.layers.0.mlp.down_proj.weight' is "
+                                                       r"broadcast over ranks \[1, 3\] but its copies differ"):
+            tpf.check_replicas(model)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_optimizer_settings_that_differ_between_ranks_fail_on_every_rank(world):
+    harness.run(world, _optimizer_settings_rank, timeout=120)
+
+
 def _pipeline_mistakes_rank():
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -238,6 +238,62 @@ def test_split_regions_draw_their_own_masks_and_the_shared_stream_stays_alike(wo
     harness.run(world, _split_streams_rank)
 
 
+def _drift_rank() -> None:
+    """Phi-3 with dropout, seeded alike, trains as one device; one more ``torch.rand`` on rank 0 after two steps (its
+    random state drifts off) stops the next step on every rank, naming the drift; a rank left in ``model.eval()`` is
+    named as such (not as other inputs, and with no abort of the collectives); seeded alike again and all in training,
+    the ranks step on as one device does."""
+    from tests.models import VOCAB, tiny_lm
+
+    first = tiny_lm("phi3", resid_pdrop=0.1, embd_pdrop=0.1, pad_token_id=0)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def steps(model: nn.Module, opt: torch.optim.Optimizer, count: int) -> list[float]:
+        losses = []
+        for _ in range(count):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    reference = copy.deepcopy(first).train()
+    model = tpf.parallelize(copy.deepcopy(first), placement=all_ranks(), plan="auto").train()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
+    torch.manual_seed(7)
+    want = steps(reference, opts[0], 2)
+    torch.manual_seed(11)
+    want += steps(reference, opts[0], 1)
+    torch.manual_seed(7)
+    with within(60):
+        got = steps(model, opts[1], 2)
+    if dist.get_rank() == 0:
+        torch.rand(1)  # a draw the other ranks do not make
+    with within(), pytest.raises(ValueError, match=r"draw different random numbers: their random states drifted apart "
+                                                   r"after 2 checked calls"):
+        steps(model, opts[1], 1)
+    torch.manual_seed(11)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        model.eval()
+    expected = rf"run 'model.embed_tokens' in different modes: ranks \[0[0-9, ]*\] are training \(model.train\(\)\), " \
+               rf"ranks \[{dist.get_world_size() - 1}\] evaluating \(model.eval\(\)\)"
+    with within(), pytest.raises(ValueError, match=expected):
+        steps(model, opts[1], 1)
+    model.train()
+    with within(60):
+        got += steps(model, opts[1], 1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=name)  # Adam's steps, unclipped
+    tpf.check_replicas(model)
+
+
+def test_random_states_that_drift_apart_or_a_rank_in_eval_mode_stop_every_rank():
+    pytest.importorskip("transformers")
+    harness.run(2, _drift_rank)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_model_of_another_dtype_on_one_rank_is_named_as_such(world):
     harness.run(world, _dtypes_rank)

@@ -150,9 +150,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "ahead (the next micro-batch's, with the layout the step before had), which gloo allows. CUDA: untried "
            "on two GPUs yet (the GPU machines here have one)"),
     Switch("check_inputs", "TPFLOW_CHECK_INPUTS", "first", str,
-           "whether a parallelized model checks that its tensor-parallel ranks were fed the same input (a digest of "
-           "it all-gathered at its first layer that reads whole data): first, on the first call of each of the "
-           "first 8 input shapes; always, on every call (debugging; its cost is in benchmarks/README.md); off",
+           "whether a parallelized model checks that its tensor-parallel ranks were fed the same input in the same "
+           "train() / eval() mode (a digest of it all-gathered at its first layer that reads whole data): first, on "
+           "the first call of each of the first 8 input shapes (a model with dropout: every call with gradients "
+           "on, its random states compared too); always, on every call (debugging; its cost is in "
+           "benchmarks/README.md); off",
            ("first", "always", "off")),
 )}
 

@@ -171,7 +171,8 @@ def script_env(ns: argparse.Namespace) -> dict[str, str]:
 def _run_worker(kind: str, target: str, args: list[str]) -> int:
     """One rank: run the user's script like ``python script.py`` would; the exit status.
 
-    Under the launcher (``TPFLOW_LAUNCH_ERRORS`` set), an exception is recorded for the launcher and for
+    Under the launcher (``TPFLOW_LAUNCH_ERRORS`` set), an exception (any ``BaseException`` but ctrl-C and
+    ``sys.exit``: torch.distributed.checkpoint's ``CheckpointException`` is one) is recorded for the launcher and for
     torchrun instead of printed, and the rank exits with status 1 as an uncaught exception would (the
     script's exit hooks run, then tpflow's, which leaves at once, see ``tpflow.world``).
     Without it (torchrun started this module itself) the exception goes up as before.
@@ -204,7 +205,7 @@ def _run_worker(kind: str, target: str, args: list[str]) -> int:
             if errors:
                 record_exit(errors, f"called sys.exit({e.code!r})")
             raise
-        except Exception as e:
+        except BaseException as e:  # an Exception, or another BaseException (dcp's CheckpointException is one)
             if not errors or not record_error(errors, e):
                 raise
             with contextlib.suppress(OSError):

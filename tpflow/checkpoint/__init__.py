@@ -4,8 +4,10 @@
               (load_safetensors); a state dict with each tied tensor once (unique_state_dict)
     sources   where a parameter's values lie in a checkpoint written for another layout (experts stored one
               tensor each, or fused): the blocks read and converted
+    digests   the ranks read one checkpoint: the files' fingerprints, then a CRC-32 of every region each rank reads
     export    a parallelized model's values whole on its placement's first rank (full_state_dict, export_rank)
     atomic    saves that cannot tear: written into a staging folder, made the checkpoint once complete (atomic_folder)
+    together  saves every rank makes: met through the store, a rank's failure named on every rank within seconds
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from tpflow import comm
+from tpflow.checkpoint.together import Meeting
+
 __all__ = ["INCOMPLETE", "atomic_folder", "check_complete", "is_weights_file", "publish", "stage"]
 
 INCOMPLETE = "INCOMPLETE"  # the marker file of a folder still being written
@@ -185,13 +188,23 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[str]:
     """A staging folder to save a checkpoint into on every rank, made the folder at ``path`` when every rank left the
     block without an error; where one rank raised, every rank raises and ``path`` is left as it was.
 
-    Every rank enters it with the same ``path`` (on one filesystem: rank 0 stages and publishes).
+    Every rank enters it with the same ``path``, on a filesystem they share (rank 0 stages and publishes): another
+    path on some rank, or a rank that does not see rank 0's staging folder, is refused on every rank before the
+    block runs, naming each rank's path. The ranks meet through the world's store (``tpflow.checkpoint.together``),
+    so that none waits out the timeout in a collective: entered on rank 0 alone, it fails within seconds naming the
+    ranks that did not come; a rank raising in the block says so before it leaves, and the others raise it by name
+    as they leave the block (a rank still in ``dcp.save``'s collectives then is let go when the failed rank's
+    process ends, as a launcher ends it).
 
     Args:
         path: where the checkpoint goes.
 
     Returns:
         A context manager giving the staging folder.
+
+    Raises:
+        ValueError: the ranks gave different paths, or some rank does not see the staging folder.
+        RuntimeError: another rank raised in the block (its error named), or did not come.
 
     Example::
 
@@ -209,30 +222,25 @@ def atomic_folder(path: str | os.PathLike) -> Iterator[str]:
         >>> shutil.rmtree(root[0]) if tpf.get_rank() == 0 else None
     """
     path = os.fspath(path)
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
     first = not dist.is_initialized() or dist.get_rank() == 0
-    if first:
-        stage(path)
-    if ranks > 1:
-        dist.barrier()
-    failure: BaseException | None = None
-    try:
+    meeting = Meeting("atomic_folder", "enter tpf.checkpoint.atomic_folder on every rank, with the same path")
+    subject, left = f"the save to {path}", f": {path} is left as it was"
+    with meeting.step("stage", subject, left):
+        if first:
+            stage(path)
+    if meeting.store is not None:  # every rank came and rank 0 staged: a collective meets them all
+        seen = "found" if os.path.isfile(os.path.join(_staging(path), INCOMPLETE)) else \
+            f"not found (rank 0 made {_staging(path)})"
+        try:
+            comm.agree("tpf.checkpoint.atomic_folder", {"the path": os.path.abspath(path), "the staging folder": seen},
+                       [dist.group.WORLD], "enter it with the same path on every rank, on a filesystem every rank "
+                       "shares (rank 0 makes the staging folder beside the path and publishes it)")
+        except ValueError:
+            if first:
+                shutil.rmtree(_staging(path), ignore_errors=True)
+            raise
+    with meeting.step("save", subject, left):
         yield _staging(path)
-    except BaseException as e:  # every rank must hear of it before any publishes
-        failure = e
-    outcome: list = [None] * ranks
-    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-    if ranks > 1:
-        dist.all_gather_object(outcome, mine)
-    else:
-        outcome = [mine]
-    if failure is not None:
-        raise failure
-    failed = [(r, why) for r, why in enumerate(outcome) if why is not None]
-    if failed:
-        raise RuntimeError(f"the save to {path} failed on rank {failed[0][0]} ({failed[0][1]}): {path} is left as it "
-                           f"was")
-    if first:
-        publish(_staging(path), path)
-    if ranks > 1:
-        dist.barrier()
+    with meeting.step("publish", subject, left):
+        if first:
+            publish(_staging(path), path)

@@ -17,7 +17,6 @@ its own part of it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -25,13 +24,12 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tpflow import comm
 from tpflow.checkpoint.atomic import check_complete
-from tpflow.checkpoint.sources import checkpoint_sources, read_block, read_stacked
+from tpflow.checkpoint.digests import ReadDigests, agree_on_files
+from tpflow.checkpoint.sources import Seen, checkpoint_sources, neighbours, read_block, read_stacked
 from tpflow.global_tensor.blocks import get_placement
 
 __all__ = ["load_safetensors", "meta_parameters", "tensor_names", "unique_state_dict"]
@@ -98,42 +96,6 @@ def _files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     if not found:
         raise FileNotFoundError(f"no .safetensors file in {path}")
     return found
-
-
-def _fingerprint(file: str) -> str:
-    """A file's size and a digest of its header (names, dtypes, shapes, offsets) and of four 4 KiB windows spread
-    over its data: two checkpoints of one architecture differ there, whatever their names and dates."""
-    size = os.path.getsize(file)
-    digest = hashlib.sha1()
-    with open(file, "rb") as f:
-        head = f.read(8)
-        header = int.from_bytes(head, "little") if len(head) == 8 else 0
-        digest.update(head + f.read(min(header, size)))
-        start = 8 + header
-        for k in range(4):
-            f.seek(start + (size - start) * k // 4)
-            digest.update(f.read(4096))
-    return f"{size} bytes, digest {digest.hexdigest()[:12]}"
-
-
-def _agree_on_files(model: nn.Module, files: list[str]) -> None:
-    """The ranks holding the model's global tensors read the same checkpoint, or all of them stop here, naming the
-    ranks and files: a rank pointed at another checkpoint of the same architecture (a node's stale copy) would load
-    a model mixed from two. Compared over the world where the model spans it, else over its one placement's axes."""
-    placements = {get_placement(p) for p in model.parameters() if isinstance(p, DTensor)}
-    if not placements or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    ranks = sorted({r for pl in placements for r in pl.flat_ranks})
-    if ranks == list(range(dist.get_world_size())):
-        groups = [dist.group.WORLD]
-    elif len(placements) == 1 and (pl := next(iter(placements))).coordinate() is not None:
-        groups = [pl.mesh.get_group(axis) for axis in range(pl.ndim)]
-    else:
-        return
-    facts = {"the files": ", ".join(os.path.basename(f) for f in files)}
-    facts.update({f"the file {os.path.basename(f)}": _fingerprint(f) for f in files})
-    comm.agree("load_safetensors", facts, groups, "point every rank at the same checkpoint (a stale copy on one "
-               "node?), or copy the checkpoint to every node anew")
 
 
 def _tensors(model: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, list[tuple[nn.Module, str]]]]:
@@ -222,7 +184,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
     global without a plan, ``tpf.to_global(module, placement=P)``, or ``tpf.pipeline.cut`` without ``plan``) is
     allocated on its placement's device and filled (the same tensor object). A tied parameter is read once,
     under whichever of its names the files have (Hugging Face saves a tied head under the embedding's name only).
-    The values are cast to the parameters' dtypes, and otherwise are the file's, bit for bit.
+    The values are cast to the parameters' dtypes, and otherwise are the file's, bit for bit. The ranks check that
+    they read one checkpoint (``tpflow.checkpoint.digests``): each also reads and hashes its next rank's block of
+    each split tensor, so that every byte loaded is compared with another rank's file.
 
     A Hugging Face model's checkpoint in its original layout loads as ``from_pretrained`` converts it: a mixture of
     experts' per-expert tensors (``mlp.experts.3.gate_proj.weight``) are stacked into the model's fused experts, each
@@ -254,7 +218,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
             message names the first 8 and the count, on every rank.
         ValueError: a tensor's shape differs between the files and the model; or the model has buffers on the
             meta device that no checkpoint holds (built under ``torch.device("meta")``: build it under
-            ``tpf.meta_parameters()``).
+            ``tpf.meta_parameters()``); or the ranks read different files or bytes (on every rank, naming the
+            file or the tensor and its region); or another rank failed reading (its error, on every rank).
         FileNotFoundError: a directory without ``.safetensors`` files.
 
     Example::
@@ -306,9 +271,12 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         check_complete(path if os.path.isdir(path) or not os.path.exists(path) else os.path.dirname(path) or ".")
     handles, sources = {}, {}
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
+    digests = ReadDigests(model)  # the bytes each rank reads, compared with another rank's read of them
     with contextlib.ExitStack() as stack:
         files = _files(path)
-        _agree_on_files(model, files)
+        agree_on_files(model, files)
+        # the reads compared at the end; a rank failing on the way says so there, which names it on every rank
+        stack.enter_context(digests.reading())
         for file in files:
             try:
                 handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
@@ -345,15 +313,15 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         for key, _, t, owners in tensors:
             if isinstance(t, DTensor) and get_placement(t).coordinate() is None:
                 continue  # a rank outside the tensor's placement holds nothing of it
+            source = sources.get(key) or sources.get(renamed.get(key)) or where
+            def seen(ranges, read, key=key, source=source) -> None:
+                digests.add(key, ranges, read, source)
+
             try:
-                if key in handles:
-                    value = read_block(handles[key], key, t)
-                elif key in renamed:
-                    value = read_block(handles[renamed[key]], renamed[key], t)
-                else:  # per-expert tensors, stacked
-                    value = read_stacked(handles, stacked[key], t)
+                value = _read(handles, key, renamed, stacked, t, seen)
+                for other in neighbours(t) if digests.groups else ():  # the next rank's block: read, hashed, dropped
+                    _read(handles, key, renamed, stacked, t, seen, other)
             except Exception as e:
-                source = sources.get(key) or sources.get(renamed.get(key)) or where
                 raise ValueError(f"reading {key!r} from {source} failed (a corrupt or truncated file?): "
                                  f"{type(e).__name__}: {e}") from e
             if isinstance(t, DTensor):
@@ -373,6 +341,17 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike | Sequence[str | 
         raise ValueError(f"{_listed(left)} are still on the meta device after loading {where}: build the model "
                          "under tpf.meta_parameters(), parallelize it or make it global, then load")
     return model
+
+
+def _read(handles: dict, key: str, renamed: dict, stacked: dict, t: torch.Tensor, seen: Seen,
+          coordinate: Sequence[int] | None = None) -> torch.Tensor:
+    """The block of ``t`` the rank at ``coordinate`` (default: this rank) holds, from wherever the files keep it;
+    ``seen`` told what was read."""
+    if key in handles:
+        return read_block(handles[key], key, t, coordinate, seen)
+    if key in renamed:
+        return read_block(handles[renamed[key]], renamed[key], t, coordinate, seen)
+    return read_stacked(handles, stacked[key], t, coordinate, seen)  # per-expert tensors, stacked
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,20 +25,22 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tpflow.global_tensor.blocks import get_placement
 from tpflow.sbp import chunk_bounds
 
-__all__ = ["Stacked", "block_ranges", "checkpoint_sources", "read_block", "read_stacked"]
+__all__ = ["Seen", "Stacked", "block_ranges", "checkpoint_sources", "neighbours", "read_block", "read_stacked"]
 
 Ranges = list[list[tuple[int, int]]]  # per dim, the [start, end) ranges a block holds, in order
+Seen = Callable[[Ranges, torch.Tensor], None]  # told what was read: its ranges, and the values as read
 
 
 class _NotBySlices(ValueError):
     """A layout whose block is not a product of ranges (FSDP2's strided split over a tensor-parallel split)."""
 
 
-def block_ranges(t: torch.Tensor) -> Ranges:
+def block_ranges(t: torch.Tensor, coordinate: Sequence[int] | None = None) -> Ranges:
     """The index ranges along each dim of this rank's block of ``t`` (a plain tensor: the whole of it).
 
     Args:
         t: a tensor; a global one split (``Shard``, ``_StridedShard``) or broadcast over its mesh.
+        coordinate: the block of the rank at this coordinate of ``t``'s mesh instead of this rank's.
 
     Returns:
         Per dim, ``[start, end)`` ranges whose pieces, in order, make the block.
@@ -56,7 +59,7 @@ def block_ranges(t: torch.Tensor) -> Ranges:
     ranges: Ranges = [[(0, n)] for n in t.shape]
     if not isinstance(t, DTensor):
         return ranges
-    coord, sizes = get_placement(t).coordinate(), t.device_mesh.shape
+    coord, sizes = get_placement(t).coordinate() if coordinate is None else coordinate, t.device_mesh.shape
     for placement, c, n in zip(t.placements, coord, sizes):
         if isinstance(placement, Replicate):
             continue
@@ -76,6 +79,41 @@ def block_ranges(t: torch.Tensor) -> Ranges:
     return ranges
 
 
+def neighbours(t: torch.Tensor) -> list[tuple[int, ...]]:
+    """The coordinates of the ranks whose blocks of ``t`` this rank reads too, to compare its bytes with theirs: along
+    each mesh dim that splits ``t``, the next rank's (a ring, so that every block is read by two ranks); none for a
+    plain tensor, a tensor broadcast, or one read whole.
+
+    Args:
+        t: the model's tensor (plain or global).
+
+    Returns:
+        Mesh coordinates, each once, this rank's left out.
+
+    Example::
+
+        >>> from tpflow.checkpoint.sources import neighbours
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> neighbours(tpf.zeros(4, 2, placement=P, sbp=tpf.sbp.split(0)))       # on rank 0: rank 1's block
+        [(1,)]
+        >>> neighbours(tpf.zeros(4, 2, placement=P, sbp=tpf.sbp.broadcast)), neighbours(torch.zeros(4, 2))
+        ([], [])
+    """
+    if not isinstance(t, DTensor) or get_placement(t).coordinate() is None:
+        return []
+    try:
+        block_ranges(t)
+    except _NotBySlices:  # read whole
+        return []
+    coord, found = tuple(get_placement(t).coordinate()), []
+    for dim, (placement, n) in enumerate(zip(t.placements, t.device_mesh.shape)):
+        if isinstance(placement, (Shard, _StridedShard)) and n > 1:
+            other = (*coord[:dim], (coord[dim] + 1) % n, *coord[dim + 1:])
+            if other not in found:
+                found.append(other)
+    return found
+
+
 def _pieces(ranges: Ranges) -> list[tuple[slice, ...]]:
     """The block's pieces (one per combination of ranges), as index tuples, in the order they are put together."""
     out: list[tuple[slice, ...]] = [()]
@@ -93,13 +131,17 @@ def _assemble(pieces: list[torch.Tensor], ranges: Ranges) -> torch.Tensor:
     return pieces[0]
 
 
-def read_block(handle, key: str, t: torch.Tensor) -> torch.Tensor:
+def read_block(handle, key: str, t: torch.Tensor, coordinate: Sequence[int] | None = None,
+               seen: Seen | None = None) -> torch.Tensor:
     """This rank's block of ``t`` from the file tensor ``key``, which holds it whole: only its slices are read.
 
     Args:
         handle: a ``safetensors.safe_open`` handle holding ``key``.
         key: the tensor's name in the file.
         t: the model's tensor (plain or global).
+        coordinate: the block of the rank at this coordinate of ``t``'s mesh instead (``neighbours``).
+        seen: called with the ranges read and what was read there, as read: the block, or the whole tensor where
+            the block is cut from it (a layout not read by slices).
 
     Returns:
         The block, in the file's dtype.
@@ -124,13 +166,18 @@ def read_block(handle, key: str, t: torch.Tensor) -> torch.Tensor:
     sliced = handle.get_slice(key)
     if tuple(sliced.get_shape()) != tuple(t.shape):
         raise ValueError(f"{key!r} is {tuple(sliced.get_shape())} in the checkpoint but {tuple(t.shape)} in the model")
+    seen = seen or (lambda ranges, value: None)
+    whole = [[(0, n)] for n in t.shape]
     if not isinstance(t, DTensor):
-        return handle.get_tensor(key)
+        seen(whole, value := handle.get_tensor(key))
+        return value
     try:
-        ranges = block_ranges(t)
+        ranges = block_ranges(t, coordinate)
     except _NotBySlices:  # FSDP2 over a tensor-parallel split (a resumed run): the whole tensor, cut as t is
-        return distribute_tensor(handle.get_tensor(key), t.device_mesh, t.placements, src_data_rank=None).to_local()
-    return _assemble([sliced[index] for index in _pieces(ranges)], ranges)
+        seen(whole, value := handle.get_tensor(key))
+        return distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None).to_local()
+    seen(ranges, value := _assemble([sliced[index] for index in _pieces(ranges)], ranges))
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,13 +264,16 @@ def checkpoint_sources(model: nn.Module, keys: list[str]) -> tuple[dict[str, str
     return renamed, stacked
 
 
-def read_stacked(handles: dict, source: Stacked, t: torch.Tensor) -> torch.Tensor:
+def read_stacked(handles: dict, source: Stacked, t: torch.Tensor, coordinate: Sequence[int] | None = None,
+                 seen: Seen | None = None) -> torch.Tensor:
     """This rank's block of ``t`` from per-expert tensors: only its experts' tensors, and of each its slice.
 
     Args:
         handles: checkpoint key -> ``safe_open`` handle.
         source: what ``t`` is made of.
         t: the model's tensor, ``[experts, ...]``.
+        coordinate: the block of the rank at this coordinate of ``t``'s mesh instead (``neighbours``).
+        seen: called with the block's ranges (of ``t``) and the block, as read.
 
     Returns:
         The block.
@@ -245,7 +295,8 @@ def read_stacked(handles: dict, source: Stacked, t: torch.Tensor) -> torch.Tenso
                  [1., 1., 1.]]])
         >>> folder.cleanup()
     """
-    ranges = block_ranges(t)
+    ranges = block_ranges(t, coordinate)
+    region = [list(dim) for dim in ranges]
     experts = len(source.keys[0])
     if t.shape[0] != experts or any(len(k) != experts for k in source.keys):
         raise ValueError(f"the checkpoint holds {[len(k) for k in source.keys]} experts' tensors for a parameter of "
@@ -276,4 +327,7 @@ def read_stacked(handles: dict, source: Stacked, t: torch.Tensor) -> torch.Tenso
                 key = source.keys[k][e]
                 pieces.append(handles[key].get_slice(key)[index])
             rows.append(_assemble(pieces, ranges[1:]))
-    return torch.stack(rows)
+    block = torch.stack(rows)
+    if seen is not None:
+        seen(region, block)
+    return block

@@ -12,11 +12,26 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["agree"]
+__all__ = ["agree", "difference"]
 
 
-def _difference(what: str, facts: list[Mapping[str, str]], ranks: list[int]) -> str | None:
-    """The first fact the ranks' ``facts`` give differently, said with who gives what; None if they agree."""
+def difference(what: str, facts: Sequence[Mapping[str, str]], ranks: Sequence[int]) -> str | None:
+    """The first fact the ranks' ``facts`` give differently, said with who gives what (what ``agree`` raises, for
+    facts gathered otherwise).
+
+    Args:
+        what: who checks, the sentence's first word.
+        facts: each rank's facts (name -> a short description), in the order of ``ranks``.
+        ranks: the ranks that gave them.
+
+    Returns:
+        ``"{what}: the ranks disagree on {name} (rank 0: ...; rank 1: ...)"``, or None if they agree.
+
+    Example::
+
+        >>> difference("optimizer", [{"lr": "0.1"}, {"lr": "0.2"}], [0, 1])
+        'optimizer: the ranks disagree on lr (rank 0: 0.1; rank 1: 0.2)'
+    """
     keys = list(dict.fromkeys(k for f in facts for k in f))
     for key in keys:
         values = [f.get(key, "(nothing)") for f in facts]
@@ -62,7 +77,7 @@ def agree(what: str, facts: Mapping[str, str], groups: Sequence[dist.ProcessGrou
             continue
         seen: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(seen, (dict(facts), verdict), group=group)
-        verdict = next((v for _, v in seen if v), None) or _difference(
+        verdict = next((v for _, v in seen if v), None) or difference(
             what, [f for f, _ in seen], dist.get_process_group_ranks(group))
     if verdict is not None:
         raise ValueError(f"{verdict}: {fix}")

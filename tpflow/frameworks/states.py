@@ -9,7 +9,9 @@
   gathers, the main process writes), ``optimizer.pt`` whole, the scheduler's; a resume reads the safetensors block by
   block, or, for a PEFT model, the adapter through ``Trainer``'s own loading (each adapter's whole tensors cut into
   its layout); each row's random state is written by its leader alone, and after a resume every rank of a row draws
-  from its leader's state.
+  from its leader's state. A checkpoint a killed rank left half written (no ``trainer_state.json``, which the
+  Trainer writes last, or tpflow's incomplete marker) is torn: ``resume_from_checkpoint=True`` passes over it to the
+  last whole one, saying so, and a torn one named is refused by name.
 - **accelerate** (``accelerate_hooks``): ``get_state_dict`` of a split model is one device's (on the main process,
   as for FSDP), so ``save_model`` and ``save_state`` write whole weights; ``save_state`` writes the optimizers' states
   whole, and a row's other ranks write what the row's process writes (its random states) into a scratch folder,
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +33,18 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tpflow.checkpoint.atomic import is_weights_file
+from tpflow.checkpoint.atomic import INCOMPLETE, is_weights_file
 from tpflow.checkpoint.export import full_state_dict
 from tpflow.checkpoint.load import load_safetensors
 from tpflow.comm.random_state import share_random_state
 from tpflow.frameworks.rows import current
 
-__all__ = ["TrainerCheckpoints", "accelerate_hooks", "takes_whole_states", "whole_state_dict"]
+__all__ = ["TrainerCheckpoints", "accelerate_hooks", "last_whole_checkpoint", "takes_whole_states", "torn",
+           "whole_state_dict"]
 
 _OPTIMIZER, _SCHEDULER = "optimizer.pt", "scheduler.pt"  # transformers' names in a checkpoint folder
+_STATE = "trainer_state.json"  # written last of a Trainer checkpoint's files: a folder without it is torn
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # transformers' PREFIX_CHECKPOINT_DIR and step
 
 
 def whole_state_dict(optimizer: torch.optim.Optimizer) -> dict:
@@ -111,6 +118,78 @@ def _block(value: object, param: torch.Tensor | None) -> object:
                              src_data_rank=None)  # each rank cuts its own block: no scatter, uneven splits too
 
 
+def torn(checkpoint: str) -> str | None:
+    """Why a ``Trainer`` checkpoint folder is torn (a save that did not finish, a rank killed half way), or None for a
+    whole one: it lacks ``trainer_state.json``, which the Trainer writes last, or holds tpflow's incomplete marker.
+
+    Args:
+        checkpoint: a ``checkpoint-N`` folder.
+
+    Returns:
+        What is wrong with it, or None.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> torn(folder)
+        'it is empty'
+        >>> open(os.path.join(folder, "trainer_state.json"), "w").close()
+        >>> torn(folder) is None
+        True
+    """
+    names = sorted(os.listdir(checkpoint))
+    if INCOMPLETE in names:
+        return f"it holds the marker of a save that did not finish ({INCOMPLETE})"
+    if _STATE not in names:
+        return f"it lacks {_STATE}, which the Trainer writes last; it holds {names}" if names else "it is empty"
+    return None
+
+
+def last_whole_checkpoint(folder: str) -> str | None:
+    """The ``checkpoint-N`` folder of ``folder`` with the highest step that is whole (see ``torn``), warning of each
+    torn one passed over; None where ``folder`` holds no checkpoint at all.
+
+    Args:
+        folder: a ``Trainer``'s output folder.
+
+    Returns:
+        The checkpoint's path, or None.
+
+    Raises:
+        ValueError: every checkpoint there is torn; each is named with what it lacks.
+
+    Example::
+
+        >>> import tempfile, warnings
+        >>> folder = tempfile.mkdtemp()
+        >>> for step in (2, 4):
+        ...     os.makedirs(os.path.join(folder, f"checkpoint-{step}"))
+        >>> open(os.path.join(folder, "checkpoint-2", "trainer_state.json"), "w").close()
+        >>> with warnings.catch_warnings(record=True):                # checkpoint-4 is torn (empty)
+        ...     os.path.basename(last_whole_checkpoint(folder))
+        'checkpoint-2'
+    """
+    if not os.path.isdir(folder):
+        return None
+    found = sorted(((int(m.group(1)), name) for name in os.listdir(folder)
+                    if (m := _CHECKPOINT.fullmatch(name)) and os.path.isdir(os.path.join(folder, name))), reverse=True)
+    passed = []
+    for _, name in found:
+        why = torn(os.path.join(folder, name))
+        if why is None:
+            if passed:
+                warnings.warn(f"resume_from_checkpoint=True: resuming from {name}, the last whole checkpoint in "
+                              f"{folder}; passed over: {'; '.join(passed)}", stacklevel=3)
+            return os.path.join(folder, name)
+        passed.append(f"{name} is torn ({why})")
+    if passed:
+        raise ValueError(f"resume_from_checkpoint=True: no whole checkpoint in {folder}: {'; '.join(passed)}. A "
+                         "save that did not finish (a rank killed half way) leaves one so: delete it, or train from "
+                         "the start")
+    return None
+
+
 def _row_draws_alike() -> None:
     """After a framework restored each rank's random state from its row's file (written by the leader's process, whose
     CUDA generators are the leader's devices'), every rank of a row takes its leader's state."""
@@ -143,11 +222,19 @@ class TrainerCheckpoints:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.load_own, self.save_rng_own = trainer._load_from_checkpoint, trainer._save_rng_state
-        self.load_rng_own = trainer._load_rng_state
+        self.load_rng_own, self.train_own = trainer._load_rng_state, trainer.train
+        trainer.train = self.train
         trainer._save_optimizer_and_scheduler = self.save_optimizer_and_scheduler
         trainer._load_from_checkpoint = self.load_model
         trainer._save_rng_state = self.save_rng_state
         trainer._load_rng_state = self.load_rng_state
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs) -> Any:
+        """The trainer's own ``train``; ``resume_from_checkpoint=True`` takes the last whole checkpoint of the output
+        folder (``last_whole_checkpoint``), where the Trainer would take the last one, torn or not."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_whole_checkpoint(self.trainer.args.output_dir) or True
+        return self.train_own(resume_from_checkpoint, *args, **kwargs)
 
     def save_optimizer_and_scheduler(self, output_dir: str) -> None:
         state = whole_state_dict(self.trainer.optimizer)  # every rank, in one order: the gathers meet
@@ -167,7 +254,12 @@ class TrainerCheckpoints:
 
     def load_model(self, checkpoint: str, model: nn.Module | None = None) -> None:
         """The model's safetensors, each rank reading its blocks; a PEFT checkpoint (adapter files only) through
-        ``Trainer``'s own loading, whose whole adapter tensors each split layer cuts into its blocks."""
+        ``Trainer``'s own loading, whose whole adapter tensors each split layer cuts into its blocks. A torn
+        checkpoint is refused by name."""
+        why = torn(checkpoint)
+        if why is not None:
+            raise ValueError(f"{checkpoint} is a torn checkpoint: {why} (a save that did not finish, a rank killed "
+                             "half way): resume from an earlier one; resume_from_checkpoint=True passes over torn ones")
         if any(is_weights_file(name) for name in os.listdir(checkpoint)):
             load_safetensors(self.trainer.model if model is None else model, checkpoint)
         else:

@@ -12,6 +12,7 @@
     cross_entropy  the loss of logits split over the classes, and the mode routing F.cross_entropy to it
     gradients   partial-sum gradients summed in buckets by the backward (reducer) or before a step
     replicas    check_replicas: the copies of a broadcast parameter compared bit for bit over its ranks
+    optimizer_settings  an optimizer's settings compared over the ranks holding its parameters, at its first step
     collectives torch.distributed's collectives given a global tensor: refused with what to do
     argmax      argmax / argmin along a split dim (the logits' over the vocabulary), whole indices
 """

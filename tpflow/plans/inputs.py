@@ -4,13 +4,19 @@ A column layer, a vocabulary-split embedding or a row layer splitting its own in
 block of the weights and the whole input; ranks fed different rows (a ``DistributedSampler`` over the
 tensor-parallel ranks, unseeded random ids) would train on a mixture of them without an error. The first such
 layer of the model gets a hook that all-gathers a digest of its input over the tensor-parallel ranks (two
-float64 sums and its shape, 32 bytes) and raises the same error on every rank when they differ. The ``check_inputs``
-switch says when: the first call of each of the first 8 input shapes (``first``, the default: a training loop's
-first step, a generation's first steps), every call (``always``), or never (``off``).
+float64 sums and its shape, with the module's training flag and a digest of the random state: 56 bytes) and raises
+the same error on every rank when they differ. The ``check_inputs`` switch says when: the first call of each of the
+first 8 input shapes (``first``, the default: a training loop's first step, a generation's first steps), every call
+(``always``), or never (``off``).
 
-A model with dropout, in training, also compares the ranks' random states there: the tensor-parallel ranks must be
-seeded alike, or their dropout would drop different values of activations that must be equal, and the replicated
-parameters would drift apart.
+The training flag is compared too: a rank left in ``model.eval()`` while the others train computes other values
+(dropout, training-only code paths) and is named as such. A model with dropout, in training, compares the ranks'
+random states as well: the tensor-parallel ranks must draw alike, or their dropout would drop different values of
+activations that must be equal, and the replicated parameters would drift apart. Since a rank can drift off at any
+step (a ``torch.rand`` on one rank only), such a model's check runs on every call with gradients on (a training
+step), whatever the switch's shapes: one all-gather of 56 bytes a step, and on CUDA one read of it by the host.
+The decision to check depends only on what every rank shares (the model, the switch, the input's shape, grad mode),
+so that all ranks exchange on the same calls, whatever mode each is in.
 """
 
 from __future__ import annotations
@@ -38,15 +44,18 @@ def _digest(x: torch.Tensor) -> torch.Tensor:
 
 
 class InputCheck:
-    """Whether the ranks of one axis of a placement read the same input: the input's digest (its shape too)
-    all-gathered over the axis and compared, when the ``check_inputs`` switch says so, the same error on every rank if
-    they differ (it keeps the placement, not the group, so that a copy or a pickle of the model takes it along).
+    """Whether the ranks of one axis of a placement read the same input: the input's digest (its shape too), the
+    module's training flag and, for a model that draws random numbers, a digest of the random state, all-gathered
+    over the axis and compared, when the ``check_inputs`` switch says so, the same error on every rank if they differ
+    (it keeps the placement, not the group, so that a copy or a pickle of the model takes it along).
 
     Args:
         name: what reads the input, named in the error.
         placement: the ranks.
         axis: the axis whose ranks must agree (default: the last, the tensor-parallel one).
         kind: the axis' name in the error.
+        random: the model drops out values in training (``draws_random``): every call with gradients on is checked,
+            the random states with the rest.
 
     Example::
 
@@ -59,51 +68,73 @@ class InputCheck:
                  random: bool = False) -> None:
         self.name, self.placement, self.axis, self.kind, self.seen = name, placement, axis % placement.ndim, kind, set()
         self.random = random
+        self.alike = 0  # the calls whose random states were found alike: a later difference is a drift
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.check(args[0] if args else None, random=self.random and module.training)
+        self.check(args[0] if args else None, training=module.training)
 
-    def check(self, x: object, always: bool = False, random: bool = False) -> None:
+    def check(self, x: object, always: bool = False, training: bool = False) -> None:
         """Compare ``x``'s digest over the axis (a plain tensor, on the calls the switch names; else nothing).
 
         Args:
             x: the input this rank read.
             always: on every call unless the switch is ``off`` (where ranks may be fed inputs of different shapes,
                 which would make them choose differently under ``first``).
-            random: the model draws random numbers in this call (dropout in training): the ranks' random states
-                are compared too, since ranks that draw apart drop different values of tensors that must be equal.
+            training: whether the module that reads it is in training mode (compared; with ``random``, the ranks'
+                random states are compared too, since ranks that draw apart drop different values of tensors that
+                must be equal).
         """
         mode = config.get("check_inputs")
         if mode == "off" or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
                 or torch.compiler.is_compiling() or self.placement.coordinate() is None \
                 or self.placement.hierarchy[self.axis] == 1:
             return
-        key = (tuple(x.shape), x.dtype, random)
-        if mode == "first" and not always and (key in self.seen or len(self.seen) >= SHAPES):
+        key = (tuple(x.shape), x.dtype)
+        every_step = self.random and torch.is_grad_enabled()  # a drift of the random states may come at any step
+        if mode == "first" and not always and not every_step and (key in self.seen or len(self.seen) >= SHAPES):
             return
-        self.seen.add(key)
+        if len(self.seen) < SHAPES:
+            self.seen.add(key)
+        drawing = self.random and training
+        state = _random_state(x.device) if drawing else torch.zeros(2, dtype=torch.float64, device=x.device)
+        flag = torch.tensor([float(training)], dtype=torch.float64, device=x.device)
+        mine = torch.cat([_digest(x), flag, state])
         group = self.placement.mesh.get_group(self.axis)
-        mine = torch.cat([_digest(x), _random_state(x.device)]) if random else _digest(x)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         digests = [tuple(d.tolist()) for d in every]
         if len(set(digests)) == 1:
+            self.alike += drawing
             return
         ranks = dist.get_process_group_ranks(group)
-        differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
-        if len({d[:4] for d in digests}) == 1:  # the same inputs: the random states differ
-            raise ValueError(
-                f"the {self.kind} ranks {ranks} draw different random numbers: the model has dropout in training, "
-                f"and ranks {differ} would drop other values than rank {ranks[0]} of activations that must be equal "
-                f"on every rank (its replicated parameters would drift apart without an error). Seed every "
-                f"{self.kind} rank alike (torch.manual_seed with the same seed; seeds may differ over the "
-                f"data-parallel ranks only), and draw the same random numbers on them before the model")
-        raise ValueError(
-            f"the {self.kind} ranks {ranks} were fed different inputs: {self.name!r} read other values on "
-            f"ranks {differ} than on rank {ranks[0]} (shape {list(x.shape)}). Every rank of a {self.kind} "
-            f"group computes on the same batch: shard the data over the data-parallel ranks only (a "
-            f"DistributedSampler with the data-parallel size and coordinate, not the world's), and seed "
-            f"random inputs alike on every rank")
+        raise ValueError(self._verdict(digests, ranks, list(x.shape)))
+
+    def _verdict(self, digests: list[tuple], ranks: list[int], shape: list[int]) -> str:
+        """What differs between the ranks' digests (input 4, training flag 1, random state 2), said for the user."""
+        differ = [r for r, d in zip(ranks, digests) if d[:4] != digests[0][:4]]
+        training = [r for r, d in zip(ranks, digests) if d[4]]
+        if 0 < len(training) < len(ranks):
+            evaluating = [r for r in ranks if r not in training]
+            return (f"the {self.kind} ranks {ranks} run {self.name!r} in different modes: ranks {training} are "
+                    f"training (model.train()), ranks {evaluating} evaluating (model.eval()). Call model.train() or "
+                    f"model.eval() on every {self.kind} rank alike: dropout and other training-only code would "
+                    f"compute other values of activations that must be equal on every rank")
+        if differ:
+            return (f"the {self.kind} ranks {ranks} were fed different inputs: {self.name!r} read other values on "
+                    f"ranks {differ} than on rank {ranks[0]} (shape {shape}). Every rank of a {self.kind} "
+                    f"group computes on the same batch: shard the data over the data-parallel ranks only (a "
+                    f"DistributedSampler with the data-parallel size and coordinate, not the world's), and seed "
+                    f"random inputs alike on every rank")
+        apart = [r for r, d in zip(ranks, digests) if d[5:] != digests[0][5:]]
+        how = (f"their random states drifted apart after {self.alike} checked calls that drew alike: a rank drew "
+               f"random numbers the others did not (a torch.rand, a shuffle or a sampler on some ranks only)"
+               if self.alike else "they were seeded apart")
+        return (f"the {self.kind} ranks {ranks} draw different random numbers: {how}. The model has dropout in "
+                f"training, and ranks {apart} would drop other values than rank {ranks[0]} of activations that "
+                f"must be equal on every rank (its replicated parameters would drift apart without an error). Seed "
+                f"every {self.kind} rank alike (torch.manual_seed with the same seed; seeds may differ over the "
+                f"data-parallel ranks only), and draw the same random numbers on them between the model's calls "
+                f"(rank-specific ones from a torch.Generator of their own)")
 
 
 def _random_state(device: torch.device) -> torch.Tensor:
@@ -148,8 +179,8 @@ def check_inputs(module: nn.Module, name: str, placement: Placement, random: boo
         module: the model's first layer that must read the same data on every tensor-parallel rank.
         name: its name in the model, for the error.
         placement: its placement; the last axis is tensor parallel. One rank there, or a rank outside it: no check.
-        random: the model drops out values in training (``draws_random``): in training the ranks' random states are
-            compared too.
+        random: the model drops out values in training (``draws_random``): every call with gradients on is
+            checked, and in training the ranks' random states are compared too.
 
     Example::
 

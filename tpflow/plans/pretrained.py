@@ -3,13 +3,15 @@
 transformers' own ``save_pretrained`` would write the blocks (and refuses the joined storage of a fused group);
 after ``parallelize`` the model's instance calls it with the whole tensors instead: every rank gathers, rank 0
 writes (transformers writes from rank 0 only, so the model's placement must include it), and every rank returns
-once the files are written, or raises if rank 0 failed to write them. So it is called on every rank, as is
-transformers' ``push_to_hub``, which calls it: on one rank alone it waits in the first gather until the
-collective timeout (``TPFLOW_TIMEOUT``). Rank 0 writes into a staging folder beside ``save_directory``, then makes
-it the folder, or, where the folder exists, moves its files into it one rename each (``tpflow.checkpoint.atomic``):
-everything else there (a Trainer's checkpoints and logs, a tokenizer) is left as it is, and a save killed half way
-leaves weights that load whole. A PEFT model's
-``save_pretrained`` gathers its adapters only and writes PEFT's files (``adapter_model.safetensors``,
+once the files are written, or raises if rank 0 failed to write them (a rank failing in the gathers: every rank
+raises its error by name). So it is called on every rank, as is transformers' ``push_to_hub``, which calls it; the
+ranks meet through the world's store first (``tpflow.checkpoint.together``), so that called on rank 0 alone (the
+data-parallel habit, ``if rank == 0:``) it fails within seconds naming the ranks that did not call it, where its
+first gather would wait out the collective timeout (``TPFLOW_TIMEOUT``). Rank 0 writes into a staging folder
+beside ``save_directory``, then makes it the folder, or, where the folder exists, moves its files into it one rename
+each (``tpflow.checkpoint.atomic``): everything else there (a Trainer's checkpoints and logs, a tokenizer) is left as
+it is, and a save killed half way leaves weights that load whole. A PEFT model's ``save_pretrained`` gathers its
+adapters only and writes PEFT's files (``adapter_model.safetensors``,
 ``adapter_config.json``), which ``PeftModel.from_pretrained`` loads on one device.
 """
 
@@ -22,6 +24,7 @@ from torch import nn
 
 from tpflow.checkpoint.atomic import publish, stage
 from tpflow.checkpoint.export import export_rank, full_state_dict
+from tpflow.checkpoint.together import Meeting
 from tpflow.plans.adapters import adapter_keys
 
 __all__ = ["export_whole"]
@@ -44,22 +47,15 @@ class _SavePretrained:
             raise ValueError(f"save_pretrained writes from rank 0 (transformers' rule), which holds no block of this "
                              f"model (its placement starts at rank {writer}): take tpf.full_state_dict(model) on rank "
                              f"{writer} and save that (safetensors.torch.save_file), or place the model on rank 0 too")
-        # every rank takes part in the gathers; of a PEFT model, its adapters' tensors only
-        state = full_state_dict(self.model, adapter_keys(self.model, kwargs.get("selected_adapters")))
-        failure = None
-        if dist.get_rank() == 0:
-            try:
+        meeting = Meeting("save_pretrained", "call model.save_pretrained on every rank, not under `if rank == 0`: "
+                                             "every rank gathers the whole tensors, then rank 0 writes them")
+        with meeting.step("write", "save_pretrained"):  # a rank failing here: every rank raises it, by name
+            # every rank takes part in the gathers; of a PEFT model, its adapters' tensors only
+            state = full_state_dict(self.model, adapter_keys(self.model, kwargs.get("selected_adapters")))
+            if dist.get_rank() == 0:
                 folder = stage(save_directory)  # written whole aside, then made the folder: a kill cannot tear it
                 type(self.model).save_pretrained(self.model, folder, True, state_dict=state, **kwargs)
                 publish(folder, save_directory, keep_others=True)
-            except Exception as e:  # every rank must hear of it, or the others return as if it had been written
-                failure = e
-        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-        dist.broadcast_object_list(outcome, src=0)
-        if failure is not None:
-            raise failure
-        if outcome[0] is not None:
-            raise RuntimeError(f"save_pretrained failed on rank 0, which writes the files: {outcome[0]}")
 
 
 def export_whole(model: nn.Module) -> None:

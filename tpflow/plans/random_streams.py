@@ -2,7 +2,8 @@
 
 Dropout where every tensor-parallel rank holds the whole activation (the residual stream, the embeddings, attention
 over heads a column layer gathered) draws from the generator the user seeded, which must be seeded alike on those
-ranks (``plans.inputs`` checks it at the model's entry): every rank then drops the same values, as one device does.
+ranks and drawn from alike (``plans.inputs`` checks its state at the model's entry on every training step): every
+rank then drops the same values, as one device does.
 Dropout on a rank's block of features, between a column layer that keeps its output split and the row layer that
 reads it (the attention probabilities of this rank's heads, an MLP's hidden features), draws from a stream of its
 own: the generator is seeded there from a digest of its state, the column layer's name and the rank, and given back
