@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -94,19 +94,23 @@ class Meeting:
     def _missing(self, key: str) -> list[int]:
         return [r for r in range(self.world) if not self.store.check([f"{key}/{r}"])]
 
-    def _roll_call(self, fix: str) -> None:
-        key = self.prefix + "came"
+    def _meet(self, key: str, seconds: float, late: Callable[[list[int]], str]) -> None:
+        """This rank at ``key``, then the verdict once every rank is there: ``late(missing ranks)`` where some are not
+        within ``seconds``; raised unless complete."""
         self._set(key)
         if self.store.add(key, 1) == self.world:
             self._verdict(key, "complete")
-        seconds = config.get("timeout")
-        seconds = min(ARRIVAL_S, seconds) if self.rank == 0 else seconds
         verdict = self._await(f"{key}/verdict", seconds)
         if verdict is None:
-            verdict = self._verdict(key, f"{self.kind}: {_ranks(self._missing(key))} did not call it within "
-                                         f"{seconds:g} s of rank {self.rank}: {fix}")
+            verdict = self._verdict(key, late(self._missing(key)))
         if verdict != "complete":
             raise RuntimeError(verdict)
+
+    def _roll_call(self, fix: str) -> None:
+        seconds = config.get("timeout")
+        seconds = min(ARRIVAL_S, seconds) if self.rank == 0 else seconds
+        self._meet(self.prefix + "came", seconds, lambda missing: f"{self.kind}: {_ranks(missing)} did not call it "
+                                                                  f"within {seconds:g} s of rank {self.rank}: {fix}")
 
     @contextlib.contextmanager
     def step(self, name: str, subject: str, left: str = "") -> Iterator[None]:
@@ -145,13 +149,6 @@ class Meeting:
             if first != mine and (closed_connection(e) or timed_out(e)):
                 raise RuntimeError(first) from e  # this rank only lost a peer: the peer's error is the cause
             raise
-        self._set(key)
-        if self.store.add(key, 1) == self.world:
-            self._verdict(key, "complete")
         seconds = config.get("timeout")
-        verdict = self._await(f"{key}/verdict", seconds)
-        if verdict is None:
-            verdict = self._verdict(key, f"{subject}: {_ranks(self._missing(key))} did not finish within the "
-                                         f"timeout switch's {seconds:g} s{left}")
-        if verdict != "complete":
-            raise RuntimeError(verdict)
+        self._meet(key, seconds, lambda missing: f"{subject}: {_ranks(missing)} did not finish within the timeout "
+                                                 f"switch's {seconds:g} s{left}")
