@@ -9,10 +9,12 @@ every rank within seconds with its cause named, or is avoided (issue 54, item 7)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,6 +33,17 @@ def _shared_folder() -> str:
     holder = [tempfile.mkdtemp(prefix="tpflow-checkpoint-faults-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+@contextlib.contextmanager
+def _removed(folder: str) -> Iterator[None]:
+    """Every rank's block, then ``folder`` removed by rank 0 once every rank is done with it."""
+    try:
+        yield
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder)
 
 
 def _placement() -> tpf.Placement:
@@ -72,7 +85,7 @@ def _read_digests_rank() -> None:
     folder = _shared_folder()
     reference = tiny_lm("llama")
     state = {k: v.contiguous() for k, v in reference.state_dict().items()}
-    try:
+    with _removed(folder):
         if rank == 0:
             os.makedirs(os.path.join(folder, "good"))
             safetensors.save_file(state, os.path.join(folder, "good", "model.safetensors"))
@@ -99,10 +112,6 @@ def _read_digests_rank() -> None:
         logits = model(ids).logits
         torch.testing.assert_close(logits.full_tensor() if hasattr(logits, "full_tensor") else logits,
                                    reference(ids).logits, rtol=0, atol=1e-12)
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(folder)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -132,7 +141,7 @@ def _saves_on_some_ranks_rank() -> None:
          rf"atomic_folder: {others} did not call it within 2 s of rank 0: enter tpf.checkpoint.atomic_folder on every "
          "rank"),
     )
-    try:
+    with _removed(folder):
         for call, expected in cases:
             if rank == 0:
                 start = time.monotonic()
@@ -158,10 +167,6 @@ def _saves_on_some_ranks_rank() -> None:
             raise AssertionError("the block ran")
         dist.barrier()
         assert sorted(os.listdir(folder)) == ["model"], os.listdir(folder)
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(folder)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -226,7 +231,7 @@ def _torn_trainer_checkpoint_rank() -> None:
     def whole(model) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
-    try:
+    with _removed(folder):
         first = trainer()
         with within(120):
             first.train()
@@ -261,10 +266,6 @@ def _torn_trainer_checkpoint_rank() -> None:
         with within(60), pytest.raises(ValueError, match=r"resume_from_checkpoint=True: no whole checkpoint in .*: "
                                                          r"checkpoint-4 is torn \(it is empty\); checkpoint-2 is torn"):
             trainer().train(resume_from_checkpoint=True)
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(folder)
 
 
 def test_a_torn_trainer_checkpoint_is_passed_over_or_named():
