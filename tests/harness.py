@@ -59,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, faults: str
         except BaseException:
             conn.send(("error", traceback.format_exc()))
         finally:  # the next test's frameworks see the world, whatever this one parallelized
-            tpflow.frameworks.view.forget()
+            tpflow.hf.frameworks.view.forget()
 
 
 class Pool:

@@ -272,7 +272,7 @@ def test_which_calls_read_packed_documents():
     checkpointing in training), gpt-oss's never; the flash kernels read cu_seq_lens_* (with max_length_*) or one
     row's positions, whatever the cache."""
     from tests.models import tiny_moe
-    from tpflow.plans.context_batch import PackedDocuments
+    from tpflow.hf.context_batch import PackedDocuments
 
     flash = {k: torch.tensor([0, 4]) for k in ("cu_seq_lens_q", "cu_seq_lens_k")} | {"max_length_q": 4,
                                                                                        "max_length_k": 4}

@@ -129,6 +129,14 @@ def _explicit_rank():
     from tpflow.layers.replicated import replicated_grads
     attn = model.model.layers[0].self_attn
     assert replicated_grads(attn.q_norm) == "partial" and replicated_grads(model.model.norm) == "whole"
+    if dist.get_world_size() > 2:  # 2 key/value heads: the plan's own k / v kept whole, each rank its head
+        assert type(attn.k_proj) is torch.nn.Linear and attn.num_key_value_groups == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_plan_of_hf_names_heads_included_matches_one_device(world):
+    """A plan of the user's own, in Hugging Face's names, gets the heads' styles ``plan="auto"`` gets."""
+    harness.run(world, _explicit_rank, timeout=600)
 
 
 def _sequence_parallel_rank():

@@ -26,6 +26,7 @@ from tests.checks import (
     own,
 )
 from tests.models import LLAMA_PLAN, MLP, Stack, TinyLlama, int_linear
+from tpflow.layers import VocabParallelEmbedding
 from tpflow.sbp import chunk_bounds
 
 FEATURES = [(6, 8), (5, 7), (3, 2)]  # even for W = 2; uneven; fewer output features than ranks
@@ -81,6 +82,93 @@ def test_column(world, fin, fout, bias, gather_output):
 @pytest.mark.parametrize("bias, input_is_parallel", [(True, True), (False, False)])
 def test_row(world, fin, fout, bias, input_is_parallel):
     harness.run(world, _row_rank, fin, fout, bias, input_is_parallel)
+
+
+# Layouts said in SBP: input_sbp= / output_sbp= and the older flags, their aliases, build the same layer.
+
+SPELLINGS = [  # (layer, the SBP spelling, the flags it stands for)
+    (tpf.ColumnParallelLinear, {"input_sbp": B, "output_sbp": tpf.sbp.split(-1)}, {"gather_output": False}),
+    (tpf.ColumnParallelLinear, {"output_sbp": B}, {"gather_output": True}),
+    (tpf.ColumnParallelLinear, {"input_sbp": S0}, {"sequence_parallel": True, "sequence_dim": 0}),
+    (tpf.ColumnParallelLinear, {"input_sbp": tpf.sbp.split(1), "output_sbp": B},
+     {"sequence_parallel": True, "sequence_dim": 1, "gather_output": True}),
+    (tpf.RowParallelLinear, {"input_sbp": B}, {"input_is_parallel": False}),
+    (tpf.RowParallelLinear, {"input_sbp": tpf.sbp.split(-1), "output_sbp": S0}, {"sequence_parallel": True}),
+    (tpf.RowParallelLinear, {"output_sbp": tpf.sbp.split(1)}, {"sequence_parallel": True, "sequence_dim": 1}),
+]
+
+
+def _mine(t, sbp):
+    """This rank's part of the whole ``t`` laid out as ``sbp`` over the ranks."""
+    if sbp == B:
+        return t
+    dim = sbp.dim % t.ndim
+    return t[(slice(None),) * dim + (own(t.shape[dim]),)]
+
+
+def _sbp_spellings_rank():
+    P = all_ranks()
+    for kind, sbps, flags in SPELLINGS:
+        ref = int_linear(6, 8, True, seed=11)
+        x_ref = ints((4, 4, 6), seed=12).requires_grad_()  # dims 0 and 1 split evenly over the ranks
+        y_ref = ref(x_ref)
+        g = ints(y_ref.shape, seed=13)
+        y_ref.backward(g)
+        built = []
+        for options in (sbps, flags):
+            layer = kind.from_linear(ref, placement=P, **options)
+            assert {k: getattr(layer, k) for k in flags} == flags, (kind, options)
+            assert {k: getattr(layer, k) for k in sbps} == sbps, (kind, options)  # read back from the flags
+            x = _mine(x_ref.detach(), layer.input_sbp).clone().requires_grad_()
+            y = layer(x)
+            assert torch.equal(y, _mine(y_ref.detach(), layer.output_sbp)), (kind, options)
+            y.backward(_mine(g, layer.output_sbp))
+            assert torch.equal(x.grad, _mine(x_ref.grad, layer.input_sbp)), (kind, options)
+            _assert_grads(layer, ref, own(8) if kind is tpf.ColumnParallelLinear else (slice(None), own(6)))
+            built.append(layer)
+        assert repr(built[0]) == repr(built[1])
+    torch.manual_seed(14)  # the same embedding and ids on every rank
+    ref, ids = nn.Embedding(10, 4), torch.randint(0, 10, (2, 4))
+    ref(ids).sum().backward()
+    for sbp, flags in ((B, {"sequence_parallel": False}),
+                       (tpf.sbp.split(1), {"sequence_parallel": True, "sequence_dim": 1})):
+        outputs = []
+        for options in ({"output_sbp": sbp}, flags):
+            emb = VocabParallelEmbedding.from_embedding(ref, placement=P, **options)
+            assert emb.output_sbp == sbp and emb.sequence_parallel == flags["sequence_parallel"]
+            y = emb(ids)
+            assert torch.equal(y, _mine(ref(ids), sbp))
+            y.sum().backward()
+            assert torch.equal(emb.weight.grad.full_tensor(), ref.weight.grad)
+            outputs.append((y, emb.weight.grad.to_local()))
+        assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    refusals = [  # an SBP a layer cannot take, and an SBP beside a flag that says otherwise: each names the fix
+        (tpf.ColumnParallelLinear, {"input_sbp": tpf.sbp.split(-1)},
+         r"ColumnParallelLinear takes input_sbp=sbp.broadcast \(the whole input\) or, for sequence parallelism"),
+        (tpf.ColumnParallelLinear, {"output_sbp": tpf.sbp.partial_sum},
+         r"takes output_sbp=sbp.split\(-1\) .*, got sbp.partial_sum"),
+        (tpf.ColumnParallelLinear, {"output_sbp": tpf.sbp.split(1)}, r"takes output_sbp=.*, got sbp.split\(dim=1\)"),
+        (tpf.ColumnParallelLinear, {"output_sbp": B, "gather_output": False},
+         "output_sbp=sbp.broadcast says gather_output=True, but gather_output=False is given beside it: drop "
+         "gather_output"),
+        (tpf.ColumnParallelLinear, {"input_sbp": S0, "sequence_dim": 1},
+         r"input_sbp=sbp.split\(dim=0\) says sequence_dim=0, but sequence_dim=1 is given"),
+        (tpf.RowParallelLinear, {"input_sbp": S0}, r"RowParallelLinear takes input_sbp=sbp.split\(-1\)"),
+        (tpf.RowParallelLinear, {"input_sbp": B, "output_sbp": S0},
+         "sequence_parallel needs input_is_parallel=True: a sequence-parallel output .* takes input_sbp=sbp"),
+        (tpf.RowParallelLinear, {"output_sbp": "split(0)"}, r"takes output_sbp=sbp.broadcast .*, got 'split\(0\)'"),
+    ]
+    for kind, options, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            kind(6, 8, placement=P, **options)
+        with pytest.raises(ValueError, match=message):
+            kind.check_options(**options)
+    with pytest.raises(ValueError, match=r"VocabParallelEmbedding takes output_sbp=sbp.broadcast .*, got sbp.split"):
+        VocabParallelEmbedding(10, 4, placement=P, output_sbp=tpf.sbp.split(-1))
+
+
+def test_layouts_said_in_sbp_or_by_their_flags_build_the_same_layer():
+    harness.run(2, _sbp_spellings_rank)
 
 
 # An MLP block through parallelize(): column -> relu -> row, plain and sequence-parallel.

@@ -155,8 +155,8 @@ def test_own_plans_say_what_stays_whole_and_refuse_by_name():
     """What tpflow's plans keep whole is said in the plan (a state space, an MLP with activation sparsity); what
     they cannot split is a sentence naming it and the way out (no ranks needed: the plan is read before any)."""
     import tpflow as tpf
+    from tpflow.hf.styles import hf_style
     from tpflow.models.zoo import tiny_config, tiny_model
-    from tpflow.plans.names import style_of
 
     plan = tpf.hf_plan(tiny_model("mamba"))
     assert plan["backbone.layers.*.mixer"] == tpf.Replicated(why="a state space, which tpflow does not split")
@@ -181,7 +181,7 @@ def test_own_plans_say_what_stays_whole_and_refuse_by_name():
         tpf.hf_plan(gemma4, vocab_parallel=True)
     assert not any(isinstance(e, tpf.VocabParallel) for e in tpf.hf_plan(gemma4).values())
     with pytest.raises(ValueError, match=r"'all_reduce' splits the module's own parameters.*tpf.SummedParameters"):
-        style_of("layers.*.mlp.shared_experts", "all_reduce")
+        hf_style("layers.*.mlp.shared_experts", "all_reduce")
     with pytest.raises(ValueError, match=r"XLNetLMHeadModel carries no tensor-parallel plan.*transformer.layer.0 "
                                          r"\(XLNetLayer\) has no attention with separate q / k / v"):
         tpf.hf_plan(tiny_model("xlnet"))

@@ -6,6 +6,8 @@ tpflow cannot honour refused before the model changes."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import re
 
 import pytest
@@ -237,6 +239,54 @@ def _entries_apply_alike_rank() -> None:
 
 def test_entries_share_what_they_must_and_check_before_any_change():
     harness.run(2, _entries_apply_alike_rank)
+
+
+def test_entries_said_in_sbp_are_the_entries_their_flags_say():
+    """``input_sbp=`` / ``output_sbp=`` (``hidden_sbp=``) and the older flags, their aliases, give one entry: equal,
+    one hash, one repr, one ``asdict``; ``dataclasses.replace`` with the flags still works; the SBPs read back from
+    either spelling; an SBP the entry cannot take, or one beside a flag that says otherwise, is refused by name."""
+    S, B = tpf.sbp.split, tpf.sbp.broadcast
+    spellings = [  # (entry, its SBP spelling, the flags it stands for)
+        (tpf.ColumnParallel, {"output_sbp": B}, {"gather_output": True}),
+        (tpf.ColumnParallel, {"input_sbp": S(1), "output_sbp": S(-1)}, {"sequence_parallel": True, "sequence_dim": 1}),
+        (tpf.RowParallel, {"input_sbp": B}, {"input_is_parallel": False}),
+        (tpf.RowParallel, {"input_sbp": S(-1), "output_sbp": S(0)}, {"sequence_parallel": True}),
+        (tpf.SequenceParallel, {"input_sbp": B}, {"split_input": True}),
+        (tpf.SequenceParallel, {"input_sbp": B, "output_sbp": S(0)}, {"split_input": True, "sequence_dim": 0}),
+        (tpf.SequenceParallel, {"input_sbp": S(0), "output_sbp": S(0)}, {"sequence_dim": 0}),
+        (tpf.GatherSequence, {"output_sbp": S(1)}, {"split_output": True}),
+        (tpf.GatherSequence, {"input_sbp": S(0), "output_sbp": None}, {"sequence_dim": 0}),
+        (tpf.VocabParallel, {"hidden_sbp": S(1)}, {"sequence_parallel": True, "sequence_dim": 1}),
+    ]
+    for kind, sbps, flags in spellings:
+        said, flagged = kind(**sbps), kind(**flags)
+        assert said == flagged and hash(said) == hash(flagged), (said, flagged)
+        assert repr(said) == repr(flagged) and dataclasses.asdict(said) == dataclasses.asdict(flagged)
+        assert dataclasses.replace(kind(), **flags) == said, "replace with the flags, as hf_plan writes it"
+        assert dataclasses.replace(said) == said
+        assert {k: getattr(flagged, k) for k in sbps} == sbps, f"{flagged!r} reads back {sbps}"
+        assert set(sbps) <= set(inspect.signature(kind).parameters), "the SBP keywords in the signature"
+    assert tpf.ColumnParallel(output_sbp=B, gather_output=True) == tpf.ColumnParallel(gather_output=True)  # agreeing
+    refusals = [
+        (lambda: tpf.ColumnParallel(input_sbp=S(-1)),
+         r"ColumnParallel takes input_sbp=sbp.broadcast \(the whole input\) or, for sequence parallelism, .*got "
+         r"sbp.split\(dim=-1\)"),
+        (lambda: tpf.ColumnParallel(output_sbp=B, gather_output=False),
+         "ColumnParallel: output_sbp=sbp.broadcast says gather_output=True, but gather_output=False is given beside "
+         "it: drop gather_output"),
+        (lambda: tpf.RowParallel(output_sbp=tpf.sbp.partial_sum), "RowParallel takes output_sbp=sbp.broadcast"),
+        (lambda: tpf.RowParallel(output_sbp=S(0), sequence_parallel=False), "drop sequence_parallel"),
+        (lambda: tpf.SequenceParallel(input_sbp=S(0), output_sbp=S(1)),
+         r"input_sbp=sbp.split\(dim=0\) says sequence_dim=0, but output_sbp=sbp.split\(dim=1\) says sequence_dim=1: "
+         "give layouts that agree"),
+        (lambda: tpf.GatherSequence(output_sbp=B),
+         r"GatherSequence takes output_sbp=None \(as the module returns it\)"),
+        (lambda: tpf.GatherSequence(output_sbp=None, split_output=True), "drop split_output"),
+        (lambda: tpf.VocabParallel(hidden_sbp=S(2)), "VocabParallel takes hidden_sbp=sbp.broadcast"),
+    ]
+    for build, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            build()
 
 
 def _drifted_replica_rank() -> None:

@@ -11,16 +11,18 @@ those below it:
     global_tensor            creation, boxing, to_global / from_local, matmul with SBP inference
     checkpoint               safetensors read block by block into a parallelized model; whole tensors out
     layers                   ColumnParallelLinear, RowParallelLinear, fused column groups, VocabParallelEmbedding
-    plans                    parallelize: plans of module-name patterns
+    plans                    the engine: Style, Plan, the driver, the generic entries; knows no model family
+    hf                       the Hugging Face wing: parallelize's front door, hf_plan, heads, context
+                             parallelism, PEFT, save_pretrained / generate, the trainers (adopt)
     pipeline                 stages, schedules as tables, the executor
+    models                   the support matrix: every causal LM of transformers' registry checked (python -m)
     bench, launch            the benchmark harness; python -m tpflow.launch
 """
 
 from __future__ import annotations
 
-from tpflow import comm, config, frameworks, kernels, ops, sbp
+from tpflow import checkpoint, comm, config, hf, kernels, ops, pipeline, sbp
 from tpflow.checkpoint import full_state_dict, load_safetensors, meta_parameters, unique_state_dict
-from tpflow.frameworks import adopt
 from tpflow.global_tensor import (
     check_replicas,
     clip_grad_norm_,
@@ -40,95 +42,61 @@ from tpflow.global_tensor import (
     vocab_parallel_loss,
     zeros,
 )
+from tpflow.hf import (
+    BlocksParallel,
+    ContextParallel,
+    Conv1DParallel,
+    LatentKeyValue,
+    MultiQueryColumns,
+    SplitHeads,
+    SummedParameters,
+    adopt,
+    frameworks,
+    hf_plan,
+    lora,
+    parallelize,
+)
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_cross_entropy
 from tpflow.pipeline import Pipeline, PipelineError, Stage, stage
 from tpflow.placement import Placement, placement
 from tpflow.plans import (
-    BlocksParallel,
     ColumnParallel,
-    ContextParallel,
-    Conv1DParallel,
     ExpertParallel,
     ExpertTensorParallel,
     GatherSequence,
-    LatentKeyValue,
-    MultiQueryColumns,
     Replicated,
     RowParallel,
     SequenceParallel,
-    SplitHeads,
+    Stacked,
     Style,
-    SummedParameters,
     VocabParallel,
     fsdp_ignored_params,
-    hf_plan,
-    parallelize,
 )
-from tpflow.plans.lora import lora
 from tpflow.world import get_rank, get_world_size, init_distributed
 
-__all__ = [
-    "BlocksParallel",
-    "ColumnParallel",
-    "ColumnParallelLinear",
-    "ContextParallel",
-    "Conv1DParallel",
-    "ExpertParallel",
-    "ExpertTensorParallel",
-    "GatherSequence",
-    "LatentKeyValue",
-    "MultiQueryColumns",
-    "Pipeline",
-    "PipelineError",
-    "Placement",
-    "Replicated",
-    "RowParallel",
-    "RowParallelLinear",
-    "SequenceParallel",
-    "SplitHeads",
-    "Stage",
-    "Style",
-    "SummedParameters",
-    "VocabParallel",
-    "VocabParallelEmbedding",
-    "adopt",
-    "check_replicas",
-    "clip_grad_norm_",
-    "comm",
-    "config",
-    "cross_entropy",
-    "frameworks",
-    "from_local",
-    "fsdp_ignored_params",
-    "full",
-    "full_state_dict",
-    "get_placement",
-    "get_rank",
-    "get_sbp",
-    "get_world_size",
-    "gradients",
-    "hf_plan",
-    "init_distributed",
-    "kernels",
-    "linear_cross_entropy",
-    "load_safetensors",
-    "lora",
-    "matmul",
-    "meta_parameters",
-    "ones",
-    "ops",
-    "parallelize",
-    "placement",
-    "rand",
-    "randn",
-    "sbp",
-    "stage",
-    "tensor",
-    "to_global",
-    "to_local",
-    "unique_state_dict",
-    "vocab_parallel_loss",
-    "zeros",
+# the model-family entries are tpf.hf's, kept here as aliases
+__all__ = [  # noqa: RUF022  (grouped as the README's API table)
+    # placements, layouts, global tensors
+    "Placement", "placement", "sbp",
+    "full", "ones", "rand", "randn", "tensor", "zeros",
+    "to_global", "from_local", "to_local", "get_sbp", "get_placement", "matmul",
+    # parallel layers and the loss on split logits
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "cross_entropy", "linear_cross_entropy", "vocab_parallel_loss",
+    # plans: the engine's styles, and parallelize (the Hugging Face wing's front door)
+    "parallelize", "hf_plan", "Style", "Stacked",
+    "ColumnParallel", "RowParallel", "VocabParallel", "Replicated", "SequenceParallel", "GatherSequence",
+    "ExpertTensorParallel", "ExpertParallel", "fsdp_ignored_params",
+    # the Hugging Face wing (tpf.hf) and its model-family styles, PEFT, the trainers
+    "hf", "ContextParallel", "SplitHeads", "LatentKeyValue", "MultiQueryColumns", "Conv1DParallel",
+    "BlocksParallel", "SummedParameters", "lora", "adopt", "frameworks",
+    # checkpoints
+    "checkpoint", "meta_parameters", "load_safetensors", "unique_state_dict", "full_state_dict",
+    # pipelines
+    "pipeline", "Pipeline", "PipelineError", "Stage", "stage",
+    # processes, checks, gradients, switches, the layers below
+    "get_rank", "get_world_size", "init_distributed", "check_replicas", "gradients", "clip_grad_norm_",
+    "config", "kernels", "ops", "comm",
 ]
 
 __version__ = "0.1.0"

@@ -282,6 +282,33 @@ class Placement:
             self._slices[key] = found
         return found
 
+    @property
+    def leaves_data_axes(self) -> bool:
+        """Whether a model split on this placement leaves its data axes to PyTorch's FSDP2: a named placement of
+        several axes, seen from one of its ranks (``tpf.parallelize`` splits over the last axis only).
+
+        Example (2 ranks)::
+
+            >>> tpf.placement("cpu", [[0, 1]], names=("dp", "tp")).leaves_data_axes
+            True
+            >>> tpf.placement("cpu", [[0, 1]]).leaves_data_axes
+            False
+        """
+        return self._names is not None and self.ndim > 1 and self.coordinate() is not None
+
+    @property
+    def tensor_slice(self) -> Placement:
+        """Where a model's tensor-parallel layers live on this placement: the last axis' slice of one that leaves its
+        data axes to FSDP2 (this rank's row), else the placement itself (also on a rank outside it, which holds
+        nothing).
+
+        Example (2 ranks)::
+
+            >>> tpf.placement("cpu", [[0, 1]], names=("dp", "tp")).tensor_slice.names
+            ('tp',)
+        """
+        return self[self._names[-1]] if self.leaves_data_axes else self
+
     def __contains__(self, rank: int) -> bool:
         return rank in self._coords
 

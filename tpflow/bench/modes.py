@@ -17,7 +17,7 @@
     experts over data, transformers  transformers' own (DistributedConfig(fsdp_size=W, ep_size=W,
                         ep_implementation="all_to_all")), same checkpoint
     (the lora workload)  the hf workload's Llama under PEFT's LoRA: one device and "tensor, tpflow" (each adapter
-                        laid out as its base layer, tpflow.plans.adapters) train its adapters
+                        laid out as its base layer, tpflow.hf.adapters) train its adapters
     sequence, ring      tensor parallel with the activations between layer pairs split over dim 0: the
                         all-gather + matmul and matmul + reduce-scatter ring kernels (overlapped)
     sequence, unfused   the same layout, the plain collective then the matmul

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from tpflow.plans.adapters import wrapped_model
+from tpflow.hf.adapters import wrapped_model
 
 __all__ = ["LLAMA_PLAN", "MLP_PLAN", "Attention", "CausalLMLoss", "DecoderLayer", "FeedForward", "MLPBlock",
            "RMSNorm", "Workload", "build", "model_loss", "rotary"]

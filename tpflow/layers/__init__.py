@@ -3,6 +3,7 @@
     sharded  ShardedModule: parameters split over a placement, made from whole values, read as local blocks
     vocab    VocabParallelEmbedding (the vocabulary split over the ranks), and the head + loss without logits
     linear   ParallelLinear: what the column and row layers share (storage, init, inputs, local blocks)
+    layouts  input_sbp= / output_sbp=: the SBPs a layer's (or an entry's) sides take, the older flags their aliases
     column   ColumnParallelLinear: W split(1), a block of output features per rank
     row      RowParallelLinear: W split(0), a block of input features per rank
     fused    column layers of one parent reading one input (q / k / v) run as one product

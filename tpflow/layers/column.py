@@ -14,6 +14,7 @@ from tpflow import comm
 from tpflow.global_tensor import from_local
 from tpflow.kernels import linear
 from tpflow.kernels.epilogue import accumulate_dtype
+from tpflow.layers.layouts import Layouts, Side, sequence_splits
 from tpflow.layers.linear import ParallelLinear
 from tpflow.ops import all_gather_matmul
 from tpflow.placement import Placement
@@ -27,13 +28,14 @@ class ColumnParallelLinear(ParallelLinear):
 
     Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 0 (Shard(0)),
     and ``bias`` is split the same way. A plain input is the whole x, the same on every rank
-    (Megatron's convention); the output is this rank's block of features, or the whole y with
-    ``gather_output``. With ``sequence_parallel`` the input is instead this rank's chunk of dim 0
+    (Megatron's convention: ``input_sbp=sbp.broadcast``); the output is this rank's block of features
+    (``output_sbp=sbp.split(-1)``), or the whole y with ``output_sbp=sbp.broadcast``. With
+    ``input_sbp=sbp.split(0)`` (sequence parallelism) the input is instead this rank's chunk of dim 0
     (the sequence), gathered on the fly by ``all_gather_matmul``; the weight gradient needs the
     gathered input, which is kept from the forward, or with ``keep_gathered=False`` gathered again in
     the backward (Megatron's choice: the layer then saves only its rows of the input, for (W-1)/W of
     the gathered input's bytes more per rank). A global input may have any layout; the output is
-    split on its last dim (broadcast with ``gather_output``).
+    split on its last dim (broadcast with ``output_sbp=sbp.broadcast``).
 
     Without sequence parallelism the forward is one local matmul and the backward all-reduces the input's
     gradient while the weight's gradient computes; with it, the input's gather runs around a ring fused with
@@ -48,24 +50,27 @@ class ColumnParallelLinear(ParallelLinear):
         placement: the ranks the layer lives on (``tpf.placement``). On a 2-D placement the last axis is
             tensor parallel and the axes before it hold copies (data parallelism), whose parameter gradients
             are partial sums reduced when read.
-        gather_output: all-gather the output's features, so that every rank gets the whole y instead of its
-            block (default False: the block, which a ``RowParallelLinear`` takes as its input).
-        sequence_parallel: a plain input of two or more dims is this rank's chunk of dim 0 (the sequence, in
-            Megatron's ``[seq, batch, hidden]`` layout), all-gathered into the product by ``all_gather_matmul``;
-            the output then has the whole dim 0 (default False: the whole input on every rank).
+        input_sbp: the input's layout over the ranks: ``sbp.broadcast`` (the default: the whole input on every
+            rank) or, for sequence parallelism, ``sbp.split(0)`` (a plain input of two or more dims is this rank's
+            chunk of dim 0, the sequence in Megatron's ``[seq, batch, hidden]``) or ``sbp.split(1)`` (of dim 1,
+            Hugging Face's ``[batch, seq, hidden]``), all-gathered into the product by ``all_gather_matmul``; the
+            output then has the whole sequence.
+        output_sbp: the output's layout over the ranks: ``sbp.split(-1)`` (the default: this rank's block of the
+            features, which a ``RowParallelLinear`` takes as its input) or ``sbp.broadcast`` (the features
+            all-gathered: the whole y on every rank).
         algo: how the sequence-parallel all-gather runs: ``"ring"`` (fused with the matmul around a ring),
             ``"naive"`` (the plain all-gather, then one matmul) or ``"auto"`` (the default: the ring from the
-            ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
-            ``sequence_parallel=True``.
+            ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs sequence parallelism.
+        keep_gathered: under sequence parallelism, keep the gathered input from the forward for the weight
+            gradient (default True), or, with False, save only this rank's rows and gather them again in the
+            backward (less memory, more bytes sent). False needs sequence parallelism.
         global_output: return the output of a plain input as a global tensor split over its last dim (on a 2-D
             placement, over this rank's tensor-parallel ranks), not as this rank's plain block: an output head's
             logits, which ``tpf.cross_entropy`` and ``F.cross_entropy`` under ``tpf.vocab_parallel_loss()`` then
-            take without gathering them (default False). ``gather_output`` overrides it.
-        keep_gathered: with ``sequence_parallel``, keep the gathered input from the forward for the weight
-            gradient (default True), or, with False, save only this rank's rows and gather them again in the
-            backward (less memory, more bytes sent). False needs ``sequence_parallel=True``.
-        sequence_dim: the dim sequence parallelism splits: 0 (default; Megatron's ``[seq, batch, hidden]``) or 1
-            (Hugging Face's ``[batch, seq, hidden]``). 1 needs ``sequence_parallel=True``.
+            take without gathering them (default False). ``output_sbp=sbp.broadcast`` overrides it.
+        gather_output: alias of ``output_sbp``: True is ``sbp.broadcast``, False ``sbp.split(-1)``.
+        sequence_parallel, sequence_dim: aliases of ``input_sbp``: ``sequence_parallel=True, sequence_dim=d`` is
+            ``sbp.split(d)``, False is ``sbp.broadcast``.
         device: where the parameters are made (default: the placement's device); its type must be the
             placement's.
         dtype: the parameters' dtype (default: torch's default dtype).
@@ -82,34 +87,47 @@ class ColumnParallelLinear(ParallelLinear):
         >>> x = torch.randn(8, 512)                           # the whole x on every rank
         >>> fc1(x).shape                                      # this rank's block of the 2048 features
         torch.Size([8, 1024])
-        >>> whole = tpf.ColumnParallelLinear(512, 2048, placement=P, gather_output=True)
+        >>> whole = tpf.ColumnParallelLinear(512, 2048, placement=P, output_sbp=tpf.sbp.broadcast)
         >>> whole(x).shape
         torch.Size([8, 2048])
-        >>> sp = tpf.ColumnParallelLinear(512, 2048, placement=P, sequence_parallel=True, keep_gathered=False)
+        >>> whole.gather_output                               # the older spelling, an alias
+        True
+        >>> sp = tpf.ColumnParallelLinear(512, 2048, placement=P, input_sbp=tpf.sbp.split(0), keep_gathered=False)
         >>> tokens = torch.randn(16, 2, 512)                  # [seq, batch, hidden]
         >>> sp(tokens.chunk(2)[tpf.get_rank()]).shape         # this rank's 8 tokens in, all 16 out
         torch.Size([16, 2, 1024])
     """
 
     _weight_split = 0
+    layouts = Layouts(
+        input_sbp=Side({broadcast: {"sequence_parallel": False}, **sequence_splits(sequence_parallel=True)},
+                       "sbp.broadcast (the whole input) or, for sequence parallelism, sbp.split(0) / sbp.split(1) "
+                       "(this rank's chunk of the sequence dim)"),
+        output_sbp=Side({split(-1): {"gather_output": False}, broadcast: {"gather_output": True}},
+                        "sbp.split(-1) (this rank's block of the output features) or sbp.broadcast (the features "
+                        "gathered whole)"),
+        defaults={"sequence_parallel": False, "sequence_dim": 0, "gather_output": False})
 
     @classmethod
-    def check_options(cls, *, gather_output: bool = False, keep_gathered: bool = True, global_output: bool = False,
-                      **options: object) -> None:
-        if not keep_gathered and not options.get("sequence_parallel", False):
+    def _check_flags(cls, *, keep_gathered: bool = True, **options: object) -> None:
+        if not keep_gathered and not options["sequence_parallel"]:
             raise ValueError("ColumnParallelLinear: keep_gathered=False gathers a sequence-parallel input again in "
-                             "the backward: it needs sequence_parallel=True")
-        super().check_options(**options)
+                             "the backward: it needs input_sbp=sbp.split(0) or sbp.split(1) (sequence parallelism)")
+        super()._check_flags(**options)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
-                 gather_output: bool = False, sequence_parallel: bool = False, algo: str = "auto",
-                 keep_gathered: bool = True, sequence_dim: int = 0, global_output: bool = False,
+                 input_sbp: Sbp | None = None, output_sbp: Sbp | None = None, algo: str = "auto",
+                 keep_gathered: bool = True, global_output: bool = False, gather_output: bool | None = None,
+                 sequence_parallel: bool | None = None, sequence_dim: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        self.check_options(sequence_parallel=sequence_parallel, algo=algo, sequence_dim=sequence_dim,
-                           keep_gathered=keep_gathered)
-        self.gather_output, self.keep_gathered, self.sequence_dim = gather_output, keep_gathered, sequence_dim
+        flags = self.layouts.resolve(type(self).__name__, {
+            "input_sbp": input_sbp, "output_sbp": output_sbp, "gather_output": gather_output,
+            "sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim}, fill=True)
+        self.check_options(algo=algo, keep_gathered=keep_gathered, **flags)
+        self.gather_output, self.sequence_dim = flags["gather_output"], flags["sequence_dim"]
+        self.keep_gathered = keep_gathered
         self.fused_group = None  # the ColumnGroup computing this layer with its siblings (parallelize's fuse=True)
-        super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
+        super().__init__(in_features, out_features, bias, placement, flags["sequence_parallel"], algo, device, dtype)
         self.global_output = global_output
         self._output_placement = self._tp_placement() if global_output else None
 

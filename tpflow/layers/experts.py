@@ -381,7 +381,7 @@ class _OnFirst:
 def add_delta(module: nn.Module, name: str, delta: Callable[[], torch.Tensor | None]) -> None:
     """Around each call of a split experts module, add ``delta()`` (this rank's block of a change to its parameter
     ``name``, with autograd, or None for none) to the block its forward reads: a LoRA adapter on the fused experts
-    (``tpflow.plans.lora``).
+    (``tpflow.hf.lora``).
 
     Args:
         module: an experts module ``split_experts`` split.

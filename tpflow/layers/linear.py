@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from tpflow.global_tensor import from_local, get_placement, get_sbp, to_global
 from tpflow.global_tensor.blocks import off_placement
+from tpflow.layers.layouts import Layouts
 from tpflow.layers.regions import SPLIT, WHOLE, reads_split, tag
 from tpflow.layers.sharded import ShardedModule
 from tpflow.ops import ALGOS
@@ -56,13 +57,15 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
             blocks of the split one follow ``torch.chunk``'s rule.
         bias: whether the layer has a bias.
         placement: the ranks the parameters live on (``tpf.placement``), 1-D or 2-D.
-        sequence_parallel: whether the activation on the layer's sequence side (the column layer's input,
-            the row layer's output) is split over dim 0, the sequence, its collective run with the matmul
-            by ``tpflow.ops``.
+        input_sbp, output_sbp: the input's and the output's layouts over the tensor-parallel axis (``layouts``
+            lists those each layer takes); the activation on the layer's sequence side (the column layer's input,
+            the row layer's output) is ``split(0)`` or ``split(1)`` under sequence parallelism, its collective run
+            with the matmul by ``tpflow.ops``. The older flags (``sequence_parallel``, ``sequence_dim``, ...) say
+            the same, as aliases.
         algo: how sequence parallelism's collectives run: ``"ring"`` (fused into a ring that overlaps the
             matmul), ``"naive"`` (the plain collective, then one matmul) or ``"auto"`` (the ring from the
             ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
-            ``sequence_parallel=True``.
+            sequence parallelism.
         device: where the parameters are made (default: the placement's device); its type must be the
             placement's.
         dtype: the parameters' dtype (default: torch's default dtype).
@@ -78,6 +81,7 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
     """
 
     _weight_split: int  # the dim of ``weight`` [out, in] split over the tensor-parallel axis
+    layouts: Layouts  # the SBPs its input and output take, and the flags that are their aliases
 
     def __init__(self, in_features: int, out_features: int, bias: bool, placement: Placement,
                  sequence_parallel: bool, algo: str, device: torch.device | str | None,
@@ -112,15 +116,28 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
         return self.sequence_parallel and x.ndim > self.sequence_dim + 1
 
     @classmethod
-    def check_options(cls, *, sequence_parallel: bool = False, algo: str = "auto", sequence_dim: int = 0,
-                      **options: object) -> None:
+    def check_options(cls, **options: object) -> None:
         """Raise a ValueError naming the fix for options this layer cannot take, building nothing (``parallelize``'s
         entries check every match so before the model changes; the constructor checks the same).
 
         Args:
-            sequence_parallel, algo, sequence_dim: as the layer takes them.
-            options: the subclass's own options, which its ``check_options`` reads.
+            options: the layer's keyword options (``input_sbp``, ``output_sbp``, ``algo``, ... or the flags that
+                alias the SBPs), as its constructor takes them.
+
+        Example::
+
+            >>> tpf.ColumnParallelLinear.check_options(input_sbp=tpf.sbp.split(0), keep_gathered=False)
+            >>> tpf.ColumnParallelLinear.check_options(input_sbp=tpf.sbp.partial_sum)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+                ...
+            ValueError: ColumnParallelLinear takes input_sbp=sbp.broadcast (the whole input) or..., got sbp.partial_sum
         """
+        cls._check_flags(**cls.layouts.resolve(cls.__name__, options, fill=True))
+
+    @classmethod
+    def _check_flags(cls, *, sequence_parallel: bool, sequence_dim: int, algo: str = "auto",
+                     **options: object) -> None:
+        """``check_options`` on the flags the SBPs stand for; a subclass checks its own flags, then calls this."""
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {ALGOS} (the sequence-parallel collectives: fused into a ring "
                              f"that overlaps the matmul, the plain collective then the matmul, or by size), "
@@ -143,6 +160,16 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
         if x.ndim == 0 or x.shape[-1] != want:
             raise ValueError(f"{self.label}: the input has {x.shape[-1] if x.ndim else 0} features in its last dim, "
                              f"but this layer expects {want} ({what})")
+
+    @property
+    def input_sbp(self) -> Sbp | None:
+        """The input's layout over the tensor-parallel axis, as ``input_sbp=`` says it (read from the flags)."""
+        return self.layouts.read(self)["input_sbp"]
+
+    @property
+    def output_sbp(self) -> Sbp | None:
+        """The output's layout over the tensor-parallel axis, as ``output_sbp=`` says it (read from the flags)."""
+        return self.layouts.read(self)["output_sbp"]
 
     # inputs and outputs
 
@@ -239,7 +266,7 @@ class ParallelLinear(ShardedModule, metaclass=ABCMeta):
         Args:
             module: the ``nn.Linear`` to convert; its sizes, bias and dtype are kept, and it is left unchanged.
             placement: the ranks the new layer lives on (``tpf.placement``).
-            options: the layer's other keyword options (``gather_output``, ``sequence_parallel``, ...).
+            options: the layer's other keyword options (``input_sbp``, ``output_sbp``, ``algo``, ...).
 
         Returns:
             A new layer of this class on ``placement``.

@@ -12,6 +12,7 @@ import torch
 from tpflow import comm
 from tpflow.kernels import linear
 from tpflow.kernels.epilogue import accumulate_dtype
+from tpflow.layers.layouts import Layouts, Side, sequence_splits
 from tpflow.layers.linear import ParallelLinear
 from tpflow.ops import matmul_reduce_scatter
 from tpflow.placement import Placement
@@ -25,15 +26,16 @@ class RowParallelLinear(ParallelLinear):
 
     Storage is ``nn.Linear``'s: ``weight`` [out, in] holds W.T, split along its dim 1 (Shard(1));
     ``bias`` is whole on every rank and added once, after the partial products are summed. A plain
-    input is this rank's block of features (``input_is_parallel``, the output of a column layer),
-    or the whole x with ``input_is_parallel=False``. The output is the whole y on every rank; with
-    ``sequence_parallel`` it is this rank's chunk of dim 0 instead, reduce-scattered by
-    ``matmul_reduce_scatter`` (a plain input's dim 0 must then split evenly).
+    input is this rank's block of features (``input_sbp=sbp.split(-1)``, the output of a column layer),
+    or the whole x with ``input_sbp=sbp.broadcast``. The output is the whole y on every rank
+    (``output_sbp=sbp.broadcast``); with ``output_sbp=sbp.split(0)`` (sequence parallelism) it is this
+    rank's chunk of dim 0 instead, reduce-scattered by ``matmul_reduce_scatter`` (a plain input's dim 0
+    must then split evenly).
 
     Without sequence parallelism the partial products are all-reduced (in fp32 at least) and the backward
     needs no collective; with it, the reduce-scatter runs around a ring fused with the matmul, and the
     backward all-gathers the output's gradient. A global input may have any layout; the output is broadcast
-    (split on dim 0 with ``sequence_parallel``). ``parallelize``'s ``"row"`` entry (``tpf.RowParallel``)
+    (split on the sequence dim under sequence parallelism). ``parallelize``'s ``"row"`` entry (``tpf.RowParallel``)
     builds this layer from a model's ``nn.Linear``.
 
     Args:
@@ -44,18 +46,22 @@ class RowParallelLinear(ParallelLinear):
         placement: the ranks the layer lives on (``tpf.placement``). On a 2-D placement the last axis is
             tensor parallel and the axes before it hold copies (data parallelism), whose parameter gradients
             are partial sums reduced when read.
-        input_is_parallel: a plain input is this rank's block of the input features, as a
-            ``ColumnParallelLinear`` returns it (default True); with False it is the whole x, the same on every
-            rank, and each rank takes its block (no transfer forward, an all-gather of its gradient backward).
-        sequence_parallel: the output of a plain input of two or more dims is this rank's chunk of dim 0 (the
-            sequence), reduce-scattered by ``matmul_reduce_scatter`` (default False: the whole y). Needs
-            ``input_is_parallel=True``, and a plain input's dim 0 must be a multiple of the ranks.
+        input_sbp: the input's layout over the ranks: ``sbp.split(-1)`` (the default: a plain input is this rank's
+            block of the input features, as a ``ColumnParallelLinear`` returns it) or ``sbp.broadcast`` (the whole
+            x, the same on every rank; each rank takes its block: no transfer forward, an all-gather of its
+            gradient backward).
+        output_sbp: the output's layout over the ranks: ``sbp.broadcast`` (the default: the whole y, all-reduced)
+            or, for sequence parallelism, ``sbp.split(0)`` / ``sbp.split(1)`` (the output of a plain input of two
+            or more dims is this rank's chunk of that dim, the sequence in Megatron's ``[seq, batch, hidden]`` /
+            Hugging Face's ``[batch, seq, hidden]``, reduce-scattered by ``matmul_reduce_scatter``; that dim of a
+            plain input must be a multiple of the ranks). Needs ``input_sbp=sbp.split(-1)``.
         algo: how the sequence-parallel reduce-scatter runs: ``"ring"`` (fused with the matmul around a
             ring), ``"naive"`` (one matmul, then the plain reduce-scatter) or ``"auto"`` (the default: the
             ring from the ``ring_min_elements`` switch's count per message). Anything but ``"auto"`` needs
-            ``sequence_parallel=True``.
-        sequence_dim: the dim sequence parallelism splits: 0 (default; Megatron's ``[seq, batch, hidden]``) or 1
-            (Hugging Face's ``[batch, seq, hidden]``). 1 needs ``sequence_parallel=True``.
+            sequence parallelism.
+        input_is_parallel: alias of ``input_sbp``: True is ``sbp.split(-1)``, False ``sbp.broadcast``.
+        sequence_parallel, sequence_dim: aliases of ``output_sbp``: ``sequence_parallel=True, sequence_dim=d`` is
+            ``sbp.split(d)``, False is ``sbp.broadcast``.
         device: where the parameters are made (default: the placement's device); its type must be the
             placement's.
         dtype: the parameters' dtype (default: torch's default dtype).
@@ -73,33 +79,47 @@ class RowParallelLinear(ParallelLinear):
         >>> x = torch.randn(8, 512)
         >>> fc2(torch.relu(fc1(x))).shape                     # one all-reduce, in fc2: the whole y everywhere
         torch.Size([8, 512])
-        >>> whole_in = tpf.RowParallelLinear(2048, 512, placement=P, input_is_parallel=False)
+        >>> whole_in = tpf.RowParallelLinear(2048, 512, placement=P, input_sbp=tpf.sbp.broadcast)
         >>> whole_in(torch.randn(8, 2048)).shape
         torch.Size([8, 512])
-        >>> sp1 = tpf.ColumnParallelLinear(512, 2048, placement=P, sequence_parallel=True)
-        >>> sp2 = tpf.RowParallelLinear(2048, 512, placement=P, sequence_parallel=True, algo="ring")
+        >>> whole_in.input_is_parallel                        # the older spelling, an alias
+        False
+        >>> sp1 = tpf.ColumnParallelLinear(512, 2048, placement=P, input_sbp=tpf.sbp.split(0))
+        >>> sp2 = tpf.RowParallelLinear(2048, 512, placement=P, output_sbp=tpf.sbp.split(0), algo="ring")
         >>> tokens = torch.randn(16, 2, 512).chunk(2)[tpf.get_rank()]   # this rank's 8 of 16 tokens
         >>> sp2(torch.relu(sp1(tokens))).shape                # back to this rank's tokens
         torch.Size([8, 2, 512])
     """
 
     _weight_split = 1
+    layouts = Layouts(
+        input_sbp=Side({split(-1): {"input_is_parallel": True}, broadcast: {"input_is_parallel": False}},
+                       "sbp.split(-1) (this rank's block of the input features) or sbp.broadcast (the whole "
+                       "input)"),
+        output_sbp=Side({broadcast: {"sequence_parallel": False}, **sequence_splits(sequence_parallel=True)},
+                        "sbp.broadcast (the whole output, all-reduced) or, for sequence parallelism, sbp.split(0) / "
+                        "sbp.split(1) (this rank's chunk of the sequence dim, reduce-scattered)"),
+        defaults={"input_is_parallel": True, "sequence_parallel": False, "sequence_dim": 0})
 
     @classmethod
-    def check_options(cls, *, input_is_parallel: bool = True, **options: object) -> None:
-        if options.get("sequence_parallel", False) and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (its input is the "
-                             "feature-split output of a column layer)")
-        super().check_options(**options)
+    def _check_flags(cls, *, input_is_parallel: bool, **options: object) -> None:
+        if options["sequence_parallel"] and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True: a sequence-parallel "
+                             "output (output_sbp=sbp.split(0) or sbp.split(1)) takes input_sbp=sbp.split(-1), the "
+                             "feature-split output of a column layer")
+        super()._check_flags(**options)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, placement: Placement,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, algo: str = "auto",
-                 sequence_dim: int = 0, device: torch.device | str | None = None,
+                 input_sbp: Sbp | None = None, output_sbp: Sbp | None = None, algo: str = "auto",
+                 input_is_parallel: bool | None = None, sequence_parallel: bool | None = None,
+                 sequence_dim: int | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        self.check_options(input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel, algo=algo,
-                           sequence_dim=sequence_dim)
-        self.input_is_parallel, self.sequence_dim = input_is_parallel, sequence_dim
-        super().__init__(in_features, out_features, bias, placement, sequence_parallel, algo, device, dtype)
+        flags = self.layouts.resolve(type(self).__name__, {
+            "input_sbp": input_sbp, "output_sbp": output_sbp, "input_is_parallel": input_is_parallel,
+            "sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim}, fill=True)
+        self.check_options(algo=algo, **flags)
+        self.input_is_parallel, self.sequence_dim = flags["input_is_parallel"], flags["sequence_dim"]
+        super().__init__(in_features, out_features, bias, placement, flags["sequence_parallel"], algo, device, dtype)
 
     def _bias_sbp(self) -> tuple[Sbp, ...]:
         return self._axes(broadcast)

@@ -21,11 +21,12 @@ from torch.distributed.tensor import DTensor
 
 from tpflow import comm
 from tpflow.layers.column import ColumnParallelLinear
+from tpflow.layers.layouts import Layouts, Side, sequence_splits
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.layers.sharded import ShardedModule
 from tpflow.ops import cross_entropy as ops_ce
 from tpflow.placement import Placement
-from tpflow.sbp import chunk_bounds, split
+from tpflow.sbp import Sbp, broadcast, chunk_bounds, split
 
 __all__ = ["VocabParallelEmbedding", "linear_cross_entropy", "ranks_without_rows"]
 
@@ -57,7 +58,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
     uneven vocabulary is fine), the same block a column-parallel head of the same matrix holds. The input ids are
     whole on every rank (a plain tensor, or a global one); ids outside this rank's range look up nothing, so
     the outputs add up to one device's. The sum is an all-reduce (every rank gets the whole output), or with
-    ``sequence_parallel`` a reduce-scatter that leaves each rank its chunk of the sequence dim, as the next
+    ``output_sbp=sbp.split(d)`` a reduce-scatter that leaves each rank its chunk of the sequence dim d, as the next
     sequence-parallel region takes it. The weight's gradient is this rank's rows of one device's.
 
     It is an ``nn.Embedding`` (same attributes, ``padding_idx`` handled the same: that row gets no gradient), so
@@ -70,10 +71,12 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         padding_idx: an id whose row gets no gradient (as ``nn.Embedding``'s; negative counts from the end).
         placement: the ranks the rows are split over (``tpf.placement``); on a 2-D placement the last axis is
             tensor parallel and the others hold copies.
-        sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of all-reducing it (default
-            False); the sequence must split evenly over the ranks.
-        sequence_dim: the sequence dim of the output: 0 (default, ``[seq, batch, hidden]``) or 1 (``[batch,
-            seq, hidden]``).
+        output_sbp: the output's layout over the ranks: ``sbp.broadcast`` (the default: all-reduced, whole on every
+            rank) or, for sequence parallelism, ``sbp.split(0)`` / ``sbp.split(1)`` (reduce-scattered along that
+            dim, the sequence of ``[seq, batch, hidden]`` / ``[batch, seq, hidden]``, which must split evenly over
+            the ranks).
+        sequence_parallel, sequence_dim: aliases of ``output_sbp``: ``sequence_parallel=True, sequence_dim=d`` is
+            ``sbp.split(d)``, False is ``sbp.broadcast``.
         device: where the parameters are made (default: the placement's device).
         dtype: the weight's dtype (default: torch's default dtype).
 
@@ -92,11 +95,20 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
     """
 
     _embedding_class: type[nn.Embedding] | None = None  # the subclass a mixed class runs around this one
+    layouts = Layouts(  # the SBPs its output takes, and the flags that are their aliases
+        output_sbp=Side({broadcast: {"sequence_parallel": False}, **sequence_splits(sequence_parallel=True)},
+                        "sbp.broadcast (the whole output, all-reduced) or, for sequence parallelism, sbp.split(0) / "
+                        "sbp.split(1) (this rank's chunk of the sequence dim, reduce-scattered)"),
+        defaults={"sequence_parallel": False, "sequence_dim": 0})
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
-                 placement: Placement, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 placement: Placement, output_sbp: Sbp | None = None, sequence_parallel: bool | None = None,
+                 sequence_dim: int | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         ShardedModule.__init__(self, placement, device)
+        flags = self.layouts.resolve(type(self).__name__, {"output_sbp": output_sbp, "sequence_dim": sequence_dim,
+                                                            "sequence_parallel": sequence_parallel}, fill=True)
+        sequence_parallel, sequence_dim = flags["sequence_parallel"], flags["sequence_dim"]
         _check_sequence_dim(sequence_dim)
         empty = ranks_without_rows(num_embeddings, self._tp_size)
         if empty:
@@ -110,13 +122,13 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
         self.weight = self._parameter(full.weight, self._axes(split(0)))
 
     @classmethod
-    def check_embedding(cls, module: nn.Module, *, sequence_parallel: bool = False, sequence_dim: int = 0) -> None:
+    def check_embedding(cls, module: nn.Module, **options: object) -> None:
         """Raise, naming the fix, unless ``from_embedding`` can convert ``module`` with these options; builds nothing
         (``parallelize``'s vocabulary entries check every match so before the model changes).
 
         Args:
             module: the embedding to convert.
-            sequence_parallel, sequence_dim: as the layer takes them.
+            options: ``output_sbp`` (or its aliases ``sequence_parallel``, ``sequence_dim``), as the layer takes it.
 
         Example::
 
@@ -131,7 +143,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
             if getattr(module, name) != plain:
                 raise ValueError(f"{type(module).__name__} has {name}={getattr(module, name)!r}, which needs the whole "
                                  f"table on one rank: a vocabulary-parallel embedding takes {name}={plain!r}")
-        _check_sequence_dim(sequence_dim)
+        _check_sequence_dim(cls.layouts.resolve(cls.__name__, options, fill=True)["sequence_dim"])
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding, *, placement: Placement, **options) -> VocabParallelEmbedding:
@@ -145,7 +157,7 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
             module: the ``nn.Embedding`` to convert (left unchanged); ``max_norm``, ``scale_grad_by_freq`` and
                 ``sparse`` are refused, since each needs the whole table.
             placement: the ranks the rows are split over.
-            options: ``sequence_parallel``, ``sequence_dim``.
+            options: ``output_sbp`` (or its aliases ``sequence_parallel``, ``sequence_dim``).
 
         Returns:
             The vocabulary-parallel embedding.
@@ -204,6 +216,11 @@ class VocabParallelEmbedding(ShardedModule, nn.Embedding):
                                  f"{self._tp_size}")
             return tag(comm.reduce_scatter_to_ranks(y, self.sequence_dim, self._group), SPLIT)
         return tag(comm.reduce_from_ranks(y, self._group), WHOLE)
+
+    @property
+    def output_sbp(self) -> Sbp | None:
+        """The output's layout over the tensor-parallel axis, as ``output_sbp=`` says it (read from the flags)."""
+        return self.layouts.read(self)["output_sbp"]
 
     def extra_repr(self) -> str:
         where = "not on this rank"

@@ -24,9 +24,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow.checkpoint.load import tensor_names
+from tpflow.hf import hf_plan, parallelize
 from tpflow.pipeline.stage import Stage
 from tpflow.placement import Placement
-from tpflow.plans import VocabParallel, hf_plan, parallelize
+from tpflow.plans import VocabParallel
 from tpflow.plans.names import style_of
 
 __all__ = ["CausalLMStage", "balanced_runs", "causal_lm_loss", "cut"]

@@ -49,7 +49,6 @@ from tpflow.layers.regions import is_split
 from tpflow.layers.replicated import replicated_grads
 from tpflow.pipeline.plain_reads import PlainReads
 from tpflow.placement import Placement
-from tpflow.plans.fsdp import leaves_data_axes, tensor_slice
 from tpflow.sbp import Broadcast, Sbp, Split, broadcast, normalize
 
 __all__ = ["PipelineError", "Stage", "stage"]
@@ -243,7 +242,7 @@ class Stage(nn.Module):
         """Over how many data-parallel ranks the rows are split where FSDP2 shards the module (1 elsewhere): FSDP2
         averages the gradients over its ranks, where the stage's split rows, one batch as on one device, want them
         summed, so the module's output gradient is taken that many times and its input's divided back."""
-        if not leaves_data_axes(self.placement):
+        if not self.placement.leaves_data_axes:
             return 1
         if isinstance(self, FSDPModule):
             raise TypeError(f"stage {self.stage_id} itself is sharded by FSDP2, but a pipeline runs its module, never "
@@ -304,7 +303,7 @@ def _parallelized(module: nn.Module, placement: Placement) -> bool:
     """Whether every parameter of ``module`` is in a tpflow parallel layer or a replicated module on ``placement``
     (``parallelize``'s work there: on a named placement, on its tensor axis' slice until FSDP2 shards them over the
     whole placement), and there is at least one."""
-    found, places = False, (placement, tensor_slice(placement))
+    found, places = False, (placement, placement.tensor_slice)
     for m in module.modules():
         own = list(m.parameters(recurse=False))
         if not own:

@@ -15,7 +15,7 @@ __all__ = ["ExpertParallel", "ExpertTensorParallel"]
 
 @dataclasses.dataclass(frozen=True)
 class ExpertTensorParallel(Style):
-    """Plan entry for a mixture of experts' experts module (Hugging Face's ``"moe_tp_experts"``): every expert split
+    """Plan style for a mixture of experts' experts module (Hugging Face's ``"moe_tp_experts"``): every expert split
     over the tensor-parallel ranks along its intermediate dim, each rank running its slice of every expert on every
     routed token, the output summed once (``tpflow.layers.experts``). The router stays whole on every rank, with one
     device's gradient.
@@ -45,7 +45,7 @@ class ExpertTensorParallel(Style):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel(Style):
-    """Plan entry for a mixture of experts' experts module split by whole experts (``tpf.hf_plan(model,
+    """Plan style for a mixture of experts' experts module split by whole experts (``tpf.hf_plan(model,
     expert_parallel=True)``; Hugging Face's ``"ep_dispatch_experts"``): each of the W ranks holds E / W experts and
     runs them on the tokens routed to them (``tpflow.layers.experts``). The router stays whole on every rank, with
     one device's gradient.

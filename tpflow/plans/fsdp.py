@@ -20,24 +20,12 @@ from tpflow.placement import Placement
 _AWAITS_FSDP = "_tpflow_awaits_fsdp"  # on a parameter parallelize left to FSDP2, until FSDP2 swaps it for its own
 
 
-def leaves_data_axes(placement: Placement) -> bool:
-    """Whether ``parallelize`` on ``placement`` leaves its data axes to FSDP2: a named placement of several axes,
-    seen from one of its ranks."""
-    return placement.names is not None and placement.ndim > 1 and placement.coordinate() is not None
-
-
-def tensor_slice(placement: Placement) -> Placement:
-    """Where a model's tensor-parallel layers live: the last axis' slice of a named placement of several axes
-    (this rank's row; the placement itself on a rank outside it, which holds nothing), else the placement."""
-    return placement[placement.names[-1]] if leaves_data_axes(placement) else placement
-
-
 def expect_fsdp(model: nn.Module, placement: Placement) -> None:
     """On a named placement of several axes, ``model``'s first forward checks that FSDP2 shards it over the data
     axes (``fully_shard`` on the model or on a module holding it, a pipeline stage's, replaced every parameter it
     had here; every parameter mesh of two or more axes has their names: not another root's), and raises naming
     the call to make where it does not."""
-    if not leaves_data_axes(placement) or math.prod(placement.hierarchy[:-1]) == 1:
+    if not placement.leaves_data_axes or math.prod(placement.hierarchy[:-1]) == 1:
         return  # no data axes, or only axes of one rank: nothing for FSDP2 to shard
     data = placement.names[:-1]
     mesh = f'P.mesh["{data[0]}"]' if len(data) == 1 else f"P.mesh[{data!r}]"

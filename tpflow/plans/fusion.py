@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tpflow.layers import ColumnGroup
-from tpflow.plans.fsdp import leaves_data_axes
 from tpflow.plans.style import Plan
 
 __all__ = ["fused_groups", "join_group"]
@@ -51,13 +50,13 @@ def fused_groups(plan: Plan, fusing: Mapping[str, bool]) -> dict[str, list[str]]
                 raise ValueError(f"{name!r} would be fused under both {seen[id(module)]!r} and {parent!r}: a module "
                                  f"shared by two parents fuses with neither; give it fuse=False")
             seen[id(module)] = parent
-            ours = (module.in_features, module.bias is None, module.weight.dtype, plan.entry(name))
-            theirs = (first.in_features, first.bias is None, first.weight.dtype, plan.entry(names[0]))
+            ours = (module.in_features, module.bias is None, module.weight.dtype, plan.entry(name).options())
+            theirs = (first.in_features, first.bias is None, first.weight.dtype, plan.entry(names[0]).options())
             if not fusing[name] or ours != theirs:
                 raise ValueError(f"fuse=True joins the column layers under {parent!r} into one product, so they must "
                                  f"read the same input alike (same in_features, bias or none, dtype and options, no "
                                  f"gather_output): {name!r} differs from {names[0]!r}; give one of them fuse=False")
-    return {} if leaves_data_axes(plan.named) else groups  # checked alike: FSDP2 owns the weights there
+    return {} if plan.named.leaves_data_axes else groups  # checked alike: FSDP2 owns the weights there
 
 
 def join_group(plan: Plan, parent: str, names: list[str]) -> None:

@@ -1,7 +1,6 @@
-"""A plan matched against a model: the plan normalised (``"auto"`` is the model's own, ``tpf.hf_plan``; names such as
-``"column"`` and Hugging Face's ``"colwise"``, and torch's own styles such as ``ColwiseParallel()``, become tpflow
-entries), then every pattern matched to module names. Every pattern must match a module, no module two patterns, and
-a module shared under two names takes one entry."""
+"""A plan matched against a model: the plan normalised (names such as ``"column"``, and torch's own styles such as
+``ColwiseParallel()``, become tpflow entries), then every pattern matched to module names. Every pattern must match
+a module, no module two patterns, and a module shared under two names takes one entry."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from collections.abc import Mapping
 from torch import nn
 
 from tpflow.placement import Placement
-from tpflow.plans.hf import hf_plan
 from tpflow.plans.names import style_of
 from tpflow.plans.style import Plan, Style
 from tpflow.plans.torch_styles import is_torch_style
@@ -19,14 +17,14 @@ from tpflow.plans.torch_styles import is_torch_style
 __all__ = ["match"]
 
 
-def match(model: nn.Module, placement: Placement, plan: Mapping[str, object] | str) -> Plan:
+def match(model: nn.Module, placement: Placement, plan: Mapping[str, object]) -> Plan:
     """The plan ``parallelize`` applies to ``model``: each matched module with its pattern and entry, checked.
 
     Args:
         model: the model the plan is for.
         placement: the ranks, as the user gave them.
-        plan: ``"auto"``, or ``fnmatch`` patterns over module names mapped to entries (``tpf.Style``), their names
-            (``"column"``, ``"colwise"``, ...) or torch's own styles.
+        plan: ``fnmatch`` patterns over module names mapped to entries (``tpf.Style``), their names (``"column"``,
+            ``"row"``, ``"vocab"``) or torch's own styles.
 
     Returns:
         The matched plan (``tpflow.plans.style.Plan``).
@@ -39,10 +37,9 @@ def match(model: nn.Module, placement: Placement, plan: Mapping[str, object] | s
         >>> plan.entry("2"), plan.pattern("2")
         (RowParallel(input_is_parallel=True, sequence_parallel=False, algo='auto', sequence_dim=0), '[2]')
     """
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ValueError(f"plan must be 'auto' or a dict of module-name patterns to entries, got {plan!r}")
-        plan = hf_plan(model)
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"plan must be a dict of module-name patterns to entries, got {plan!r} (plan='auto', a "
+                         f"Hugging Face model's own, is read by tpf.parallelize)")
     modules = dict(model.named_modules(remove_duplicate=False))
     head = _output_head(model, modules)
     chosen: dict[str, tuple[str, Style]] = {}

@@ -1,13 +1,16 @@
-"""``parallelize(model, placement=, plan=)``: a plan's entries applied to a model, in place.
+"""The engine's driver: a plan's entries applied to a model, in place, in three phases that a wing can step between.
 
     plan = {"*.fc1": "column", "*.fc2": "row"}                       # fnmatch patterns of module names
     plan = {"*.q_proj": "column", "*.o_proj": tpf.RowParallel(sequence_parallel=True)}
     plan = {"*.[qkv]_proj": tpf.ColumnParallel(fuse=True), "*.o_proj": "row"}   # q, k, v as one product
     plan = {"*.wq": ColwiseParallel(), "*.wo": RowwiseParallel()}   # torch's own styles
 
-The driver of the entries' two steps (``tpf.Style``): the plan matched, every match checked, every match applied,
-what no entry split replicated. What an entry does is the entry's; what entries share has its own module (fusion,
-ties, agreement).
+``checked``: the plan matched, every match checked (nothing changed yet); ``applied``: every match applied, tied
+parameters joined, the steps entries left for the end run; ``settled``: what no entry split replicated, and the
+aspects a split model needs on every call where they apply (random streams, the ranks' inputs checked alike, FSDP2
+expected on a named placement's data axes). What an entry does is the entry's; what entries share has its own
+module (fusion, ties, agreement). The engine knows no model family: ``tpf.parallelize`` is the Hugging Face wing's
+front door (``tpflow.hf``), which reads ``plan="auto"`` and Hugging Face's names, then runs these phases.
 """
 
 from __future__ import annotations
@@ -16,126 +19,130 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from tpflow.frameworks import mark
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
-from tpflow.plans.adapters import Lifted, wrapped_model
 from tpflow.plans.agreement import agree, check_buffers
-from tpflow.plans.decoding import decode_alike
 from tpflow.plans.fsdp import expect_fsdp
 from tpflow.plans.inputs import check_inputs, draws_random
 from tpflow.plans.matching import match
-from tpflow.plans.peft_calls import follow_peft
-from tpflow.plans.pretrained import export_whole
 from tpflow.plans.random_streams import split_streams
+from tpflow.plans.style import Plan
 from tpflow.plans.ties import Ties
 
-__all__ = ["parallelize"]
+__all__ = ["applied", "checked", "parallelize", "settled"]
 
 
-def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object] | str) -> nn.Module:
-    """Apply ``plan``'s entries to the modules whose names match its patterns (column and row entries replace
-    ``nn.Linear`` modules, ``"vocab"`` ones an ``nn.Embedding`` or a head, ...), and make every other parameter a
-    global tensor too; returns ``model``.
-
-    Patterns are ``fnmatch`` patterns over ``named_modules()`` names (``*`` crosses dots, so
-    ``"*.fc1"`` matches ``"blocks.0.mlp.fc1"``). Every pattern must match at least one module, and no module may
-    match two patterns. Then every match's entry checks its module (a column or row entry takes an ``nn.Linear``,
-    an attention module's heads must split over the tensor-parallel ranks, ...): any error names the pattern and
-    the fix, and is raised before the model is changed, on every rank alike. Then every entry applies itself
-    (``tpf.Style.apply``); an entry of the user's own (a ``tpf.Style`` subclass) goes through the same steps.
-
-    Each matched ``nn.Linear`` is replaced by a layer holding its values (each rank keeps its block), so a
-    model built and loaded on one device, the same on every rank, becomes a tensor-parallel one. A module
-    shared under two names becomes one layer under both, if their entries agree. A tied embedding and head
-    planned ``"vocab"`` hold the same block of one matrix and stay one parameter; a parameter a planned layer
-    shares with a module outside the plan would come untied, which is an error too. A ``"vocab"`` head's logits
-    come back as a global tensor split over the vocabulary, and the model's own ``F.cross_entropy`` after it runs
-    vocabulary-parallel (``tpflow.plans.logits``). The
-    ``ColumnParallel(fuse=True)`` layers of one parent module become one fused group (``ColumnGroup``).
-
-    Every parameter no entry replaces (norms, embeddings, biases of other modules) stays whole on every rank as
-    a global tensor broadcast over ``placement`` (``tpflow.layers.replicated``): the model's parameters are
-    then all DTensors, as ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim`` need, and each gets one
-    device's gradient: where a module sees only this rank's part of the data (a per-head norm, a norm on this
-    rank's tokens) its gradients are summed over the ranks. With fewer key/value heads than ranks, the k / v
-    projections stay whole and each rank keeps its head (``tpflow.plans.heads``).
-
-    A PEFT model (``get_peft_model(model, LoraConfig(...))``) is planned as the model it wraps, and each LoRA adapter
-    follows its base layer's layout (``tpflow.plans.adapters``); its ``save_pretrained`` writes PEFT's adapter files.
+def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, object]) -> nn.Module:
+    """The engine alone: ``plan``'s entries applied to the modules whose names match its patterns, every other
+    parameter made a global tensor broadcast over ``placement``; returns ``model``. ``tpf.parallelize`` is this plus
+    what Hugging Face models need (``plan="auto"``, Hugging Face's style names, attention heads, PEFT,
+    ``save_pretrained`` / ``generate``): see it for the whole story.
 
     Args:
         model: the model to change, in place.
-        placement: the ranks its parallel layers live on (``tpf.placement``); on a 2-D placement the last
-            axis is tensor parallel and the others data parallel: tpflow's own (SBP) data parallelism on an
-            unnamed placement; on a named one (``names=("dp", "tp")``) the layers live on the last axis' slice
-            (``placement["tp"]``) and the data axes are left to PyTorch's FSDP2, ``fully_shard(block,
-            mesh=placement.mesh["dp"])`` on each block and on the model, which the first forward checks (column
-            layers are not fused there: FSDP2 owns the weights, gathering and freeing them around each forward).
-        plan: ``"auto"``: a Hugging Face model's own plan (``tpf.hf_plan(model)``); or ``fnmatch`` patterns over
-            module names, each mapped to its entry: ``"column"`` (W split(1)), ``"row"`` (W split(0)),
-            ``"vocab"`` (an embedding or a head split over the vocabulary), Hugging Face's names (``"colwise"``,
-            ``"rowwise"``, ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"replicated_with_grad_allreduce"``,
-            ``"sequence_parallel"``, ...; ``tpflow.plans.names.STYLES``), entries with options
-            (``tpf.ColumnParallel(...)``, ``tpf.RowParallel(...)``, ``tpf.VocabParallel(...)``, ``tpf.Replicated(...)``,
-            ``tpf.SequenceParallel(...)``, ...), a ``tpf.Style`` of the user's own, or torch's own styles
-            (``ColwiseParallel()``, ``RowwiseParallel(...)``, ``SequenceParallel()``, ``PrepareModuleInput(...)``:
-            ``tpflow.plans.torch_styles``), read as tpflow's entries or refused with what to write instead.
+        placement: the ranks its parallel layers live on; the last axis is tensor parallel.
+        plan: ``fnmatch`` patterns over module names, each mapped to an entry (``tpf.Style``), one of tpflow's names
+            (``"column"``, ``"row"``, ``"vocab"``) or one of torch's own styles.
 
     Returns:
-        ``model`` itself, its matched modules parallelized.
+        ``model`` itself.
 
     Example::
 
-        >>> import torch
-        >>> from torch import nn
-        >>> import tpflow as tpf
+        >>> from tpflow.plans import parallelize
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> _ = torch.manual_seed(0)                          # the same model on every rank
-        >>> block = nn.Sequential()
-        >>> block.mlp = nn.Sequential()
-        >>> block.mlp.fc1, block.mlp.act, block.mlp.fc2 = nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)
-        >>> model = tpf.parallelize(block, placement=P, plan={"*.fc1": "column", "*.fc2": "row"})
-        >>> type(model.mlp.fc1).__name__, type(model.mlp.fc2).__name__
-        ('ColumnParallelLinear', 'RowParallelLinear')
-        >>> model(torch.randn(8, 512)).shape                  # the whole output on every rank
-        torch.Size([8, 512])
+        >>> mlp = parallelize(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)), placement=P,
+        ...                   plan={"0": "column", "2": "row"})
+        >>> type(mlp[0]).__name__, mlp(torch.randn(4, 8)).shape
+        ('ColumnParallelLinear', torch.Size([4, 8]))
+    """
+    settled(applied(checked(model, placement, plan)))
+    return model
+
+
+def checked(model: nn.Module, placement: Placement, plan: Mapping[str, object]) -> Plan:
+    """``plan`` matched against ``model`` and every match checked, alike on every rank: any error names the pattern
+    and the fix, raised before anything changes.
+
+    Args:
+        model: the model.
+        placement: the ranks, as the user gave them.
+        plan: patterns mapped to entries, tpflow's names or torch's styles.
+
+    Returns:
+        The matched plan (``tpflow.plans.style.Plan``), for ``applied``.
+
+    Example::
+
+        >>> plan = checked(nn.Sequential(nn.Linear(4, 8)), tpf.placement("cpu", ranks=[0, 1]), {"0": "column"})
+        >>> plan.entry("0")
+        ColumnParallel(gather_output=False, sequence_parallel=False, algo='auto', keep_gathered=True, \
+sequence_dim=0, fuse=False)
     """
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a tpf.placement(type, ranks), got {placement!r}")
     check_buffers(model)
-    follow_peft()  # PEFT's own get_peft_model, save_pretrained and loading take the split model
-    lifted = Lifted(model)  # PEFT's layers out while the plan is matched and applied, their base layers in place
-    try:
-        matched = match(model, placement, plan)  # names, "auto" and torch's styles read as entries; patterns matched
-        agree(matched)
-        ties = Ties(matched)
-        for name, module, entry in matched.each():  # every check before the first change
-            entry.check(name, module, matched)
-        lifted.check(matched)
-    except BaseException:
-        lifted.restore()
-        raise
-    for name, module, entry in matched.each():
-        layer = entry.apply(name, module, matched)
+    matched = match(model, placement, plan)
+    agree(matched)
+    ties = Ties(matched)
+    matched.at_end(Ties, lambda: ties.join(matched))  # the first step after the entries: one parameter again
+    for name, module, entry in matched.each():  # every check before the first change
+        entry.check(name, module, matched)
+    return matched
+
+
+def applied(plan: Plan) -> Plan:
+    """Every match of a ``checked`` plan applied (each entry's layer swapped in, or its module changed in place),
+    tied parameters joined, then the steps entries left for the end (fused groups, hooks that need the whole model).
+
+    Args:
+        plan: the checked plan.
+
+    Returns:
+        ``plan``, for ``settled``.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 8))
+        >>> _ = applied(checked(model, tpf.placement("cpu", ranks=[0, 1]), {"0": "column"}))
+        >>> type(model[0]).__name__
+        'ColumnParallelLinear'
+    """
+    for name, module, entry in plan.each():
+        layer = entry.apply(name, module, plan)
         if layer is not None:
-            matched.swap(module, layer)
-    ties.join(matched)
-    matched.finish()
-    lifted.put_back(matched)  # each adapter laid out as its base layer
-    replicate(model, matched.placement, matched.grads)  # what no entry split: whole on every rank
-    inner = wrapped_model(model)[0]
-    export_whole(model)
-    if inner is not model:  # what a PEFT model's merge_and_unload gives back saves whole too
-        export_whole(inner)
-        mark(inner, matched.batches)
-    decode_alike(model, matched.placement)
+            plan.swap(module, layer)
+    plan.finish()
+    return plan
+
+
+def settled(plan: Plan) -> Plan:
+    """The model of an ``applied`` plan made whole: every parameter no entry split a global tensor broadcast over the
+    placement (its gradient one device's), and the aspects that apply to it: random streams per rank where it draws
+    random numbers, the ranks' inputs checked alike at its first layer reading them whole, FSDP2 expected on a named
+    placement's data axes.
+
+    Args:
+        plan: the applied plan.
+
+    Returns:
+        ``plan``.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        >>> _ = settled(applied(checked(model, tpf.placement("cpu", ranks=[0, 1]), {"0": "column"})))
+        >>> tpf.get_sbp(model[1].weight)                       # whole on every rank
+        (sbp.broadcast,)
+    """
+    model = plan.model
+    replicate(model, plan.placement, plan.grads)  # what no entry split: whole on every rank
     random = draws_random(model)
     if random:
-        split_streams(model, matched.placement)
-    reader = matched.first_whole_reader()
+        split_streams(model, plan.placement)
+    reader = plan.first_whole_reader()
     if reader is not None:
-        check_inputs(model.get_submodule(reader), reader, matched.placement, random=random)
-    expect_fsdp(model, matched.named)
-    mark(model, matched.batches)
-    return model
+        check_inputs(model.get_submodule(reader), reader, plan.placement, random=random)
+    expect_fsdp(model, plan.named)
+    return plan

@@ -1,4 +1,4 @@
-"""The replicated entry: a module left whole on every rank, named in the plan to say how its gradient is found."""
+"""The replicated style: a module left whole on every rank, named in the plan to say how its gradient is found."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["Replicated"]
 
 @dataclasses.dataclass(frozen=True)
 class Replicated(Style):
-    """Plan entry for a module left whole on every rank, whose own parameters become global tensors broadcast
+    """Plan style for a module left whole on every rank, whose own parameters become global tensors broadcast
     over the placement (``tpflow.layers.replicated``); its forward is unchanged.
 
     ``parallelize`` does this to every module with parameters that no entry replaces; the entry says how its

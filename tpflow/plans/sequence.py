@@ -9,26 +9,45 @@ import dataclasses
 from torch import nn
 
 from tpflow import comm
+from tpflow.layers.layouts import Layouts, Side, sequence_splits
 from tpflow.layers.regions import SPLIT, WHOLE, tag
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan, Style
+from tpflow.sbp import broadcast
 
 __all__ = ["GatherSequence", "SequenceParallel"]
 
+_TOKENS = ("sbp.split(1) / sbp.split(0) (this rank's tokens along the sequence dim of [batch, seq, hidden] / [seq, "
+           "batch, hidden])")
+_ON_TOKENS = Layouts(  # SequenceParallel's: its module runs on this rank's tokens
+    input_sbp=Side({**sequence_splits(split_input=False), broadcast: {"split_input": True}},
+                   f"{_TOKENS}, or sbp.broadcast (whole, cut to this rank's tokens on entry)"),
+    output_sbp=Side(sequence_splits(), _TOKENS))
+_ON_EVERY_TOKEN = Layouts(  # GatherSequence's: its module runs on every token
+    input_sbp=Side(sequence_splits(), _TOKENS),
+    output_sbp=Side({None: {"split_output": False}, **sequence_splits(split_output=True)},
+                    f"None (as the module returns it) or {_TOKENS}, cut from the module's whole output"))
 
+
+@_ON_TOKENS.said_in_sbp  # input_sbp= / output_sbp=, stored as the flags they stand for
 @dataclasses.dataclass(frozen=True)
 class SequenceParallel(Style):
-    """Plan entry for a module that runs on this rank's tokens (HF's ``"sequence_parallel"``): a norm between
+    """Plan style for a module that runs on this rank's tokens (HF's ``"sequence_parallel"``): a norm between
     a sequence-parallel row layer and the next sequence-parallel column layer, or the first module of such a
     region, which cuts its whole input to this rank's tokens.
 
     Its parameters stay whole on every rank and their gradients are summed over the tensor-parallel ranks.
 
     Args:
-        split_input: the module's first input (or ``hidden_states``) arrives whole and is cut to this rank's
-            chunk of ``sequence_dim`` (the backward all-gathers its gradient): the entry of a sequence-parallel
-            region (default False: it arrives cut, from a sequence-parallel row layer).
-        sequence_dim: the sequence dim: 1 (default, ``[batch, seq, hidden]``) or 0.
+        input_sbp: the module's first input (or ``hidden_states``): ``sbp.split(1)`` (the default) or
+            ``sbp.split(0)``, this rank's chunk of the sequence dim of ``[batch, seq, hidden]`` / ``[seq, batch,
+            hidden]``, as a sequence-parallel row layer hands it on; or ``sbp.broadcast``: it arrives whole and is
+            cut to this rank's chunk (the backward all-gathers its gradient), the entry of a sequence-parallel
+            region.
+        output_sbp: the module's output, this rank's tokens: ``sbp.split(1)`` (the default) or ``sbp.split(0)``;
+            says the sequence dim beside ``input_sbp=sbp.broadcast``.
+        split_input: alias of ``input_sbp``: True is ``sbp.broadcast``, False (default) the sequence dim's split.
+        sequence_dim: alias of the sequence dim both SBPs split: 1 (default) or 0.
 
     Example::
 
@@ -39,10 +58,11 @@ class SequenceParallel(Style):
         >>> model = nn.Sequential()
         >>> model.norm, model.fc1, model.act = nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU()
         >>> model.fc2, model.out_norm = nn.Linear(64, 16), nn.LayerNorm(16)
+        >>> tokens = tpf.sbp.split(1)                                             # [batch, seq, hidden]
         >>> model = tpf.parallelize(model, placement=P, plan={
-        ...     "norm": tpf.SequenceParallel(split_input=True),                   # cuts the whole input to its tokens
-        ...     "fc1": tpf.ColumnParallel(sequence_parallel=True, sequence_dim=1),
-        ...     "fc2": tpf.RowParallel(sequence_parallel=True, sequence_dim=1),
+        ...     "norm": tpf.SequenceParallel(input_sbp=tpf.sbp.broadcast),        # cuts the whole input to its tokens
+        ...     "fc1": tpf.ColumnParallel(input_sbp=tokens),
+        ...     "fc2": tpf.RowParallel(output_sbp=tokens),
         ...     "out_norm": "sequence_parallel",                                  # on this rank's tokens, from fc2
         ... })
         >>> model(torch.randn(2, 8, 16)).shape     # [batch, seq, hidden]: all 8 tokens in, this rank's 4 out
@@ -63,18 +83,22 @@ class SequenceParallel(Style):
         return True
 
 
+@_ON_EVERY_TOKEN.said_in_sbp  # input_sbp= / output_sbp=, stored as the flags they stand for
 @dataclasses.dataclass(frozen=True)
 class GatherSequence(Style):
-    """Plan entry for a module whose first input (or ``hidden_states``) arrives as this rank's tokens and is
+    """Plan style for a module whose first input (or ``hidden_states``) arrives as this rank's tokens and is
     all-gathered whole before it runs (the backward keeps this rank's chunk of the gradient): an attention
     module in a sequence-parallel model, whose own code reshapes the projections' outputs by its input's shape.
 
     Args:
-        sequence_dim: the sequence dim: 1 (default, ``[batch, seq, hidden]``) or 0.
-        split_output: cut the module's output (whole on every rank) back to this rank's tokens (the backward
-            all-gathers its gradient): a mixture of experts' block, whose router and experts run on every token
-            and whose output goes on to the next sequence-parallel norm (default False: a sequence-parallel row
-            layer inside the module cuts it).
+        input_sbp: the module's first input, this rank's tokens: ``sbp.split(1)`` (the default, ``[batch, seq,
+            hidden]``) or ``sbp.split(0)`` (``[seq, batch, hidden]``).
+        output_sbp: None (the default: the output as the module returns it, cut by a sequence-parallel row layer
+            inside it) or ``sbp.split(1)`` / ``sbp.split(0)``: the module's output, whole on every rank, cut back
+            to this rank's tokens (the backward all-gathers its gradient): a mixture of experts' block, whose
+            router and experts run on every token and whose output goes on to the next sequence-parallel norm.
+        sequence_dim: alias of the sequence dim both SBPs split: 1 (default) or 0.
+        split_output: alias of ``output_sbp``: True is the sequence dim's split, False (default) None.
 
     Example::
 
@@ -88,8 +112,8 @@ class GatherSequence(Style):
         >>> model(ids, labels=ids).loss                                         # one device's
         tensor(4.1710, grad_fn=<NllLossBackward0>)
         >>> plan = tpf.hf_plan(model, sequence_parallel=True)
-        >>> plan["model.layers.*.self_attn"]
-        GatherSequence(sequence_dim=1, split_output=False)
+        >>> plan["model.layers.*.self_attn"]                                   # its heads split too
+        Stacked(entries=(SplitHeads(groups=1), GatherSequence(sequence_dim=1, split_output=False)))
         >>> model = tpf.parallelize(model, placement=P, plan=plan)
         >>> model(ids, labels=ids).loss
         tensor(4.1710, grad_fn=<_VocabParallelCEBackward>)

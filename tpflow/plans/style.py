@@ -1,4 +1,4 @@
-"""``tpf.Style``: a plan entry, which checks a matched module and applies itself to it (torch's ``ParallelStyle`` with
+"""``tpf.Style``: a plan style, which checks a matched module and applies itself to it (torch's ``ParallelStyle`` with
 a check before any change); ``Plan``: the plan matched against a model, which every entry's steps read.
 
 ``parallelize`` matches a plan's patterns to module names, calls every match's ``check`` (which raises, naming the
@@ -10,21 +10,21 @@ two steps; what the driver and the other entries read of an entry are the few pr
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator
 
 from torch import nn
 
 from tpflow.placement import Placement
-from tpflow.plans.fsdp import tensor_slice
 
-__all__ = ["Plan", "Style"]
+__all__ = ["Plan", "Stacked", "Style"]
 
 
 class Style(ABC):
-    """A plan entry: what ``tpf.parallelize`` does to each module its pattern matches.
+    """A plan style: what ``tpf.parallelize`` does to each module its pattern matches.
 
-    Subclass it for an entry of your own: ``check`` raises if the matched module cannot take the entry (nothing has
+    Subclass it for a style of your own: ``check`` raises if the matched module cannot take the entry (nothing has
     changed yet, on any rank), ``apply`` (abstract: an entry without one cannot be made) changes it: it returns a
     module to swap in under every name of the matched one, or None where it changed the module in place. Parameters
     that ``apply`` leaves plain become global tensors broadcast over the placement afterwards (their gradients
@@ -131,6 +131,32 @@ class Style(ABC):
         parallelism's), so that trainers shard no data over them (default False)."""
         return False
 
+    @property
+    def splits_features(self) -> bool:
+        """Whether the layer this entry makes returns this rank's block of its output features (a column layer not
+        gathered), so that code reading its output sees this rank's share, by heads for an attention's projections
+        (default False)."""
+        return False
+
+    def keeps_whole(self, name: str, plan: Plan) -> bool:
+        """Whether this entry leaves the module ``name`` whole on every rank (each rank computing its own part of
+        its output), where its kind would otherwise split it (default False); what fuses layers or adapts them reads
+        it.
+
+        Args:
+            name: a module this entry matched.
+            plan: the matched plan.
+
+        Returns:
+            True or False.
+        """
+        return False
+
+    @property
+    def styles(self) -> tuple[Style, ...]:
+        """The entries this one stands for: itself (``Stacked``: the entries it stacks)."""
+        return (self,)
+
 
 class Plan:
     """The plan ``parallelize`` applies to ``model``: each matched module with its pattern and entry.
@@ -168,9 +194,9 @@ sequence_dim=0, fuse=False)), 2)
         self.model, self.given, self.matches = model, placement, matches
         self.modules = dict(model.named_modules(remove_duplicate=False))
         arranged = placement
-        for entry in self._distinct():
+        for entry in self.distinct():
             arranged = entry.arrange(arranged)
-        self.named, self.placement = arranged, tensor_slice(arranged)
+        self.named, self.placement = arranged, arranged.tensor_slice
         self.grads: dict[str, str] = {}
         self.layers: dict[int, nn.Module] = {}
         self._finally: dict[Hashable, Callable[[], None]] = {}
@@ -180,7 +206,7 @@ sequence_dim=0, fuse=False)), 2)
     def batches(self) -> Placement:
         """The placement ``tpf.adopt`` shards data by (its axes but the last are data axes): ``named``, or where an
         entry keeps one batch on every rank (context parallelism), its ranks as one row."""
-        if any(entry.one_batch for entry in self._distinct()):
+        if any(entry.one_batch for entry in self.distinct()):
             return Placement(self.named.type, self.named.flat_ranks)
         return self.named
 
@@ -192,6 +218,11 @@ sequence_dim=0, fuse=False)), 2)
     def entry(self, name: str) -> Style | None:
         """The entry the module ``name`` matched, or None."""
         return self.matches.get(name, (None, None))[1]
+
+    def styles_of(self, name: str) -> tuple[Style, ...]:
+        """The entries the module ``name`` matched (a ``Stacked`` one's each), or none."""
+        entry = self.entry(name)
+        return () if entry is None else entry.styles
 
     def pattern(self, name: str) -> str:
         """The plan pattern the module ``name`` matched."""
@@ -254,9 +285,76 @@ sequence_dim=0, fuse=False)), 2)
         return next((name for name, module in self.modules.items()
                      if name in self.matches and self.entry(name).reads_whole(module)), None)
 
-    def _distinct(self) -> list[Style]:
+    def distinct(self) -> list[Style]:
+        """The plan's entries once each (equal ones once), a ``Stacked`` one as the entries it stacks."""
         distinct: list[Style] = []
         for _, entry in self.matches.values():
-            if not any(entry is seen or entry == seen for seen in distinct):
-                distinct.append(entry)
+            for part in entry.styles:
+                if not any(part is seen or part == seen for seen in distinct):
+                    distinct.append(part)
         return distinct
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked(Style):
+    """Several entries on one module, checked and applied in their order: an attention given its rank's heads
+    (``tpf.SplitHeads``) and its tokens gathered on entry (``tpf.GatherSequence``) or its sequence split
+    (``tpf.ContextParallel``). A module swapped in by one is what the next applies to.
+
+    Args:
+        entries: the entries, in order (at least two).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 8))
+        >>> both = tpf.Stacked((tpf.Replicated(why="kept whole"), tpf.GatherSequence()))
+        >>> [type(e).__name__ for e in both.styles]
+        ['Replicated', 'GatherSequence']
+    """
+
+    entries: tuple[Style, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.entries) < 2:
+            raise ValueError(f"Stacked takes two or more entries (tpf.Style), got {self.entries!r}")
+
+    def check(self, name: str, module: nn.Module, plan: Plan) -> None:
+        for entry in self.entries:
+            entry.check(name, module, plan)
+
+    def apply(self, name: str, module: nn.Module, plan: Plan) -> nn.Module | None:
+        swapped = None
+        for entry in self.entries:
+            layer = entry.apply(name, module if swapped is None else swapped, plan)
+            swapped = layer if layer is not None else swapped
+        return swapped
+
+    def arrange(self, placement: Placement) -> Placement:
+        for entry in self.entries:
+            placement = entry.arrange(placement)
+        return placement
+
+    def layout(self, module: nn.Module) -> dict[str, int | None] | None:
+        return next((found for e in self.entries if (found := e.layout(module)) is not None), None)
+
+    def reads_whole(self, module: nn.Module) -> bool:
+        return any(e.reads_whole(module) for e in self.entries)
+
+    def keeps_whole(self, name: str, plan: Plan) -> bool:
+        return any(e.keeps_whole(name, plan) for e in self.entries)
+
+    @property
+    def splits_sequence(self) -> bool:
+        return any(e.splits_sequence for e in self.entries)
+
+    @property
+    def one_batch(self) -> bool:
+        return any(e.one_batch for e in self.entries)
+
+    @property
+    def splits_features(self) -> bool:
+        return any(e.splits_features for e in self.entries)
+
+    @property
+    def styles(self) -> tuple[Style, ...]:
+        return tuple(p for e in self.entries for p in e.styles)

@@ -2,21 +2,24 @@
 ``parallelize_module`` (torchtitan's ``apply_tp``, a tutorial's) runs through ``tpf.parallelize`` on tpflow's layers.
 
     ColwiseParallel()                                      ColumnParallel()
-    ColwiseParallel(output_layouts=Replicate())            ColumnParallel(gather_output=True)
-    ColwiseParallel(input_layouts=Shard(1))                ColumnParallel(sequence_parallel=True, sequence_dim=1)
+    ColwiseParallel(output_layouts=Replicate())            ColumnParallel(output_sbp=broadcast)
+    ColwiseParallel(input_layouts=Shard(1))                ColumnParallel(input_sbp=split(1))
     ColwiseParallel(output_layouts=Shard(-1),
                     use_local_output=False)                VocabParallel(): logits global, split over the vocabulary
     RowwiseParallel()                                      RowParallel()
-    RowwiseParallel(input_layouts=Replicate())             RowParallel(input_is_parallel=False)
-    RowwiseParallel(output_layouts=Shard(1))               RowParallel(sequence_parallel=True, sequence_dim=1)
+    RowwiseParallel(input_layouts=Replicate())             RowParallel(input_sbp=broadcast)
+    RowwiseParallel(output_layouts=Shard(1))               RowParallel(output_sbp=split(1))
     RowwiseParallel(input_layouts=Replicate()) on an
-        nn.Embedding (output_layouts=Shard(1))             VocabParallel() (sequence_parallel=True, sequence_dim=1)
-    SequenceParallel(sequence_dim=1)                       SequenceParallel(sequence_dim=1)
+        nn.Embedding (output_layouts=Shard(1))             VocabParallel(hidden_sbp=split(1))
+    SequenceParallel(sequence_dim=1)                       SequenceParallel(input_sbp=split(1))
     PrepareModuleInput(input_layouts=(Shard(1), ...),
-        desired_input_layouts=(Replicate(), ...))          GatherSequence(sequence_dim=1)
-    PrepareModuleInput(Replicate() -> Shard(1))            SequenceParallel(split_input=True, sequence_dim=1)
+        desired_input_layouts=(Replicate(), ...))          GatherSequence(input_sbp=split(1))
+    PrepareModuleInput(Replicate() -> Shard(1))            SequenceParallel(input_sbp=broadcast, output_sbp=split(1))
     PrepareModuleInputOutput(Shard(1) -> Replicate() in,
-        Replicate() -> Shard(1) out)                       GatherSequence(sequence_dim=1, split_output=True)
+        Replicate() -> Shard(1) out)                       GatherSequence(input_sbp=split(1), output_sbp=split(1))
+
+(``split`` and ``broadcast`` are ``tpf.sbp``'s, DTensor's ``Shard`` and ``Replicate()``; the entries store them as
+their older flags, ``ColumnParallel(output_sbp=broadcast) == ColumnParallel(gather_output=True)``.)
 
 tpflow's layers hand plain local tensors from one to the next (the ``use_local_output=True`` way) wherever torch's
 would hand DTensors that the next style redistributes to the same values. Anything else is refused entry by entry,

@@ -1,4 +1,4 @@
-"""The vocabulary entry: a language model's embedding or output head split over the vocabulary (``"vocab"``, Hugging
+"""The vocabulary style: a language model's embedding or output head split over the vocabulary (``"vocab"``, Hugging
 Face's ``"embedding_rowwise"``); a head's logits come back split, and the model's own loss takes them so."""
 
 from __future__ import annotations
@@ -8,17 +8,25 @@ import dataclasses
 from torch import nn
 
 from tpflow.layers import ColumnParallelLinear, ShardedModule, VocabParallelEmbedding
+from tpflow.layers.layouts import Layouts, Side, sequence_splits
 from tpflow.layers.vocab import ranks_without_rows
 from tpflow.placement import Placement
 from tpflow.plans.logits import route_loss
 from tpflow.plans.style import Plan, Style
+from tpflow.sbp import broadcast
 
 __all__ = ["VocabParallel"]
 
+_HIDDEN = Layouts(hidden_sbp=Side(  # the hidden states': the embedding's output, the head's input
+    {broadcast: {"sequence_parallel": False}, **sequence_splits(sequence_parallel=True)},
+    "sbp.broadcast (whole on every rank) or, for sequence parallelism, sbp.split(0) / sbp.split(1) (this rank's "
+    "chunk of the sequence dim)"))
 
+
+@_HIDDEN.said_in_sbp  # hidden_sbp=, stored as the flags it stands for
 @dataclasses.dataclass(frozen=True)
 class VocabParallel(Style):
-    """Plan entry for a language model's embedding or output head, split over the vocabulary (``"vocab"``; Hugging
+    """Plan style for a language model's embedding or output head, split over the vocabulary (``"vocab"``; Hugging
     Face's ``"embedding_rowwise"``).
 
     An ``nn.Embedding`` becomes a ``VocabParallelEmbedding`` (its rows split over the ranks, the lookups summed);
@@ -28,9 +36,13 @@ class VocabParallel(Style):
     head runs). A head tied to its embedding holds the same rows of the same matrix: the pair stays one parameter.
 
     Args:
-        sequence_parallel: the embedding reduce-scatters its output into this rank's chunk of ``sequence_dim``;
-            the head takes such a chunk and gathers it into its product (default False).
-        sequence_dim: the sequence dim: 0 (default, ``[seq, batch, hidden]``) or 1 (``[batch, seq, hidden]``).
+        hidden_sbp: the layout of the hidden states on the model's side, the embedding's output and the head's
+            input (the ids are whole, the logits split over the vocabulary): ``sbp.broadcast`` (the default: whole
+            on every rank) or, for sequence parallelism, ``sbp.split(0)`` / ``sbp.split(1)``: the embedding
+            reduce-scatters its output into this rank's chunk of that dim (the sequence of ``[seq, batch, hidden]``
+            / ``[batch, seq, hidden]``), and the head takes such a chunk and gathers it into its product.
+        sequence_parallel, sequence_dim: aliases of ``hidden_sbp``: ``sequence_parallel=True, sequence_dim=d`` is
+            ``sbp.split(d)``; False (default) is ``sbp.broadcast``.
 
     Example::
 

@@ -1,6 +1,6 @@
 """PEFT's LoRA adapters on tpflow's split layers, in either order: ``get_peft_model`` of a parallelized model
-(``tpf.lora(config)``, which PEFT's own call applies: ``tpflow.plans.peft_calls``), or ``parallelize`` of a PEFT
-model (``tpflow.plans.adapters``).
+(``tpf.lora(config)``, which PEFT's own call applies: ``tpflow.hf.peft_calls``), or ``parallelize`` of a PEFT
+model (``tpflow.hf.adapters``).
 
 An adapter follows its base layer's layout, as Megatron's and torchtitan's LoRA do. After a column layer (its output
 split over the features) ``lora_A`` is whole on every rank, a replica, and ``lora_B`` a column layer over the base's
@@ -31,14 +31,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from tpflow import comm
 from tpflow.global_tensor import get_placement, gradients
 from tpflow.global_tensor.local_blocks import LocalBlocks, LocalReads
+from tpflow.hf import heads
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpflow.layers.expert_factors import factors_like
 from tpflow.layers.experts import add_delta, mark_over_data, over_data
 from tpflow.layers.replicated import replicate
 from tpflow.placement import Placement
-from tpflow.plans import heads
 
-__all__ = ["lora"]
+__all__ = ["experts_lora_class", "follow_whole", "lora_classes"]
 
 
 @functools.cache
@@ -256,7 +256,7 @@ def _summed_where_whole(p: DTensor) -> tuple:
 
 def follow_whole(layer: nn.Module, adapter: str, placement: Placement) -> dict[str, str]:
     """Lay out ``adapter`` of a LoRA layer whose base stays whole as the base: on key/value heads kept whole (each rank
-    computing its head's columns, ``tpflow.plans.heads``), ``lora_B`` returns the same columns and its gradient is a
+    computing its head's columns, ``tpflow.hf.heads``), ``lora_B`` returns the same columns and its gradient is a
     partial sum, ``lora_A``'s whole; returns those ways to find each adapter's gradients (``replicate``'s ``grads``)
     by child name, empty where they are found on first use.
 
@@ -308,42 +308,3 @@ def _laid_out_as(delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def lora(config: Any) -> Any:
-    """Make a PEFT ``LoraConfig`` put its adapters on a parallelized model's layers, each following its base layer's
-    layout (see the module's docstring). PEFT's own ``get_peft_model(parallelized_model, config)`` applies it itself,
-    as do its ``add_adapter``, ``load_adapter`` and ``PeftModel.from_pretrained`` on such a model
-    (``tpflow.plans.peft_calls``, set up by ``parallelize`` and by this function); calling it is needed only where
-    PEFT is first imported after ``parallelize`` in a program that has not loaded transformers.
-
-    Args:
-        config: a ``peft.LoraConfig``.
-
-    Returns:
-        ``config``, which now maps ``ColumnParallelLinear``, ``RowParallelLinear`` and whole ``nn.Linear`` layers
-        to their LoRA layers.
-
-    Example::
-
-        >>> import peft
-        >>> from torch import nn
-        >>> P = tpf.placement("cpu", ranks=[0, 1])
-        >>> _ = torch.manual_seed(0)
-        >>> mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-        >>> mlp = tpf.parallelize(mlp, placement=P, plan={"0": "column", "2": "row"})
-        >>> model = peft.get_peft_model(mlp, tpf.lora(peft.LoraConfig(r=4, target_modules=["0", "2"])))
-        >>> type(model.base_model.model[0].lora_B["default"]).__name__      # split like the base's output
-        'ColumnParallelLinear'
-        >>> model(torch.randn(3, 8)).shape
-        torch.Size([3, 8])
-    """
-    if getattr(config, "target_parameters", None):
-        raise ValueError(f"LoRA on parameters (target_parameters={config.target_parameters}, a mixture's experts) of a "
-                         "parallelized model is not supported: PEFT wraps them before tpflow can split its factors; "
-                         "take the other order, tpf.parallelize(get_peft_model(model, config), ...)")
-    from tpflow.plans.peft_calls import follow_peft  # which applies this function
-
-    follow_peft()
-    config._register_custom_module(lora_classes())
-    return config

@@ -30,7 +30,7 @@ from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.expert_factors import block
 from tpflow.layers.regions import SPLIT, WHOLE, reads_split, tag
 from tpflow.placement import Placement
-from tpflow.plans.heads import plain_linear
+from tpflow.plans.linear import plain_linear
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["BlocksParallel", "Conv1DParallel"]
@@ -96,7 +96,7 @@ class _InPlace(Style):
 
 @dataclasses.dataclass(frozen=True)
 class Conv1DParallel(_InPlace):
-    """Plan entry for a GPT-2 ``Conv1D``, split in place (see the module docstring).
+    """Plan style for a GPT-2 ``Conv1D``, split in place (see the module docstring).
 
     Args:
         kind: ``"column"`` (its output features split) or ``"row"`` (its input features split, the output summed).
@@ -126,7 +126,7 @@ class Conv1DParallel(_InPlace):
 
 @dataclasses.dataclass(frozen=True)
 class BlocksParallel(_InPlace):
-    """Plan entry for an ``nn.Linear`` fusing blocks that each split over the ranks (MPT's ``Wqkv``, CodeGen's
+    """Plan style for an ``nn.Linear`` fusing blocks that each split over the ranks (MPT's ``Wqkv``, CodeGen's
     ``qkv_proj`` and ``out_proj``), split in place (see the module docstring): where ``ColumnParallel`` would give a
     rank one contiguous block, this gives it its chunk of every block.
 

@@ -30,13 +30,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpflow.frameworks import placement_of
+from tpflow.hf.adapters import wrapped_model
+from tpflow.hf.frameworks import placement_of
+from tpflow.hf.lora import lora_classes
+from tpflow.hf.pretrained import export_whole
 from tpflow.layers import ColumnParallelLinear
-from tpflow.plans.adapters import wrapped_model
-from tpflow.plans.lora import lora
-from tpflow.plans.pretrained import export_whole
 
-__all__ = ["follow_peft"]
+__all__ = ["follow_peft", "lora"]
 
 _FOLLOWS = "_tpflow_follows"  # on LoraModel, once its methods are wrapped
 
@@ -134,3 +134,40 @@ def _head_saved(valid: Callable) -> Callable:
         return valid(layer) or isinstance(getattr(layer, "base_layer", None), ColumnParallelLinear)
 
     return has_valid_embedding_base_layer
+
+
+def lora(config: Any) -> Any:
+    """Make a PEFT ``LoraConfig`` put its adapters on a parallelized model's layers, each following its base layer's
+    layout (see the module's docstring). PEFT's own ``get_peft_model(parallelized_model, config)`` applies it itself,
+    as do its ``add_adapter``, ``load_adapter`` and ``PeftModel.from_pretrained`` on such a model
+    (``follow_peft``, set up by ``parallelize`` and by this function); calling it is needed only where
+    PEFT is first imported after ``parallelize`` in a program that has not loaded transformers.
+
+    Args:
+        config: a ``peft.LoraConfig``.
+
+    Returns:
+        ``config``, which now maps ``ColumnParallelLinear``, ``RowParallelLinear`` and whole ``nn.Linear`` layers
+        to their LoRA layers.
+
+    Example::
+
+        >>> import peft
+        >>> from torch import nn
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        >>> mlp = tpf.parallelize(mlp, placement=P, plan={"0": "column", "2": "row"})
+        >>> model = peft.get_peft_model(mlp, tpf.lora(peft.LoraConfig(r=4, target_modules=["0", "2"])))
+        >>> type(model.base_model.model[0].lora_B["default"]).__name__      # split like the base's output
+        'ColumnParallelLinear'
+        >>> model(torch.randn(3, 8)).shape
+        torch.Size([3, 8])
+    """
+    if getattr(config, "target_parameters", None):
+        raise ValueError(f"LoRA on parameters (target_parameters={config.target_parameters}, a mixture's experts) of a "
+                         "parallelized model is not supported: PEFT wraps them before tpflow can split its factors; "
+                         "take the other order, tpf.parallelize(get_peft_model(model, config), ...)")
+    follow_peft()
+    config._register_custom_module(lora_classes())
+    return config

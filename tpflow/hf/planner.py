@@ -34,11 +34,11 @@ import re
 
 from torch import nn
 
-from tpflow.plans.in_place import BlocksParallel, Conv1DParallel
-from tpflow.plans.mixers import UNKNOWN, is_attention, layer_mixers
-from tpflow.plans.multi_query import MultiQueryColumns
+from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
+from tpflow.hf.mixers import UNKNOWN, is_attention, layer_mixers
+from tpflow.hf.multi_query import MultiQueryColumns
+from tpflow.hf.split_heads import QKV, SplitHeads, head_counts
 from tpflow.plans.replicated import Replicated
-from tpflow.plans.split_heads import QKV, SplitHeads, head_counts
 
 __all__ = ["planned"]
 

@@ -14,7 +14,9 @@ import inspect
 import torch
 from torch import nn
 
-from tpflow.plans.heads import attention_heads
+from tpflow.hf.heads import attention_heads, reuse_kept_head, split_per_head
+from tpflow.hf.heads import check as check_heads
+from tpflow.hf.mixers import is_attention
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["BIASES", "QKV", "SplitHeads", "head_counts"]
@@ -27,11 +29,12 @@ _HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_heads")
 _WIDTHS = ("embed_dim", "all_head_size", "inner_dim", "split_size", "hidden_size")  # heads x head_dim
 _HEAD_DIMS = ("head_dim", "head_size", "attention_head_size")
+_QUERIES = ("q_proj", "q_b_proj")  # the projection that splits an attention's heads (MLA's from its latent)
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitHeads(Style):
-    """Plan entry for an attention module whose q / k / v are column layers: its heads must split over the
+    """Plan style for an attention module whose q / k / v are column layers: its heads must split over the
     tensor-parallel ranks, and its head counts (``num_heads``, ``num_key_value_heads``, ``embed_dim``, ...) become
     its rank's, so that code viewing its projections by them reads this rank's heads.
 
@@ -55,6 +58,9 @@ class SplitHeads(Style):
         heads, kv, _ = head_counts(module)
         if heads is None:
             raise ValueError(f"{name!r}: SplitHeads needs the module's head count (one of {_HEADS})")
+        counts = attention_heads(module)
+        if counts is not None:  # q / k / v projections: the degrees that divide their heads named
+            check_heads(name, counts, plan.world)
         kept = _keeps_heads(module, plan.world) or any(  # (a multi-query projection keeps its one key/value head)
             getattr(plan.entry(f"{name}.{child}"), "keeps_key_value", False) for child, _ in module.named_children())
         for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
@@ -65,6 +71,7 @@ class SplitHeads(Style):
             raise ValueError(f"{name!r} lays its {heads} heads out in {self.groups} blocks, whose heads do not split "
                              f"over {plan.world} tensor-parallel ranks: use a degree that divides "
                              f"{heads // self.groups}")
+        _per_head_left_whole(name, module, plan, {heads, kv})
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         heads, kv, width = head_counts(module)
@@ -80,6 +87,9 @@ class SplitHeads(Style):
                 setattr(module, attr, width // world)
         if getattr(module, "num_key_value_groups", None) == heads // kv:  # query heads per key/value head
             module.num_key_value_groups = heads // world // max(kv // world, 1)
+        if is_attention(module) and any(hasattr(module, q) for q in _QUERIES):  # transformers' own kind
+            split_per_head(module, heads, plan.placement)  # its own per-head parameters (gpt-oss's sinks)
+        reuse_kept_head(module, world)
         module.forward = _OnRankHeads(module, name)
         given = [b for b in BIASES if b in inspect.signature(type(module).forward).parameters]
         if given and plan.placement.coordinate() is not None:
@@ -122,11 +132,28 @@ class _RankBias:
         return (*args[:self.index], bias, *args[self.index + 1:]), kwargs
 
 
+def _per_head_left_whole(name: str, module: nn.Module, plan: Plan, counts: set[int | None]) -> None:
+    """Refuse an attention module whose heads split beside a linear child that makes a value per head and is not
+    split by them (Doge's ``dt_proj``, a row layer): it would give every rank every head's values."""
+    for child, linear in module.named_children():
+        entry = plan.entry(f"{name}.{child}")
+        if isinstance(linear, nn.Linear) and linear.out_features in counts and not (entry and entry.splits_features):
+            raise ValueError(f"{name!r}: its heads split over the ranks, and its {child!r} (an nn.Linear "
+                             f"{'out of the plan' if entry is None else 'not split by heads'})"
+                             f" makes a value per head, for every head: tpflow cannot give each rank its heads' "
+                             f"share of it. Leave the attention whole (take its q / k / v / o entries out of the "
+                             f"plan) or parallelize the model otherwise")
+
+
 def _keeps_heads(module: nn.Module, world: int) -> bool:
-    """Whether the column entries of a q_proj / k_proj / v_proj attention keep its k / v whole with fewer key/value
-    heads than ranks, each rank its head (``tpflow.plans.heads``)."""
+    """Whether each rank keeps a whole key/value head of a q_proj / k_proj / v_proj attention with fewer of them than
+    ranks (``HeadColumns`` keeps its k / v whole), or of an earlier layer whose keys and values it reuses (Gemma 3n's
+    shared layers: ``is_kv_shared_layer``, no k / v of its own)."""
     counts = attention_heads(module)
-    return counts is not None and world % counts[1] == 0
+    if counts is not None:
+        return world % counts[1] == 0
+    kv = head_counts(module)[1]
+    return bool(getattr(module, "is_kv_shared_layer", False)) and isinstance(kv, int) and world % kv == 0
 
 
 class _OnRankHeads:

@@ -1,10 +1,10 @@
-"""The plan entry for a multi-query attention's fused projection: query heads split, the one key/value head kept.
+"""The plan style for a multi-query attention's fused projection: query heads split, the one key/value head kept.
 
 GPT-BigCode's ``c_attn`` and Falcon's ``query_key_value`` (``multi_query=True``) project ``[queries | key |
 value]`` in one layer: every query head's features, then one key head's and one value head's. A column split of
 that layer would cut the key and value over the ranks, and every rank's query heads need both whole. So the layer
 stays whole on every rank and each rank computes only its own query heads' features and the key's and value's
-(``tpflow.plans.heads.keep_columns``); its gradient, each rank's share, is summed over the ranks, as for a key/value
+(``tpflow.hf.heads.keep_columns``); its gradient, each rank's share, is summed over the ranks, as for a key/value
 head kept whole beside separate projections.
 """
 
@@ -14,8 +14,8 @@ import dataclasses
 
 from torch import nn
 
-from tpflow.plans.heads import keep_columns
-from tpflow.plans.split_heads import SplitHeads
+from tpflow.hf.heads import keep_columns
+from tpflow.hf.split_heads import SplitHeads
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["MultiQueryColumns"]
@@ -23,7 +23,7 @@ __all__ = ["MultiQueryColumns"]
 
 @dataclasses.dataclass(frozen=True)
 class MultiQueryColumns(Style):
-    """Plan entry for a fused ``[queries | key | value]`` projection with one key/value head: whole on every rank,
+    """Plan style for a fused ``[queries | key | value]`` projection with one key/value head: whole on every rank,
     each rank computing its query heads' features and the key's and value's; its attention module needs a
     ``tpf.SplitHeads`` entry (``plan="auto"`` writes both for GPT-BigCode and Falcon).
 
@@ -46,7 +46,7 @@ class MultiQueryColumns(Style):
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         parent = name.rpartition(".")[0]
-        if plan.world > 1 and not isinstance(plan.entry(parent), SplitHeads):  # (one rank: every head its own)
+        if plan.world > 1 and not any(isinstance(p, SplitHeads) for p in plan.styles_of(parent)):  # (one rank: all)
             raise ValueError(f"{name!r}: MultiQueryColumns gives each rank its query heads, which its attention module "
                              f"{parent!r} must then read as its rank's: plan it as tpf.SplitHeads()")
         queries = _queries(module, self.head_dim)

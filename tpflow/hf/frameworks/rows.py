@@ -7,7 +7,7 @@ rank at tensor-parallel coordinate 0, which writes what the row's process writes
 its tensor-parallel coordinate in every row (its *column*: one rank a row, in row order), over which the frameworks'
 gathers and reductions run.
 
-``show(placement)`` makes a placement's rows what the frameworks see (``tpflow.frameworks.view`` says how they see
+``show(placement)`` makes a placement's rows what the frameworks see (``tpflow.hf.frameworks.view`` says how they see
 them); ``parallelize`` calls it, so arguments, trainers and accelerators built after it see the rows from the start.
 """
 
@@ -136,7 +136,7 @@ def current() -> Rows | None:
 
 def show(placement: Placement) -> Rows | None:
     """Make ``placement``'s rows the processes the frameworks see from now on in this process (what they read of it:
-    ``tpflow.frameworks.view``). A placement that does not hold every rank changes nothing.
+    ``tpflow.hf.frameworks.view``). A placement that does not hold every rank changes nothing.
 
     Args:
         placement: the placement a model was parallelized over.

@@ -25,7 +25,7 @@ from torch import nn
 from tpflow.checkpoint.atomic import publish, stage
 from tpflow.checkpoint.export import export_rank, full_state_dict
 from tpflow.checkpoint.together import Meeting
-from tpflow.plans.adapters import adapter_keys
+from tpflow.hf.adapters import adapter_keys
 
 __all__ = ["export_whole"]
 

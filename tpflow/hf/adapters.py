@@ -5,7 +5,7 @@ targeted layer (a LoRA layer holding the layer as ``base_layer``, its adapters a
 the wrapped model's own, under the wrapper's prefix (``hf_plan`` reads it through the wrapper). While the plan is
 matched and applied, each LoRA layer is lifted out and its base layer stands in its place under its own name, so the
 entries see the model as it was (q / k / v fuse, key/value heads stay whole, the heads' rules apply); then each LoRA
-layer goes back around what its base became, its adapters laid out as ``tpf.lora``'s (``tpflow.plans.lora``). A
+layer goes back around what its base became, its adapters laid out as ``tpf.lora``'s (``tpflow.hf.lora``). A
 ``modules_to_save`` wrapper (PEFT's trainable copy beside a module) is lifted the same way, and its copies get the
 module's entry too.
 """
@@ -17,12 +17,11 @@ import sys
 
 from torch import nn
 
+from tpflow.hf.lora import experts_lora_class, follow_whole, lora_classes
+from tpflow.hf.multi_query import MultiQueryColumns
 from tpflow.layers import ColumnParallelLinear, RowParallelLinear
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
-from tpflow.plans.fsdp import leaves_data_axes
 from tpflow.plans.linear import ColumnParallel, RowParallel
-from tpflow.plans.lora import experts_lora_class, follow_whole, lora_classes
-from tpflow.plans.multi_query import MultiQueryColumns
 from tpflow.plans.style import Plan
 from tpflow.plans.vocab import VocabParallel
 
@@ -130,7 +129,7 @@ class Lifted:
                 if not isinstance(entry, (ExpertTensorParallel, ExpertParallel)):
                     raise ValueError(f"{what}: LoRA on experts' parameters follows experts split or shared out "
                                      "(tpf.ExpertTensorParallel(), tpf.ExpertParallel()) only")
-                fsdp = leaves_data_axes(plan.named) and math.prod(plan.named.hierarchy[:-1]) > 1
+                fsdp = plan.named.leaves_data_axes and math.prod(plan.named.hierarchy[:-1]) > 1
                 if fsdp and isinstance(entry, ExpertTensorParallel) and any(
                         w.parameter_name == "gate_up_proj" for w in _chain(module)):
                     raise ValueError(f"{what}: LoRA on gate_up_proj of experts split by the intermediate dim beside "

@@ -24,7 +24,7 @@ __all__ = ["LatentKeyValue"]
 
 @dataclasses.dataclass(frozen=True)
 class LatentKeyValue(Style):
-    """Plan entry for MLA's shared key / value projection (``kv_a_proj_with_mqa``), kept whole on every rank: the
+    """Plan style for MLA's shared key / value projection (``kv_a_proj_with_mqa``), kept whole on every rank: the
     gradient of the rotary key its output ends with is summed over the tensor-parallel ranks, whose heads each read it.
 
     Example::

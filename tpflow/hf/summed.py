@@ -1,4 +1,4 @@
-"""The plan entry for a module that computes with its own parameters split over the ranks and sums its output:
+"""The plan style for a module that computes with its own parameters split over the ranks and sums its output:
 Hugging Face's ``"all_reduce"`` (Inkling's shared experts: ``gate_proj`` / ``up_proj`` of ``[experts, intermediate,
 hidden]`` split by the intermediate features, ``"colwise"``, and ``down_proj`` of ``[experts, hidden, intermediate]``
 too, ``"rowwise"``), as a column and a row layer in one module.
@@ -18,9 +18,9 @@ from torch.distributed.tensor import Partial
 
 from tpflow import comm
 from tpflow.global_tensor.local_blocks import LocalReads
+from tpflow.hf.heads import split_parameter
 from tpflow.layers.regions import WHOLE, tag
 from tpflow.placement import Placement
-from tpflow.plans.heads import split_parameter
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["SummedParameters"]
@@ -28,7 +28,7 @@ __all__ = ["SummedParameters"]
 
 @dataclasses.dataclass(frozen=True)
 class SummedParameters(Style):
-    """Plan entry for a module whose own parameters split over the ranks along the dims named, its output summed
+    """Plan style for a module whose own parameters split over the ranks along the dims named, its output summed
     over the ranks (HF's ``"all_reduce"`` with its parameters' ``"colwise"`` / ``"rowwise"`` entries:
     ``hf_plan`` writes it).
 

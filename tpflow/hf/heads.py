@@ -24,13 +24,14 @@ from tpflow.global_tensor import from_local, gradients
 from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.regions import SPLIT, tag
 from tpflow.placement import Placement
+from tpflow.plans.linear import LINEAR_FORMS, plain_linear
 from tpflow.sbp import broadcast, split
 
-__all__ = ["attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "plain_linear", "reuse_kept_head",
+__all__ = ["attention_heads", "check", "keep_columns", "keep_head", "kept_columns", "reuse_kept_head",
            "split_parameter",
            "split_per_head"]
 
-_PLAIN_LINEARS = ("FalconLinear",)  # nn.Linear subclasses whose forward is F.linear written out
+LINEAR_FORMS.add("FalconLinear")  # an nn.Linear subclass whose forward is F.linear written out
 
 
 def attention_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -97,24 +98,6 @@ def keep_columns(linear: nn.Linear, spans: Sequence[tuple[int, int]], placement:
         linear.forward = _KeptRows(linear, kept)
     else:
         linear.register_forward_hook(kept)
-
-
-def plain_linear(module: nn.Module) -> bool:
-    """Whether ``module`` computes ``F.linear`` of its weight and bias: an ``nn.Linear``, or a subclass whose forward
-    writes it out (Falcon's ``FalconLinear``), which a column or row layer may replace.
-
-    Args:
-        module: any module.
-
-    Returns:
-        True or False.
-
-    Example::
-
-        >>> plain_linear(nn.Linear(2, 3)), plain_linear(nn.Conv1d(2, 3, 1))
-        (True, False)
-    """
-    return type(module) is nn.Linear or (isinstance(module, nn.Linear) and type(module).__name__ in _PLAIN_LINEARS)
 
 
 def kept_columns(linear: nn.Module) -> tuple[tuple[int, int], ...] | None:
@@ -295,14 +278,15 @@ def split_parameter(module: nn.Module, name: str, dim: int, placement: Placement
 
 # an attention module's own parameters known to hold one entry per query head (by name: a shape can match by
 # coincidence, DiffLlama's lambdas are [head_dim], shared by every head)
-def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
+def split_per_head(module: nn.Module, heads: int, placement: Placement) -> list[str]:
     """Split an attention module's own per-head parameters (its own, with a first dim of ``num_attention_heads``:
     gpt-oss's attention sinks, Beam's gate bias) with its heads over the last axis of ``placement``, each rank its
     heads' entries, read as local blocks around each call; returns their names. Its queries must come from a column
     layer, which splits the heads so.
 
     Args:
-        module: a Hugging Face attention module (its ``config`` says ``num_attention_heads``).
+        module: a Hugging Face attention module.
+        heads: its query heads, all of them.
         placement: the ranks; the last axis is the tensor-parallel one.
 
     Returns:
@@ -314,10 +298,9 @@ def split_per_head(module: nn.Module, placement: Placement) -> list[str]:
         >>> from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
         >>> attention = GptOssAttention(GptOssConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
         ...                                          head_dim=4), layer_idx=0)
-        >>> split_per_head(attention, tpf.placement("cpu", ranks=[0, 1])), attention.sinks.to_local().shape
+        >>> split_per_head(attention, 4, tpf.placement("cpu", ranks=[0, 1])), attention.sinks.to_local().shape
         (['sinks'], torch.Size([2]))
     """
-    heads = module.config.num_attention_heads
     names = [n for n, p in module.named_parameters(recurse=False)
              if p.ndim >= 1 and p.shape[0] == heads and not isinstance(p, DTensor)]
     if not names:

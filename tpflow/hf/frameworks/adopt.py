@@ -2,14 +2,14 @@
 subclasses) and accelerate's ``Accelerator``.
 
 What the frameworks see of the process grid is not adopt's: from ``parallelize`` on, they see the data-parallel rows
-as their processes (``tpflow.frameworks.view``). ``adopt`` adds what belongs to the model, which owns its placement:
+as their processes (``tpflow.hf.frameworks.view``). ``adopt`` adds what belongs to the model, which owns its placement:
 
 - it is not wrapped in DDP (whose first step, the parameters' broadcast, cannot read global parameters; their
   gradients are already summed where they must be: none to sum on a tensor-parallel placement, FSDP2's over named
   data axes): ``Trainer`` is told with transformers' own word for such a model
   (``is_distributed_loading_by_transformers``, by which every rank also takes part in ``save_model``), accelerate's
   ``prepare`` leaves it as it is;
-- what the frameworks save of it is whole and in their own files (``tpflow.frameworks.states``);
+- what the frameworks save of it is whole and in their own files (``tpflow.hf.frameworks.states``);
 - a PEFT model's ``save_pretrained`` writes PEFT's files.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from tpflow.frameworks.rows import Rows, show
-from tpflow.frameworks.states import TrainerCheckpoints, accelerate_hooks
-from tpflow.frameworks.view import install
+from tpflow.hf.frameworks.rows import Rows, show
+from tpflow.hf.frameworks.states import TrainerCheckpoints, accelerate_hooks
+from tpflow.hf.frameworks.view import install
 from tpflow.placement import Placement
 
 __all__ = ["adopt", "mark", "placement_of"]
@@ -102,8 +102,8 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
         >>> result.global_step, trainer.args.world_size                  # one row of two ranks: one process
         (2, 1)
     """
-    from tpflow.plans.adapters import wrapped_model  # plans import this module (mark)
-    from tpflow.plans.pretrained import export_whole
+    from tpflow.hf.adapters import wrapped_model  # plans import this module (mark)
+    from tpflow.hf.pretrained import export_whole
 
     if wrapped_model(trainer)[0] is not trainer:
         if placement_of(trainer) is None:

@@ -6,8 +6,8 @@
 - ``adopt``: the one line that hands them a split model.
 """
 
-from tpflow.frameworks import rows, states, view
-from tpflow.frameworks.adopt import adopt, mark, placement_of
-from tpflow.frameworks.rows import data_rows
+from tpflow.hf.frameworks import rows, states, view
+from tpflow.hf.frameworks.adopt import adopt, mark, placement_of
+from tpflow.hf.frameworks.rows import data_rows
 
 __all__ = ["adopt", "data_rows", "mark", "placement_of", "rows", "states", "view"]

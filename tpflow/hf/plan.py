@@ -16,7 +16,7 @@ transformers keeps the plan on the config (``base_model_tp_plan``, keys under th
   a tied pair stays one parameter. With ``vocab_parallel=False`` the head gathers whole logits (HF's
   ``colwise_gather_output``) and the embedding stays whole; a tied head then stays whole with it.
 
-A model transformers ships no plan for gets tpflow's, read off its module tree (``tpflow.plans.planner``: separate or
+A model transformers ships no plan for gets tpflow's, read off its module tree (``tpflow.hf.planner``: separate or
 head-by-head fused q / k / v as column layers with their heads split, fused blocks and multi-query projections by
 their layouts, the output projection and the MLP's down projections as row layers, state spaces and recurrences
 whole, said in the plan), or a sentence naming what cannot be split. ``python -m tpflow.models`` checks every
@@ -36,20 +36,21 @@ import re
 
 from torch import nn
 
-from tpflow.plans.adapters import wrapped_model
-from tpflow.plans.context import ContextParallel, refuse_unsplit
+from tpflow.hf.adapters import wrapped_model
+from tpflow.hf.context import ContextParallel, refuse_unsplit
+from tpflow.hf.head_columns import with_heads
+from tpflow.hf.heads import attention_heads
+from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
+from tpflow.hf.mixers import is_attention, unsplit_mixers
+from tpflow.hf.multi_query import MultiQueryColumns
+from tpflow.hf.planner import planned
+from tpflow.hf.styles import hf_style
+from tpflow.hf.summed import SummedParameters
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
-from tpflow.plans.heads import attention_heads
-from tpflow.plans.in_place import BlocksParallel, Conv1DParallel
 from tpflow.plans.linear import ColumnParallel, RowParallel
-from tpflow.plans.mixers import is_attention, unsplit_mixers
-from tpflow.plans.multi_query import MultiQueryColumns
-from tpflow.plans.names import style_of
-from tpflow.plans.planner import planned
 from tpflow.plans.replicated import Replicated
 from tpflow.plans.sequence import GatherSequence, SequenceParallel
 from tpflow.plans.style import Style
-from tpflow.plans.summed import SummedParameters
 from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["hf_plan"]
@@ -243,7 +244,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             vocab_parallel: bool | None = None, expert_parallel: bool | str = False,
             context_parallel: str | None = None) -> dict[str, Style]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries, or, for
-    a model transformers ships no plan for, tpflow's, read off its layers (``tpflow.plans.planner``). What each model
+    a model transformers ships no plan for, tpflow's, read off its layers (``tpflow.hf.planner``). What each model
     type of transformers' registry gets, tensor, context and expert parallel, is in ``docs/models.md``
     (``python -m tpflow.models``).
 
@@ -317,7 +318,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             continue  # an experts module's parameters (the module's entry splits them); a dense MLP in an MoE model
         if style == "embedding_rowwise":  # HF's name for the vocabulary-parallel embedding, without options
             pattern = embedding or pattern
-        entry = _summed(pattern, own) if style == "all_reduce" else style_of(pattern, style)
+        entry = _summed(pattern, own) if style == "all_reduce" else hf_style(pattern, style)
         if expert_parallel and isinstance(entry, ExpertTensorParallel):
             entry = ExpertParallel(axis=expert_parallel if isinstance(expert_parallel, str) else None)
         if isinstance(entry, ColumnParallel):
@@ -355,4 +356,4 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         for name, module in model.named_modules():
             if is_attention(module):
                 plan[re.sub(r"\.\d+(?=\.|$)", ".*", name)] = context
-    return plan
+    return with_heads(model, plan)

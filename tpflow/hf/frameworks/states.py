@@ -37,7 +37,7 @@ from tpflow.checkpoint.atomic import INCOMPLETE, is_weights_file
 from tpflow.checkpoint.export import full_state_dict
 from tpflow.checkpoint.load import load_safetensors
 from tpflow.comm.random_state import share_random_state
-from tpflow.frameworks.rows import current
+from tpflow.hf.frameworks.rows import current
 
 __all__ = ["TrainerCheckpoints", "accelerate_hooks", "last_whole_checkpoint", "takes_whole_states", "torn",
            "whole_state_dict"]

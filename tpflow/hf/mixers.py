@@ -15,7 +15,7 @@ import re
 
 from torch import nn
 
-from tpflow.plans.heads import attention_heads
+from tpflow.hf.heads import attention_heads
 
 __all__ = ["UNKNOWN", "is_attention", "layer_mixers", "own_loss", "own_positions", "unsplit_mixers"]
 

@@ -6,14 +6,14 @@ every layer, attention included, the model's own code unchanged.
   labels are shifted over the whole sequence first (``shift_labels``, so the label of a part's last token is the
   next part's first), and ``num_items_in_batch`` is their count over the whole sequence, so each rank's share of
   the model's own ``labels=`` loss is its tokens' sum over every rank's count. The batch's padding and packed
-  documents (``tpflow.plans.context_batch``) give each query its first visible key, and the ring a cut balanced by
+  documents (``tpflow.hf.context_batch``) give each query its first visible key, and the ring a cut balanced by
   their work.
 - Attention: the model's attention implementation becomes ``"tpflow_context"`` (registered with transformers'
   ``AttentionInterface``); on each attention module it runs ``ring_attention`` (the rank's two head-tail parts,
   key / value blocks around the ring, with the module's scaling and softcap; ``bounded_ring_attention`` where
   queries see keys from a first one on) or ``ulysses_attention`` around the model's original implementation (sdpa
   or eager; ``bounded_attention`` for documents, windows and chunks), on whole sequences of the rank's heads
-  (``tpflow.plans.context_attention``).
+  (``tpflow.hf.context_attention``).
 - ``inputs_embeds`` made by plain trainable tensors before the model (a soft prompt, a projector) gets its whole
   gradient on every rank (summed over the context ranks in the backward), as one device computes it.
 - Before the head, a ring's parts (head-tail, or balanced) are exchanged into contiguous ones (an all-to-all of the
@@ -41,11 +41,8 @@ from torch.distributed.tensor import DTensor
 
 from tpflow import comm
 from tpflow.global_tensor import from_local
-from tpflow.ops import ulysses_degrees
-from tpflow.ops.context_attention import balanced, contiguous, head_tail, regroup
-from tpflow.placement import Placement
-from tpflow.plans import heads
-from tpflow.plans.context_attention import (
+from tpflow.hf import heads
+from tpflow.hf.context_attention import (
     IMPLEMENTATION,
     ULYSSES_ORIGINALS,
     Batch,
@@ -53,9 +50,12 @@ from tpflow.plans.context_attention import (
     context_group,
     register,
 )
-from tpflow.plans.context_batch import IGNORE, PackedDocuments, first_keys, read_documents
+from tpflow.hf.context_batch import IGNORE, PackedDocuments, first_keys, read_documents
+from tpflow.hf.mixers import is_attention, own_loss, own_positions, unsplit_mixers
+from tpflow.ops import ulysses_degrees
+from tpflow.ops.context_attention import balanced, contiguous, head_tail, regroup
+from tpflow.placement import Placement
 from tpflow.plans.inputs import InputCheck
-from tpflow.plans.mixers import is_attention, own_loss, own_positions, unsplit_mixers
 from tpflow.plans.style import Plan, Style
 from tpflow.sbp import broadcast, split
 
@@ -328,10 +328,10 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallel(Style):
-    """Plan entry for a Hugging Face attention module under context parallelism (``tpf.hf_plan(model,
+    """Plan style for a Hugging Face attention module under context parallelism (``tpf.hf_plan(model,
     context_parallel="ring")``): the sequence is split over the context axis (a 1-D placement's ranks, or the first
     axis of a 2-D one, the second being tensor parallel), every layer runs on this rank's part of it, and the
-    attention module's own code runs with its attention computed over the whole sequence (``tpflow.plans.context``).
+    attention module's own code runs with its attention computed over the whole sequence (``tpflow.hf.context``).
     Every attention module of the model takes the same entry.
 
     Args:
@@ -352,8 +352,8 @@ class ContextParallel(Style):
         >>> model(ids, labels=ids).loss                                         # one device's
         tensor(4.1710, grad_fn=<NllLossBackward0>)
         >>> plan = tpf.hf_plan(model, context_parallel="ring")
-        >>> plan["model.layers.*.self_attn"]
-        ContextParallel(kind='ring')
+        >>> plan["model.layers.*.self_attn"]                                   # its heads too, on a 2-D placement
+        Stacked(entries=(SplitHeads(groups=1), ContextParallel(kind='ring')))
         >>> model = tpf.parallelize(model, placement=P, plan=plan)
         >>> out = model(ids, labels=ids)                                        # whole ids in, 4 tokens a rank
         >>> out.loss, tpf.get_sbp(out.logits)
@@ -391,9 +391,9 @@ class ContextParallel(Style):
             raise ValueError(f"context parallelism splits the sequence through every layer already: drop the "
                              f"sequence-parallel entries {sequence}")
         plan.shared("context mixers", lambda: refuse_unsplit(model))
-        kinds = {entry.kind for _, entry in plan.matches.values() if isinstance(entry, ContextParallel)}
+        kinds = {entry.kind for entry in plan.distinct() if isinstance(entry, ContextParallel)}
         missed = [n for n, m in plan.modules.items()
-                  if is_attention(m) and not isinstance(plan.entry(n), ContextParallel)]
+                  if is_attention(m) and not any(isinstance(p, ContextParallel) for p in plan.styles_of(n))]
         if len(kinds) > 1 or missed:
             raise ValueError(f"context parallelism splits the sequence through every attention module alike: plan "
                              f"each with the same tpf.ContextParallel entry (got kinds {sorted(kinds)}; unplanned: "

@@ -1,4 +1,4 @@
-"""The processes a framework sees once a model is split: its data-parallel rows (``tpflow.frameworks.rows``).
+"""The processes a framework sees once a model is split: its data-parallel rows (``tpflow.hf.frameworks.rows``).
 
 ``Trainer``, TRL's trainers and accelerate read the process grid in two places, and each is given the rows there,
 so every call site (a gather captured in a constructor, a scheduler's step count, a sampler, a reward's mean) sees
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpflow.frameworks.rows import current, release
 from tpflow.global_tensor.collectives import collective_misuse
+from tpflow.hf.frameworks.rows import current, release
 
 __all__ = ["forget", "install", "whole_for_collective"]
 
