@@ -144,12 +144,14 @@ def _prepare(have: object, want: object) -> Style:
 
 
 def _prepare_both(style: PrepareModuleInputOutput) -> Style:
-    entry = _prepare(*_input_pair(style.prepare_module_input))
+    have, want = _input_pair(style.prepare_module_input)
+    _prepare(have, want)  # (an input pair tpflow cannot take refused by its own sentence)
+    dim = _tokens(have) if isinstance(want, Replicate) else None  # gathered on entry
     outputs = style.prepare_module_output
     pairs = list(zip(outputs.output_layouts, outputs.desired_output_layouts))
-    if isinstance(entry, GatherSequence) and len(pairs) == 1 and isinstance(pairs[0][0], Replicate) \
-            and isinstance(pairs[0][1], Shard) and pairs[0][1].dim == entry.sequence_dim:
-        return GatherSequence(sequence_dim=entry.sequence_dim, split_output=True)
+    if dim is not None and len(pairs) == 1 and isinstance(pairs[0][0], Replicate) \
+            and isinstance(pairs[0][1], Shard) and pairs[0][1].dim == dim:
+        return GatherSequence(sequence_dim=dim, split_output=True)
     raise _Refused("tpflow gathers a module's tokens on entry and cuts its output back to this rank's tokens on exit "
                    "(Shard(d) -> Replicate() in, Replicate() -> Shard(d) out), nothing else")
 
