@@ -77,6 +77,8 @@ class Launches:
                     f"benchmarks/loaded_cpu.py --busy 1 --reps 1 --new-tokens 2 --batch 1 --seq 8 --vocab 64 "
                     f"--hidden 32 --layers 1 --out {self.folder('loaded')}",
                     f"benchmarks/profile_cpu.py --tiny --out {self.folder('profile')}",
+                    f"benchmarks/aspects_cpu.py --rounds 2 --warmup 1 --inside 2 --dim 32 --layers 1 --tokens 32 "
+                    f"--seq 8 --out {self.folder('aspects')}",
                     f"{FINETUNE} --checkpoint {self.folder('checkpoint')}"]
         return [*examples, f"{FINETUNE} --dp 2 --tp 2 --fsdp --checkpoint {self.folder('checkpoint-fsdp')}",
                 f"{FINETUNE} --dp 2 --resume {self.folder('checkpoint')}",

@@ -28,7 +28,7 @@ def test_pytest_benchmark_suites_run():
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
                                          (2, "context-packed"),
                                          (2, "decode"), (2, "shm"), (2, "heap"), (2, "loaded"), (2, "trainer"),
-                                         (2, "lora"), (2, "profile")])
+                                         (2, "lora"), (2, "profile"), (2, "aspects")])
 def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
     assert launches.get(nproc)[0]  # every script ran (a failed one fails the run)
     written = list(launches.folder(name).glob("*.md"))
@@ -65,6 +65,11 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         assert "Rank 1's self CPU time under torch.profiler, pipeline, 1F1B:" in text, text
         assert "against data, DDP, transformer (dim 32)" in text, text
         assert "with the receive posted before it" in text, text
+    if name == "aspects":  # every case stepped beside transformers' TP; the hooks of each aspect that applies timed
+        rows = [line.split(" | ")[0] for line in text.splitlines() if line.endswith("x |")]
+        assert len(rows) == 10 and {"| transformers' TP", "| transformers' TP, dropout 0.1"} <= set(rows), text
+        assert all(f"| {aspect} | " in text for aspect in ("input check", "random streams", "model-level read of "
+                                                            "replicated parameters")), text
     if name == "checks":  # on 4 ranks, a pipeline of two tensor-parallel stages too
         assert "Pipeline: 2 stages x 2 tensor-parallel ranks" in text, text
 

@@ -294,6 +294,74 @@ def test_random_states_that_drift_apart_or_a_rank_in_eval_mode_stop_every_rank()
     harness.run(2, _drift_rank)
 
 
+class _Wrapped(nn.Module):
+    """A Hugging Face model inside a module of the user's, which has no config of its own."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids, labels=ids).loss
+
+
+def _per_step_rank() -> None:
+    """What a parallelized model does on every call is absent where it does not apply. A Llama without dropout reads
+    no random state (no random streams, no random states compared) and exchanges no digest after the first call of
+    its batch's shape; with dropout (inside a module of the user's, whose config is the model's) it reads its random
+    state and exchanges one digest a training step, through shared memory between CPU ranks, not gloo, and its ranks
+    train alike. Either way the model's call reads its replicated parameters (its norms) once, not once a norm call."""
+    from unittest import mock
+
+    from tests.models import VOCAB, tiny_lm
+    from tpflow.comm import shm
+    from tpflow.global_tensor.local_blocks import LocalBlocks
+
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def replicated(params) -> bool:
+        return all(all(pl.is_replicate() for pl in p.placements) for p in params)
+
+    def per_step(model: nn.Module, steps: int = 3) -> list[tuple[int, int, int, int]]:
+        """Each step's random-state reads, digests exchanged through shared memory and through gloo, and reads of
+        the replicated parameters."""
+        opt, found = torch.optim.SGD(model.parameters(), lr=1e-2), []
+        reads, read = [], LocalBlocks.__call__
+        with mock.patch.object(torch, "get_rng_state", wraps=torch.get_rng_state) as states, \
+                mock.patch.object(shm.HostGroup, "all_gather", autospec=True,
+                                  side_effect=shm.HostGroup.all_gather) as shared, \
+                mock.patch.object(dist, "all_gather", wraps=dist.all_gather) as gloo, \
+                mock.patch.object(LocalBlocks, "__call__", autospec=True,
+                                  side_effect=lambda blocks, params, *rest, **kw: reads.append(replicated(params))
+                                  or read(blocks, params, *rest, **kw)):
+            for _ in range(steps):
+                before = states.call_count, shared.call_count, gloo.call_count
+                reads.clear()
+                model(ids).backward()
+                opt.step()
+                opt.zero_grad()
+                found.append((states.call_count - before[0], shared.call_count - before[1],
+                              gloo.call_count - before[2], sum(reads)))
+        return found
+
+    plain = tpf.parallelize(_Wrapped(tiny_lm("llama")), placement=all_ranks(), plan="auto").train()
+    with within(60):
+        found = per_step(plain)
+    assert found == [(0, 1, 0, 1), (0, 0, 0, 1), (0, 0, 0, 1)], found
+    dropped = tpf.parallelize(_Wrapped(tiny_lm("llama", attention_dropout=0.3)), placement=all_ranks(),
+                              plan="auto").train()
+    torch.manual_seed(7)
+    with within(60):
+        found = per_step(dropped)
+    assert all(s > 0 and (exchanged, gloo, reads) == (1, 0, 1) for s, exchanged, gloo, reads in found), found
+    tpf.check_replicas(dropped)  # the copies of every replicated parameter stayed alike
+
+
+def test_aspects_that_do_not_apply_cost_nothing_per_step():
+    pytest.importorskip("transformers")
+    harness.run(2, _per_step_rank)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_model_of_another_dtype_on_one_rank_is_named_as_such(world):
     harness.run(world, _dtypes_rank)

@@ -18,7 +18,7 @@ every copy gets one device's gradient and stays bit-identical to the others.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,15 +37,23 @@ GRADS = ("auto", "partial", "whole")
 _STATE = "_tpflow_replica"
 
 
+def _grad_placements(p: DTensor) -> tuple:
+    """A replicated parameter's gradient layout: partial sums over the data-parallel axes (a plain input differs
+    there), whole over the tensor-parallel one."""
+    return (Partial(),) * (p.device_mesh.ndim - 1) + (Replicate(),)
+
+
 class _Replica:
-    """The hooks of one replicated module: its parameters read as local tensors around each call."""
+    """The hooks of one replicated module: its parameters read as local tensors around each call (or the views an
+    enclosing call read, which serve every call inside it)."""
 
     def __init__(self, module: nn.Module, placement: Placement, grads: str) -> None:
         self.placement, self.grads = placement, grads
         self.partial: bool | None = {"partial": True, "whole": False}.get(grads)  # "auto": found on first use
         self.names = [name for name, p in module.named_parameters(recurse=False) if p is not None]
+        self.summing = placement.hierarchy[-1] > 1  # partial-sum gradients to add over the tensor-parallel ranks
         self.blocks = LocalBlocks()
-        self.shown: list[dict | None] = []  # per call in progress: what its views replaced
+        self.shown: list[tuple[dict, bool] | None] = []  # per call in progress: its views, read with gradients?
         module.register_forward_pre_hook(self.before, with_kwargs=True)
         module.register_forward_hook(self.after, always_call=True)
         module.register_load_state_dict_pre_hook(self.load)
@@ -61,37 +69,57 @@ class _Replica:
                                    "the model once eagerly before compiling it, or name the module in the plan "
                                    "(tpf.Replicated(grads='partial' or 'whole'))")
             self.partial = is_split([*args, *kwargs.values()])
-        self.show(module, None)
+        if not self.reuse():
+            self.show(module, self.read(module), None)
 
-    def show(self, module: nn.Module, split: bool | None) -> None:
-        """Put local views of the parameters where the module's code finds them (``split``: for an enclosing
+    def read(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        """The parameters' local views, one autograd node."""
+        return self.blocks([module._parameters[name] for name in self.names], key=None,
+                           grad_placements=_grad_placements)
+
+    def reuse(self) -> bool:
+        """Whether this call takes the views an enclosing call read (the model's call reads every replicated
+        parameter inside it once), which it can unless it needs gradients they do not carry."""
+        enclosing = self._enclosing()
+        if enclosing is None or (torch.is_grad_enabled() and not enclosing[1]):
+            return False
+        self.shown.append(enclosing)
+        return True
+
+    def show(self, module: nn.Module, views: Sequence[torch.Tensor], split: bool | None) -> None:
+        """Put ``views`` of the parameters where the module's code finds them (``split``: for an enclosing
         module's call, whether its input was split, which decides the gradients while this module has not been
         called itself)."""
-        params = [module._parameters[name] for name in self.names]
-        data_axes = self.placement.ndim - 1  # a plain input differs over the data-parallel axes: partial sums there
-        views = self.blocks(params, key=None, grad_placements=lambda p: (Partial(),) * data_axes + (Replicate(),))
-        group = self.placement.mesh.get_group(data_axes) if self.placement.hierarchy[-1] > 1 else None
         shown = {}
         for name, view in zip(self.names, views):
-            if group is not None and view.requires_grad:  # read in the backward: a later layer may tell
-                view.register_hook(lambda g: _summed(g, group) if (split if self.partial is None else self.partial)
+            if self.summing and view.requires_grad:  # read in the backward: a later layer may tell
+                view.register_hook(lambda g: self.summed(g) if (split if self.partial is None else self.partial)
                                    else g)
             module.__dict__[name] = shown[name] = view  # found before nn.Module.__getattr__ looks in _parameters
-        self.shown.append(shown)
+        self.shown.append((shown, torch.is_grad_enabled()))
+
+    def summed(self, g: torch.Tensor) -> torch.Tensor:
+        """A partial-sum gradient added over the tensor-parallel ranks."""
+        g = g.clone()
+        comm.all_reduce(g, self.placement.mesh.get_group(self.placement.ndim - 1))
+        return g
 
     def whole(self, module: nn.Module) -> bool:
         """Whether every parameter is a copy on every rank now (not sharded by FSDP2 between its calls)."""
         params = [module._parameters.get(name) for name in self.names]
         return all(isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements) for p in params)
 
+    def _enclosing(self) -> tuple[dict, bool] | None:
+        return next((views for views in reversed(self.shown) if views is not None), None)
+
     def hide(self, module: nn.Module) -> None:
         """Take back the views of the call that ends: an enclosing call's views come back, else the parameters."""
         if self.shown:
             self.shown.pop()
-        enclosing = next((views for views in reversed(self.shown) if views is not None), None)
+        enclosing = self._enclosing()
         for name in self.names:
             if enclosing is not None:
-                module.__dict__[name] = enclosing[name]
+                module.__dict__[name] = enclosing[0][name]
             else:
                 module.__dict__.pop(name, None)
 
@@ -111,12 +139,6 @@ class _Replica:
             value, param = state_dict.get(prefix + name), module._parameters[name]
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
                 state_dict[prefix + name] = _global(value.to(param.dtype), self.placement)
-
-
-def _summed(g: torch.Tensor, group) -> torch.Tensor:
-    g = g.clone()
-    comm.all_reduce(g, group)
-    return g
 
 
 def _global(value: torch.Tensor, placement: Placement) -> DTensor:
@@ -186,10 +208,12 @@ class _Subtree:
     """A module with replicated modules inside (one left whole, and the model itself): around its call every one of
     their parameters is read as a local tensor, so its code may read a child's parameter without calling the child
     (``nn.MultiheadAttention`` reads ``out_proj.weight``, a state-space mixer passes ``self.conv1d.weight`` to its
-    kernel, Gemma 4 reads ``embed_tokens.weight[pad_id]``). A child it calls shows its own views meanwhile, as ever."""
+    kernel, Gemma 4 reads ``embed_tokens.weight[pad_id]``). They are read once, as one autograd node, and the calls of
+    the children inside take these views: the model's call reads each replicated parameter once, not once a call."""
 
     def __init__(self, root: nn.Module) -> None:
         self.inside = [(m, getattr(m, _STATE)) for m in root.modules() if m is not root and hasattr(m, _STATE)]
+        self.blocks = LocalBlocks()
         root.register_forward_pre_hook(self.before, with_kwargs=True)
         root.register_forward_hook(self.after, always_call=True)
         self.shown: list[list[tuple[nn.Module, _Replica]]] = []  # per call in progress: the replicas it showed
@@ -201,8 +225,11 @@ class _Subtree:
             split = is_split(inputs) if torch.is_grad_enabled() and not torch.compiler.is_compiling() else False
             # (parameters FSDP2 holds sharded until their module's own call gathers them are shown by that call)
             shown = [(child, replica) for child, replica in self.inside if replica.whole(child)]
-            for child, replica in shown:
-                replica.show(child, split)
+            unread = [(child, replica) for child, replica in shown if not replica.reuse()]
+            views = iter(self.blocks([child._parameters[name] for child, replica in unread for name in replica.names],
+                                     key=None, grad_placements=_grad_placements))
+            for child, replica in unread:
+                replica.show(child, [next(views) for _ in replica.names], split)
         self.shown.append(shown)
 
     def after(self, module: nn.Module, args: tuple, output: object) -> None:

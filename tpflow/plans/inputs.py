@@ -14,7 +14,8 @@ The training flag is compared too: a rank left in ``model.eval()`` while the oth
 random states as well: the tensor-parallel ranks must draw alike, or their dropout would drop different values of
 activations that must be equal, and the replicated parameters would drift apart. Since a rank can drift off at any
 step (a ``torch.rand`` on one rank only), such a model's check runs on every call with gradients on (a training
-step), whatever the switch's shapes: one all-gather of 56 bytes a step, and on CUDA one read of it by the host.
+step), whatever the switch's shapes: one all-gather of 56 bytes a step (through shared memory between the CPU
+ranks of one host), and on CUDA one read of it by the host.
 The decision to check depends only on what every rank shares (the model, the switch, the input's shape, grad mode),
 so that all ranks exchange on the same calls, whatever mode each is in.
 """
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow import config
+from tpflow.comm import shm
 from tpflow.placement import Placement
 
 __all__ = ["InputCheck", "check_inputs", "draws_random"]
@@ -85,13 +87,14 @@ class InputCheck:
                 must be equal).
         """
         mode = config.get("check_inputs")
-        if mode == "off" or not isinstance(x, torch.Tensor) or isinstance(x, DTensor) \
-                or torch.compiler.is_compiling() or self.placement.coordinate() is None \
-                or self.placement.hierarchy[self.axis] == 1:
+        if mode == "off" or not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return
         key = (tuple(x.shape), x.dtype)
         every_step = self.random and torch.is_grad_enabled()  # a drift of the random states may come at any step
         if mode == "first" and not always and not every_step and (key in self.seen or len(self.seen) >= SHAPES):
+            return  # the steady state of a model without dropout: this lookup is all a call costs
+        if torch.compiler.is_compiling() or self.placement.coordinate() is None \
+                or self.placement.hierarchy[self.axis] == 1:
             return
         if len(self.seen) < SHAPES:
             self.seen.add(key)
@@ -100,9 +103,13 @@ class InputCheck:
         flag = torch.tensor([float(training)], dtype=torch.float64, device=x.device)
         mine = torch.cat([_digest(x), flag, state])
         group = self.placement.mesh.get_group(self.axis)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, mine, group=group)
-        digests = [tuple(d.tolist()) for d in every]
+        every = mine.new_empty((dist.get_world_size(group), mine.numel()))
+        host = shm.host_group(group) if shm.carries(mine) else None
+        if host is not None:  # CPU ranks of one host: shared memory, not gloo's hand-off (a check: not counted)
+            host.all_gather(every, mine)
+        else:
+            dist.all_gather(list(every), mine, group=group)
+        digests = [tuple(d) for d in every.tolist()]
         if len(set(digests)) == 1:
             self.alike += drawing
             return
@@ -151,7 +158,7 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 def draws_random(model: nn.Module) -> bool:
     """Whether ``model`` drops out values in training: a dropout module with ``p > 0``, or a Hugging Face config's
     dropout probability above 0 (``attention_dropout``, ``resid_pdrop``, ...), which its code passes to functional
-    dropout.
+    dropout: the config of any module inside it (a model wrapped in a module of the user's holds it).
 
     Args:
         model: any model.
@@ -166,9 +173,10 @@ def draws_random(model: nn.Module) -> bool:
     """
     if any(isinstance(m, _DROPOUTS) and m.p > 0 for m in model.modules()):
         return True
-    config = getattr(model, "config", None)
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
     return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-               for k, v in (vars(config).items() if config is not None else ()) if k.endswith(("dropout", "pdrop")))
+               for c in configs.values() for k, v in getattr(c, "__dict__", {}).items()
+               if k.endswith(("dropout", "pdrop")))
 
 
 def check_inputs(module: nn.Module, name: str, placement: Placement, random: bool = False) -> None:
