@@ -1,7 +1,8 @@
 """Reading a rank's block of a parameter from a checkpoint that stores it otherwise: in slices of the file's tensors.
 
 A block is read as index ranges along each dim (``block_ranges``): a split gives one range, DTensor's strided split
-(a mixture's packed gate / up halves, ``_StridedShard``) several, and the block is their pieces put together.
+(a mixture's packed gate / up halves, ``_StridedShard``) several, a split in segments (a Mamba-2 mixer's fused
+``in_proj``, ``tpflow.global_tensor.segments``) one per segment, and the block is their pieces put together.
 
 Hugging Face's MoE checkpoints keep one tensor per expert (``mlp.experts.3.gate_proj.weight``), which transformers
 stacks into the model's fused 3-D parameters when it loads them (its conversion mapping: the per-expert tensors
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpflow.global_tensor.blocks import get_placement
+from tpflow.global_tensor.segments import segments_of
 from tpflow.sbp import chunk_bounds
 
 __all__ = ["Seen", "Stacked", "block_ranges", "checkpoint_sources", "neighbours", "read_block", "read_stacked"]
@@ -66,6 +68,10 @@ def block_ranges(t: torch.Tensor, coordinate: Sequence[int] | None = None) -> Ra
         if not isinstance(placement, (Shard, _StridedShard)):  # (a strided split is not a Shard in every torch)
             raise ValueError(f"a parameter laid out as {placement} is not read from a checkpoint by slices")
         d, parts = placement.dim, placement.split_factor if isinstance(placement, _StridedShard) else 1
+        segments = segments_of(t)
+        if segments is not None and d == segments.dim and ranges[d] == [(0, t.shape[d])]:
+            ranges[d] = segments.ranges(c)  # this rank's rows of each segment (a fused projection's)
+            continue
         if ranges[d] != [(0, t.shape[d])]:  # FSDP2's strided split over a split dim, say: another rule
             raise _NotBySlices(f"a parameter split twice along dim {d} ({t.placements}) is not read from a "
                                "checkpoint by slices")

@@ -8,6 +8,7 @@ between a region split over the ranks and the whole (Megatron's ``copy_to`` / ``
     reduce_from_ranks           all-reduce: partial sums -> sum   identity
     scatter_to_ranks            this rank's chunk (no transfer)   all-gather of the gradient
     gather_from_ranks           all-gather along a dim            this rank's chunk of the gradient
+    gather_shared               all-gather along a dim            reduce-scatter of the gradient
     reduce_scatter_to_ranks     reduce-scatter along a dim        all-gather of the gradient
     all_to_all_mirror           rows to ranks by counts           the mirror all-to-all (counts swapped)
 
@@ -31,6 +32,7 @@ __all__ = [
     "all_to_all_mirror",
     "copy_to_ranks",
     "gather_from_ranks",
+    "gather_shared",
     "reduce_from_ranks",
     "reduce_scatter_to_ranks",
     "scatter_to_ranks",
@@ -83,6 +85,17 @@ class _GatherFromRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return _own_chunk(dy, ctx.dim, ctx.group), None, None, None
+
+
+class _GatherShared(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, size, group):
+        ctx.dim, ctx.group, ctx.size = dim, group, size
+        return all_gather(x, dim, _chunks(size, group), group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter(dy.contiguous(), ctx.dim, _chunks(ctx.size, ctx.group), ctx.group), None, None, None
 
 
 class _ScatterToRanks(torch.autograd.Function):
@@ -206,6 +219,33 @@ def gather_from_ranks(x: torch.Tensor, dim: int, size: int, group: dist.ProcessG
         tensor([[1., 2.]])
     """
     return x if _single(group) else _GatherFromRanks.apply(x, dim, size, group)
+
+
+def gather_shared(x: torch.Tensor, dim: int, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather along ``dim`` (of whole ``size``) forward; backward, the gradient's sum over the ranks, this rank's
+    chunk of it (reduce-scatter): a block stored split over ranks that each compute with the whole of it (the
+    B / C rows of a state space's group, shared by the ranks holding its heads), each rank's gradient a partial sum.
+
+    Args:
+        x: this rank's chunk along ``dim``, ``chunk_bounds(size, world)[rank]``.
+        dim: the dim to gather along.
+        size: the whole tensor's size along ``dim``.
+        group: the process group to gather over; None: no parallelism.
+
+    Returns:
+        The whole tensor, ``size`` along ``dim`` (``x`` itself on a group of one).
+
+    Example::
+
+        >>> x = torch.full((1,), float(tpf.get_rank()), requires_grad=True)      # on 2 ranks
+        >>> y = tpf.comm.gather_shared(x, 0, 2, torch.distributed.group.WORLD)
+        >>> y.detach()
+        tensor([0., 1.])
+        >>> (y * (tpf.get_rank() + 1)).sum().backward()                         # rank r weighs by r + 1
+        >>> x.grad                                                              # 1 + 2: both ranks' partial sums
+        tensor([3.])
+    """
+    return x if _single(group) else _GatherShared.apply(x, dim, size, group)
 
 
 def scatter_to_ranks(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:

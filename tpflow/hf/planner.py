@@ -11,8 +11,9 @@ Each decoder layer (an item of the model's ``nn.ModuleList`` of layers) is read 
 - the MLP: ``nn.Linear`` layers named as up projections (``fc1``, ``fc_in``, ``c_fc``, ``up_proj`` / ``gate_proj``,
   ``dense_h_to_4h``, BERT's ``intermediate.dense``): column entries; as down projections (``fc2``, ``fc_out``,
   ``c_proj``, ``down_proj``, ``dense_4h_to_h``, BERT's ``output.dense``): row entries;
-- a state space or a recurrence (Mamba's mixer, RWKV's time mixing, RecurrentGemma's recurrent block): whole on
-  every rank, a ``Replicated`` entry saying why.
+- a Mamba-2 mixer (Mamba2, Nemotron-H, Falcon-H1, Bamba, Granite-4.0-H, Zamba2): split by heads
+  (``tpflow.hf.state_space``); any other state space or recurrence (Mamba-1's mixer, RWKV's time mixing,
+  RecurrentGemma's recurrent block): whole on every rank, a ``Replicated`` entry saying why.
 
 A q / k / v projection fused in one layer is split by its layout:
 
@@ -38,6 +39,7 @@ from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
 from tpflow.hf.mixers import UNKNOWN, is_attention, layer_mixers
 from tpflow.hf.multi_query import MultiQueryColumns
 from tpflow.hf.split_heads import QKV, SplitHeads, head_counts
+from tpflow.hf.state_space import StateSpaceHeads, state_space_counts
 from tpflow.plans.replicated import Replicated
 
 __all__ = ["planned"]
@@ -223,9 +225,10 @@ def planned(model: nn.Module) -> dict[str, object]:
                 raise ValueError(f"{type(model).__name__} carries no tensor-parallel plan, and tpflow cannot plan it "
                                  f"from its modules: {why}. Pass plan={{pattern: style}} to parallelize, or train it "
                                  f"with data parallelism")
-            # a state space or a recurrence: whole on every rank, said in the plan
-            plan.update({f"{where}.{n}": Replicated(why=f"{what}, which tpflow does not split")
-                         for n, what in mixers.items()})
+            for n, what in mixers.items():  # Mamba-2 mixers split by heads; any other mixer whole, said in the plan
+                heads = _state_spaces(layer.get_submodule(n))
+                plan.update({f"{where}.{n}{inner}": StateSpaceHeads() for inner in heads or ()} if heads is not None
+                            else {f"{where}.{n}": Replicated(why=f"{what}, which tpflow does not split")})
             taken = set(mixers)  # (per layer: BERT's output.dense is its MLP's, attention.output.dense not)
             for attn, columns, out, groups in attention:
                 taken.update(f"{attn}.{proj}" if attn else proj for proj in columns)
@@ -261,6 +264,17 @@ def _patterns(model: nn.Module, plan: dict[str, object], stacks: list[str]) -> d
         else:
             out.update({m: plan[m] for m in members})
     return out
+
+
+def _state_spaces(mixer: nn.Module) -> list[str] | None:
+    """The Mamba-2 mixers (``state_space_counts``) a layer's mixer is or holds, as suffixes of its name (``""``
+    itself, ``".mamba"`` inside Zamba2's hybrid layer's ``mamba_decoder``), where they are its only mixers; None
+    otherwise."""
+    found = [f".{n}" if n else "" for n, m in mixer.named_modules() if state_space_counts(m) is not None]
+    if not found or "" in found:
+        return found or None
+    inner = {f".{n}" for n, _ in layer_mixers(mixer)}
+    return found if inner and inner <= set(found) else None
 
 
 def _whole_width(attention: nn.Module, width: int) -> bool:

@@ -1,0 +1,260 @@
+"""Parameters stored as segments that each split over the ranks: a fused projection ``[z | x | B | C | dt]`` of
+Mamba-2, a convolution over ``[x | B | C]``, Qwen3.5's ``[q | k | v]``, each rank holding its rows of every segment.
+
+DTensor has no placement for such a block (``_StridedShard`` cuts a dim into equal parts; segments differ), so the
+parameter is a DTensor split along the dim whose local block is this rank's rows of each segment, back to back,
+and whose global order is therefore rank by rank. The order the model stores (its checkpoints, ``state_dict``) is
+kept at every way out, so that no gather gives the rank-major order: the parameter's own ``full_tensor()`` and
+``redistribute`` to broadcast (and those of its ``detach()``, its gradient and its optimizer state) put the segments
+back in stored order, and torch's distributed checkpoint writes and
+reads each rank's rows of each segment at their stored offsets (a checkpoint saved on 2 ranks loads on 4 or on one
+device). Those answers live on the tensor object, which a dtype conversion or a detached ``state_dict`` replaces:
+the module holding it gives them again to every ``state_dict`` it makes and before each of its calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from tpflow.global_tensor import gradients
+from tpflow.global_tensor.local import from_local
+from tpflow.placement import Placement
+from tpflow.sbp import broadcast, split
+
+__all__ = ["Segments", "segment", "segments_of"]
+
+_SEGMENTS = "_tpflow_segments"  # on the parameter: its Segments (given again by the module, see the docstring)
+_HELD = "_tpflow_segmented"  # on the module: its parameters' names -> Segments
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """A dim of a parameter cut in segments of ``sizes`` (in stored order), each split evenly over ``ranks``.
+
+    Args:
+        dim: the dim cut.
+        sizes: the segments' lengths along it, in the order the model stores them.
+        ranks: the ranks each segment splits over.
+
+    Example::
+
+        >>> s = Segments(0, (4, 4, 2), ranks=2)      # [z | x | dt]: 4, 4 and 2 rows
+        >>> s.ranges(1)                               # rank 1's rows of each
+        [(2, 4), (6, 8), (9, 10)]
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+    ranks: int
+
+    def __post_init__(self) -> None:
+        uneven = [size for size in self.sizes if size % self.ranks]
+        if uneven:
+            raise ValueError(f"segments of {list(self.sizes)} rows split over {self.ranks} ranks: {uneven} do not "
+                             f"divide; use a degree that divides every segment")
+
+    def ranges(self, index: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of rank ``index``'s rows of each segment, in stored order."""
+        starts = itertools.accumulate((0, *self.sizes))
+        return [(start + index * size // self.ranks, start + (index + 1) * size // self.ranks)
+                for start, size in zip(starts, self.sizes)]
+
+    def block(self, whole: torch.Tensor, index: int) -> torch.Tensor:
+        """Rank ``index``'s block of the stored tensor ``whole``: its rows of each segment, back to back."""
+        return torch.cat([whole.narrow(self.dim, a, b - a) for a, b in self.ranges(index)], self.dim)
+
+    def stored(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The stored order of ``blocks``, every rank's block back to back (a gather of the split)."""
+        pieces = [size // self.ranks for size in self.sizes]
+        by_rank = [b.split(pieces, self.dim) for b in blocks.chunk(self.ranks, self.dim)]
+        return torch.cat([by_rank[r][s] for s in range(len(self.sizes)) for r in range(self.ranks)], self.dim)
+
+
+def segment(module: nn.Module, name: str, segments: Segments, placement: Placement, *,
+            read_by: nn.Module | None = None) -> None:
+    """Make ``module``'s own parameter ``name`` a global parameter split in ``segments`` over the last axis of
+    ``placement``: this rank's rows of each segment (allocated, not filled, for a parameter on the meta device,
+    which a checkpoint then fills). Its module must read it as its local block (``LocalReads``).
+
+    Args:
+        module: the module holding the parameter, whole on every rank.
+        name: the parameter's name in it.
+        segments: its segments, over the placement's last axis' ranks.
+        placement: the ranks; the last axis is the tensor-parallel one.
+        read_by: the module whose calls read the parameter, where not ``module``'s own (a mixer reading its
+            convolution's weight itself).
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)                                       # the same layer on every rank
+        >>> layer = nn.Linear(2, 6)
+        >>> whole = layer.weight.detach().clone()
+        >>> segment(layer, "weight", Segments(0, (4, 2), ranks=2), P)
+        >>> layer.weight.to_local().shape                                # rows 0-1 and 4 on rank 0
+        torch.Size([3, 2])
+        >>> torch.equal(layer.weight.full_tensor(), whole)               # the stored order, gathered
+        True
+    """
+    full = module._parameters[name]
+    if segments.ranks != placement.hierarchy[-1] or sum(segments.sizes) != full.shape[segments.dim]:
+        raise ValueError(f"{name!r}: segments {list(segments.sizes)} over {segments.ranks} ranks do not cut its "
+                         f"{full.shape[segments.dim]} rows along dim {segments.dim} over {placement.hierarchy[-1]}")
+    coord = placement.coordinate()
+    if coord is None:
+        local = torch.empty(0, dtype=full.dtype)
+    else:
+        local = segments.block(full.detach(), coord[-1])
+        local = torch.empty(local.shape, dtype=full.dtype) if full.is_meta else local.clone()
+    value = from_local(local.to(placement.device), placement,
+                       (broadcast,) * (placement.ndim - 1) + (split(segments.dim),), shape=full.shape, sync_data=False)
+    param = gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad))
+    setattr(module, name, param)
+    held = module.__dict__.get(_HELD)
+    if held is None:
+        held = module.__dict__[_HELD] = {}
+        module.register_state_dict_post_hook(_answer_in_state_dict)
+        (read_by or module).register_forward_pre_hook(_AnswerAgain(module))
+    held[name] = segments
+    _answer(param, segments)
+
+
+def segments_of(t: torch.Tensor) -> Segments | None:
+    """The segments a global parameter is split in (``segment``), or None for any other tensor.
+
+    Args:
+        t: a tensor.
+
+    Returns:
+        Its ``Segments``, or None.
+
+    Example::
+
+        >>> segments_of(torch.zeros(2))
+    """
+    return getattr(t, _SEGMENTS, None)
+
+
+def _answer(t: torch.Tensor, segments: Segments) -> None:
+    """Give ``t`` (the parameter, or its detached copy in a state dict) the gathers in stored order and the
+    distributed checkpoint's chunks at their stored offsets; a parameter gives them to its gradient as the backward
+    leaves it, and its optimizer state after each step (``_answer_states``)."""
+    if not isinstance(t, DTensor):
+        return
+    if isinstance(t, nn.Parameter) or getattr(t, "_is_param", False):
+        t.register_post_accumulate_grad_hook(_answer_gradient)
+    answers = _Answers(t, segments)
+    setattr(t, _SEGMENTS, segments)
+    t.full_tensor = answers.full_tensor
+    t.detach = answers.detach
+    t.redistribute = answers.redistribute
+    t.__create_write_items__ = answers.write_items
+    t.__create_chunk_list__ = answers.chunks
+    t.__get_tensor_shard__ = answers.piece
+
+
+def _answer_gradient(param: torch.Tensor) -> None:
+    if param.grad is not None:
+        _answer(param.grad, param.__dict__[_SEGMENTS])
+
+
+def _answer_states(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """After any optimizer's step, the state it keeps per segmented parameter (Adam's moments) answers as it does:
+    torch's distributed checkpoint saves and reshards optimizer states through those tensors."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            segments = segments_of(param)
+            if segments is None:
+                continue
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, DTensor) and value.shape == param.shape:
+                    _answer(value, segments)
+            if param.grad is not None:
+                _answer(param.grad, segments)
+
+
+register_optimizer_step_post_hook(_answer_states)
+
+
+def _answer_in_state_dict(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    for name, segments in module.__dict__[_HELD].items():
+        if prefix + name in state:
+            _answer(state[prefix + name], segments)
+
+
+class _AnswerAgain:
+    """A forward pre-hook: before each call, the answers again to ``module``'s segmented parameters a conversion
+    replaced (an object holding the module, not a closure: a deep copy of the model maps it to the copy)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, caller: nn.Module, args: tuple) -> None:
+        for name, segments in self.module.__dict__[_HELD].items():
+            param = self.module._parameters.get(name)
+            if param is not None and getattr(param, _SEGMENTS, None) is not segments:
+                _answer(param, segments)
+
+
+class _Answers:
+    """A segmented DTensor's answers (an object holding the tensor, not closures: a deep copy of the model maps it
+    to the copy)."""
+
+    def __init__(self, t: DTensor, segments: Segments) -> None:
+        self.t, self.segments = t, segments
+
+    def full_tensor(self, *, grad_placements: Sequence | None = None) -> torch.Tensor:
+        gathered = DTensor.redistribute(self.t, self.t.device_mesh, [Replicate()] * self.t.device_mesh.ndim)
+        return self.segments.stored(gathered.to_local(grad_placements=grad_placements))
+
+    def detach(self) -> DTensor:
+        out = DTensor.detach(self.t)
+        _answer(out, self.segments)
+        return out
+
+    def redistribute(self, device_mesh: object = None, placements: Sequence | None = None, **kwargs) -> DTensor:
+        if device_mesh not in (None, self.t.device_mesh) or placements is None or not all(
+                isinstance(p, Replicate) for p in placements):
+            raise ValueError(f"a parameter split in segments {list(self.segments.sizes)} (rows of each per rank) "
+                             f"redistributes only to broadcast on its own mesh, not to {placements}: take "
+                             f"full_tensor() and distribute that")
+        whole = self.full_tensor()
+        return DTensor.from_local(whole, self.t.device_mesh, list(placements), run_check=False,
+                                  shape=self.t.shape, stride=whole.stride())
+
+    def _pieces(self) -> list[tuple[torch.Size, torch.Tensor]]:
+        """This rank's pieces of the stored tensor: each segment's rows, with its offset in the stored tensor."""
+        index = self.t.device_mesh.get_coordinate()[-1]
+        local, dim = self.t._local_tensor, self.segments.dim
+        out, at = [], 0
+        for start, end in self.segments.ranges(index):
+            offsets = [0] * self.t.ndim
+            offsets[dim] = start
+            out.append((torch.Size(offsets), local.narrow(dim, at, end - start)))
+            at += end - start
+        return out
+
+    def write_items(self, fqn: str, obj: object) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=piece.shape),
+                                                      properties=TensorProperties.create_from_tensor(piece),
+                                                      size=self.t.size()))
+                for offsets, piece in self._pieces()]
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=piece.shape) for offsets, piece in self._pieces()]
+
+    def piece(self, index: MetadataIndex) -> torch.Tensor:
+        found = next((piece for offsets, piece in self._pieces() if offsets == torch.Size(index.offset)), None)
+        if found is None:
+            raise ValueError(f"{index.fqn}: no piece of this rank's segments starts at {index.offset}")
+        return found
