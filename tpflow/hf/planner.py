@@ -11,9 +11,9 @@ Each decoder layer (an item of the model's ``nn.ModuleList`` of layers) is read 
 - the MLP: ``nn.Linear`` layers named as up projections (``fc1``, ``fc_in``, ``c_fc``, ``up_proj`` / ``gate_proj``,
   ``dense_h_to_4h``, BERT's ``intermediate.dense``): column entries; as down projections (``fc2``, ``fc_out``,
   ``c_proj``, ``down_proj``, ``dense_4h_to_h``, BERT's ``output.dense``): row entries;
-- a Mamba-2 mixer (Mamba2, Nemotron-H, Falcon-H1, Bamba, Granite-4.0-H, Zamba2): split by heads
-  (``tpflow.hf.state_space``); any other state space or recurrence (Mamba-1's mixer, RWKV's time mixing,
-  RecurrentGemma's recurrent block): whole on every rank, a ``Replicated`` entry saying why.
+- a token mixer tpflow splits (``tpflow.hf.mixer_styles``: Mamba-2's, by heads): its style; any other state space
+  or recurrence (RWKV's time mixing, RecurrentGemma's recurrent block): whole on every rank, a ``Replicated`` entry
+  saying why.
 
 A q / k / v projection fused in one layer is split by its layout:
 
@@ -36,10 +36,10 @@ import re
 from torch import nn
 
 from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
+from tpflow.hf.mixer_styles import mixer_style
 from tpflow.hf.mixers import UNKNOWN, is_attention, layer_mixers
 from tpflow.hf.multi_query import MultiQueryColumns
 from tpflow.hf.split_heads import QKV, SplitHeads, head_counts
-from tpflow.hf.state_space import StateSpaceHeads, state_space_counts
 from tpflow.plans.replicated import Replicated
 
 __all__ = ["planned"]
@@ -226,8 +226,8 @@ def planned(model: nn.Module) -> dict[str, object]:
                                  f"from its modules: {why}. Pass plan={{pattern: style}} to parallelize, or train it "
                                  f"with data parallelism")
             for n, what in mixers.items():  # Mamba-2 mixers split by heads; any other mixer whole, said in the plan
-                heads = _state_spaces(layer.get_submodule(n))
-                plan.update({f"{where}.{n}{inner}": StateSpaceHeads() for inner in heads or ()} if heads is not None
+                split = _split_mixers(layer.get_submodule(n))
+                plan.update({f"{where}.{n}{inner}": style for inner, style in split.items()} if split
                             else {f"{where}.{n}": Replicated(why=f"{what}, which tpflow does not split")})
             taken = set(mixers)  # (per layer: BERT's output.dense is its MLP's, attention.output.dense not)
             for attn, columns, out, groups in attention:
@@ -266,15 +266,15 @@ def _patterns(model: nn.Module, plan: dict[str, object], stacks: list[str]) -> d
     return out
 
 
-def _state_spaces(mixer: nn.Module) -> list[str] | None:
-    """The Mamba-2 mixers (``state_space_counts``) a layer's mixer is or holds, as suffixes of its name (``""``
-    itself, ``".mamba"`` inside Zamba2's hybrid layer's ``mamba_decoder``), where they are its only mixers; None
-    otherwise."""
-    found = [f".{n}" if n else "" for n, m in mixer.named_modules() if state_space_counts(m) is not None]
+def _split_mixers(mixer: nn.Module) -> dict[str, object]:
+    """The mixers tpflow splits (``mixer_style``) that a layer's mixer is or holds, by the suffix of their name
+    (``""`` itself, ``".mamba"`` inside Zamba2's hybrid layer's ``mamba_decoder``) with their styles, where they are
+    its only mixers; empty otherwise."""
+    found = {f".{n}" if n else "": style for n, m in mixer.named_modules() if (style := mixer_style(m)) is not None}
     if not found or "" in found:
-        return found or None
+        return {"": found[""]} if found else {}
     inner = {f".{n}" for n, _ in layer_mixers(mixer)}
-    return found if inner and inner <= set(found) else None
+    return found if inner and inner <= set(found) else {}
 
 
 def _whole_width(attention: nn.Module, width: int) -> bool:
