@@ -38,35 +38,51 @@ _HELD = "_tpflow_segmented"  # on the module: its parameters' names -> Segments
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
-    """A dim of a parameter cut in segments of ``sizes`` (in stored order), each split evenly over ``ranks``.
+    """A dim of a parameter cut in segments of ``sizes`` (in stored order), each split evenly over ``ranks``, or over
+    the ranks its span names (a key head's rows over the ranks holding its value heads).
 
     Args:
         dim: the dim cut.
         sizes: the segments' lengths along it, in the order the model stores them.
-        ranks: the ranks each segment splits over.
+        ranks: the ranks the parameter is split over.
+        spans: per segment, ``(first rank, ranks)`` it splits over; default every rank. Every rank must hold as
+            many rows as every other.
 
     Example::
 
         >>> s = Segments(0, (4, 4, 2), ranks=2)      # [z | x | dt]: 4, 4 and 2 rows
         >>> s.ranges(1)                               # rank 1's rows of each
         [(2, 4), (6, 8), (9, 10)]
+        >>> Segments(0, (2, 4, 2, 4), ranks=4, spans=((0, 2), (0, 2), (2, 2), (2, 2))).ranges(3)   # [q | v] x 2
+        [(7, 8), (10, 12)]
     """
 
     dim: int
     sizes: tuple[int, ...]
     ranks: int
+    spans: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
-        uneven = [size for size in self.sizes if size % self.ranks]
-        if uneven:
+        spans = self.over()
+        uneven = [size for size, (_, count) in zip(self.sizes, spans) if size % count]
+        if uneven or len(spans) != len(self.sizes):
             raise ValueError(f"segments of {list(self.sizes)} rows split over {self.ranks} ranks: {uneven} do not "
                              f"divide; use a degree that divides every segment")
+        held = {sum(b - a for a, b in self.ranges(r)) for r in range(self.ranks)}
+        if len(held) > 1 or any(first + count > self.ranks for first, count in spans):
+            raise ValueError(f"segments of {list(self.sizes)} rows over the ranks {list(spans)} give the "
+                             f"{self.ranks} ranks unequal blocks")
+
+    def over(self) -> tuple[tuple[int, int], ...]:
+        """Each segment's ``(first rank, ranks)``."""
+        return self.spans or ((0, self.ranks),) * len(self.sizes)
 
     def ranges(self, index: int) -> list[tuple[int, int]]:
-        """``[start, end)`` of rank ``index``'s rows of each segment, in stored order."""
+        """``[start, end)`` of rank ``index``'s rows of each segment it holds, in stored order."""
         starts = itertools.accumulate((0, *self.sizes))
-        return [(start + index * size // self.ranks, start + (index + 1) * size // self.ranks)
-                for start, size in zip(starts, self.sizes)]
+        return [(start + (index - first) * size // count, start + (index - first + 1) * size // count)
+                for start, size, (first, count) in zip(starts, self.sizes, self.over())
+                if first <= index < first + count]
 
     def block(self, whole: torch.Tensor, index: int) -> torch.Tensor:
         """Rank ``index``'s block of the stored tensor ``whole``: its rows of each segment, back to back."""
@@ -74,9 +90,13 @@ class Segments:
 
     def stored(self, blocks: torch.Tensor) -> torch.Tensor:
         """The stored order of ``blocks``, every rank's block back to back (a gather of the split)."""
-        pieces = [size // self.ranks for size in self.sizes]
-        by_rank = [b.split(pieces, self.dim) for b in blocks.chunk(self.ranks, self.dim)]
-        return torch.cat([by_rank[r][s] for s in range(len(self.sizes)) for r in range(self.ranks)], self.dim)
+        pieces = {}  # (segment, rank) -> its rows
+        for r, b in enumerate(blocks.chunk(self.ranks, self.dim)):
+            held = [s for s, (first, count) in enumerate(self.over()) if first <= r < first + count]
+            pieces.update(zip(((s, r) for s in held), b.split([self.sizes[s] // self.over()[s][1] for s in held],
+                                                              self.dim)))
+        return torch.cat([pieces[s, r] for s, (first, count) in enumerate(self.over())
+                          for r in range(first, first + count)], self.dim)
 
 
 def segment(module: nn.Module, name: str, segments: Segments, placement: Placement, *,

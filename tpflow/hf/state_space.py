@@ -26,15 +26,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from tpflow import comm
-from tpflow.global_tensor import gradients
-from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.global_tensor.segments import Segments, segment
 from tpflow.hf.heads import split_parameter
-from tpflow.layers.regions import WHOLE, tag
-from tpflow.placement import Placement, placement
+from tpflow.hf.mixer_split import Gathered, SplitMixer, broadcast_parameter, sharing_group
+from tpflow.placement import Placement
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["StateSpaceHeads", "state_space_counts"]
@@ -157,13 +154,13 @@ class StateSpaceHeads(Style):
             split_parameter(module.norm, "weight", 0, pl)
         split_parameter(module.out_proj, "weight", 1, pl)
         if module.out_proj.bias is not None:
-            _broadcast(module.out_proj, "bias", pl)
+            broadcast_parameter(module.out_proj, "bias", pl)
         for buffer, value in list(module.named_buffers(recurse=False)):  # Falcon-H1's multipliers of in_proj's rows
             if value.shape[-1] == module.in_proj.out_features and pl.coordinate() is not None:
                 module._buffers[buffer] = _rank_rows(value, (heads, groups, state, inner), world,
                                                      pl.coordinate()[-1]).to(pl.device)
         if pl.coordinate() is not None:
-            _Heads(module, (heads, groups, state, inner), pl)
+            _split_hooks(module, (heads, groups, state, inner), pl)
 
 
 def _rank_rows(value: torch.Tensor, counts: tuple[int, int, int, int], world: int, index: int) -> torch.Tensor:
@@ -190,88 +187,26 @@ def _refuse_fused_kernel(name: str, module: nn.Module) -> None:
                          f"features: use a tensor-parallel degree that divides the mixer's {module.n_groups} groups")
 
 
-def _broadcast(module: nn.Module, name: str, pl: Placement) -> None:
-    """``module``'s parameter ``name`` a global tensor whole on every rank, made here (parallelize would sum its
-    gradient over the ranks again)."""
-    full = module._parameters[name]
-    local = full.detach().clone() if pl.coordinate() is not None else torch.empty(0, dtype=full.dtype)
-    value = DTensor.from_local(local.to(pl.device), pl.mesh, [Replicate()] * pl.ndim, run_check=False,
-                               shape=full.shape, stride=full.stride())
-    setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
-
-
-def _sharing(pl: Placement, groups: int) -> object:
-    """The process group of the ranks holding one B / C group's heads (W / G neighbours), or the tensor-parallel
-    group where every rank holds one group's heads (G = 1)."""
+def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], pl: Placement) -> None:
+    """The mixer's attributes sized for this rank's heads, and its hooks: a shared group's B / C rows gathered, the
+    gated norm's squares summed over the ranks sharing a group (or its group count this rank's)."""
+    heads, groups, state, inner = counts
     world = pl.hierarchy[-1]
-    if groups == 1:
-        return pl.mesh.get_group(pl.ndim - 1)
-    ranks = torch.tensor(pl.flat_ranks).reshape(*pl.hierarchy[:-1], groups, world // groups)
-    return placement(pl.type, ranks=ranks.tolist()).mesh.get_group(pl.ndim)  # every rank makes it: SPMD
-
-
-class _Heads:
-    """A mixer's hooks: its parameters' local blocks in place around each call (a shared group's B / C rows
-    gathered), its input's gradient and its output summed over the ranks, ``out_proj``'s whole bias added once."""
-
-    def __init__(self, module: nn.Module, counts: tuple[int, int, int, int], pl: Placement) -> None:
-        heads, groups, state, inner = counts
-        world = pl.hierarchy[-1]
-        self.group = pl.mesh.get_group(pl.ndim - 1) if world > 1 else None
-        self.first = pl.coordinate()[-1] == 0
-        data_axes = pl.ndim - 1  # a plain input differs over the data-parallel axes: partial sums there
-        grads = lambda p: (Partial(),) * data_axes + (p.placements[-1],)  # noqa: E731
-        self.reads = [(m, LocalReads([n for n, p in m.named_parameters(recurse=False) if p is not None], grads))
-                      for m in (module, module.in_proj, module.conv1d, module.norm, module.out_proj)]
-        own = max(groups // world, 1)
-        module.num_heads, module.n_groups, module.intermediate_size = heads // world, own, inner // world
-        module.conv_dim = inner // world + 2 * own * state
-        if hasattr(module, "groups_time_state_size"):
-            module.groups_time_state_size = own * state
-        self.shared = None
-        if world > groups:  # W / G ranks share each group: gather its B / C rows, sum the norm's squares
-            self.shared = _sharing(pl, groups)
-            self.rows = (inner // world, inner // world, groups * state // world, groups * state // world,
-                         heads // world)
-            module.norm.forward = _SpanningNorm(module.norm, self.shared, world // groups)
-        elif _norm_kind(module.norm) == "count":
-            module.norm.n_groups = own
-        self.state = state
-        module.register_forward_pre_hook(self.before, with_kwargs=True)
-        module.register_forward_hook(self.after, always_call=True)
-
-    def _shared_rows(self, t: torch.Tensor, sizes: tuple[int, ...], at: tuple[int, int]) -> torch.Tensor:
-        """``t``'s local block with the segments at ``at`` (B and C) gathered whole over the ranks sharing them."""
-        pieces = list(t.split(sizes, 0))
-        for i in at:
-            pieces[i] = comm.gather_shared(pieces[i], 0, pieces[i].shape[0] * self.share_ranks, self.shared)
-        return torch.cat(pieces, 0)
-
-    @property
-    def share_ranks(self) -> int:
-        return torch.distributed.get_world_size(self.shared)
-
-    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        for m, reads in self.reads:
-            reads.enter(m)
-        if self.shared is not None:
-            for m, sizes, at in ((module.in_proj, self.rows, (2, 3)), (module.conv1d, self.rows[1:4], (1, 2))):
-                for n in ("weight", "bias"):
-                    if n in m.__dict__:
-                        m.__dict__[n] = self._shared_rows(m.__dict__[n], sizes, at)
-        if "bias" in module.out_proj.__dict__:  # whole: added by the first rank, its gradient summed (one device's)
-            module.out_proj.__dict__["bias"] = comm.copy_to_ranks(module.out_proj.__dict__["bias"], self.group) * \
-                int(self.first)
-        if args:
-            return (comm.copy_to_ranks(args[0], self.group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": comm.copy_to_ranks(kwargs["hidden_states"], self.group)}
-
-    def after(self, module: nn.Module, args: tuple, output: object) -> object:
-        for m, reads in self.reads:
-            reads.leave(m)
-        if not isinstance(output, torch.Tensor):
-            return output
-        return tag(comm.reduce_from_ranks(output, self.group), WHOLE)
+    own = max(groups // world, 1)
+    module.num_heads, module.n_groups, module.intermediate_size = heads // world, own, inner // world
+    module.conv_dim = inner // world + 2 * own * state
+    if hasattr(module, "groups_time_state_size"):
+        module.groups_time_state_size = own * state
+    shared, gathered = None, []
+    if world > groups:  # W / G ranks share each group: gather its B / C rows, sum the norm's squares
+        shared = sharing_group(pl, groups)
+        rows = (inner // world, inner // world, groups * state // world, groups * state // world, heads // world)
+        gathered = [Gathered(module.in_proj, rows, (2, 3)), Gathered(module.conv1d, rows[1:4], (1, 2))]
+        module.norm.forward = _SpanningNorm(module.norm, shared, world // groups)
+    elif _norm_kind(module.norm) == "count":
+        module.norm.n_groups = own
+    SplitMixer(module, (module, module.in_proj, module.conv1d, module.norm, module.out_proj), pl, shared=shared,
+               gathered=gathered, out_bias=module.out_proj)
 
 
 class _SpanningNorm:

@@ -1,0 +1,261 @@
+"""Gated DeltaNet mixers split by heads (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): each rank runs the model's own code (its
+convolution, its delta rule, its per-head gated norm) on its value heads and their key heads, the output summed.
+
+A DeltaNet has ``n_k`` key heads (q and k) and ``n_v`` value heads (v, z, b, a), ``n_v / n_k`` value heads reading
+each key head. The split keeps transformers' stored layouts:
+
+    Qwen3-Next  in_proj_qkvz  [q_g | k_g | v_g | z_g] for each key head g, interleaved; in_proj_ba [b_g | a_g] alike
+    Qwen3.5     in_proj_qkv   [q | k | v] segments; in_proj_z, in_proj_b, in_proj_a by value heads
+    both        conv1d        [q | k | v] segments (a depthwise convolution); A_log, dt_bias per value head;
+                out_proj      a row split; the gated norm's weight (one head's width, every head's) whole
+
+With key heads a multiple of the ranks, a rank holds whole key heads with their value heads. With fewer key heads
+than ranks (the ranks a multiple of them), the W / n_k ranks holding one key head's value heads each store a share
+of its q / k rows (and their convolution's) and gather them whole around each call, their gradients summed, as
+tpflow keeps key/value heads for attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from tpflow.global_tensor.segments import Segments, segment
+from tpflow.hf.heads import split_parameter
+from tpflow.hf.mixer_split import Gathered, SplitMixer, broadcast_parameter, sharing_group
+from tpflow.plans.style import Plan, Style
+
+__all__ = ["DeltaNetHeads", "delta_net_counts"]
+
+_INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
+_SEGMENTED = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def delta_net_counts(module: nn.Module) -> tuple[int, int, int, int, tuple[str, ...]] | None:
+    """``(key heads, value heads, key head width, value head width, projections)`` of a gated DeltaNet as
+    transformers writes it (Qwen3-Next's interleaved ``in_proj_qkvz`` / ``in_proj_ba``, or Qwen3.5's ``in_proj_qkv``
+    / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``; a depthwise ``conv1d`` over ``[q | k | v]``; ``A_log`` and
+    ``dt_bias`` per value head; an ``out_proj``), or None for any other module.
+
+    Args:
+        module: any module.
+
+    Returns:
+        The counts, or None.
+
+    Example::
+
+        >>> from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        >>> model = Qwen3NextForCausalLM(Qwen3NextConfig(
+        ...     vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        ...     head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        ...     linear_value_head_dim=8, intermediate_size=32, moe_intermediate_size=16, num_experts=2,
+        ...     num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"]))
+        >>> delta_net_counts(model.model.layers[0].linear_attn)
+        (2, 4, 8, 8, ('in_proj_qkvz', 'in_proj_ba'))
+    """
+    names = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+    if not all(isinstance(getattr(module, n, None), int) for n in names):
+        return None
+    keys, values, k_dim, v_dim = (getattr(module, n) for n in names)
+    projections = next((p for p in (_INTERLEAVED, _SEGMENTED)
+                        if all(isinstance(getattr(module, n, None), nn.Linear) for n in p)), None)
+    conv, out = getattr(module, "conv1d", None), getattr(module, "out_proj", None)
+    if projections is None or not isinstance(conv, nn.Conv1d) or not isinstance(out, nn.Linear):
+        return None
+    if any(getattr(getattr(module, n, None), "shape", None) != (values,) for n in ("A_log", "dt_bias")):
+        return None
+    if values % keys or conv.out_channels != 2 * keys * k_dim + values * v_dim or out.in_features != values * v_dim:
+        return None
+    return keys, values, k_dim, v_dim, projections
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaNetHeads(Style):
+    """Plan style for a gated DeltaNet (``delta_net_counts``), split by heads (see the module docstring).
+
+    Example::
+
+        >>> from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> model = Qwen3NextForCausalLM(Qwen3NextConfig(
+        ...     vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        ...     head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        ...     linear_value_head_dim=8, intermediate_size=32, moe_intermediate_size=16, num_experts=2,
+        ...     num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"]))
+        >>> ids = torch.randint(0, 64, (1, 6))
+        >>> want = model(ids).logits
+        >>> model = tpf.parallelize(model, placement=tpf.placement("cpu", ranks=[0, 1]),
+        ...                         plan={"model.layers.0.linear_attn": DeltaNetHeads()})
+        >>> model.model.layers[0].linear_attn.num_v_heads                   # 2 of its 4 value heads a rank
+        2
+        >>> torch.testing.assert_close(model(ids).logits, want)
+    """
+
+    def reads_whole(self, module: nn.Module) -> bool:
+        return True
+
+    def check(self, name: str, module: nn.Module, plan: Plan) -> None:
+        counts = delta_net_counts(module)
+        if counts is None:
+            raise ValueError(f"{name!r} is a {type(module).__name__}; DeltaNetHeads takes a gated DeltaNet (q / k / v "
+                             f"/ z / b / a projections, conv1d over [q | k | v], A_log / dt_bias per value head)")
+        keys, values, k_dim, _, _ = counts
+        world = plan.world
+        if values % world or (keys % world and world % keys) or (world > keys and k_dim % (world // keys)):
+            degrees = [d for d in range(1, values + 1) if values % d == 0 and (
+                keys % d == 0 or (d % keys == 0 and k_dim % (d // keys) == 0))]
+            raise ValueError(f"{name!r} has {keys} key heads and {values} value heads, which do not split over "
+                             f"{world} tensor-parallel ranks (the value heads must divide, and the key heads divide, "
+                             f"or be fewer with their {k_dim} rows each split over the ranks sharing one): use a "
+                             f"degree among {degrees}")
+
+    def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
+        pl, world = plan.placement, plan.world
+        keys, values, k_dim, v_dim, projections = delta_net_counts(module)
+        share = max(world // keys, 1)  # the ranks holding one key head's value heads
+        key_rows, value_rows = keys * k_dim, values * v_dim
+        if projections == _INTERLEAVED and world > keys:  # each key head's [q | k | v | z], over its ranks
+            per = values // keys
+            spans = tuple((g * share, share) for g in range(keys) for _ in range(4))
+            segment(module.in_proj_qkvz, "weight", Segments(0, (k_dim, k_dim, per * v_dim, per * v_dim) * keys,
+                                                            world, spans), pl)
+            segment(module.in_proj_ba, "weight", Segments(0, (per, per) * keys, world, spans[::2]), pl)  # 2 a head
+        elif projections == _INTERLEAVED:  # whole key heads a rank: a plain split of the interleaved rows
+            for projection in _INTERLEAVED:
+                split_parameter(getattr(module, projection), "weight", 0, pl)
+        else:
+            segment(module.in_proj_qkv, "weight", Segments(0, (key_rows, key_rows, value_rows), world), pl)
+            for projection in _SEGMENTED[1:]:
+                split_parameter(getattr(module, projection), "weight", 0, pl)
+        for param in ("weight", "bias"):
+            if getattr(module.conv1d, param) is not None:
+                segment(module.conv1d, param, Segments(0, (key_rows, key_rows, value_rows), world), pl,
+                        read_by=module)
+        for param in ("A_log", "dt_bias"):
+            split_parameter(module, param, 0, pl)
+        for param, _ in module.norm.named_parameters(recurse=False):
+            broadcast_parameter(module.norm, param, pl)
+        split_parameter(module.out_proj, "weight", 1, pl)
+        if module.out_proj.bias is not None:
+            broadcast_parameter(module.out_proj, "bias", pl)
+        if pl.coordinate() is not None:
+            _split_hooks(module, (keys, values, k_dim, v_dim, projections), pl)
+
+
+def _split_hooks(module: nn.Module, counts: tuple, pl) -> None:
+    """The DeltaNet's attributes sized for this rank's heads, and its hooks: a shared key head's q / k rows
+    gathered over the ranks holding its value heads."""
+    keys, values, k_dim, v_dim, projections = counts
+    world = pl.hierarchy[-1]
+    own = max(keys // world, 1)
+    module.num_k_heads, module.num_v_heads = own, values // world
+    module.key_dim, module.value_dim = own * k_dim, values // world * v_dim
+    module.conv_dim = 2 * module.key_dim + module.value_dim
+    shared, gathered = None, []
+    if world > keys:
+        shared, share = sharing_group(pl, keys), world // keys
+        q = k_dim // share
+        gathered = [Gathered(module.conv1d, (q, q, module.value_dim), (0, 1))]
+        if projections == _INTERLEAVED:
+            gathered.append(Gathered(module.in_proj_qkvz, (q, q, module.value_dim, module.value_dim), (0, 1)))
+        else:
+            gathered.append(Gathered(module.in_proj_qkv, (q, q, module.value_dim), (0, 1)))
+    modules = (module, *(getattr(module, p) for p in projections), module.conv1d, module.norm, module.out_proj)
+    SplitMixer(module, modules, pl, shared=shared, gathered=gathered, out_bias=module.out_proj)
+
+
+def kimi_delta_counts(module: nn.Module) -> tuple[int, int] | None:
+    """``(heads, head width)`` of a Kimi delta attention (KDA) as transformers writes it: q / k / v projections of
+    ``heads * width`` features, a depthwise ``conv1d`` over ``[q | k | v]``, a forget gate of a low-rank projection
+    (``f_a_proj`` to one head's width, ``f_b_proj`` back to every head's) with ``dt_bias`` per feature and ``A_log``
+    per head, a ``b_proj`` per head, a low-rank output gate (``g_a_proj``, ``g_b_proj``), a per-head gated norm and an
+    ``o_proj``; None for any other module.
+
+    Args:
+        module: any module.
+
+    Returns:
+        The counts, or None.
+
+    Example::
+
+        >>> from transformers import AutoModelForCausalLM
+        >>> from tpflow.models.zoo import tiny_config
+        >>> model = AutoModelForCausalLM.from_config(tiny_config("kimi_linear"))
+        >>> kimi_delta_counts(model.model.layers[0].self_attn), kimi_delta_counts(model.model.layers[0].mlp)
+        ((4, 16), None)
+    """
+    heads, width = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    gate = getattr(module, "forget_gate", None)
+    names = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")
+    if not (isinstance(heads, int) and isinstance(width, int) and isinstance(gate, nn.Module)
+            and all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+            and isinstance(getattr(module, "conv1d", None), nn.Conv1d)
+            and all(isinstance(getattr(gate, n, None), nn.Linear) for n in ("f_a_proj", "f_b_proj"))):
+        return None
+    features = heads * width
+    if (module.q_proj.out_features != features or module.b_proj.out_features != heads
+            or module.conv1d.out_channels != 3 * features or getattr(gate.A_log, "shape", None) != (1, 1, heads, 1)
+            or getattr(gate.dt_bias, "shape", None) != (features,)):
+        return None
+    return heads, width
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiDeltaHeads(Style):
+    """Plan style for a Kimi delta attention (``kimi_delta_counts``; Kimi Linear's KDA), split by heads: q / k / v,
+    ``b_proj``, the gates' second projections (``f_b_proj``, ``g_b_proj``) and the per-feature ``dt_bias`` by their
+    heads' features, ``A_log`` by heads, the convolution over ``[q | k | v]`` per segment, ``o_proj`` a row split; the
+    gates' first projections (to one head's width) and the norm's weight (one head's width) whole on every rank.
+
+    Example::
+
+        >>> from transformers import AutoModelForCausalLM
+        >>> from tpflow.models.zoo import tiny_config
+        >>> _ = torch.manual_seed(0)
+        >>> model = AutoModelForCausalLM.from_config(tiny_config("kimi_linear"))
+        >>> ids = torch.randint(0, 64, (1, 6))
+        >>> want = model(ids).logits
+        >>> model = tpf.parallelize(model, placement=tpf.placement("cpu", ranks=[0, 1]),
+        ...                         plan={"model.layers.0.self_attn": KimiDeltaHeads()})
+        >>> model.model.layers[0].self_attn.num_heads                       # 2 of its 4 heads a rank
+        2
+        >>> torch.testing.assert_close(model(ids).logits, want)
+    """
+
+    def reads_whole(self, module: nn.Module) -> bool:
+        return True
+
+    def check(self, name: str, module: nn.Module, plan: Plan) -> None:
+        counts = kimi_delta_counts(module)
+        if counts is None:
+            raise ValueError(f"{name!r} is a {type(module).__name__}; KimiDeltaHeads takes a Kimi delta attention "
+                             f"(q / k / v / b projections per head, low-rank forget and output gates, conv1d)")
+        if counts[0] % plan.world:
+            degrees = [d for d in range(1, counts[0] + 1) if counts[0] % d == 0]
+            raise ValueError(f"{name!r} has {counts[0]} heads, which do not split over {plan.world} tensor-parallel "
+                             f"ranks: use a degree among {degrees}")
+
+    def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
+        pl, world = plan.placement, plan.world
+        heads, width = kimi_delta_counts(module)
+        gate = module.forget_gate
+        for layer in (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_b_proj, gate.f_b_proj):
+            split_parameter(layer, "weight", 0, pl)
+        segment(module.conv1d, "weight", Segments(0, (heads * width,) * 3, world), pl, read_by=module)
+        split_parameter(gate, "dt_bias", 0, pl)
+        split_parameter(gate, "A_log", 2, pl)
+        for layer in (module.g_a_proj, gate.f_a_proj, module.o_norm):
+            for param, _ in layer.named_parameters(recurse=False):
+                broadcast_parameter(layer, param, pl)
+        split_parameter(module.o_proj, "weight", 1, pl)
+        if pl.coordinate() is None:
+            return
+        module.num_heads, module.qkv_dim = heads // world, heads // world * width
+        module.conv_dim = 3 * module.qkv_dim
+        gate.num_heads, gate.qkv_dim = module.num_heads, module.qkv_dim
+        modules = (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_a_proj, module.g_b_proj,
+                   module.conv1d, gate, gate.f_a_proj, gate.f_b_proj, module.o_norm, module.o_proj)
+        SplitMixer(module, modules, pl)

@@ -1,0 +1,142 @@
+"""What every token mixer split over the tensor-parallel ranks does around the model's own code (a Mamba-2 mixer, a
+gated DeltaNet): its parameters read as this rank's blocks, its input whole on every rank (its gradient, each rank's
+partial sum, summed), its output this rank's partial sum (summed), parameters whole on every rank (a norm's weight
+shared by every head) read for this rank's heads (their gradients summed), and rows that several ranks compute with
+whole (a group's B / C, a key head's q / k) stored split over those ranks and gathered around each call."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from tpflow import comm
+from tpflow.global_tensor import gradients
+from tpflow.global_tensor.local_blocks import LocalReads
+from tpflow.layers.regions import WHOLE, tag
+from tpflow.placement import Placement, placement
+
+__all__ = ["Gathered", "SplitMixer", "broadcast_parameter", "sharing_group"]
+
+
+def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
+    """Make ``module``'s parameter ``name`` a global tensor whole on every rank here (left to ``parallelize``, a
+    parameter of a module whose input is whole would get its gradient summed over the ranks again).
+
+    Args:
+        module: the module holding it.
+        name: its name there.
+        pl: the placement.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> norm = nn.LayerNorm(4)
+        >>> broadcast_parameter(norm, "weight", P)
+        >>> norm.weight.placements
+        (Replicate(),)
+    """
+    full = module._parameters[name]
+    local = full.detach().clone() if pl.coordinate() is not None else torch.empty(0, dtype=full.dtype)
+    value = DTensor.from_local(local.to(pl.device), pl.mesh, [Replicate()] * pl.ndim, run_check=False,
+                               shape=full.shape, stride=full.stride())
+    setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
+
+
+def sharing_group(pl: Placement, parts: int) -> dist.ProcessGroup:
+    """The process group of this rank and the neighbours that share its part when the tensor-parallel ranks are cut
+    in ``parts`` parts of consecutive ranks (a state space's B / C group, a key head): the tensor-parallel group for
+    one part. Every rank of the world calls it alike (it makes groups).
+
+    Args:
+        pl: the placement; its last axis is the tensor-parallel one, a multiple of ``parts``.
+        parts: the parts.
+
+    Returns:
+        The group.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> torch.distributed.get_world_size(sharing_group(P, 1))
+        2
+    """
+    world = pl.hierarchy[-1]
+    if parts == 1:
+        return pl.mesh.get_group(pl.ndim - 1)
+    ranks = torch.tensor(pl.flat_ranks).reshape(*pl.hierarchy[:-1], parts, world // parts)
+    return placement(pl.type, ranks=ranks.tolist()).mesh.get_group(pl.ndim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """Rows of a submodule's parameter that the ranks of a sharing group store split and compute with whole: the
+    parameter's local block cut in ``sizes`` (rows), the pieces at ``at`` gathered over the group."""
+
+    module: nn.Module
+    sizes: tuple[int, ...]
+    at: tuple[int, ...]
+
+
+class SplitMixer:
+    """A split mixer's hooks (see the module docstring): ``modules`` (the mixer and its submodules) read their own
+    parameters as local blocks around each call of ``mixer``; ``gathered`` rows are gathered over ``shared``; an
+    ``out_bias`` module's whole bias is added once (by the first rank).
+
+    Args:
+        mixer: the mixer module.
+        modules: the modules whose own global parameters its call reads.
+        pl: the placement.
+        shared: the sharing group of the ``gathered`` rows, or None.
+        gathered: the rows gathered.
+        out_bias: the output projection, whose bias is whole, or None.
+    """
+
+    def __init__(self, mixer: nn.Module, modules: Sequence[nn.Module], pl: Placement, *,
+                 shared: dist.ProcessGroup | None = None, gathered: Sequence[Gathered] = (),
+                 out_bias: nn.Module | None = None) -> None:
+        self.group = pl.mesh.get_group(pl.ndim - 1) if pl.hierarchy[-1] > 1 else None
+        self.first = pl.coordinate()[-1] == 0
+        data_axes = pl.ndim - 1  # a plain input differs over the data-parallel axes: partial sums there
+        grads = lambda p: (Partial(),) * data_axes + (p.placements[-1],)  # noqa: E731
+        self.reads = [(m, LocalReads([n for n, p in m.named_parameters(recurse=False)
+                                      if isinstance(p, DTensor)], grads)) for m in modules]
+        self.shared, self.gathered, self.out_bias = shared, list(gathered), out_bias
+        self.share = dist.get_world_size(shared) if shared is not None else 1
+        mixer.register_forward_pre_hook(self.before, with_kwargs=True)
+        mixer.register_forward_hook(self.after, always_call=True)
+
+    def _gather(self, t: torch.Tensor, rows: Gathered) -> torch.Tensor:
+        pieces = list(t.split(rows.sizes, 0))
+        for i in rows.at:
+            pieces[i] = comm.gather_shared(pieces[i], 0, pieces[i].shape[0] * self.share, self.shared)
+        return torch.cat(pieces, 0)
+
+    def before(self, mixer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for m, reads in self.reads:
+            reads.enter(m)
+            for n in reads.names:  # whole on every rank, read for this rank's heads: gradients summed
+                if m._parameters[n].placements[-1].is_replicate():
+                    m.__dict__[n] = comm.copy_to_ranks(m.__dict__[n], self.group)
+        for rows in self.gathered:
+            for n in ("weight", "bias"):
+                if n in rows.module.__dict__:
+                    rows.module.__dict__[n] = self._gather(rows.module.__dict__[n], rows)
+        if self.out_bias is not None and "bias" in self.out_bias.__dict__:  # added once (its gradient summed)
+            self.out_bias.__dict__["bias"] = self.out_bias.__dict__["bias"] * int(self.first)
+        if args:
+            return (comm.copy_to_ranks(args[0], self.group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": comm.copy_to_ranks(kwargs["hidden_states"], self.group)}
+
+    def after(self, mixer: nn.Module, args: tuple, output: object) -> object:
+        for m, reads in self.reads:
+            reads.leave(m)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (tag(comm.reduce_from_ranks(output[0], self.group), WHOLE), *output[1:])
+        if not isinstance(output, torch.Tensor):
+            return output
+        return tag(comm.reduce_from_ranks(output, self.group), WHOLE)
