@@ -19,8 +19,8 @@ __all__ = ["Case", "matches_one_device", "share"]
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A model to check: the zoo's tiny ``kind`` (fp64) with ``config`` changed; its mixers' recurrence, the
-    module-level function ``scan`` of the mixer's modeling module, reads a tensor (positional ``arg``) whose dim
-    ``dim`` counts ``heads`` heads (or channels) on one device."""
+    module-level function ``scan`` of the mixer's modeling module (or ``"Class.method"`` there), reads a tensor
+    (positional ``arg``) whose dim ``dim`` counts ``heads`` heads (or channels) on one device."""
 
     kind: str
     config: dict
@@ -59,25 +59,28 @@ def _seen(ref: torch.nn.Module, case: Case) -> list[int]:
     from tpflow.hf.mixer_styles import mixer_style
 
     mixer = next(m for m in ref.modules() if mixer_style(m) is not None)
+    owner, _, name = case.scan.rpartition(".")  # a function, or a class's (an autograd Function's apply)
     module = sys.modules[type(mixer).__module__]
-    if not hasattr(getattr(module, case.scan), "seen"):
-        original = getattr(module, case.scan)
+    module = getattr(module, owner) if owner else module
+    if not hasattr(getattr(module, name), "seen"):
+        original = getattr(module, name)
 
         def recorded(*args, **kwargs):
             recorded.seen.append(args[case.arg].shape[case.dim])
             return original(*args, **kwargs)
-        setattr(module, case.scan, recorded)
-    getattr(module, case.scan).seen = []
-    return getattr(module, case.scan).seen
+        setattr(module, name, recorded)
+    getattr(module, name).seen = []
+    return getattr(module, name).seen
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def matches_one_device(cases: list[Case], folder: str) -> dict[str, float]:
-    """Each case parallelized by ``plan="auto"`` against one device (see the module docstring): every mixer gets
-    its style; the share this rank holds of each (by its kind and config)."""
+def matches_one_device(cases: list[Case], folder: str, sequence_parallel: bool = False) -> dict[str, float]:
+    """Each case parallelized by ``plan="auto"`` (``hf_plan(sequence_parallel=)``) against one device (see the
+    module docstring; with sequence parallelism, training only): every mixer gets its style; the share this rank
+    holds of each (by its kind and config)."""
     import torch.distributed as dist
     import transformers
 
@@ -91,8 +94,9 @@ def matches_one_device(cases: list[Case], folder: str) -> dict[str, float]:
     shares = {}
     for case in cases:
         ref = case.model()
-        ids = torch.randint(0, ref.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-        plan = tpf.hf_plan(ref)
+        tokens = 12 if sequence_parallel else 9  # (a multiple of the ranks, split over them)
+        ids = torch.randint(0, ref.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(1))
+        plan = tpf.hf_plan(ref, sequence_parallel=sequence_parallel)
         mixers = {n: type(mixer_style(m)) for n, m in ref.named_modules() if mixer_style(m) is not None}
         assert mixers and all(any(isinstance(s, style) and fnmatch.fnmatchcase(n, p) for p, s in plan.items())
                               for n, style in mixers.items()), (case.kind, plan)  # every mixer split
@@ -110,6 +114,8 @@ def matches_one_device(cases: list[Case], folder: str) -> dict[str, float]:
         for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
             off = (_whole(p.detach()) - p_ref.detach()).abs().max() / p_ref.abs().max()
             assert off < STEP_TOLERANCE, f"{case.kind}: {name} after AdamW, {off:.1e} off (relative to its largest)"
+        if sequence_parallel:
+            continue
         model.eval()
         ref.eval()
         prompt = ids[:, :5]

@@ -50,6 +50,18 @@ def test_delta_nets_split_over_three_ranks():
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_mixers_under_sequence_parallelism_match_one_device():
+    # each rank's tokens gathered into the mixer, its output reduce-scattered back to them
+    from tests.test_state_space import _case
+
+    cases = [_case("mamba2", 8, 8), _case("bamba", 8, 1), _delta_net("qwen3_5_text", 2, 4), _kimi(4)]
+    folder = tempfile.mkdtemp()
+    try:
+        run(4, matches_one_device, cases, folder, True, timeout=600)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _refusals() -> None:
     import tpflow as tpf
 

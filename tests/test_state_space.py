@@ -129,3 +129,54 @@ def _refusals() -> None:
 
 def test_mamba2_mixers_that_do_not_split_are_refused_by_name():
     run(4, _refusals)
+
+
+def _fsdp_beside_heads(folder: str) -> None:
+    """dp x tp = 2 x 2: FSDP2 over the data axis of mixers split by heads, against one device; its state saved by
+    torch's distributed checkpoint."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    import tpflow as tpf
+    from tests.models import train_lm
+    from tests.test_delta_net import _delta_net
+
+    for case in (_case("mamba2", 8, 2), _delta_net("qwen3_5_text", 2, 4)):
+        P = tpf.placement("cpu", [[0, 1], [2, 3]], names=("dp", "tp"))
+        ref = case.model()
+        model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan="auto")
+        layers = next(m for n, m in model.named_modules() if n.endswith("layers"))
+        for layer in layers:
+            fully_shard(layer, mesh=P.mesh["dp"])
+        fully_shard(model, mesh=P.mesh["dp"])
+        ids = torch.randint(0, ref.config.vocab_size, (4, 10), generator=torch.Generator().manual_seed(1))
+        losses, norms = train_lm(model, ids.tensor_split(2)[P["dp"].coordinate()[0]])
+        ref_losses, ref_norms = train_lm(ref, ids)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, losses)
+        mean = torch.tensor([every[0], every[2]], dtype=torch.float64).mean(0)  # the data-parallel rows' mean
+        torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-6, atol=0)
+        for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):  # FSDP2's own, in stored order
+            torch.testing.assert_close(p.full_tensor(), p_ref.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        where = os.path.join(folder, case.kind)
+        dcp.save(model.state_dict(), checkpoint_id=where)
+        whole = tpf.full_state_dict(model)
+        if dist.get_rank() == 0:
+            import torch.distributed.checkpoint.format_utils as formats
+
+            formats.dcp_to_torch_save(where, where + ".pt")  # each rank's rows of each segment, at stored offsets
+            stored = torch.load(where + ".pt")
+            assert stored.keys() == whole.keys() and all(torch.equal(stored[k], v) for k, v in whole.items())
+        dist.barrier()
+
+
+def test_mixers_split_by_heads_beside_fsdp2():
+    folder = tempfile.mkdtemp()
+    try:
+        run(4, _fsdp_beside_heads, folder, timeout=600)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tpflow.global_tensor.blocks import get_placement
-from tpflow.global_tensor.segments import segments_of
+from tpflow.global_tensor.segments import local_ranges, segments_of
 from tpflow.sbp import chunk_bounds
 
 __all__ = ["Seen", "Stacked", "block_ranges", "checkpoint_sources", "neighbours", "read_block", "read_stacked"]
@@ -62,16 +62,16 @@ def block_ranges(t: torch.Tensor, coordinate: Sequence[int] | None = None) -> Ra
     if not isinstance(t, DTensor):
         return ranges
     coord, sizes = get_placement(t).coordinate() if coordinate is None else coordinate, t.device_mesh.shape
+    rows = local_ranges(t, coord)
+    if rows is not None:  # this rank's rows of each segment (a fused projection's), FSDP2's share of them
+        ranges[segments_of(t).dim] = rows
+        return ranges
     for placement, c, n in zip(t.placements, coord, sizes):
         if isinstance(placement, Replicate):
             continue
         if not isinstance(placement, (Shard, _StridedShard)):  # (a strided split is not a Shard in every torch)
             raise ValueError(f"a parameter laid out as {placement} is not read from a checkpoint by slices")
         d, parts = placement.dim, placement.split_factor if isinstance(placement, _StridedShard) else 1
-        segments = segments_of(t)
-        if segments is not None and d == segments.dim and ranges[d] == [(0, t.shape[d])]:
-            ranges[d] = segments.ranges(c)  # this rank's rows of each segment (a fused projection's)
-            continue
         if ranges[d] != [(0, t.shape[d])]:  # FSDP2's strided split over a split dim, say: another rule
             raise _NotBySlices(f"a parameter split twice along dim {d} ({t.placements}) is not read from a "
                                "checkpoint by slices")

@@ -28,9 +28,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local import from_local
 from tpflow.placement import Placement
-from tpflow.sbp import broadcast, split
+from tpflow.sbp import broadcast, chunk_bounds, split
 
-__all__ = ["Segments", "segment", "segments_of"]
+__all__ = ["Segments", "keep_answering", "local_ranges", "segment", "segments_of"]
 
 _SEGMENTS = "_tpflow_segments"  # on the parameter: its Segments (given again by the module, see the docstring)
 _HELD = "_tpflow_segmented"  # on the module: its parameters' names -> Segments
@@ -164,6 +164,74 @@ def segments_of(t: torch.Tensor) -> Segments | None:
     return getattr(t, _SEGMENTS, None)
 
 
+def local_ranges(t: torch.Tensor, coordinate: Sequence[int] | None = None) -> list[tuple[int, int]] | None:
+    """The stored rows ``[start, end)`` along its segments' dim that a segmented parameter's local block holds, in
+    order (FSDP2 over data axes splitting the tensor-parallel block further included); None for any other tensor.
+
+    Args:
+        t: a tensor.
+        coordinate: the block of the rank at this coordinate of ``t``'s mesh instead of this rank's.
+
+    Returns:
+        The ranges, or None.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> layer = nn.Linear(2, 6)
+        >>> segment(layer, "weight", Segments(0, (4, 2), ranks=2), P)
+        >>> local_ranges(layer.weight, (1,)), local_ranges(torch.zeros(2))
+        ([(2, 4), (5, 6)], None)
+    """
+    segments = segments_of(t)
+    if segments is None or not isinstance(t, DTensor):
+        return None
+    coordinate = t.device_mesh.get_coordinate() if coordinate is None else coordinate
+    splits = [i for i, p in enumerate(t.placements) if not p.is_replicate()]
+    ranges = segments.ranges(coordinate[splits[-1]])  # the tensor-parallel split: the last mesh dim splitting it
+    for i in splits[:-1]:  # FSDP2's data axes: their chunk [a, b) of the tensor-parallel block's rows
+        a, b = chunk_bounds(sum(end - start for start, end in ranges), t.device_mesh.size(i))[coordinate[i]]
+        narrowed, seen = [], 0
+        for start, end in ranges:
+            low, high = max(a - seen, 0), min(b - seen, end - start)
+            if high > low:
+                narrowed.append((start + low, start + high))
+            seen += end - start
+        ranges = narrowed
+    return ranges
+
+
+def keep_answering(root: nn.Module) -> None:
+    """Before each call of ``root``, the segmented parameters of its modules given their answers again where they
+    were replaced: FSDP2 (``fully_shard``) puts sharded parameters of its own in their place, which the holding
+    module's calls never see (they run on FSDP2's gathered ones).
+
+    Args:
+        root: the model.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 6))
+        >>> segment(model[0], "weight", Segments(0, (4, 2), ranks=2), tpf.placement("cpu", ranks=[0, 1]))
+        >>> keep_answering(model)
+    """
+    if "_tpflow_answers" not in root.__dict__:
+        root.__dict__["_tpflow_answers"] = True
+        root.register_forward_pre_hook(_AnswerHolders(root))
+
+
+class _AnswerHolders:
+    """A root's forward pre-hook: ``_AnswerAgain`` for every module of it holding segmented parameters."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+
+    def __call__(self, caller: nn.Module, args: tuple) -> None:
+        for module in self.root.modules():
+            if _HELD in module.__dict__:
+                _AnswerAgain(module)(module, args)
+
+
 def _answer(t: torch.Tensor, segments: Segments) -> None:
     """Give ``t`` (the parameter, or its detached copy in a state dict) the gathers in stored order and the
     distributed checkpoint's chunks at their stored offsets; a parameter gives them to its gradient as the backward
@@ -253,10 +321,9 @@ class _Answers:
 
     def _pieces(self) -> list[tuple[torch.Size, torch.Tensor]]:
         """This rank's pieces of the stored tensor: each segment's rows, with its offset in the stored tensor."""
-        index = self.t.device_mesh.get_coordinate()[-1]
         local, dim = self.t._local_tensor, self.segments.dim
         out, at = [], 0
-        for start, end in self.segments.ranges(index):
+        for start, end in local_ranges(self.t):
             offsets = [0] * self.t.ndim
             offsets[dim] = start
             out.append((torch.Size(offsets), local.narrow(dim, at, end - start)))

@@ -21,10 +21,11 @@ import dataclasses
 
 from torch import nn
 
-from tpflow.global_tensor.segments import Segments, segment
+from tpflow.global_tensor.segments import Segments, keep_answering, segment
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import Gathered, SplitMixer, broadcast_parameter, sharing_group
-from tpflow.plans.style import Plan, Style
+from tpflow.hf.mixer_split import Gathered, MixerStyle, SplitMixer, broadcast_parameter, sharing_group
+from tpflow.placement import Placement
+from tpflow.plans.style import Plan
 
 __all__ = ["DeltaNetHeads", "delta_net_counts"]
 
@@ -72,7 +73,7 @@ def delta_net_counts(module: nn.Module) -> tuple[int, int, int, int, tuple[str, 
 
 
 @dataclasses.dataclass(frozen=True)
-class DeltaNetHeads(Style):
+class DeltaNetHeads(MixerStyle):
     """Plan style for a gated DeltaNet (``delta_net_counts``), split by heads (see the module docstring).
 
     Example::
@@ -93,9 +94,6 @@ class DeltaNetHeads(Style):
         >>> torch.testing.assert_close(model(ids).logits, want)
     """
 
-    def reads_whole(self, module: nn.Module) -> bool:
-        return True
-
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         counts = delta_net_counts(module)
         if counts is None:
@@ -113,6 +111,7 @@ class DeltaNetHeads(Style):
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world = plan.placement, plan.world
+        keep_answering(plan.model)  # (FSDP2 may put its own parameters in place of the segmented ones)
         keys, values, k_dim, v_dim, projections = delta_net_counts(module)
         share = max(world // keys, 1)  # the ranks holding one key head's value heads
         key_rows, value_rows = keys * k_dim, values * v_dim
@@ -141,10 +140,10 @@ class DeltaNetHeads(Style):
         if module.out_proj.bias is not None:
             broadcast_parameter(module.out_proj, "bias", pl)
         if pl.coordinate() is not None:
-            _split_hooks(module, (keys, values, k_dim, v_dim, projections), pl)
+            _split_hooks(module, (keys, values, k_dim, v_dim, projections), pl, self.sequence_dim)
 
 
-def _split_hooks(module: nn.Module, counts: tuple, pl) -> None:
+def _split_hooks(module: nn.Module, counts: tuple, pl: Placement, tokens: int | None) -> None:
     """The DeltaNet's attributes sized for this rank's heads, and its hooks: a shared key head's q / k rows
     gathered over the ranks holding its value heads."""
     keys, values, k_dim, v_dim, projections = counts
@@ -163,7 +162,7 @@ def _split_hooks(module: nn.Module, counts: tuple, pl) -> None:
         else:
             gathered.append(Gathered(module.in_proj_qkv, (q, q, module.value_dim), (0, 1)))
     modules = (module, *(getattr(module, p) for p in projections), module.conv1d, module.norm, module.out_proj)
-    SplitMixer(module, modules, pl, shared=shared, gathered=gathered, out_bias=module.out_proj)
+    SplitMixer(module, modules, pl, shared=shared, gathered=gathered, out_bias=module.out_proj, sequence_dim=tokens)
 
 
 def kimi_delta_counts(module: nn.Module) -> tuple[int, int] | None:
@@ -204,7 +203,7 @@ def kimi_delta_counts(module: nn.Module) -> tuple[int, int] | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class KimiDeltaHeads(Style):
+class KimiDeltaHeads(MixerStyle):
     """Plan style for a Kimi delta attention (``kimi_delta_counts``; Kimi Linear's KDA), split by heads: q / k / v,
     ``b_proj``, the gates' second projections (``f_b_proj``, ``g_b_proj``) and the per-feature ``dt_bias`` by their
     heads' features, ``A_log`` by heads, the convolution over ``[q | k | v]`` per segment, ``o_proj`` a row split; the
@@ -225,9 +224,6 @@ class KimiDeltaHeads(Style):
         >>> torch.testing.assert_close(model(ids).logits, want)
     """
 
-    def reads_whole(self, module: nn.Module) -> bool:
-        return True
-
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         counts = kimi_delta_counts(module)
         if counts is None:
@@ -240,6 +236,7 @@ class KimiDeltaHeads(Style):
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world = plan.placement, plan.world
+        keep_answering(plan.model)  # (FSDP2 may put its own parameters in place of the segmented ones)
         heads, width = kimi_delta_counts(module)
         gate = module.forget_gate
         for layer in (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_b_proj, gate.f_b_proj):
@@ -258,4 +255,4 @@ class KimiDeltaHeads(Style):
         gate.num_heads, gate.qkv_dim = module.num_heads, module.qkv_dim
         modules = (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_a_proj, module.g_b_proj,
                    module.conv1d, gate, gate.f_a_proj, gate.f_b_proj, module.o_norm, module.o_proj)
-        SplitMixer(module, modules, pl)
+        SplitMixer(module, modules, pl, sequence_dim=self.sequence_dim)

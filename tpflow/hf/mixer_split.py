@@ -19,8 +19,9 @@ from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.regions import WHOLE, tag
 from tpflow.placement import Placement, placement
+from tpflow.plans.style import Style
 
-__all__ = ["Gathered", "SplitMixer", "broadcast_parameter", "sharing_group"]
+__all__ = ["Gathered", "MixerStyle", "SplitMixer", "broadcast_parameter", "sharing_group"]
 
 
 def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
@@ -73,6 +74,32 @@ def sharing_group(pl: Placement, parts: int) -> dist.ProcessGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixerStyle(Style):
+    """A plan style for a token mixer split by heads or channels (its subclasses know which): its input whole on
+    every rank, or, with ``sequence_parallel``, this rank's tokens, all-gathered on entry (the backward
+    reduce-scatters the gradient) and its output reduce-scattered back to them (as a sequence-parallel attention's
+    output projection does).
+
+    Args:
+        sequence_parallel: the mixer sits in a sequence-parallel model (``hf_plan(sequence_parallel=True)`` sets it).
+    """
+
+    sequence_parallel: bool = False
+
+    def reads_whole(self, module: nn.Module) -> bool:
+        return not self.sequence_parallel
+
+    @property
+    def splits_sequence(self) -> bool:
+        return self.sequence_parallel
+
+    @property
+    def sequence_dim(self) -> int | None:
+        """The dim of the tokens each rank holds (1: ``[batch, seq, hidden]``), or None: every token."""
+        return 1 if self.sequence_parallel else None
+
+
+@dataclasses.dataclass(frozen=True)
 class Gathered:
     """Rows of a submodule's parameter that the ranks of a sharing group store split and compute with whole: the
     parameter's local block cut in ``sizes`` (rows), the pieces at ``at`` gathered over the group."""
@@ -94,11 +121,13 @@ class SplitMixer:
         shared: the sharing group of the ``gathered`` rows, or None.
         gathered: the rows gathered.
         out_bias: the output projection, whose bias is whole, or None.
+        sequence_dim: the dim of the tokens each rank holds of the mixer's input and output, or None (every token).
     """
 
     def __init__(self, mixer: nn.Module, modules: Sequence[nn.Module], pl: Placement, *,
                  shared: dist.ProcessGroup | None = None, gathered: Sequence[Gathered] = (),
-                 out_bias: nn.Module | None = None) -> None:
+                 out_bias: nn.Module | None = None, sequence_dim: int | None = None) -> None:
+        self.sequence_dim = sequence_dim
         self.group = pl.mesh.get_group(pl.ndim - 1) if pl.hierarchy[-1] > 1 else None
         self.first = pl.coordinate()[-1] == 0
         data_axes = pl.ndim - 1  # a plain input differs over the data-parallel axes: partial sums there
@@ -129,14 +158,25 @@ class SplitMixer:
         if self.out_bias is not None and "bias" in self.out_bias.__dict__:  # added once (its gradient summed)
             self.out_bias.__dict__["bias"] = self.out_bias.__dict__["bias"] * int(self.first)
         if args:
-            return (comm.copy_to_ranks(args[0], self.group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": comm.copy_to_ranks(kwargs["hidden_states"], self.group)}
+            return (self._entering(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._entering(kwargs["hidden_states"])}
+
+    def _entering(self, x: torch.Tensor) -> torch.Tensor:
+        """The input whole (every rank's tokens gathered), its gradient summed (reduce-scattered to the tokens)."""
+        if self.sequence_dim is None:
+            return comm.copy_to_ranks(x, self.group)
+        dim, ranks = self.sequence_dim, 1 if self.group is None else dist.get_world_size(self.group)
+        return comm.gather_shared(x.contiguous(), dim, x.shape[dim] * ranks, self.group)
+
+    def _leaving(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum summed: whole, or this rank's tokens of the sum."""
+        if self.sequence_dim is None:
+            return tag(comm.reduce_from_ranks(y, self.group), WHOLE)
+        return comm.reduce_scatter_to_ranks(y.contiguous(), self.sequence_dim, self.group)
 
     def after(self, mixer: nn.Module, args: tuple, output: object) -> object:
         for m, reads in self.reads:
             reads.leave(m)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (tag(comm.reduce_from_ranks(output[0], self.group), WHOLE), *output[1:])
-        if not isinstance(output, torch.Tensor):
-            return output
-        return tag(comm.reduce_from_ranks(output, self.group), WHOLE)
+            return (self._leaving(output[0]), *output[1:])
+        return self._leaving(output) if isinstance(output, torch.Tensor) else output

@@ -36,7 +36,7 @@ import re
 from torch import nn
 
 from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
-from tpflow.hf.mixer_styles import mixer_style
+from tpflow.hf.mixer_styles import mixers_within
 from tpflow.hf.mixers import UNKNOWN, is_attention, layer_mixers
 from tpflow.hf.multi_query import MultiQueryColumns
 from tpflow.hf.split_heads import QKV, SplitHeads, head_counts
@@ -226,7 +226,7 @@ def planned(model: nn.Module) -> dict[str, object]:
                                  f"from its modules: {why}. Pass plan={{pattern: style}} to parallelize, or train it "
                                  f"with data parallelism")
             for n, what in mixers.items():  # Mamba-2 mixers split by heads; any other mixer whole, said in the plan
-                split = _split_mixers(layer.get_submodule(n))
+                split = mixers_within(layer.get_submodule(n))
                 plan.update({f"{where}.{n}{inner}": style for inner, style in split.items()} if split
                             else {f"{where}.{n}": Replicated(why=f"{what}, which tpflow does not split")})
             taken = set(mixers)  # (per layer: BERT's output.dense is its MLP's, attention.output.dense not)
@@ -264,17 +264,6 @@ def _patterns(model: nn.Module, plan: dict[str, object], stacks: list[str]) -> d
         else:
             out.update({m: plan[m] for m in members})
     return out
-
-
-def _split_mixers(mixer: nn.Module) -> dict[str, object]:
-    """The mixers tpflow splits (``mixer_style``) that a layer's mixer is or holds, by the suffix of their name
-    (``""`` itself, ``".mamba"`` inside Zamba2's hybrid layer's ``mamba_decoder``) with their styles, where they are
-    its only mixers; empty otherwise."""
-    found = {f".{n}" if n else "": style for n, m in mixer.named_modules() if (style := mixer_style(m)) is not None}
-    if not found or "" in found:
-        return {"": found[""]} if found else {}
-    inner = {f".{n}" for n, _ in layer_mixers(mixer)}
-    return found if inner and inner <= set(found) else {}
 
 
 def _whole_width(attention: nn.Module, width: int) -> bool:

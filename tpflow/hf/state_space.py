@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpflow import comm
-from tpflow.global_tensor.segments import Segments, segment
+from tpflow.global_tensor.segments import Segments, keep_answering, segment
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import Gathered, SplitMixer, broadcast_parameter, sharing_group
+from tpflow.hf.mixer_split import Gathered, MixerStyle, SplitMixer, broadcast_parameter, sharing_group
 from tpflow.placement import Placement
-from tpflow.plans.style import Plan, Style
+from tpflow.plans.style import Plan
 
 __all__ = ["StateSpaceHeads", "state_space_counts"]
 
@@ -90,7 +90,7 @@ def _norm_kind(norm: nn.Module) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class StateSpaceHeads(Style):
+class StateSpaceHeads(MixerStyle):
     """Plan style for a Mamba-2 mixer (``state_space_counts``), split by heads (see the module docstring).
 
     Example::
@@ -109,9 +109,6 @@ class StateSpaceHeads(Style):
         (2, torch.Size([42, 16]))
         >>> torch.testing.assert_close(model(ids).logits, want)
     """
-
-    def reads_whole(self, module: nn.Module) -> bool:
-        return True
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         counts = state_space_counts(module)
@@ -138,6 +135,7 @@ class StateSpaceHeads(Style):
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world = plan.placement, plan.world
+        keep_answering(plan.model)  # (FSDP2 may put its own parameters in place of the segmented ones)
         heads, groups, state, inner = state_space_counts(module)
         segment(module.in_proj, "weight", Segments(0, (inner, inner, groups * state, groups * state, heads), world),
                 pl)
@@ -160,7 +158,7 @@ class StateSpaceHeads(Style):
                 module._buffers[buffer] = _rank_rows(value, (heads, groups, state, inner), world,
                                                      pl.coordinate()[-1]).to(pl.device)
         if pl.coordinate() is not None:
-            _split_hooks(module, (heads, groups, state, inner), pl)
+            _split_hooks(module, (heads, groups, state, inner), pl, self.sequence_dim)
 
 
 def _rank_rows(value: torch.Tensor, counts: tuple[int, int, int, int], world: int, index: int) -> torch.Tensor:
@@ -187,7 +185,7 @@ def _refuse_fused_kernel(name: str, module: nn.Module) -> None:
                          f"features: use a tensor-parallel degree that divides the mixer's {module.n_groups} groups")
 
 
-def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], pl: Placement) -> None:
+def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], pl: Placement, tokens: int | None) -> None:
     """The mixer's attributes sized for this rank's heads, and its hooks: a shared group's B / C rows gathered, the
     gated norm's squares summed over the ranks sharing a group (or its group count this rank's)."""
     heads, groups, state, inner = counts
@@ -206,7 +204,7 @@ def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], pl: Place
     elif _norm_kind(module.norm) == "count":
         module.norm.n_groups = own
     SplitMixer(module, (module, module.in_proj, module.conv1d, module.norm, module.out_proj), pl, shared=shared,
-               gathered=gathered, out_bias=module.out_proj)
+               gathered=gathered, out_bias=module.out_proj, sequence_dim=tokens)
 
 
 class _SpanningNorm:
