@@ -36,7 +36,7 @@ REPRESENTATIVE = {
         "codegen",          # four model-parallel blocks of q | v | k, its out_proj reading them (SplitHeads(groups))
         "gemma3n_text",     # activation sparsity: those MLPs whole; layers reusing another's keys and values
         "gemma4",           # reads its embedding's weight itself: the vocabulary stays whole
-        "mamba"),           # a state space: whole, said in the plan
+        "mamba"),           # a state space split by channels (Mamba-1: ScanChannels)
     4: ("mimo_v2_flash",    # a layer's own key/value head count, fewer than the ranks in others
         "olmo2",            # gathered q / k / v beside fewer key/value heads than ranks
         "stablelm",         # tpflow's own plan, k / v kept whole with fewer key/value heads than ranks
@@ -155,11 +155,12 @@ def test_own_plans_say_what_stays_whole_and_refuse_by_name():
     """What tpflow's plans keep whole is said in the plan (a state space, an MLP with activation sparsity); what
     they cannot split is a sentence naming it and the way out (no ranks needed: the plan is read before any)."""
     import tpflow as tpf
+    from tpflow.hf.selective_scan import ScanChannels
     from tpflow.hf.styles import hf_style
     from tpflow.models.zoo import tiny_config, tiny_model
 
     plan = tpf.hf_plan(tiny_model("mamba"))
-    assert plan["backbone.layers.*.mixer"] == tpf.Replicated(why="a state space, which tpflow does not split")
+    assert plan["backbone.layers.*.mixer"] == ScanChannels()  # (Mamba-1 mixers split by channels)
     assert isinstance(plan["backbone.embeddings"], tpf.VocabParallel)
     gemma3n = tpf.hf_plan(tiny_model("gemma3n_text"))
     assert "activation sparsity" in gemma3n["model.layers.0.mlp"].why
@@ -186,8 +187,8 @@ def test_own_plans_say_what_stays_whole_and_refuse_by_name():
                                          r"\(XLNetLayer\) has no attention with separate q / k / v"):
         tpf.hf_plan(tiny_model("xlnet"))
     with pytest.raises(ValueError, match=r"sequence_parallel=True runs the layers on each rank's tokens.*"
-                                         r"backbone.layers.0.mixer"):
-        tpf.hf_plan(tiny_model("mamba"), sequence_parallel=True)
+                                         r"model.layers.0.attn_sconv \(InklingShortConvolution\)"):  # (kept whole)
+        tpf.hf_plan(tiny_model("inkling_text"), sequence_parallel=True)
     with pytest.raises(ValueError, match=r"sequence_parallel=True: transformer.h.\*.attn.c_attn \(MultiQueryColumns"):
         tpf.hf_plan(tiny_model("gpt_bigcode"), sequence_parallel=True)
     falcon = tiny_config("falcon")

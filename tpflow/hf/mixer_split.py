@@ -42,7 +42,10 @@ def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
         (Replicate(),)
     """
     full = module._parameters[name]
-    local = full.detach().clone() if pl.coordinate() is not None else torch.empty(0, dtype=full.dtype)
+    if pl.coordinate() is None:
+        local = torch.empty(0, dtype=full.dtype)
+    else:  # (on the meta device: allocated, for a checkpoint to fill)
+        local = torch.empty(full.shape, dtype=full.dtype) if full.is_meta else full.detach().clone()
     value = DTensor.from_local(local.to(pl.device), pl.mesh, [Replicate()] * pl.ndim, run_check=False,
                                shape=full.shape, stride=full.stride())
     setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))

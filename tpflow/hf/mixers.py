@@ -4,8 +4,8 @@
 sequence would run without the earlier tokens' state and get silently wrong.
 
 Each decoder layer's children are read by what they are: attention (``is_attention``), a norm, a linear layer, an
-MLP or a mixture of experts (token-wise), dropout; any other child, or any of them holding a convolution, is a mixer
-context parallelism cannot split, refused by name.
+MLP or a mixture of experts (token-wise), dropout; any other child, or any of them holding a convolution or a token
+shift (RWKV's channel mixing reads the token before), is a mixer context parallelism cannot split, refused by name.
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ UNKNOWN = "a token mixer tpflow does not know"
 _TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropout|Identity|Linear$|Embedding|Act|"
                         r"GELU|SiLU|ReLU|Rotary|HyperConnection|Intermediate|Output$")
 _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mixer": "a state space",
-        "DeltaNet": "linear attention (a delta rule's state)", "Lightning": "linear attention",
-        "Linear": "linear attention", "Recurrent": "a recurrence", "Rwkv": "a recurrence (RWKV's time mixing)",
+        "DeltaNet": "linear attention (a delta rule's state)",
+        "DeltaAttention": "linear attention (a delta rule's state)",
+        "ShortConvolution": "a depthwise convolution over the sequence of the residual stream itself (a small kernel "
+                            "per feature, no projection to split with it)",
+        "Lightning": "linear attention", "Linear": "linear attention", "Recurrent": "a recurrence",
+        "RwkvFeedForward": "a token shift (RWKV's channel mixing)", "Rwkv": "a recurrence (RWKV's time mixing)",
         "LSTM": "a recurrence (xLSTM)", "Retention": "a recurrence",
         "Indexer": "a sparse-attention indexer, which picks each query's keys over the whole sequence"}
 
@@ -110,8 +114,9 @@ def layer_mixers(layer: nn.Module) -> list[tuple[str, str]]:
         if any("Indexer" in type(m).__name__ for m in child.modules()):
             found.append((name, _WHY["Indexer"]))
             continue
-        tokenwise = _TOKENWISE.search(type(child).__name__) and not convolves
-        if convolves or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
+        shifts = any(isinstance(getattr(m, "time_shift", None), nn.ZeroPad2d) for m in child.modules())  # RWKV's
+        tokenwise = _TOKENWISE.search(type(child).__name__) and not (convolves or shifts)
+        if convolves or shifts or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
             found.append((name, _why(child)))
     return found
 

@@ -61,6 +61,8 @@ _FAMILY = {
     # only past 16 tokens (its cached decoding fails on a chunked LSH layer)
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4],
                  "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 16},
+    # its default config makes every layer attention (full_attn_idxs all 32): a convolution layer, an attention one
+    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "dbrx": {"attn_config": {"clip_qkv": 8.0, "rope_theta": 500000.0}},  # its checkpoints' values: its code reads them
     "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},  # as its checkpoints (unset, 0 by default)
