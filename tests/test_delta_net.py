@@ -1,7 +1,7 @@
 """Gated DeltaNet and Kimi delta attention split by heads (``tpflow.hf.delta_net``), checked against one device on
 transformers' own models (``tests.mixer_checks``): Qwen3-Next's interleaved projections, Qwen3.5's segmented ones
-(dense and MoE), Kimi Linear's low-rank gates; key heads split with their value heads, or shared by the ranks of
-their value heads where there are fewer of them than ranks; the refusals."""
+(dense and MoE), OLMo-Hybrid's separate ones, Kimi Linear's low-rank gates; key heads split with their value heads,
+or shared by the ranks of their value heads where there are fewer of them than ranks; the refusals."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _kimi(heads: int, **extra) -> Case:
 def test_delta_nets_split_by_heads_match_one_device(world):
     # 2 key heads of 2 value heads each: split at 2 ranks, each shared by 2 ranks at 4
     cases = [_delta_net("qwen3_next", 2, 4), _delta_net("qwen3_5_text", 2, 4), _delta_net("qwen3_5_moe_text", 2, 4),
-             _kimi(4)]
+             _delta_net("olmo_hybrid", 2, 4), _kimi(4)]
     folder = tempfile.mkdtemp()
     try:
         shares = run(world, matches_one_device, cases, folder, timeout=600)[0]

@@ -6,7 +6,8 @@
     local       from_local: a global tensor from each rank's block
     local_blocks  the hot paths' reads of parameter blocks (one autograd node a module), blocks joined in one
                 storage, and DTensors made from a layout computed once: the one module on DTensor's internals
-    convert     to_global, for global tensors, plain tensors and modules (module)
+    convert     to_global, for global tensors, plain tensors and modules (module, with held_share: the share of a
+                module's values this rank holds)
     signatures  the matmul signatures legal on a placement axis, and what boxing to another costs
     matmul      matmul with SBP inference
     cross_entropy  the loss of logits split over the classes, and the mode routing F.cross_entropy to it
@@ -27,8 +28,9 @@ from tpflow.global_tensor.cross_entropy import cross_entropy, vocab_parallel_los
 from tpflow.global_tensor.gradients import clip_grad_norm_
 from tpflow.global_tensor.local import from_local
 from tpflow.global_tensor.matmul import matmul
+from tpflow.global_tensor.module import held_share
 from tpflow.global_tensor.replicas import check_replicas
 
 __all__ = ["argmax", "check_replicas", "clip_grad_norm_", "collectives", "cross_entropy", "from_local", "full",
-           "get_placement", "get_sbp", "gradients", "matmul", "ones", "rand", "randn", "tensor", "to_global",
-           "to_local", "vocab_parallel_loss", "zeros"]
+           "get_placement", "get_sbp", "gradients", "held_share", "matmul", "ones", "rand", "randn", "tensor",
+           "to_global", "to_local", "vocab_parallel_loss", "zeros"]

@@ -1,4 +1,5 @@
-"""``to_global`` of an ``nn.Module``: every parameter and buffer converted, shared ones kept shared."""
+"""A module's global tensors: ``to_global`` of an ``nn.Module`` (every parameter and buffer converted, shared ones
+kept shared), and the share of its parameters' values this rank holds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tpflow.global_tensor.local import from_local
 from tpflow.placement import Placement
 from tpflow.sbp import broadcast, normalize
 
-__all__ = ["module_to_global"]
+__all__ = ["held_share", "module_to_global"]
 
 
 def module_to_global(module: nn.Module, pl: Placement, sbp: object) -> nn.Module:
@@ -74,3 +75,34 @@ def module_to_global(module: nn.Module, pl: Placement, sbp: object) -> nn.Module
                 else new
         table[name] = converted[id(t)]
     return module
+
+
+def held_share(module: nn.Module) -> float:
+    """The share of ``module``'s parameter values this rank holds: what a split saves in memory. Each parameter counts
+    once (a tied embedding and head once), a global tensor as its local block over its whole (one device's) size, a
+    plain tensor whole. A model split over W ranks holds 1/W; what stays whole on every rank (a broadcast norm, a
+    module no plan entry splits) adds its share in full.
+
+    Args:
+        module: a model, parallelized or not.
+
+    Returns:
+        A fraction in [0, 1] (0 for a module without parameters or a rank outside their placement); ranks holding
+        uneven blocks hold different shares.
+
+    Example::
+
+        >>> from tpflow.global_tensor.module import held_share
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> mlp = tpf.parallelize(torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.GELU(),
+        ...                                           torch.nn.Linear(32, 8, bias=False)), placement=P,
+        ...                       plan={"0": "column", "2": "row"})
+        >>> held_share(mlp), held_share(torch.nn.Linear(8, 32))
+        (0.5, 1.0)
+    """
+    held = whole = 0
+    for p in module.parameters():
+        held += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+        whole += p.numel()
+    return held / whole if whole else 0.0

@@ -3,7 +3,9 @@
 
     parallelize       tpf.parallelize, the front door: PEFT lifted, "auto" and HF's names read, heads said, the
                       engine run, save_pretrained / generate / the trainers readied
-    plan, planner     tpf.hf_plan: a model's own plan as entries; tpflow's plan for a model that ships none
+    plan, planner, left_out
+                      tpf.hf_plan: a model's own plan as entries; tpflow's plan for a model that ships none, and for
+                      what a model's own plan leaves out of its layers (else a Replicated entry saying why)
     styles            Hugging Face's style strings ("colwise", "rowwise", ...) as entries
     head_columns      SplitHeads and HeadColumns written where an attention's queries split
     heads, split_heads, multi_query, mla, in_place, summed

@@ -1,11 +1,13 @@
-"""Gated DeltaNet mixers split by heads (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): each rank runs the model's own code (its
-convolution, its delta rule, its per-head gated norm) on its value heads and their key heads, the output summed.
+"""Gated DeltaNet mixers split by heads (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid): each rank runs the model's
+own code (its convolution, its delta rule, its per-head gated norm) on its value heads and their key heads, the
+output summed.
 
 A DeltaNet has ``n_k`` key heads (q and k) and ``n_v`` value heads (v, z, b, a), ``n_v / n_k`` value heads reading
 each key head. The split keeps transformers' stored layouts:
 
     Qwen3-Next  in_proj_qkvz  [q_g | k_g | v_g | z_g] for each key head g, interleaved; in_proj_ba [b_g | a_g] alike
     Qwen3.5     in_proj_qkv   [q | k | v] segments; in_proj_z, in_proj_b, in_proj_a by value heads
+    OLMo-Hybrid q_proj, k_proj by key heads; v_proj, g_proj, a_proj, b_proj by value heads
     both        conv1d        [q | k | v] segments (a depthwise convolution); A_log, dt_bias per value head;
                 out_proj      a row split; the gated norm's weight (one head's width, every head's) whole
 
@@ -31,6 +33,17 @@ __all__ = ["DeltaNetHeads", "delta_net_counts"]
 
 _INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
 _SEGMENTED = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_SEPARATE = ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")  # OLMo-Hybrid's
+
+
+def _out(module: nn.Module) -> nn.Module:
+    """A DeltaNet's output projection (``out_proj``, OLMo-Hybrid's ``o_proj``)."""
+    return getattr(module, "out_proj", None) or getattr(module, "o_proj", None)
+
+
+def _norm(module: nn.Module) -> nn.Module:
+    """A DeltaNet's gated norm (``norm``, OLMo-Hybrid's ``o_norm``)."""
+    return getattr(module, "norm", None) or getattr(module, "o_norm", None)
 
 
 def delta_net_counts(module: nn.Module) -> tuple[int, int, int, int, tuple[str, ...]] | None:
@@ -60,10 +73,11 @@ def delta_net_counts(module: nn.Module) -> tuple[int, int, int, int, tuple[str, 
     if not all(isinstance(getattr(module, n, None), int) for n in names):
         return None
     keys, values, k_dim, v_dim = (getattr(module, n) for n in names)
-    projections = next((p for p in (_INTERLEAVED, _SEGMENTED)
+    projections = next((p for p in (_INTERLEAVED, _SEGMENTED, _SEPARATE)
                         if all(isinstance(getattr(module, n, None), nn.Linear) for n in p)), None)
-    conv, out = getattr(module, "conv1d", None), getattr(module, "out_proj", None)
-    if projections is None or not isinstance(conv, nn.Conv1d) or not isinstance(out, nn.Linear):
+    conv, out = getattr(module, "conv1d", None), _out(module)
+    if (projections is None or not isinstance(conv, nn.Conv1d) or not isinstance(out, nn.Linear)
+            or not isinstance(_norm(module), nn.Module)):
         return None
     if any(getattr(getattr(module, n, None), "shape", None) != (values,) for n in ("A_log", "dt_bias")):
         return None
@@ -75,6 +89,10 @@ def delta_net_counts(module: nn.Module) -> tuple[int, int, int, int, tuple[str, 
 @dataclasses.dataclass(frozen=True)
 class DeltaNetHeads(MixerStyle):
     """Plan style for a gated DeltaNet (``delta_net_counts``), split by heads (see the module docstring).
+
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
 
     Example::
 
@@ -124,9 +142,12 @@ class DeltaNetHeads(MixerStyle):
         elif projections == _INTERLEAVED:  # whole key heads a rank: a plain split of the interleaved rows
             for projection in _INTERLEAVED:
                 split_parameter(getattr(module, projection), "weight", 0, pl)
-        else:
+        elif projections == _SEGMENTED:
             segment(module.in_proj_qkv, "weight", Segments(0, (key_rows, key_rows, value_rows), world), pl)
             for projection in _SEGMENTED[1:]:
+                split_parameter(getattr(module, projection), "weight", 0, pl)
+        else:  # each its own heads' rows (q / k: a shared key head's, split over its ranks)
+            for projection in _SEPARATE:
                 split_parameter(getattr(module, projection), "weight", 0, pl)
         for param in ("weight", "bias"):
             if getattr(module.conv1d, param) is not None:
@@ -134,11 +155,11 @@ class DeltaNetHeads(MixerStyle):
                         read_by=module)
         for param in ("A_log", "dt_bias"):
             split_parameter(module, param, 0, pl)
-        for param, _ in module.norm.named_parameters(recurse=False):
-            broadcast_parameter(module.norm, param, pl)
-        split_parameter(module.out_proj, "weight", 1, pl)
-        if module.out_proj.bias is not None:
-            broadcast_parameter(module.out_proj, "bias", pl)
+        for param, _ in _norm(module).named_parameters(recurse=False):
+            broadcast_parameter(_norm(module), param, pl)
+        split_parameter(_out(module), "weight", 1, pl)
+        if _out(module).bias is not None:
+            broadcast_parameter(_out(module), "bias", pl)
         if pl.coordinate() is not None:
             _split_hooks(module, (keys, values, k_dim, v_dim, projections), pl, self.sequence_dim)
 
@@ -159,10 +180,12 @@ def _split_hooks(module: nn.Module, counts: tuple, pl: Placement, tokens: int | 
         gathered = [Gathered(module.conv1d, (q, q, module.value_dim), (0, 1))]
         if projections == _INTERLEAVED:
             gathered.append(Gathered(module.in_proj_qkvz, (q, q, module.value_dim, module.value_dim), (0, 1)))
-        else:
+        elif projections == _SEGMENTED:
             gathered.append(Gathered(module.in_proj_qkv, (q, q, module.value_dim), (0, 1)))
-    modules = (module, *(getattr(module, p) for p in projections), module.conv1d, module.norm, module.out_proj)
-    SplitMixer(module, modules, pl, shared=shared, gathered=gathered, out_bias=module.out_proj, sequence_dim=tokens)
+        else:
+            gathered += [Gathered(module.q_proj, (q,), (0,)), Gathered(module.k_proj, (q,), (0,))]
+    modules = (module, *(getattr(module, p) for p in projections), module.conv1d, _norm(module), _out(module))
+    SplitMixer(module, modules, pl, shared=shared, gathered=gathered, out_bias=_out(module), sequence_dim=tokens)
 
 
 def kimi_delta_counts(module: nn.Module) -> tuple[int, int] | None:
@@ -208,6 +231,10 @@ class KimiDeltaHeads(MixerStyle):
     ``b_proj``, the gates' second projections (``f_b_proj``, ``g_b_proj``) and the per-feature ``dt_bias`` by their
     heads' features, ``A_log`` by heads, the convolution over ``[q | k | v]`` per segment, ``o_proj`` a row split; the
     gates' first projections (to one head's width) and the norm's weight (one head's width) whole on every rank.
+
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
 
     Example::
 

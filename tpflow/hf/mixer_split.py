@@ -85,6 +85,12 @@ class MixerStyle(Style):
 
     Args:
         sequence_parallel: the mixer sits in a sequence-parallel model (``hf_plan(sequence_parallel=True)`` sets it).
+
+    Example::
+
+        >>> from tpflow.hf.state_space import StateSpaceHeads
+        >>> StateSpaceHeads(sequence_parallel=True).sequence_dim, StateSpaceHeads().reads_whole(nn.Identity())
+        (1, True)
     """
 
     sequence_parallel: bool = False
@@ -105,7 +111,19 @@ class MixerStyle(Style):
 @dataclasses.dataclass(frozen=True)
 class Gathered:
     """Rows of a submodule's parameter that the ranks of a sharing group store split and compute with whole: the
-    parameter's local block cut in ``sizes`` (rows), the pieces at ``at`` gathered over the group."""
+    parameter's local block cut in ``sizes`` (rows), the pieces at ``at`` gathered over the group.
+
+    Args:
+        module: the submodule holding the parameter (its ``weight`` and ``bias`` alike).
+        sizes: the local block's pieces, rows each, in order.
+        at: the pieces gathered whole over the sharing group.
+
+    Example::
+
+        >>> conv = nn.Conv1d(8, 8, 4, groups=8)      # [x | B | C]: 4 rows of x a rank, B and C shared
+        >>> Gathered(conv, (4, 1, 1), (1, 2)).at
+        (1, 2)
+    """
 
     module: nn.Module
     sizes: tuple[int, ...]
@@ -125,6 +143,20 @@ class SplitMixer:
         gathered: the rows gathered.
         out_bias: the output projection, whose bias is whole, or None.
         sequence_dim: the dim of the tokens each rank holds of the mixer's input and output, or None (every token).
+
+    Example::
+
+        >>> from tpflow.hf.heads import split_parameter
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> mixer = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+        >>> x = torch.randn(2, 4)
+        >>> want = mixer(x)
+        >>> for name, dim in (("weight", 0), ("bias", 0)):
+        ...     split_parameter(mixer[0], name, dim, P)      # this rank's 4 of the 8 features
+        >>> split_parameter(mixer[2], "weight", 1, P)         # which its output's partial sum reads
+        >>> hooks = SplitMixer(mixer, [mixer[0], mixer[2]], P)
+        >>> torch.testing.assert_close(mixer(x), want)       # summed over the ranks
     """
 
     def __init__(self, mixer: nn.Module, modules: Sequence[nn.Module], pl: Placement, *,

@@ -80,6 +80,10 @@ def mlstm_counts(module: nn.Module) -> tuple[int, int, int] | None:
 class MatrixMemoryHeads(MixerStyle):
     """Plan style for xLSTM's mLSTM layer (``mlstm_counts``), split by heads (see the module docstring).
 
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
+
     Example::
 
         >>> from transformers import xLSTMConfig, xLSTMForCausalLM

@@ -20,7 +20,9 @@ A model transformers ships no plan for gets tpflow's, read off its module tree (
 head-by-head fused q / k / v as column layers with their heads split, fused blocks and multi-query projections by
 their layouts, the output projection and the MLP's down projections as row layers, state spaces and recurrences
 whole, said in the plan), or a sentence naming what cannot be split. ``python -m tpflow.models`` checks every
-registered causal LM against one device and writes what each gets (``docs/models.md``).
+registered causal LM against one device and writes what each gets (``docs/models.md``). What a model's own plan
+leaves out of its decoder layers (HunYuan-dense's, DiffLlama's and Emu3's name the head alone) tpflow plans alike, or
+names in a ``Replicated`` entry saying why it stays whole (``tpflow.hf.left_out``).
 
 Every other module with parameters (the norms) is replicated by ``parallelize``, with its
 gradients found from the autograd graph, so entries such as ``replicated_with_grad_allreduce`` are kept but
@@ -41,6 +43,9 @@ from tpflow.hf.context import ContextParallel, refuse_unsplit
 from tpflow.hf.head_columns import with_heads
 from tpflow.hf.heads import attention_heads
 from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
+from tpflow.hf.left_out import with_left_out
+from tpflow.hf.mixer_split import MixerStyle
+from tpflow.hf.mixer_styles import mixer_style, mixers_within, with_mixers
 from tpflow.hf.mixers import is_attention, unsplit_mixers
 from tpflow.hf.multi_query import MultiQueryColumns
 from tpflow.hf.planner import planned
@@ -90,20 +95,23 @@ def _decoder_layers(model: nn.Module) -> str | None:
 
 
 def _is_attention(model: nn.Module, pattern: str) -> bool:
-    return any(attention_heads(m) is not None for n, m in model.named_modules() if fnmatch.fnmatchcase(n, pattern))
+    """Whether a module ``pattern`` names is attention (MLA's latent projections included)."""
+    return any(is_attention(m) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, pattern))
 
 
 def _on_every_token(model: nn.Module, own: dict[str, object], experts: list[str]) -> list[str]:
     """Under sequence parallelism, the modules that run on every token, gathered on entry, their output cut back to
     this rank's tokens: a mixture of experts' block (router, experts, shared experts); an attention whose q / k / v
     gather their outputs (OLMoE's, normed over every head: its o_proj splits a whole input, which a
-    sequence-parallel row layer cannot take); an attention the plan leaves whole (DeepSeek-V3's), whose positions
+    sequence-parallel row layer cannot take); an attention the plan leaves whole (DiffLlama's), whose positions
     are every token's."""
     found = [pattern.rpartition(".")[0] for pattern in experts]
     found += [pattern.rpartition(".")[0] for pattern, style in own.items()
               if style == "rowwise_split_input" and _is_attention(model, pattern.rpartition(".")[0])]
     for name, module in model.named_modules():
         if attention_heads(module) is None and name.rpartition(".")[2] != "self_attn":  # MLA's has no q / k / v
+            continue
+        if mixer_style(module) is not None:  # a mixer split by heads (Kimi's delta attention): it gathers its own
             continue
         pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
         planned = any(fnmatch.fnmatchcase(f"{name}.{child}", p) for child, _ in module.named_modules() if child
@@ -191,8 +199,8 @@ def _refuse_sequence_split(model: nn.Module, plan: dict[str, object]) -> None:
     token: a mixer other than attention (a state space, a convolution over the sequence: it would start each rank's
     tokens from an empty state), or an entry with no sequence-parallel form (fused blocks split in place,
     multi-query projections, summed parameters)."""
-    mixers = unsplit_mixers(model)
-    if mixers:
+    mixers = [m for m in unsplit_mixers(model) if not mixers_within(model.get_submodule(m.partition(" ")[0]))]
+    if mixers:  # (the mixers split by heads gather every token, as attention does)
         raise ValueError(f"sequence_parallel=True runs the layers on each rank's tokens, and {type(model).__name__}'s "
                          f"layers mix tokens other than by attention: {'; '.join(mixers[:3])}. Use "
                          f"sequence_parallel=False")
@@ -213,7 +221,8 @@ def _check_layers_found(model: nn.Module, own: dict[str, object], names: list[st
     """Refuse a model none of whose layers the plan's layer patterns (all but the embedding's and the head's) name:
     ``plan="auto"`` would split the embedding and the head, found by their getters, and run every layer whole on
     every rank without a word (a model inside a wrapper of the user's own, whose modules then carry its prefix; a
-    model whose modules were renamed)."""
+    model whose modules were renamed). Checked before tpflow fills in what the model's own plan leaves out, which
+    would plan such a model's layers without the styles of its own plan."""
     layers = [p for p, style in own.items() if style != "embedding_rowwise"
               and not any(e and (e == p or e.endswith("." + p)) for e in ends)]
     if not layers or any(fnmatch.fnmatchcase(n, p) for p in layers for n in names):
@@ -228,15 +237,17 @@ def _check_layers_found(model: nn.Module, own: dict[str, object], names: list[st
 def _fuse_alike(model: nn.Module, plan: dict[str, Style], names: list[str]) -> None:
     """Fuse the column layers of one parent only where they read inputs of one width, with a bias or none alike: MLA's
     ``q_b_proj`` and ``kv_b_proj`` read two latents, never one input; Whisper's ``k_proj`` has no bias."""
-    parents: dict[str, list[str]] = {}
+    parents: dict[str, list[tuple[str, nn.Module]]] = {}  # by the modules' parents (patterns may name them apart)
     for pattern, entry in plan.items():
         if isinstance(entry, ColumnParallel) and entry.fuse:
-            parents.setdefault(pattern.rpartition(".")[0], []).append(pattern)
-    for patterns in parents.values():
+            for n in names:
+                if fnmatch.fnmatchcase(n, pattern):
+                    parents.setdefault(n.rpartition(".")[0], []).append((pattern, model.get_submodule(n)))
+    for members in parents.values():
         widths = {(getattr(m, "in_features", None), getattr(m, "bias", None) is None, getattr(m, "weight", m).dtype)
-                  for p in patterns for n in names if fnmatch.fnmatchcase(n, p) for m in [model.get_submodule(n)]}
+                  for _, m in members}
         if len(widths) > 1:
-            for pattern in patterns:
+            for pattern, _ in members:
                 plan[pattern] = dataclasses.replace(plan[pattern], fuse=False)
 
 
@@ -294,23 +305,24 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     context = None if context_parallel is None else ContextParallel(context_parallel)  # the kind checked first
     if context is not None:
         refuse_unsplit(model)  # before any plan: no model runs without its context split in silence
-    if not own:  # transformers ships none: tpflow's, read off the module tree (or a sentence naming why not)
-        own = planned(model)
+    names = [name for name, _ in model.named_modules()]
+    embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
+    _check_layers_found(model, own, names, {embedding, head})  # (its own names, before tpflow fills in what they miss)
+    # transformers ships none: tpflow's, read off the module tree (or a sentence naming why not); else what its own
+    # leaves out of the layers: tpflow's entries, or Replicated ones saying why it stays whole
+    own = with_mixers(model, with_left_out(model, own) if own else planned(model))  # mixers split by heads
     if sequence_parallel:
         _refuse_sequence_split(model, own)
     plan: dict[str, Style] = {}
-    embedding, head = _name_of(model, "get_input_embeddings"), _name_of(model, "get_output_embeddings")
     reader = _reads_weight(model, embedding)
     if vocab_parallel and reader is not None:
         raise ValueError(f"vocab_parallel=True: {reader}'s forward reads {embedding}.weight itself, which a split "
                          f"over the vocabulary would give it as this rank's rows: pass vocab_parallel=False (or None)")
     vocab_parallel = reader is None if vocab_parallel is None else vocab_parallel
-    names = [name for name, _ in model.named_modules()]
     own.update(_shared_experts(model, own))
     own = _whole_statistics(model, own, names)
     experts = [pattern for pattern, style in own.items() if style == "moe_tp_experts"]
     blocks = _on_every_token(model, own, experts) if sequence_parallel else []
-    _check_layers_found(model, own, names, {embedding, head})
     for pattern, style in own.items():
         if pattern == head or (style == "embedding_rowwise" and not vocab_parallel):
             continue  # the head is planned below; without vocab_parallel an embedding stays whole
@@ -323,6 +335,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             entry = ExpertParallel(axis=expert_parallel if isinstance(expert_parallel, str) else None)
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
+        if isinstance(entry, MixerStyle):  # a token mixer split by heads: every token gathered on entry
+            entry = dataclasses.replace(entry, sequence_parallel=sequence_parallel)
         parent = pattern.rpartition(".")[0]
         if any(parent == block or parent.startswith(block + ".") for block in blocks):
             pass  # in a mixture of experts' block: it runs on every token under sequence parallelism

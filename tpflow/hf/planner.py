@@ -45,8 +45,9 @@ from tpflow.plans.replicated import Replicated
 __all__ = ["planned"]
 
 _OUT = ("o_proj", "out_proj", "dense", "Wo", "attention_out", "out_lin")
-_UP = ("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "dense_h_to_4h", "intermediate.dense", "lin1")
-_DOWN = ("fc2", "fc_out", "c_proj", "down_proj", "dense_4h_to_h", "output.dense", "lin2")
+_UP = ("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "dense_h_to_4h", "intermediate.dense", "lin1", "w1", "w3",
+       "proj_up_gate", "proj_up")  # (LFM2's w1 / w3 / w2, xLSTM's proj_up_gate / proj_up / proj_down)
+_DOWN = ("fc2", "fc_out", "c_proj", "down_proj", "dense_4h_to_h", "output.dense", "lin2", "w2", "proj_down")
 _FUSED = ("query_key_value", "c_attn", "qkv_proj", "Wqkv")
 # fused q / k / v projections whose output the module views head by head ([heads, 3, head_dim], or Falcon's new
 # architecture's [key/value heads, queries per key/value head + 2, head_dim]): a split by whole heads is a column split

@@ -76,6 +76,10 @@ class RecurrentHeads(MixerStyle):
     """Plan style for RecurrentGemma's recurrent block (``recurrent_block_counts``), split by heads (see the module
     docstring).
 
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
+
     Example::
 
         >>> from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM

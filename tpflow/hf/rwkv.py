@@ -139,6 +139,10 @@ def _split_in_place(module: nn.Module, pl: Placement, by_output: tuple[str, ...]
 class TimeMixChannels(MixerStyle):
     """Plan style for RWKV's time mixing (``time_mixing_channels``), split by channels (see the module docstring).
 
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
+
     Example::
 
         >>> from transformers import RwkvConfig, RwkvForCausalLM
@@ -201,6 +205,10 @@ class _TimeMixing(SplitMixer):
 class ChannelMixChannels(MixerStyle):
     """Plan style for RWKV's channel mixing (``channel_mixing_widths``), split by channels (see the module
     docstring).
+
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
 
     Example::
 

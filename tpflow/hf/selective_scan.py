@@ -87,6 +87,10 @@ class ScanChannels(MixerStyle):
     with ``sequence_parallel``, its input this rank's tokens, gathered on entry, and its output reduce-scattered
     back to them.
 
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
+
     Example::
 
         >>> from transformers import MambaConfig, MambaForCausalLM

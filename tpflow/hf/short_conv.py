@@ -65,6 +65,10 @@ class ShortConvChannels(MixerStyle):
     """Plan style for a short-convolution mixer (``short_conv_channels``), split by channels (see the module
     docstring).
 
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
+
     Example::
 
         >>> from transformers import Lfm2Config, Lfm2ForCausalLM

@@ -93,6 +93,10 @@ def _norm_kind(norm: nn.Module) -> str | None:
 class StateSpaceHeads(MixerStyle):
     """Plan style for a Mamba-2 mixer (``state_space_counts``), split by heads (see the module docstring).
 
+    Args:
+        sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
+            (``hf_plan(sequence_parallel=True)`` sets it).
+
     Example::
 
         >>> from transformers import Mamba2Config, Mamba2ForCausalLM

@@ -38,7 +38,8 @@ launch:
 import tpflow as tpf
 from tpflow.models import check
 
-print(check("deepseek_v3", "cp", tpf.placement("cpu", ranks=[0, 1]), ratios=True))   # Verdict(status='exact', why='')
+print(check("deepseek_v3", "cp", tpf.placement("cpu", ranks=[0, 1]), ratios=True))
+# Verdict(status='exact', why='', share=None, whole='')
 ```"""
     return f"""# Models: what each causal LM transformers ships gets
 
@@ -51,6 +52,10 @@ after an AdamW step and, but for context parallelism, `generate`'s greedy tokens
 real ratios of head dims, experts per token and key/value heads: [models-ratios.md](models-ratios.md).
 
 - **tensor**: `tpf.parallelize(model, placement=P, plan="auto")`, the model's own plan read by `tpf.hf_plan`;
+- **values held**: under tensor parallelism, the share of the model's parameter values the rank holding most holds
+  (`tpflow.global_tensor.held_share`: 1/W where everything splits, plus the norms and biases every rank keeps); in bold
+  above 1/W + 0.1, with a note naming the largest parts every rank holds whole and why (the plan's
+  `Replicated(why=...)` entry, else the module's class);
 - **context (ring)**: `tpf.hf_plan(model, context_parallel="ring")` on a 1-D placement (the weights whole);
 - **expert**: `tpf.hf_plan(model, expert_parallel=True)`: a mixture's experts shared out whole (n/a: no experts);
 - **transformers' tensor**: transformers' own tensor parallelism, the model saved and loaded by
@@ -64,7 +69,8 @@ missing (the note); **wrong**: a number differs, or the mode did not apply; **fa
 import tpflow as tpf
 from tpflow.models import check
 
-print(check("gpt2", "tp", tpf.placement("cpu", ranks=[0, 1])))   # Verdict(status='exact', why='')
+print(check("gpt2", "tp", tpf.placement("cpu", ranks=[0, 1])))
+# Verdict(status='exact', why='', share=0.52, whole='')
 ```"""
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tpflow.models.shares import SLACK, most_held, what_stays_whole
 from tpflow.models.zoo import VOCAB, tiny_model
 from tpflow.placement import Placement
 
@@ -50,6 +51,10 @@ class Verdict:
         status: ``"exact"``, ``"refused"``, ``"failing"``, ``"wrong"``, ``"n/a"`` (no experts to share out) or
             ``"not built"``.
         why: the sentence: the refusal's, the error's, what differs.
+        share: under tensor parallelism, the share of the model's values the rank holding most holds
+            (``tpflow.models.shares.most_held``); None where the model was not parallelized.
+        whole: where ``share`` is above 1/W + ``tpflow.models.shares.SLACK``, what stays whole on every rank
+            (``what_stays_whole``).
 
     Example::
 
@@ -59,6 +64,8 @@ class Verdict:
 
     status: str
     why: str = ""
+    share: float | None = None
+    whole: str = ""
 
 
 class _Wrong(Exception):
@@ -143,7 +150,7 @@ def check(kind: str, mode: str, placement: Placement, ratios: bool = False) -> V
     Example::
 
         >>> check("llama", "tp", tpf.placement("cpu", ranks=[0, 1]))
-        Verdict(status='exact', why='')
+        Verdict(status='exact', why='', share=0.5, whole='')
     """
     ids = torch.randint(0, VOCAB, (2, _SEQUENCE), generator=torch.Generator().manual_seed(1))
     try:  # a config transformers cannot build or run tiny: said, not checked
@@ -155,7 +162,7 @@ def check(kind: str, mode: str, placement: Placement, ratios: bool = False) -> V
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model = _transformers_model(ref) if mode == "hf" else _parallelized(ref, mode, placement)
+            model, plan = (_transformers_model(ref), {}) if mode == "hf" else _parallelized(ref, mode, placement)
         except ValueError as e:
             if mode == "hf" and "has no `tp_plan`" in str(e):
                 return Verdict("n/a", "transformers ships no tensor-parallel plan")
@@ -165,28 +172,38 @@ def check(kind: str, mode: str, placement: Placement, ratios: bool = False) -> V
                                       f"{_first_line(e)}")
         if model is None:
             return Verdict("n/a", "no experts")
+        held = _held(model, plan, placement) if mode == "tp" else {}
         try:
             _compare(mode, model, ref, ids)
         except _Wrong as e:
-            return Verdict("wrong", str(e))
+            return Verdict("wrong", str(e), **held)
         except ValueError as e:  # what only a batch shows (a mask an attention module builds itself)
             if mode == "hf" or "/tpflow/" not in traceback.extract_tb(e.__traceback__)[-1].filename:
                 return Verdict("failing", f"{type(e).__name__}: {_first_line(e)}")  # the model's, not a refusal
             return Verdict("refused", f"at the first forward: {_first_line(e)}")
         except Exception as e:
             return Verdict("failing", f"{type(e).__name__}: {_first_line(e)}")
-    return Verdict("exact")
+    return Verdict("exact", **held)
 
 
-def _parallelized(ref: torch.nn.Module, mode: str, placement: Placement) -> torch.nn.Module | None:
-    """A copy of ``ref`` parallelized under ``mode`` by tpflow; None for expert parallelism without experts."""
+def _held(model: torch.nn.Module, plan: dict, placement: Placement) -> dict[str, object]:
+    """The share of the model's values the rank holding most holds, and what stays whole where that is more than a
+    split leaves."""
+    share = most_held(model, placement)
+    over = share > 1 / placement.hierarchy[-1] + SLACK
+    return {"share": share, "whole": what_stays_whole(model, plan) if over else ""}
+
+
+def _parallelized(ref: torch.nn.Module, mode: str, placement: Placement) -> tuple[torch.nn.Module | None, dict]:
+    """A copy of ``ref`` parallelized under ``mode`` by tpflow (None for expert parallelism without experts), and its
+    plan."""
     import tpflow as tpf
 
     model = copy.deepcopy(ref)
     plan = tpf.hf_plan(model, context_parallel="ring" if mode == "cp" else None, expert_parallel=mode == "ep")
     if mode == "ep" and not any(isinstance(entry, tpf.ExpertParallel) for entry in plan.values()):
-        return None
-    return tpf.parallelize(model, placement=placement, plan=plan)
+        return None, plan
+    return tpf.parallelize(model, placement=placement, plan=plan), plan
 
 
 def _transformers_model(ref: torch.nn.Module) -> torch.nn.Module:

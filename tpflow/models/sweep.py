@@ -110,7 +110,7 @@ def sweep(kinds: Iterable[str], modes: Iterable[str], world: int,
     Example::
 
         >>> sweep(["llama"], ["tp"], world=2)  # launches its own rank processes  # doctest: +SKIP
-        {('llama', 'tp'): Verdict(status='exact', why='')}
+        {('llama', 'tp'): Verdict(status='exact', why='', share=0.5, whole='')}
     """
     verdicts: dict[tuple[str, str], Verdict] = {}
     pool = None
