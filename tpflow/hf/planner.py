@@ -49,6 +49,9 @@ _UP = ("fc1", "fc_in", "c_fc", "up_proj", "gate_proj", "dense_h_to_4h", "interme
        "proj_up_gate", "proj_up")  # (LFM2's w1 / w3 / w2, xLSTM's proj_up_gate / proj_up / proj_down)
 _DOWN = ("fc2", "fc_out", "c_proj", "down_proj", "dense_4h_to_h", "output.dense", "lin2", "w2", "proj_down")
 _FUSED = ("query_key_value", "c_attn", "qkv_proj", "Wqkv")
+# gate and up fused in one layer, chunked in halves, and the down projection reading their product (Granite-4.0-H's
+# shared MLP, ModernBERT's, Zamba2's)
+_GLU = {"input_linear": "output_linear", "Wi": "Wo", "gate_up_proj": "down_proj"}
 # fused q / k / v projections whose output the module views head by head ([heads, 3, head_dim], or Falcon's new
 # architecture's [key/value heads, queries per key/value head + 2, head_dim]): a split by whole heads is a column split
 _BY_HEAD = {"PersimmonAttention": "query_key_value", "GPTNeoXJapaneseAttention": "query_key_value",
@@ -127,9 +130,22 @@ def _attention(layer: nn.Module) -> list[tuple[str, dict[str, object], str | Non
 
 
 def _mlp(layer: nn.Module, taken: set[str]) -> dict[str, object]:
-    """The layer's MLP: its up projections (column) and down projections (row), where it has both."""
+    """The layer's MLP: its up projections (column) and down projections (row), where it has both; gate and up fused
+    in one layer the module chunks in halves (``_GLU``), its two blocks each split over the ranks."""
     linears = {n: m for n, m in layer.named_modules() if _linear(m) and n not in taken
                and not any(n.startswith(t + ".") for t in taken)}
+    fused = {}
+    for n, m in linears.items():
+        parent, _, leaf = n.rpartition(".")
+        down = linears.get(f"{parent}.{_GLU[leaf]}" if parent else _GLU[leaf]) if leaf in _GLU else None
+        if isinstance(m, nn.Linear) and isinstance(down, nn.Linear) and m.out_features == 2 * down.in_features:
+            fused.update({n: BlocksParallel("column", 2), f"{parent}.{_GLU[leaf]}".lstrip("."): "rowwise"})
+            # a layer beside it adding to its output (Zamba2's per-layer adapters), its blocks split alike
+            fused.update({a: BlocksParallel("column", 2) for a, other in linears.items() if a != n
+                          and a.startswith(f"{parent}.".lstrip(".")) and isinstance(other, nn.Linear)
+                          and other.out_features == m.out_features})
+    if fused:
+        return fused
     up = [n for n in linears if any(n == u or n.endswith("." + u) for u in _UP)]
     down = [n for n in linears if any(n == d or n.endswith("." + d) for d in _DOWN)]
     widths = {_width(linears[n], "out") for n in up}

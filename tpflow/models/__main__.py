@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratios", action="store_true",
                         help="the tiny models at their families' real ratios (default types: those it changes)")
     parser.add_argument("--update", action="store_true",
-                        help="check only --types again, every mode and degree, and keep the other rows of --out")
+                        help="check only --types again, in --modes, and keep the rest of --out as it was")
     args = parser.parse_args(argv)
     if args.update and not (args.out and args.types and os.path.exists(args.out)):
         parser.error("--update re-checks --types in an existing --out matrix")
@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.update:  # the other rows as they were; the header says which rows were checked again, and when
         with open(args.out) as f:
             before = f.read()
-        verdicts = {**read_verdicts(before), **verdicts}
+        kept = read_verdicts(before)
+        verdicts = {**kept, **verdicts}
+        # the columns the matrix had, the modes checked again among them
+        args.modes = [m for m in MODES if m in args.modes or any(mode == m for _, mode, _ in kept)]
         header = before[:before.index("\n| |")].rstrip() + (
             f"\n\nChecked again on {datetime.date.today().isoformat()} with "
             f"`{'--ratios ' * args.ratios}--update --types {' '.join(kinds)}`.")
