@@ -9,11 +9,13 @@ import copy
 import dataclasses
 import fnmatch
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
-__all__ = ["Case", "matches_one_device", "share"]
+__all__ = ["Case", "checked", "matches_one_device", "share"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,4 +131,20 @@ def matches_one_device(cases: list[Case], folder: str, sequence_parallel: bool =
             saved = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float64).state_dict()
             assert all(torch.equal(saved[k], v.to(saved[k].dtype)) for k, v in whole.items()), case.kind
         dist.barrier()
+    return shares
+
+
+def checked(world: int, cases: list[Case], sequence_parallel: bool = False) -> dict[str, float]:
+    """``matches_one_device`` of ``cases`` on ``world`` ranks (``tests.harness.run``), in a folder removed after;
+    at 2 ranks each model's share a rank holds at most 1/2 + 0.06. The shares."""
+    from tests.harness import run
+
+    folder = tempfile.mkdtemp()
+    try:
+        shares = run(world, matches_one_device, cases, folder, sequence_parallel, timeout=600)[0]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if world == 2:
+        for case, held in shares.items():
+            assert held <= 1 / world + 0.06, f"{case} holds {held:.3f} of its values a rank"
     return shares

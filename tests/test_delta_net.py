@@ -5,13 +5,10 @@ or shared by the ranks of their value heads where there are fewer of them than r
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import pytest
 
 from tests.harness import run
-from tests.mixer_checks import Case, matches_one_device
+from tests.mixer_checks import Case, checked
 
 
 def _delta_net(kind: str, keys: int, values: int, **extra) -> Case:
@@ -28,26 +25,14 @@ def test_delta_nets_split_by_heads_match_one_device(world):
     # 2 key heads of 2 value heads each: split at 2 ranks, each shared by 2 ranks at 4
     cases = [_delta_net("qwen3_next", 2, 4), _delta_net("qwen3_5_text", 2, 4), _delta_net("qwen3_5_moe_text", 2, 4),
              _delta_net("olmo_hybrid", 2, 4), _kimi(4)]
-    folder = tempfile.mkdtemp()
-    try:
-        shares = run(world, matches_one_device, cases, folder, timeout=600)[0]
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    if world == 2:
-        for case, held in shares.items():
-            assert held <= 1 / world + 0.06, f"{case} holds {held:.3f} of its values a rank"
+    checked(world, cases)
 
 
 def test_delta_nets_split_over_three_ranks():
-    folder = tempfile.mkdtemp()
-    try:  # 3 key heads split, or one key head shared by the three ranks; 6 Kimi heads
-        attention = {"num_attention_heads": 3, "num_key_value_heads": 3}  # (their attention layers' too)
-        run(3, matches_one_device, [_delta_net("qwen3_next", 3, 6, **attention),
-                                    _delta_net("qwen3_5_text", 1, 3, linear_key_head_dim=12, **attention),
-                                    _kimi(6, **attention)],
-            folder, timeout=600)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    # 3 key heads split, or one key head shared by the three ranks; 6 Kimi heads
+    attention = {"num_attention_heads": 3, "num_key_value_heads": 3}  # (their attention layers' too)
+    checked(3, [_delta_net("qwen3_next", 3, 6, **attention),
+                _delta_net("qwen3_5_text", 1, 3, linear_key_head_dim=12, **attention), _kimi(6, **attention)])
 
 
 def test_mixers_under_sequence_parallelism_match_one_device():
@@ -55,11 +40,7 @@ def test_mixers_under_sequence_parallelism_match_one_device():
     from tests.test_state_space import _case
 
     cases = [_case("mamba2", 8, 8), _case("bamba", 8, 1), _delta_net("qwen3_5_text", 2, 4), _kimi(4)]
-    folder = tempfile.mkdtemp()
-    try:
-        run(4, matches_one_device, cases, folder, True, timeout=600)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    checked(4, cases, sequence_parallel=True)
 
 
 def _refusals() -> None:

@@ -7,14 +7,11 @@ mixer a rank holds, and the refusals."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import pytest
 import torch
 
 from tests.harness import run
-from tests.mixer_checks import Case, matches_one_device
+from tests.mixer_checks import Case, checked
 
 # each family's recurrence (or convolution) and the dim of its input that counts the channels: 64 on one device
 CASES = [
@@ -28,11 +25,7 @@ CASES = [
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_short_convolutions_and_recurrent_blocks_split_match_one_device(world):
-    folder = tempfile.mkdtemp()
-    try:
-        run(world, matches_one_device, CASES, folder, timeout=600)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    checked(world, CASES)
 
 
 def _rwkv_under_sequence_parallelism() -> None:
@@ -65,11 +58,7 @@ def test_short_convolutions_and_recurrent_blocks_under_sequence_parallelism_matc
     # each rank's tokens gathered into the mixer, its output back to them (RWKV's channel mixing: its gated channels
     # gathered, then this rank's tokens kept). RecurrentGemma and LFM2-MoE: hf_plan(sequence_parallel=True) gives a
     # layer two entries there (its attention's GatherSequence beside a mixer's, an MoE's beside a left-out MLP's)
-    folder = tempfile.mkdtemp()
-    try:
-        run(2, matches_one_device, [c for c in CASES if c.kind == "lfm2"], folder, True, timeout=600)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    checked(2, [c for c in CASES if c.kind == "lfm2"], sequence_parallel=True)
     run(2, _rwkv_under_sequence_parallelism)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.harness import run
-from tests.mixer_checks import Case, matches_one_device
+from tests.mixer_checks import Case, checked
 
 # each family's config keys: its mixers' heads, head width and groups
 FAMILIES = {
@@ -45,23 +45,12 @@ def test_mamba2_mixers_split_by_heads_match_one_device(world):
     # group shared by the ranks of its heads (1; 2 at 4 ranks), each family's own norm, a hybrid's attention and MoE
     cases = [_case("mamba2", 8, 8), _case("mamba2", 8, 2), _case("nemotron_h", 8, 8), _case("falcon_h1", 8, 8),
              _case("falcon_h1", 8, 1), _case("bamba", 8, 1), _case("granitemoehybrid", 8, 1), _case("zamba2", 8, 1)]
-    folder = tempfile.mkdtemp()
-    try:
-        shares = run(world, matches_one_device, cases, folder, timeout=600)[0]
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    if world == 2:
-        for case, held in shares.items():
-            assert held <= 1 / world + 0.06, f"{case} holds {held:.3f} of its values a rank"
+    checked(world, cases)
 
 
 def test_mamba2_mixers_split_over_three_ranks():
-    folder = tempfile.mkdtemp()
-    try:  # 6 heads: 3 groups split, or one group shared by the three ranks
-        run(3, matches_one_device, [_case("mamba2", 6, 3, state_size=12), _case("mamba2", 6, 1, state_size=12)],
-            folder, timeout=600)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    # 6 heads: 3 groups split, or one group shared by the three ranks
+    checked(3, [_case("mamba2", 6, 3, state_size=12), _case("mamba2", 6, 1, state_size=12)])
 
 
 def _checkpoints_across_degrees(folder: str, step: str) -> None:

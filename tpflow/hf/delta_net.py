@@ -25,7 +25,7 @@ from torch import nn
 
 from tpflow.global_tensor.segments import Segments, keep_answering, segment
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import Gathered, MixerStyle, SplitMixer, broadcast_parameter, sharing_group
+from tpflow.hf.mixer_split import Gathered, MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided, sharing_group
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan
 
@@ -256,10 +256,7 @@ class KimiDeltaHeads(MixerStyle):
         if counts is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; KimiDeltaHeads takes a Kimi delta attention "
                              f"(q / k / v / b projections per head, low-rank forget and output gates, conv1d)")
-        if counts[0] % plan.world:
-            degrees = [d for d in range(1, counts[0] + 1) if counts[0] % d == 0]
-            raise ValueError(f"{name!r} has {counts[0]} heads, which do not split over {plan.world} tensor-parallel "
-                             f"ranks: use a degree among {degrees}")
+        refuse_undivided(name, "heads", counts[0], plan.world)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world = plan.placement, plan.world

@@ -21,7 +21,7 @@ from tpflow.layers.regions import WHOLE, tag
 from tpflow.placement import Placement, placement
 from tpflow.plans.style import Style
 
-__all__ = ["Gathered", "MixerStyle", "SplitMixer", "broadcast_parameter", "sharing_group"]
+__all__ = ["Gathered", "MixerStyle", "SplitMixer", "broadcast_parameter", "refuse_undivided", "sharing_group"]
 
 
 def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
@@ -49,6 +49,28 @@ def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
     value = DTensor.from_local(local.to(pl.device), pl.mesh, [Replicate()] * pl.ndim, run_check=False,
                                shape=full.shape, stride=full.stride())
     setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
+
+
+def refuse_undivided(name: str, what: str, count: int, world: int) -> None:
+    """Raise, naming the degrees that divide them, where ``count`` heads or channels do not split over ``world``.
+
+    Args:
+        name: the module's name.
+        what: what the count counts ("heads", "inner channels (d_inner)", ...).
+        count: how many there are.
+        world: the tensor-parallel degree.
+
+    Example::
+
+        >>> refuse_undivided("m", "heads", 6, 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: 'm' has 6 heads, which do not split over 4 tensor-parallel ranks: use a degree among [1, 2, 3, 6]
+    """
+    if count % world:
+        degrees = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(f"{name!r} has {count} {what}, which do not split over {world} tensor-parallel ranks: use "
+                         f"a degree among {degrees}")
 
 
 def sharing_group(pl: Placement, parts: int) -> dist.ProcessGroup:

@@ -25,7 +25,7 @@ from torch import nn
 
 from tpflow.global_tensor.segments import Segments, segment
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter
+from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan
 
@@ -105,10 +105,7 @@ class MatrixMemoryHeads(MixerStyle):
         if counts is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; MatrixMemoryHeads takes xLSTM's mLSTM layer "
                              f"(q / k / v and gates per head, or fused, a multihead_norm, out_proj)")
-        if counts[0] % plan.world:
-            degrees = [d for d in range(1, counts[0] + 1) if counts[0] % d == 0]
-            raise ValueError(f"{name!r} has {counts[0]} mLSTM heads, which do not split over {plan.world} "
-                             f"tensor-parallel ranks: use a degree among {degrees}")
+        refuse_undivided(name, "mLSTM heads", counts[0], plan.world)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world = plan.placement, plan.world

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter
+from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
 from tpflow.plans.style import Plan
 
 __all__ = ["RecurrentHeads", "recurrent_block_counts"]
@@ -105,10 +105,7 @@ class RecurrentHeads(MixerStyle):
                              f"block (linear_x / linear_y, a depthwise conv_1d, an rg_lru of gate blocks per head, "
                              f"linear_out)")
         heads, _ = counts
-        if heads % plan.world:
-            degrees = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ValueError(f"{name!r} has {heads} recurrent heads (RG-LRU gate blocks), which do not split over "
-                             f"{plan.world} tensor-parallel ranks: use a degree among {degrees}")
+        refuse_undivided(name, "recurrent heads (RG-LRU gate blocks)", heads, plan.world)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world = plan.placement, plan.world

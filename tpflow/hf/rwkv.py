@@ -31,7 +31,7 @@ from torch import nn
 
 from tpflow import comm
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter
+from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
 from tpflow.layers.regions import WHOLE, tag
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan
@@ -112,13 +112,6 @@ def channel_mixing_widths(module: nn.Module) -> tuple[int, int] | None:
     return hidden, inner
 
 
-def _refuse(name: str, what: str, count: int, world: int) -> None:
-    if count % world:
-        degrees = [d for d in range(1, count + 1) if count % d == 0]
-        raise ValueError(f"{name!r} has {count} {what}, which do not split over {world} tensor-parallel ranks: use "
-                         f"a degree among {degrees}")
-
-
 def _split_in_place(module: nn.Module, pl: Placement, by_output: tuple[str, ...], by_input: tuple[str, ...]) -> None:
     """Split ``module``'s linear layers ``by_output`` by their output features and ``by_input`` by their input
     features (a bias of those whole); make its token-shift mixes broadcast global tensors."""
@@ -163,7 +156,7 @@ class TimeMixChannels(MixerStyle):
         if width is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; TimeMixChannels takes RWKV's time mixing (key / "
                              f"value / receptance, time_decay / time_first per channel, output)")
-        _refuse(name, "time-mixing channels", width, plan.world)
+        refuse_undivided(name, "time-mixing channels", width, plan.world)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl = plan.placement
@@ -230,8 +223,8 @@ class ChannelMixChannels(MixerStyle):
         if widths is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; ChannelMixChannels takes RWKV's channel mixing "
                              f"(key, value, receptance and the token-shift mixes)")
-        _refuse(name, "channel-mixing hidden features (receptance's gates)", widths[0], plan.world)
-        _refuse(name, "channel-mixing intermediate features", widths[1], plan.world)
+        refuse_undivided(name, "channel-mixing hidden features (receptance's gates)", widths[0], plan.world)
+        refuse_undivided(name, "channel-mixing intermediate features", widths[1], plan.world)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl = plan.placement

@@ -32,7 +32,7 @@ from torch import nn
 from tpflow import comm
 from tpflow.global_tensor.segments import Segments, segment
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter
+from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan
 
@@ -114,10 +114,7 @@ class ScanChannels(MixerStyle):
                              f"[x | z], a depthwise conv1d, x_proj to [dt | B | C] without a bias, dt_proj, A_log / "
                              f"D per channel, out_proj)")
         inner, world = counts[0], plan.world
-        if inner % world:
-            degrees = [d for d in range(1, inner + 1) if inner % d == 0]
-            raise ValueError(f"{name!r} has {inner} inner channels (d_inner), which do not split over {world} "
-                             f"tensor-parallel ranks: use a degree among {degrees}")
+        refuse_undivided(name, "inner channels (d_inner)", inner, world)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world = plan.placement, plan.world

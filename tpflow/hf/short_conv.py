@@ -21,7 +21,7 @@ from torch import nn
 
 from tpflow.global_tensor.segments import Segments, segment
 from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter
+from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
 from tpflow.plans.style import Plan
 
 __all__ = ["ShortConvChannels", "short_conv_channels"]
@@ -90,10 +90,7 @@ class ShortConvChannels(MixerStyle):
         if width is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; ShortConvChannels takes a short-convolution "
                              f"mixer (in_proj [B | C | x], a depthwise conv over x's channels, out_proj)")
-        if width % plan.world:
-            degrees = [d for d in range(1, width + 1) if width % d == 0]
-            raise ValueError(f"{name!r} has {width} short-convolution channels, which do not split over "
-                             f"{plan.world} tensor-parallel ranks: use a degree among {degrees}")
+        refuse_undivided(name, "short-convolution channels", width, plan.world)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         pl, world, width = plan.placement, plan.world, short_conv_channels(module)
