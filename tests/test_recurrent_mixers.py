@@ -56,9 +56,9 @@ def _rwkv_under_sequence_parallelism() -> None:
 
 def test_short_convolutions_and_recurrent_blocks_under_sequence_parallelism_match_one_device():
     # each rank's tokens gathered into the mixer, its output back to them (RWKV's channel mixing: its gated channels
-    # gathered, then this rank's tokens kept). RecurrentGemma and LFM2-MoE: hf_plan(sequence_parallel=True) gives a
-    # layer two entries there (its attention's GatherSequence beside a mixer's, an MoE's beside a left-out MLP's)
-    checked(2, [c for c in CASES if c.kind == "lfm2"], sequence_parallel=True)
+    # gathered, then this rank's tokens kept); RecurrentGemma's temporal blocks, attention in some layers and a
+    # recurrence in the others, each gathered by its own entry
+    checked(2, [c for c in CASES if c.kind in ("lfm2", "lfm2_moe", "recurrent_gemma")], sequence_parallel=True)
     run(2, _rwkv_under_sequence_parallelism)
 
 

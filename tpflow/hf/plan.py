@@ -99,6 +99,14 @@ def _is_attention(model: nn.Module, pattern: str) -> bool:
     return any(is_attention(m) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, pattern))
 
 
+def _attention_only(model: nn.Module, pattern: str, names: list[str]) -> list[str]:
+    """``pattern`` where every module it names is attention; else the names of those that are (RecurrentGemma's
+    ``temporal_block`` is attention in some layers, a recurrence split by heads in the others)."""
+    hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    attention = [n for n in hits if is_attention(model.get_submodule(n))]
+    return [pattern] if len(attention) == len(hits) else attention
+
+
 def _on_every_token(model: nn.Module, own: dict[str, object], experts: list[str]) -> list[str]:
     """Under sequence parallelism, the modules that run on every token, gathered on entry, their output cut back to
     this rank's tokens: a mixture of experts' block (router, experts, shared experts); an attention whose q / k / v
@@ -344,7 +352,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             if isinstance(entry, RowParallel) or not _is_attention(model, parent):
                 entry = dataclasses.replace(entry, sequence_parallel=True, sequence_dim=1)
             else:  # attention reshapes q / k / v by its input's shape: it gets every token, gathered on entry
-                plan[parent] = GatherSequence()
+                plan.update(dict.fromkeys(_attention_only(model, parent, names), GatherSequence()))
         plan[pattern] = entry
     _fuse_alike(model, plan, names)
     for block in blocks:
