@@ -4,6 +4,7 @@ ring's transfer hidden behind its compute on an emulated slow link.
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py train [--tokens 4096 16384 32768]
     python -m tpflow.launch --nproc_per_node 1 benchmarks/context_cpu.py overlap [--tokens 4096]
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py packed [--tokens 8192] [--window 512]
+    python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py mixers [--tokens 8192 16384 32768]
 
 ``train``: a Hugging Face Llama of tiny width (hidden ``--hidden``, 4 heads of 16, 2 key/value heads, ``--layers``
 layers, vocabulary 512, fp32, one sequence of ``--tokens``) by its own ``labels=`` loss, three ways side by side:
@@ -32,6 +33,13 @@ themselves: the keys and values of other ranks' tokens some query of this rank s
 the backward, their fp32 gradients once back, the parts that move before the head, the gradients' all-reduce. Last,
 a Mistral with a sliding window of ``--window`` tokens on one sequence: the ring's bytes against the same model's
 whole-sequence ring (the window set to none), and its loss against one device's.
+
+``mixers``: a Qwen3.5-shaped hybrid (3 gated-DeltaNet layers, then attention) and a Nemotron-H-shaped one (Mamba-2
+and MLP layers, one attention layer), ``--hidden`` wide, their mixers head parallel (``tpflow.hf.mixer_split``): the
+same measurements as ``train``; the minimum bytes add, per mixer, the hidden states all-gathered in and
+reduce-scattered out, forward and backward ((W - 1) x a rank's tokens x hidden a ring pass; gloo's reduce-scatter
+is an all-reduce underneath, two passes), and count the all-reduce of the parameters left whole alone (the mixers'
+are split).
 
 Each run is appended to ``benchmarks/results/context_<mode>_<cpu>_<date>.md``.
 """
@@ -328,9 +336,69 @@ def packed(args) -> None:
         print(f"appended to {write('context_packed', lines, args.out)}")
 
 
+def _hybrid(shape: str, hidden: int):
+    """A Qwen3.5-shaped model (3 gated-DeltaNet layers, then full attention; value heads twice the key heads) or a
+    Nemotron-H-shaped one (Mamba-2 and MLP layers, one attention layer; heads in groups), ``hidden`` wide, fp32,
+    with the attention of ``train`` (4 heads of 16, 2 key/value heads)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    attention = dict(vocab_size=VOCAB, hidden_size=hidden, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, max_position_embeddings=1 << 17, attn_implementation="sdpa")
+    if shape == "qwen3.5":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            **attention, intermediate_size=2 * hidden, layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_hidden_layers=4, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=hidden // 8,
+            linear_value_head_dim=hidden // 8))
+    return NemotronHForCausalLM(NemotronHConfig(
+        **attention, intermediate_size=2 * hidden, layer_types=["linear_attention", "mlp"] * 2 + ["full_attention",
+                                                                                                "mlp"],
+        num_hidden_layers=6, mamba_num_heads=8, mamba_head_dim=hidden // 4, n_groups=4, ssm_state_size=32,
+        chunk_size=128))
+
+
+def mixers(args) -> None:
+    """Hybrids whose linear attention or state spaces run head parallel, ring and Ulysses against one device."""
+    torch.set_num_threads(1)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks leave the resident set
+    from tpflow.hf.mixer_styles import mixer_style
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    P = tpf.placement("cpu", list(range(world)))
+    lines = [f"# Context parallelism through linear attention and state spaces (head parallel): {world} CPU rank(s), "
+             f"hidden {args.hidden}, vocabulary {VOCAB}, fp32, batch 1", "",
+             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py mixers --tokens "
+             f"{' '.join(map(str, args.tokens))} --hidden {args.hidden} --reps {args.reps}`", ""]
+    for shape in ("qwen3.5", "nemotron-h"):
+        ref = _hybrid(shape, args.hidden)
+        kinds = [type(m).__name__ for m in ref.modules() if mixer_style(m) is not None]
+        attention = sum(1 for t in ref.config.layer_types if t == "full_attention")
+        lines += [f"{shape}-shaped: {len(kinds)} {kinds[0]} layers, {attention} attention layer(s), "
+                  f"{sum(p.numel() for p in ref.parameters()):,} parameters.", "", TABLE[0].format("tokens"),
+                  TABLE[1]]
+        for tokens in args.tokens:
+            ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))
+            one_peak, one_time, one_loss = _one_device(ref, ids, args.reps, use_cache=False)
+            rows = [("one device", one_peak, one_time, 0, 0, 0.0)]
+            for kind in ("ring", "ulysses"):
+                model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=tpf.hf_plan(ref, context_parallel=kind))
+                peak, seconds, sent, loss = _measure(model, ids, args.reps, active=True, use_cache=False)
+                whole = sum(p.numel() for p in model.parameters() if p.to_local().numel() == p.numel())
+                minimum = _minimum(kind, tokens, world, args.hidden, attention, whole)
+                # each mixer: the hidden states all-gathered in (1 ring pass), reduce-scattered out (2 on gloo),
+                # and both again backward
+                minimum += len(kinds) * 6 * (world - 1) * (tokens // world) * args.hidden * 4
+                rows.append(_slowest(kind, peak, seconds, sent, minimum, loss - one_loss))
+            lines += _lines(f"{tokens:,}", rows, one_peak, one_time, world)
+        lines.append("")
+    if rank == 0:
+        print("\n".join(lines))
+        print(f"appended to {write('context_mixers', lines, args.out)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["train", "overlap", "packed"])
+    parser.add_argument("mode", choices=["train", "overlap", "packed", "mixers"])
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -346,6 +414,10 @@ def main() -> None:
         args.tokens = args.tokens or [8192]
         tpf.init_distributed()
         packed(args)
+    elif args.mode == "mixers":
+        args.tokens = args.tokens or [8192, 16384, 32768]
+        tpf.init_distributed()
+        mixers(args)
     else:
         args.tokens = (args.tokens or [4096])[0]
         if tpf.get_rank() == 0:  # under the launcher; one process is enough

@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-__all__ = ["Case", "checked", "matches_one_device", "share"]
+__all__ = ["Case", "checked", "matches_one_device", "scan_shapes", "share"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +56,9 @@ def share(model: torch.nn.Module, ref: torch.nn.Module) -> float:
     return held / sum(p.numel() for p in ref.parameters())
 
 
-def _seen(ref: torch.nn.Module, case: Case) -> list[int]:
-    """Patch ``case.scan`` in the modeling module of ``ref``'s mixers to record the heads each call runs."""
+def scan_shapes(ref: torch.nn.Module, case: Case) -> list[torch.Size]:
+    """Patch ``case.scan`` in the modeling module of ``ref``'s mixers to record the shape of the tensor whose dim
+    ``case.dim`` counts the heads, at each call (a list, filled as they come)."""
     from tpflow.hf.mixer_styles import mixer_style
 
     mixer = next(m for m in ref.modules() if mixer_style(m) is not None)
@@ -68,7 +69,7 @@ def _seen(ref: torch.nn.Module, case: Case) -> list[int]:
         original = getattr(module, name)
 
         def recorded(*args, **kwargs):
-            recorded.seen.append(args[case.arg].shape[case.dim])
+            recorded.seen.append(args[case.arg].shape)
             return original(*args, **kwargs)
         setattr(module, name, recorded)
     getattr(module, name).seen = []
@@ -104,8 +105,9 @@ def matches_one_device(cases: list[Case], folder: str, sequence_parallel: bool =
                               for n, style in mixers.items()), (case.kind, plan)  # every mixer split
         model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=plan)
         shares[f"{case.kind} {case.config}"] = share(model, ref)
-        seen = _seen(ref, case)
+        shapes = scan_shapes(ref, case)
         out = model(ids).logits
+        seen = [shape[case.dim] for shape in shapes]
         assert seen and set(seen) == {case.heads // world}, (case.kind, seen)  # this rank's heads only
         want = ref(ids).logits
         assert (_whole(out) - want).abs().max() <= LOGITS_TOLERANCE * want.abs().max(), case.kind

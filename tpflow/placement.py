@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tpflow.world import get_world_size, init_distributed, on_teardown
 
-__all__ = ["Placement", "placement", "placement_of_mesh"]
+__all__ = ["Placement", "nested_index", "placement", "placement_of_mesh"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _MESHES: dict[tuple[str, tuple], DeviceMesh] = {}
@@ -330,6 +330,29 @@ placement = Placement
 _PLACEMENTS: dict[DeviceMesh, Placement] = {}
 on_teardown(_MESHES.clear)  # the groups are destroyed at exit: the meshes holding them go first
 on_teardown(_PLACEMENTS.clear)
+
+
+def nested_index(coordinate: Sequence[int], sizes: Sequence[int], axes: Sequence[int]) -> int:
+    """The block a mesh coordinate holds of a tensor split over several axes, nested in DTensor's order (the first
+    axis outermost): ``c * T + t`` for ``(c, t)`` on a ``(C, T)`` mesh split over both.
+
+    Args:
+        coordinate: the rank's mesh coordinate.
+        sizes: the mesh's shape.
+        axes: the axes the tensor is split over, outermost first.
+
+    Returns:
+        The block's index among ``prod(sizes[a] for a in axes)``.
+
+    Example::
+
+        >>> nested_index((1, 0), (2, 2), (0, 1)), nested_index((1, 0), (2, 2), (1,))
+        (2, 0)
+    """
+    index = 0
+    for a in axes:
+        index = index * sizes[a] + coordinate[a]
+    return index
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local import from_local
-from tpflow.placement import Placement
+from tpflow.placement import Placement, nested_index
 from tpflow.sbp import broadcast, chunk_bounds, split
 
 __all__ = ["Segments", "keep_answering", "local_ranges", "segment", "segments_of"]
@@ -100,18 +101,20 @@ class Segments:
 
 
 def segment(module: nn.Module, name: str, segments: Segments, placement: Placement, *,
-            read_by: nn.Module | None = None) -> None:
+            read_by: nn.Module | None = None, axes: Sequence[int] | None = None) -> None:
     """Make ``module``'s own parameter ``name`` a global parameter split in ``segments`` over the last axis of
-    ``placement``: this rank's rows of each segment (allocated, not filled, for a parameter on the meta device,
-    which a checkpoint then fills). Its module must read it as its local block (``LocalReads``).
+    ``placement`` (or over ``axes``, nested: rank ``(c, t)`` is index ``c * T + t`` of ``segments``): this rank's
+    rows of each segment (allocated, not filled, for a parameter on the meta device, which a checkpoint then fills).
+    Its module must read it as its local block (``LocalReads``).
 
     Args:
         module: the module holding the parameter, whole on every rank.
         name: the parameter's name in it.
-        segments: its segments, over the placement's last axis' ranks.
+        segments: its segments, over the ranks of ``axes``.
         placement: the ranks; the last axis is the tensor-parallel one.
         read_by: the module whose calls read the parameter, where not ``module``'s own (a mixer reading its
             convolution's weight itself).
+        axes: the axes it is split over, in nesting order; default the last.
 
     Example::
 
@@ -126,17 +129,19 @@ def segment(module: nn.Module, name: str, segments: Segments, placement: Placeme
         True
     """
     full = module._parameters[name]
-    if segments.ranks != placement.hierarchy[-1] or sum(segments.sizes) != full.shape[segments.dim]:
+    axes = (placement.ndim - 1,) if axes is None else tuple(axes)
+    world = math.prod(placement.hierarchy[a] for a in axes)
+    if segments.ranks != world or sum(segments.sizes) != full.shape[segments.dim]:
         raise ValueError(f"{name!r}: segments {list(segments.sizes)} over {segments.ranks} ranks do not cut its "
-                         f"{full.shape[segments.dim]} rows along dim {segments.dim} over {placement.hierarchy[-1]}")
+                         f"{full.shape[segments.dim]} rows along dim {segments.dim} over {world}")
     coord = placement.coordinate()
     if coord is None:
         local = torch.empty(0, dtype=full.dtype)
     else:
-        local = segments.block(full.detach(), coord[-1])
+        local = segments.block(full.detach(), nested_index(coord, placement.hierarchy, axes))
         local = torch.empty(local.shape, dtype=full.dtype) if full.is_meta else local.clone()
-    value = from_local(local.to(placement.device), placement,
-                       (broadcast,) * (placement.ndim - 1) + (split(segments.dim),), shape=full.shape, sync_data=False)
+    sbp = tuple(split(segments.dim) if a in axes else broadcast for a in range(placement.ndim))
+    value = from_local(local.to(placement.device), placement, sbp, shape=full.shape, sync_data=False)
     param = gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad))
     setattr(module, name, param)
     held = module.__dict__.get(_HELD)
@@ -188,6 +193,9 @@ def local_ranges(t: torch.Tensor, coordinate: Sequence[int] | None = None) -> li
         return None
     coordinate = t.device_mesh.get_coordinate() if coordinate is None else coordinate
     splits = [i for i, p in enumerate(t.placements) if not p.is_replicate()]
+    sizes = t.device_mesh.shape
+    if segments.ranks == math.prod(sizes[i] for i in splits) and len(splits) > 1:  # nested over every split axis
+        return segments.ranges(nested_index(coordinate, sizes, splits))
     ranges = segments.ranges(coordinate[splits[-1]])  # the tensor-parallel split: the last mesh dim splitting it
     for i in splits[:-1]:  # FSDP2's data axes: their chunk [a, b) of the tensor-parallel block's rows
         a, b = chunk_bounds(sum(end - start for start, end in ranges), t.device_mesh.size(i))[coordinate[i]]
@@ -271,6 +279,7 @@ def _answer_states(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
 
 
 register_optimizer_step_post_hook(_answer_states)
+gradients.register_gradient_replaced_hook(_answer_gradient)
 
 
 def _answer_in_state_dict(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:

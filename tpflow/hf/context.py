@@ -51,6 +51,7 @@ from tpflow.hf.context_attention import (
     register,
 )
 from tpflow.hf.context_batch import IGNORE, PackedDocuments, first_keys, read_documents
+from tpflow.hf.mixer_styles import mixer_style, mixers_within
 from tpflow.hf.mixers import is_attention, own_loss, own_positions, unsplit_mixers
 from tpflow.ops import ulysses_degrees
 from tpflow.ops.context_attention import balanced, contiguous, head_tail, regroup
@@ -75,13 +76,13 @@ def refuse_unsplit(model: nn.Module) -> None:
         >>> refuse_unsplit(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
         ...                                              num_hidden_layers=1, num_attention_heads=4)))
     """
-    unsplit = unsplit_mixers(model)
-    if unsplit:
+    unsplit = [m for m in unsplit_mixers(model) if not mixers_within(model.get_submodule(m.partition(" ")[0]))]
+    if unsplit:  # (a mixer tpflow splits by heads runs head parallel: every token gathered, heads split over the ranks)
         raise ValueError(f"context parallelism splits the sequence over the ranks, and {type(model).__name__}'s "
                          f"layers mix tokens other than by attention it can split, which each rank would run on its "
                          f"part of the sequence without the earlier tokens: {'; '.join(unsplit[:3])}. Train it with "
                          f"tensor or data parallelism")
-    if not any(is_attention(m) for m in model.modules()):
+    if not any(is_attention(m) or mixer_style(m) is not None for m in model.modules()):
         raise ValueError(f"context parallelism splits attention run through transformers' AttentionInterface, and "
                          f"{type(model).__name__} has none: train it with tensor or data parallelism")
 
@@ -316,8 +317,9 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
     register()
     _own_config(model)
     packing = PackedDocuments(model)  # read under the model's own attention implementation
-    model.set_attn_implementation(IMPLEMENTATION)
-    if model.config._attn_implementation != IMPLEMENTATION:  # transformers only warns where it cannot switch
+    if any(is_attention(m) for m in model.modules()):  # (a state space alone has none: its mixers run head parallel)
+        model.set_attn_implementation(IMPLEMENTATION)
+    if any(is_attention(m) for m in model.modules()) and model.config._attn_implementation != IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "
                          f"so context parallelism cannot run it")
     context = _Context(model, kind, placement, logits_placement, batch, packing)
@@ -408,7 +410,7 @@ class ContextParallel(Style):
                              f"parts become contiguous; {type(model).__name__} has none: use context_parallel="
                              f"'ulysses'")
         context, tensor = plan.named.hierarchy
-        counts = heads.attention_heads(module)
+        counts = heads.attention_heads(module) if is_attention(module) else None
         if self.kind == "ulysses" and counts is not None:
             local, kv = counts[0] // tensor, max(counts[1] // tensor, 1)  # this tensor rank's
             if context not in ulysses_degrees(local, kv):
@@ -418,5 +420,6 @@ class ContextParallel(Style):
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         batch = plan.shared("context batch", Batch)
-        attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation, batch)
+        if is_attention(module):  # (a mixer split by heads beside it gathers the sequence itself)
+            attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation, batch)
         plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given, batch))

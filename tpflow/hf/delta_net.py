@@ -23,10 +23,8 @@ import dataclasses
 
 from torch import nn
 
-from tpflow.global_tensor.segments import Segments, keep_answering, segment
-from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import Gathered, MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided, sharing_group
-from tpflow.placement import Placement
+from tpflow.global_tensor.segments import keep_answering
+from tpflow.hf.mixer_split import Gathered, HeadRanks, MixerStyle, SplitMixer, refuse_undivided
 from tpflow.plans.style import Plan
 
 __all__ = ["DeltaNetHeads", "delta_net_counts"]
@@ -118,17 +116,18 @@ class DeltaNetHeads(MixerStyle):
             raise ValueError(f"{name!r} is a {type(module).__name__}; DeltaNetHeads takes a gated DeltaNet (q / k / v "
                              f"/ z / b / a projections, conv1d over [q | k | v], A_log / dt_bias per value head)")
         keys, values, k_dim, _, _ = counts
-        world = plan.world
+        world = self.world(plan)
         if values % world or (keys % world and world % keys) or (world > keys and k_dim % (world // keys)):
             degrees = [d for d in range(1, values + 1) if values % d == 0 and (
                 keys % d == 0 or (d % keys == 0 and k_dim % (d // keys) == 0))]
             raise ValueError(f"{name!r} has {keys} key heads and {values} value heads, which do not split over "
-                             f"{world} tensor-parallel ranks (the value heads must divide, and the key heads divide, "
+                             f"{world} {self.said} (the value heads must divide, and the key heads divide, "
                              f"or be fewer with their {k_dim} rows each split over the ranks sharing one): use a "
                              f"degree among {degrees}")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, world = plan.placement, plan.world
+        ranks = self.head_ranks(plan)
+        pl, world = plan.placement, ranks.world
         keep_answering(plan.model)  # (FSDP2 may put its own parameters in place of the segmented ones)
         keys, values, k_dim, v_dim, projections = delta_net_counts(module)
         share = max(world // keys, 1)  # the ranks holding one key head's value heads
@@ -136,46 +135,44 @@ class DeltaNetHeads(MixerStyle):
         if projections == _INTERLEAVED and world > keys:  # each key head's [q | k | v | z], over its ranks
             per = values // keys
             spans = tuple((g * share, share) for g in range(keys) for _ in range(4))
-            segment(module.in_proj_qkvz, "weight", Segments(0, (k_dim, k_dim, per * v_dim, per * v_dim) * keys,
-                                                            world, spans), pl)
-            segment(module.in_proj_ba, "weight", Segments(0, (per, per) * keys, world, spans[::2]), pl)  # 2 a head
+            ranks.segment(module.in_proj_qkvz, "weight", (k_dim, k_dim, per * v_dim, per * v_dim) * keys, spans=spans)
+            ranks.segment(module.in_proj_ba, "weight", (per, per) * keys, spans=spans[::2])  # 2 a head
         elif projections == _INTERLEAVED:  # whole key heads a rank: a plain split of the interleaved rows
             for projection in _INTERLEAVED:
-                split_parameter(getattr(module, projection), "weight", 0, pl)
+                ranks.split(getattr(module, projection), "weight", 0)
         elif projections == _SEGMENTED:
-            segment(module.in_proj_qkv, "weight", Segments(0, (key_rows, key_rows, value_rows), world), pl)
+            ranks.segment(module.in_proj_qkv, "weight", (key_rows, key_rows, value_rows))
             for projection in _SEGMENTED[1:]:
-                split_parameter(getattr(module, projection), "weight", 0, pl)
+                ranks.split(getattr(module, projection), "weight", 0)
         else:  # each its own heads' rows (q / k: a shared key head's, split over its ranks)
             for projection in _SEPARATE:
-                split_parameter(getattr(module, projection), "weight", 0, pl)
+                ranks.split(getattr(module, projection), "weight", 0)
         for param in ("weight", "bias"):
             if getattr(module.conv1d, param) is not None:
-                segment(module.conv1d, param, Segments(0, (key_rows, key_rows, value_rows), world), pl,
-                        read_by=module)
+                ranks.segment(module.conv1d, param, (key_rows, key_rows, value_rows), read_by=module)
         for param in ("A_log", "dt_bias"):
-            split_parameter(module, param, 0, pl)
+            ranks.split(module, param, 0)
         for param, _ in _norm(module).named_parameters(recurse=False):
-            broadcast_parameter(_norm(module), param, pl)
-        split_parameter(_out(module), "weight", 1, pl)
+            ranks.broadcast(_norm(module), param)
+        ranks.split(_out(module), "weight", 1)
         if _out(module).bias is not None:
-            broadcast_parameter(_out(module), "bias", pl)
+            ranks.broadcast(_out(module), "bias")
         if pl.coordinate() is not None:
-            _split_hooks(module, (keys, values, k_dim, v_dim, projections), pl, self.sequence_dim)
+            _split_hooks(module, (keys, values, k_dim, v_dim, projections), ranks, self.sequence_dim)
 
 
-def _split_hooks(module: nn.Module, counts: tuple, pl: Placement, tokens: int | None) -> None:
+def _split_hooks(module: nn.Module, counts: tuple, ranks: HeadRanks, tokens: int | None) -> None:
     """The DeltaNet's attributes sized for this rank's heads, and its hooks: a shared key head's q / k rows
     gathered over the ranks holding its value heads."""
     keys, values, k_dim, v_dim, projections = counts
-    world = pl.hierarchy[-1]
+    world = ranks.world
     own = max(keys // world, 1)
     module.num_k_heads, module.num_v_heads = own, values // world
     module.key_dim, module.value_dim = own * k_dim, values // world * v_dim
     module.conv_dim = 2 * module.key_dim + module.value_dim
     shared, gathered = None, []
     if world > keys:
-        shared, share = sharing_group(pl, keys), world // keys
+        shared, share = ranks.sharing(keys), world // keys
         q = k_dim // share
         gathered = [Gathered(module.conv1d, (q, q, module.value_dim), (0, 1))]
         if projections == _INTERLEAVED:
@@ -185,7 +182,7 @@ def _split_hooks(module: nn.Module, counts: tuple, pl: Placement, tokens: int | 
         else:
             gathered += [Gathered(module.q_proj, (q,), (0,)), Gathered(module.k_proj, (q,), (0,))]
     modules = (module, *(getattr(module, p) for p in projections), module.conv1d, _norm(module), _out(module))
-    SplitMixer(module, modules, pl, shared=shared, gathered=gathered, out_bias=_out(module), sequence_dim=tokens)
+    SplitMixer(module, modules, ranks, shared=shared, gathered=gathered, out_bias=_out(module), sequence_dim=tokens)
 
 
 def kimi_delta_counts(module: nn.Module) -> tuple[int, int] | None:
@@ -256,22 +253,23 @@ class KimiDeltaHeads(MixerStyle):
         if counts is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; KimiDeltaHeads takes a Kimi delta attention "
                              f"(q / k / v / b projections per head, low-rank forget and output gates, conv1d)")
-        refuse_undivided(name, "heads", counts[0], plan.world)
+        refuse_undivided(name, "heads", counts[0], self.world(plan), self.said)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, world = plan.placement, plan.world
+        ranks = self.head_ranks(plan)
+        pl, world = plan.placement, ranks.world
         keep_answering(plan.model)  # (FSDP2 may put its own parameters in place of the segmented ones)
         heads, width = kimi_delta_counts(module)
         gate = module.forget_gate
         for layer in (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_b_proj, gate.f_b_proj):
-            split_parameter(layer, "weight", 0, pl)
-        segment(module.conv1d, "weight", Segments(0, (heads * width,) * 3, world), pl, read_by=module)
-        split_parameter(gate, "dt_bias", 0, pl)
-        split_parameter(gate, "A_log", 2, pl)
+            ranks.split(layer, "weight", 0)
+        ranks.segment(module.conv1d, "weight", (heads * width,) * 3, read_by=module)
+        ranks.split(gate, "dt_bias", 0)
+        ranks.split(gate, "A_log", 2)
         for layer in (module.g_a_proj, gate.f_a_proj, module.o_norm):
             for param, _ in layer.named_parameters(recurse=False):
-                broadcast_parameter(layer, param, pl)
-        split_parameter(module.o_proj, "weight", 1, pl)
+                ranks.broadcast(layer, param)
+        ranks.split(module.o_proj, "weight", 1)
         if pl.coordinate() is None:
             return
         module.num_heads, module.qkv_dim = heads // world, heads // world * width
@@ -279,4 +277,4 @@ class KimiDeltaHeads(MixerStyle):
         gate.num_heads, gate.qkv_dim = module.num_heads, module.qkv_dim
         modules = (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_a_proj, module.g_b_proj,
                    module.conv1d, gate, gate.f_a_proj, gate.f_b_proj, module.o_norm, module.o_proj)
-        SplitMixer(module, modules, pl, sequence_dim=self.sequence_dim)
+        SplitMixer(module, modules, ranks, sequence_dim=self.sequence_dim)

@@ -12,6 +12,7 @@ becomes the rank's query heads per key/value head.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,7 +24,7 @@ from tpflow import comm
 from tpflow.global_tensor import from_local, gradients
 from tpflow.global_tensor.local_blocks import LocalReads
 from tpflow.layers.regions import SPLIT, tag
-from tpflow.placement import Placement
+from tpflow.placement import Placement, nested_index
 from tpflow.plans.linear import LINEAR_FORMS, plain_linear
 from tpflow.sbp import broadcast, split
 
@@ -247,16 +248,19 @@ def reuse_kept_head(attention: nn.Module, world: int) -> None:
         attention.num_key_value_groups = heads // world
 
 
-def split_parameter(module: nn.Module, name: str, dim: int, placement: Placement) -> None:
+def split_parameter(module: nn.Module, name: str, dim: int, placement: Placement,
+                    axes: Sequence[int] | None = None) -> None:
     """Make ``module``'s own parameter ``name`` a global parameter split along ``dim`` over the last axis of
-    ``placement``, this rank's chunk (allocated, not filled, for a parameter on the meta device, which a checkpoint
-    then fills); the module's forward must read it as its local block (``LocalReads``).
+    ``placement`` (or over ``axes``, nested: chunk ``c * T + t`` on ``(c, t)``), this rank's chunk (allocated, not
+    filled, for a parameter on the meta device, which a checkpoint then fills); the module's forward must read it as
+    its local block (``LocalReads``).
 
     Args:
         module: the module holding the parameter, whole on every rank.
         name: the parameter's name in it.
         dim: the dim split.
         placement: the ranks; the last axis is the tensor-parallel one.
+        axes: the axes it is split over, in nesting order; default the last.
 
     Example::
 
@@ -266,13 +270,15 @@ def split_parameter(module: nn.Module, name: str, dim: int, placement: Placement
         (torch.Size([3, 4]), torch.Size([6, 4]))
     """
     pl, coord, full = placement, placement.coordinate(), module._parameters[name]
+    axes = (pl.ndim - 1,) if axes is None else tuple(axes)
     if coord is None:
         local = torch.empty(0, dtype=full.dtype)
     else:
-        local = full.detach().chunk(pl.hierarchy[-1], dim)[coord[-1]]
+        world = math.prod(pl.hierarchy[a] for a in axes)
+        local = full.detach().chunk(world, dim)[nested_index(coord, pl.hierarchy, axes)]
         local = torch.empty(local.shape, dtype=full.dtype) if full.is_meta else local.clone()
-    value = from_local(local.to(pl.device), pl, (broadcast,) * (pl.ndim - 1) + (split(dim),), shape=full.shape,
-                       sync_data=False)
+    sbp = tuple(split(dim) if a in axes else broadcast for a in range(pl.ndim))
+    value = from_local(local.to(pl.device), pl, sbp, shape=full.shape, sync_data=False)
     setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
 
 

@@ -7,6 +7,7 @@ whole (a group's B / C, a key head's q / k) stored split over those ranks and ga
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -17,11 +18,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from tpflow import comm
 from tpflow.global_tensor import gradients
 from tpflow.global_tensor.local_blocks import LocalReads
+from tpflow.global_tensor.segments import Segments, segment
+from tpflow.hf.context_attention import Batch
+from tpflow.hf.heads import split_parameter
 from tpflow.layers.regions import WHOLE, tag
-from tpflow.placement import Placement, placement
-from tpflow.plans.style import Style
+from tpflow.placement import Placement, nested_index, placement
+from tpflow.plans.style import Plan, Style
+from tpflow.sbp import broadcast, split
 
-__all__ = ["Gathered", "MixerStyle", "SplitMixer", "broadcast_parameter", "refuse_undivided", "sharing_group"]
+__all__ = ["Gathered", "HeadRanks", "MixerStyle", "SplitMixer", "broadcast_parameter", "refuse_undivided",
+           "sharing_group"]
 
 
 def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
@@ -51,14 +57,16 @@ def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
     setattr(module, name, gradients.adopt(nn.Parameter(value, requires_grad=full.requires_grad)))
 
 
-def refuse_undivided(name: str, what: str, count: int, world: int) -> None:
+def refuse_undivided(name: str, what: str, count: int, world: int,
+                     ranks: str = "tensor-parallel ranks") -> None:
     """Raise, naming the degrees that divide them, where ``count`` heads or channels do not split over ``world``.
 
     Args:
         name: the module's name.
         what: what the count counts ("heads", "inner channels (d_inner)", ...).
         count: how many there are.
-        world: the tensor-parallel degree.
+        world: the ranks they split over.
+        ranks: what those ranks are, for the message.
 
     Example::
 
@@ -69,7 +77,7 @@ def refuse_undivided(name: str, what: str, count: int, world: int) -> None:
     """
     if count % world:
         degrees = [d for d in range(1, count + 1) if count % d == 0]
-        raise ValueError(f"{name!r} has {count} {what}, which do not split over {world} tensor-parallel ranks: use "
+        raise ValueError(f"{name!r} has {count} {what}, which do not split over {world} {ranks}: use "
                          f"a degree among {degrees}")
 
 
@@ -98,15 +106,88 @@ def sharing_group(pl: Placement, parts: int) -> dist.ProcessGroup:
     return placement(pl.type, ranks=ranks.tolist()).mesh.get_group(pl.ndim)
 
 
+class HeadRanks:
+    """The ranks a mixer's heads split over: the placement's last axis (tensor parallelism), or, under context
+    parallelism, every axis (``(context, tensor)``: rank ``(c, t)`` holds head block ``c * T + t`` of ``C * T``,
+    each parameter split over both axes, DTensor's nesting), the sequence gathered over the context axis around the
+    mixer. The parameters' gradients are each rank's own: the mixer sees every token.
+
+    Args:
+        placement: the plan's placement (its last axis tensor parallel).
+        context: the context-parallel batch (``tpflow.hf.context_attention.Batch``: every rank's segments of the
+            sequence), or None: tensor parallelism alone.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", [[0], [1]])                     # (context, tensor) = (2, 1)
+        >>> ranks = HeadRanks(P, context=Batch())
+        >>> ranks.world, ranks.index, ranks.placements(0)           # on rank 1: the context axis splits it
+        (2, 1, (sbp.split(dim=0), sbp.broadcast))
+    """
+
+    def __init__(self, placement: Placement, context: Batch | None = None) -> None:
+        self.placement, self.context = placement, context
+        every = tuple(a for a in range(placement.ndim) if placement.hierarchy[a] > 1) or (placement.ndim - 1,)
+        self.axes = every if context is not None else (placement.ndim - 1,)
+        self.world = math.prod(placement.hierarchy[a] for a in self.axes)
+        coord = placement.coordinate()
+        self.index = None if coord is None else nested_index(coord, placement.hierarchy, self.axes)
+        self.group = None if coord is None or self.world == 1 else self._group()
+
+    def _group(self) -> dist.ProcessGroup:
+        """The group of the heads' ranks, in flat order (every rank of the placement under context parallelism)."""
+        if self.context is None:
+            return self.placement.mesh.get_group(self.placement.ndim - 1)
+        return placement(self.placement.type, ranks=self.placement.flat_ranks).mesh.get_group(0)
+
+    def coordinate(self) -> tuple[int, ...] | None:
+        return self.placement.coordinate()
+
+    def placements(self, dim: int) -> tuple:
+        """The SBP of a parameter split along ``dim`` over the heads' ranks."""
+        return tuple(split(dim) if a in self.axes else broadcast for a in range(self.placement.ndim))
+
+    def grads(self, p: DTensor) -> tuple:
+        """A parameter's gradient layout: its own over the heads' axes, partial sums over the others (data axes,
+        where the mixer's input differs)."""
+        sizes = self.placement.hierarchy
+        return tuple(p.placements[a] if a in self.axes else Partial() if sizes[a] > 1 else Replicate()
+                     for a in range(self.placement.ndim))
+
+    def split(self, module: nn.Module, name: str, dim: int) -> None:
+        """``split_parameter`` over the heads' ranks."""
+        split_parameter(module, name, dim, self.placement, axes=self.axes)
+
+    def segment(self, module: nn.Module, name: str, sizes: Sequence[int], *, dim: int = 0, spans=None,
+                read_by: nn.Module | None = None) -> None:
+        """``segment`` of ``sizes`` along ``dim`` over the heads' ranks."""
+        segment(module, name, Segments(dim, tuple(sizes), self.world, spans), self.placement, axes=self.axes,
+                read_by=read_by)
+
+    def broadcast(self, module: nn.Module, name: str) -> None:
+        """``broadcast_parameter``: whole on every rank."""
+        broadcast_parameter(module, name, self.placement)
+
+    def sharing(self, parts: int) -> dist.ProcessGroup:
+        """The group of this rank and the neighbours sharing its part when the heads' ranks are cut in ``parts``
+        parts of consecutive ranks (``sharing_group``)."""
+        if self.context is None:
+            return sharing_group(self.placement, parts)
+        return sharing_group(placement(self.placement.type, ranks=self.placement.flat_ranks), parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class MixerStyle(Style):
     """A plan style for a token mixer split by heads or channels (its subclasses know which): its input whole on
     every rank, or, with ``sequence_parallel``, this rank's tokens, all-gathered on entry (the backward
     reduce-scatters the gradient) and its output reduce-scattered back to them (as a sequence-parallel attention's
-    output projection does).
+    output projection does); with ``context``, split by heads over every rank of a context-parallel placement,
+    the sequence gathered over the context axis around it (``HeadRanks``).
 
     Args:
         sequence_parallel: the mixer sits in a sequence-parallel model (``hf_plan(sequence_parallel=True)`` sets it).
+        context: the mixer sits in a context-parallel model (``hf_plan(context_parallel=...)`` sets it): head
+            parallel over the context and tensor axes.
 
     Example::
 
@@ -116,9 +197,10 @@ class MixerStyle(Style):
     """
 
     sequence_parallel: bool = False
+    context: bool = False
 
     def reads_whole(self, module: nn.Module) -> bool:
-        return not self.sequence_parallel
+        return not self.sequence_parallel and not self.context
 
     @property
     def splits_sequence(self) -> bool:
@@ -127,7 +209,23 @@ class MixerStyle(Style):
     @property
     def sequence_dim(self) -> int | None:
         """The dim of the tokens each rank holds (1: ``[batch, seq, hidden]``), or None: every token."""
-        return 1 if self.sequence_parallel else None
+        return 1 if self.sequence_parallel or self.context else None
+
+    @property
+    def said(self) -> str:
+        """The ranks its heads split over, in words (for errors)."""
+        if self.context:
+            return "ranks (context parallelism runs it head parallel, over every rank of the context x tensor grid)"
+        return "tensor-parallel ranks"
+
+    def world(self, plan: Plan) -> int:
+        """The ranks this mixer's heads split over in ``plan`` (``head_ranks``' count, without making groups)."""
+        return math.prod(plan.placement.hierarchy) if self.context else plan.world
+
+    def head_ranks(self, plan: Plan) -> HeadRanks:
+        """The ranks this mixer's heads split over in ``plan``: its tensor-parallel axis, or with ``context`` every
+        axis of the context-parallel placement."""
+        return HeadRanks(plan.placement, plan.shared("context batch", Batch) if self.context else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +253,15 @@ class Gathered:
 class SplitMixer:
     """A split mixer's hooks (see the module docstring): ``modules`` (the mixer and its submodules) read their own
     parameters as local blocks around each call of ``mixer``; ``gathered`` rows are gathered over ``shared``; an
-    ``out_bias`` module's whole bias is added once (by the first rank).
+    ``out_bias`` module's whole bias is added once (by the first rank). Under context parallelism (``ranks.context``)
+    the sequence is gathered over the context ranks on entry, in sequence order (the ring's head-tail parts put
+    back), the mixer runs on every token of its heads, and its output is summed over the heads' ranks, each context
+    rank keeping its own tokens.
 
     Args:
         mixer: the mixer module.
         modules: the modules whose own global parameters its call reads.
-        pl: the placement.
+        ranks: the ranks its heads split over (``HeadRanks``).
         shared: the sharing group of the ``gathered`` rows, or None.
         gathered: the rows gathered.
         out_bias: the output projection, whose bias is whole, or None.
@@ -169,6 +270,7 @@ class SplitMixer:
     Example::
 
         >>> from tpflow.hf.heads import split_parameter
+from tpflow.layers.regions import WHOLE, tag
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> _ = torch.manual_seed(0)
         >>> mixer = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
@@ -177,20 +279,21 @@ class SplitMixer:
         >>> for name, dim in (("weight", 0), ("bias", 0)):
         ...     split_parameter(mixer[0], name, dim, P)      # this rank's 4 of the 8 features
         >>> split_parameter(mixer[2], "weight", 1, P)         # which its output's partial sum reads
-        >>> hooks = SplitMixer(mixer, [mixer[0], mixer[2]], P)
+        >>> hooks = SplitMixer(mixer, [mixer[0], mixer[2]], HeadRanks(P))
         >>> torch.testing.assert_close(mixer(x), want)       # summed over the ranks
     """
 
-    def __init__(self, mixer: nn.Module, modules: Sequence[nn.Module], pl: Placement, *,
+    def __init__(self, mixer: nn.Module, modules: Sequence[nn.Module], ranks: HeadRanks, *,
                  shared: dist.ProcessGroup | None = None, gathered: Sequence[Gathered] = (),
                  out_bias: nn.Module | None = None, sequence_dim: int | None = None) -> None:
-        self.sequence_dim = sequence_dim
-        self.group = pl.mesh.get_group(pl.ndim - 1) if pl.hierarchy[-1] > 1 else None
-        self.first = pl.coordinate()[-1] == 0
-        data_axes = pl.ndim - 1  # a plain input differs over the data-parallel axes: partial sums there
-        grads = lambda p: (Partial(),) * data_axes + (p.placements[-1],)  # noqa: E731
+        pl, self.context = ranks.placement, ranks.context
+        self.sequence_dim = 1 if self.context is not None else sequence_dim
+        self.group, self.first, self.axes = ranks.group, ranks.index == 0, ranks.axes
+        if self.context is not None:  # the sequence over the context axis, the heads' sums over the tensor axis
+            self.tokens = pl.mesh.get_group(0) if pl.hierarchy[0] > 1 else None
+            self.tensor = pl.mesh.get_group(1) if pl.ndim > 1 and pl.hierarchy[1] > 1 else None
         self.reads = [(m, LocalReads([n for n, p in m.named_parameters(recurse=False)
-                                      if isinstance(p, DTensor)], grads)) for m in modules]
+                                      if isinstance(p, DTensor)], ranks.grads)) for m in modules]
         self.shared, self.gathered, self.out_bias = shared, list(gathered), out_bias
         self.share = dist.get_world_size(shared) if shared is not None else 1
         mixer.register_forward_pre_hook(self.before, with_kwargs=True)
@@ -206,7 +309,7 @@ class SplitMixer:
         for m, reads in self.reads:
             reads.enter(m)
             for n in reads.names:  # whole on every rank, read for this rank's heads: gradients summed
-                if m._parameters[n].placements[-1].is_replicate():
+                if all(m._parameters[n].placements[a].is_replicate() for a in self.axes):
                     m.__dict__[n] = comm.copy_to_ranks(m.__dict__[n], self.group)
         for rows in self.gathered:
             for n in ("weight", "bias"):
@@ -214,12 +317,30 @@ class SplitMixer:
                     rows.module.__dict__[n] = self._gather(rows.module.__dict__[n], rows)
         if self.out_bias is not None and "bias" in self.out_bias.__dict__:  # added once (its gradient summed)
             self.out_bias.__dict__["bias"] = self.out_bias.__dict__["bias"] * int(self.first)
+        positions = kwargs.get("position_ids")
+        if self.context is not None and isinstance(positions, torch.Tensor):  # (RG-LRU resets at position 0)
+            kwargs = {**kwargs, "position_ids": self._whole_sequence(positions, positions.ndim - 1)}
         if args:
             return (self._entering(args[0]), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._entering(kwargs["hidden_states"])}
 
+    def _order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under context parallelism: where each position of the sequence sits in the context ranks' tokens
+        gathered rank after rank, and each of those tokens' position."""
+        positions = [p for parts in self.context.segments for a, n in parts for p in range(a, a + n)]
+        at = torch.tensor(positions, device=device)
+        return torch.argsort(at), at
+
+    def _whole_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every context rank's tokens along ``dim``, in sequence order (the gradient: reduce-scattered back)."""
+        whole = comm.gather_shared(x.contiguous(), dim, x.shape[dim] * dist.get_world_size(self.tokens), self.tokens) \
+            if self.tokens is not None else x
+        return whole.index_select(dim, self._order(x.device)[0])
+
     def _entering(self, x: torch.Tensor) -> torch.Tensor:
         """The input whole (every rank's tokens gathered), its gradient summed (reduce-scattered to the tokens)."""
+        if self.context is not None:
+            return comm.copy_to_ranks(self._whole_sequence(x, 1), self.tensor)
         if self.sequence_dim is None:
             return comm.copy_to_ranks(x, self.group)
         dim, ranks = self.sequence_dim, 1 if self.group is None else dist.get_world_size(self.group)
@@ -227,6 +348,9 @@ class SplitMixer:
 
     def _leaving(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum summed: whole, or this rank's tokens of the sum."""
+        if self.context is not None:  # the context ranks' tokens back in their order, each rank its own, summed
+            y = y.index_select(1, self._order(y.device)[1]).contiguous()
+            return comm.reduce_from_ranks(comm.reduce_scatter_to_ranks(y, 1, self.tokens), self.tensor)
         if self.sequence_dim is None:
             return tag(comm.reduce_from_ranks(y, self.group), WHOLE)
         return comm.reduce_scatter_to_ranks(y.contiguous(), self.sequence_dim, self.group)

@@ -23,10 +23,7 @@ import dataclasses
 
 from torch import nn
 
-from tpflow.global_tensor.segments import Segments, segment
-from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
-from tpflow.placement import Placement
+from tpflow.hf.mixer_split import HeadRanks, MixerStyle, SplitMixer, refuse_undivided
 from tpflow.plans.style import Plan
 
 __all__ = ["MatrixMemoryHeads", "mlstm_counts"]
@@ -105,44 +102,45 @@ class MatrixMemoryHeads(MixerStyle):
         if counts is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; MatrixMemoryHeads takes xLSTM's mLSTM layer "
                              f"(q / k / v and gates per head, or fused, a multihead_norm, out_proj)")
-        refuse_undivided(name, "mLSTM heads", counts[0], plan.world)
+        refuse_undivided(name, "mLSTM heads", counts[0], self.world(plan), self.said)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, world = plan.placement, plan.world
+        ranks = self.head_ranks(plan)
+        pl, world = plan.placement, ranks.world
         heads, qk, v = mlstm_counts(module)
         if module.config.weight_mode == "single":
             projections = [getattr(module, n) for n in _SINGLE]
             for linear in projections:
                 for param in ("weight", "bias"):
                     if getattr(linear, param) is not None:
-                        split_parameter(linear, param, 0, pl)
+                        ranks.split(linear, param, 0)
         else:
             projections = [module.qkv_opreact, module.ifgate_preact]
             for linear, sizes in zip(projections, ((qk, qk, v, v), (heads, heads))):
                 for param in ("weight", "bias"):
                     if getattr(linear, param) is not None:
-                        segment(linear, param, Segments(0, sizes, world), pl)
+                        ranks.segment(linear, param, sizes)
         for param in ("weight", "bias"):
             if getattr(module.multihead_norm, param, None) is not None:
-                split_parameter(module.multihead_norm, param, 0, pl)
-        split_parameter(module.out_proj, "weight", 1, pl)
+                ranks.split(module.multihead_norm, param, 0)
+        ranks.split(module.out_proj, "weight", 1)
         if module.out_proj.bias is not None:
-            broadcast_parameter(module.out_proj, "bias", pl)
+            ranks.broadcast(module.out_proj, "bias")
         module.config = copy.copy(module.config)  # (the model's, shared by every layer)
         module.config.num_heads = module.multihead_norm.num_heads = heads // world
         module.qk_dim, module.v_dim = qk // world, v // world
         module.multihead_norm.num_features = v // world
         if pl.coordinate() is not None:
-            _Memory(module, (*projections, module.multihead_norm, module.out_proj), pl, self.sequence_dim)
+            _Memory(module, (*projections, module.multihead_norm, module.out_proj), ranks, self.sequence_dim)
 
 
 class _Memory(SplitMixer):
     """``SplitMixer``'s hooks, and: the cached memory (``(C, n, m)``, every head's) handed in as views of this rank's
     first heads' slots, this rank's new memory written there, the whole tensors handed back to the model."""
 
-    def __init__(self, module: nn.Module, modules: tuple[nn.Module, ...], pl: Placement,
+    def __init__(self, module: nn.Module, modules: tuple[nn.Module, ...], ranks: HeadRanks,
                  sequence_dim: int | None) -> None:
-        super().__init__(module, modules, pl, out_bias=module.out_proj if module.out_proj.bias is not None else None,
+        super().__init__(module, modules, ranks, out_bias=module.out_proj if module.out_proj.bias is not None else None,
                          sequence_dim=sequence_dim)
         self.heads = module.config.num_heads
         self.given: list[tuple | None] = []  # per call in progress: the model's own state and its views

@@ -55,7 +55,7 @@ from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
 from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.replicated import Replicated
 from tpflow.plans.sequence import GatherSequence, SequenceParallel
-from tpflow.plans.style import Style
+from tpflow.plans.style import Stacked, Style
 from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["hf_plan"]
@@ -233,7 +233,9 @@ def _check_layers_found(model: nn.Module, own: dict[str, object], names: list[st
     would plan such a model's layers without the styles of its own plan."""
     layers = [p for p, style in own.items() if style != "embedding_rowwise"
               and not any(e and (e == p or e.endswith("." + p)) for e in ends)]
-    if not layers or any(fnmatch.fnmatchcase(n, p) for p in layers for n in names):
+    # (a pattern's layers found where modules a layer may lack are not: Nemotron-H's names its experts alone)
+    found = {p.partition("*")[0] + "*" if "*" in p else p for p in layers}
+    if not layers or any(fnmatch.fnmatchcase(n, p) for p in found for n in names):
         return
     shown = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3] or names[1:4]
     raise ValueError(f"plan='auto': {type(model).__name__}'s plan names its layers {layers[:3]}, and none of its "
@@ -344,7 +346,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
         if isinstance(entry, MixerStyle):  # a token mixer split by heads: every token gathered on entry
-            entry = dataclasses.replace(entry, sequence_parallel=sequence_parallel)
+            entry = dataclasses.replace(entry, sequence_parallel=sequence_parallel, context=context is not None)
+            entry = entry if context is None else Stacked((entry, context))  # head parallel over every rank
         parent = pattern.rpartition(".")[0]
         if any(parent == block or parent.startswith(block + ".") for block in blocks):
             pass  # in a mixture of experts' block: it runs on every token under sequence parallelism
@@ -377,5 +380,6 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     if context is not None:
         for name, module in model.named_modules():
             if is_attention(module):
-                plan[re.sub(r"\.\d+(?=\.|$)", ".*", name)] = context
+                plan.update(dict.fromkeys(_attention_only(model, re.sub(r"\.\d+(?=\.|$)", ".*", name), names),
+                                          context))
     return with_heads(model, plan)

@@ -20,8 +20,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
+from tpflow.hf.mixer_split import MixerStyle, SplitMixer, refuse_undivided
 from tpflow.plans.style import Plan
 
 __all__ = ["RecurrentHeads", "recurrent_block_counts"]
@@ -105,24 +104,25 @@ class RecurrentHeads(MixerStyle):
                              f"block (linear_x / linear_y, a depthwise conv_1d, an rg_lru of gate blocks per head, "
                              f"linear_out)")
         heads, _ = counts
-        refuse_undivided(name, "recurrent heads (RG-LRU gate blocks)", heads, plan.world)
+        refuse_undivided(name, "recurrent heads (RG-LRU gate blocks)", heads, self.world(plan), self.said)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, world = plan.placement, plan.world
+        ranks = self.head_ranks(plan)
+        pl, world = plan.placement, ranks.world
         heads, width = recurrent_block_counts(module)
         for linear in (module.linear_x, module.linear_y, module.conv_1d):
             for param in ("weight", "bias"):
                 if getattr(linear, param) is not None:
-                    split_parameter(linear, param, 0, pl)
+                    ranks.split(linear, param, 0)
         for param in ("recurrent_param", *_GATES):
-            split_parameter(module.rg_lru, param, 0, pl)
-        split_parameter(module.linear_out, "weight", 1, pl)
+            ranks.split(module.rg_lru, param, 0)
+        ranks.split(module.linear_out, "weight", 1)
         if module.linear_out.bias is not None:
-            broadcast_parameter(module.linear_out, "bias", pl)
+            ranks.broadcast(module.linear_out, "bias")
         module.lru_width = module.hidden_size = width // world  # (it sizes its conv state by hidden_size)
         module.conv_1d.in_channels = module.conv_1d.out_channels = module.conv_1d.groups = width // world
         module.rg_lru.num_attention_heads = heads // world
         if pl.coordinate() is not None:
             SplitMixer(module, (module.linear_x, module.linear_y, module.conv_1d, module.rg_lru, module.linear_out),
-                       pl, out_bias=module.linear_out if module.linear_out.bias is not None else None,
+                       ranks, out_bias=module.linear_out if module.linear_out.bias is not None else None,
                        sequence_dim=self.sequence_dim)

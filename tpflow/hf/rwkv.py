@@ -30,10 +30,8 @@ import torch
 from torch import nn
 
 from tpflow import comm
-from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
+from tpflow.hf.mixer_split import HeadRanks, MixerStyle, SplitMixer, refuse_undivided
 from tpflow.layers.regions import WHOLE, tag
-from tpflow.placement import Placement
 from tpflow.plans.style import Plan
 
 __all__ = ["ChannelMixChannels", "TimeMixChannels", "channel_mixing_widths", "time_mixing_channels"]
@@ -112,20 +110,20 @@ def channel_mixing_widths(module: nn.Module) -> tuple[int, int] | None:
     return hidden, inner
 
 
-def _split_in_place(module: nn.Module, pl: Placement, by_output: tuple[str, ...], by_input: tuple[str, ...]) -> None:
+def _split_in_place(module: nn.Module, ranks: HeadRanks, by_output: tuple[str, ...], by_input: tuple[str, ...]) -> None:
     """Split ``module``'s linear layers ``by_output`` by their output features and ``by_input`` by their input
     features (a bias of those whole); make its token-shift mixes broadcast global tensors."""
     for n in by_output:
         for param in ("weight", "bias"):
             if getattr(getattr(module, n), param) is not None:
-                split_parameter(getattr(module, n), param, 0, pl)
+                ranks.split(getattr(module, n), param, 0)
     for n in by_input:
-        split_parameter(getattr(module, n), "weight", 1, pl)
+        ranks.split(getattr(module, n), "weight", 1)
         if getattr(module, n).bias is not None:
-            broadcast_parameter(getattr(module, n), "bias", pl)
+            ranks.broadcast(getattr(module, n), "bias")
     for n in _MIXES:
         if isinstance(getattr(module, n, None), nn.Parameter):
-            broadcast_parameter(module, n, pl)
+            ranks.broadcast(module, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,15 +154,15 @@ class TimeMixChannels(MixerStyle):
         if width is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; TimeMixChannels takes RWKV's time mixing (key / "
                              f"value / receptance, time_decay / time_first per channel, output)")
-        refuse_undivided(name, "time-mixing channels", width, plan.world)
+        refuse_undivided(name, "time-mixing channels", width, self.world(plan), self.said)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl = plan.placement
-        _split_in_place(module, pl, ("key", "value", "receptance"), ("output",))
-        split_parameter(module, "time_decay", 0, pl)
-        split_parameter(module, "time_first", 0, pl)
+        ranks, pl = self.head_ranks(plan), plan.placement
+        _split_in_place(module, ranks, ("key", "value", "receptance"), ("output",))
+        ranks.split(module, "time_decay", 0)
+        ranks.split(module, "time_first", 0)
         if pl.coordinate() is not None:
-            _TimeMixing(module, pl, time_mixing_channels(module) // plan.world, self.sequence_dim)
+            _TimeMixing(module, ranks, time_mixing_channels(module) // ranks.world, self.sequence_dim)
 
 
 class _TimeMixing(SplitMixer):
@@ -172,8 +170,8 @@ class _TimeMixing(SplitMixer):
     last three the recurrence's, per channel) handed in as views of this rank's channels, and the list itself handed
     back to the model after the call."""
 
-    def __init__(self, module: nn.Module, pl: Placement, channels: int, sequence_dim: int | None) -> None:
-        super().__init__(module, (module, module.key, module.value, module.receptance, module.output), pl,
+    def __init__(self, module: nn.Module, ranks: HeadRanks, channels: int, sequence_dim: int | None) -> None:
+        super().__init__(module, (module, module.key, module.value, module.receptance, module.output), ranks,
                          out_bias=module.output if module.output.bias is not None else None, sequence_dim=sequence_dim)
         self.channels = channels
         self.given: list[list | None] = []  # per call in progress: the model's own state list
@@ -223,22 +221,23 @@ class ChannelMixChannels(MixerStyle):
         if widths is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; ChannelMixChannels takes RWKV's channel mixing "
                              f"(key, value, receptance and the token-shift mixes)")
-        refuse_undivided(name, "channel-mixing hidden features (receptance's gates)", widths[0], plan.world)
-        refuse_undivided(name, "channel-mixing intermediate features", widths[1], plan.world)
+        world = self.world(plan)
+        refuse_undivided(name, "channel-mixing hidden features (receptance's gates)", widths[0], world, self.said)
+        refuse_undivided(name, "channel-mixing intermediate features", widths[1], world, self.said)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl = plan.placement
-        _split_in_place(module, pl, ("key", "receptance"), ("value",))
+        ranks, pl = self.head_ranks(plan), plan.placement
+        _split_in_place(module, ranks, ("key", "receptance"), ("value",))
         if pl.coordinate() is not None:
-            _ChannelMixing(module, pl, self.sequence_dim)
+            _ChannelMixing(module, ranks, self.sequence_dim)
 
 
 class _ChannelMixing(SplitMixer):
     """``SplitMixer``'s hooks but for the output: ``value``'s partial sums summed and scattered by channel, the gated
     channels gathered (and, in a sequence-parallel model, this rank's tokens of them kept)."""
 
-    def __init__(self, module: nn.Module, pl: Placement, sequence_dim: int | None) -> None:
-        super().__init__(module, (module, module.key, module.receptance, module.value), pl,
+    def __init__(self, module: nn.Module, ranks: HeadRanks, sequence_dim: int | None) -> None:
+        super().__init__(module, (module, module.key, module.receptance, module.value), ranks,
                          out_bias=module.value if module.value.bias is not None else None, sequence_dim=sequence_dim)
         self.hidden = module.value.out_features
         module.value.register_forward_hook(self.scattered)
@@ -252,6 +251,9 @@ class _ChannelMixing(SplitMixer):
         if not isinstance(output, tuple) or not isinstance(output[0], torch.Tensor):
             return output
         gathered = comm.gather_from_ranks(output[0], output[0].ndim - 1, self.hidden, self.group)
+        if self.context is not None:  # the context ranks' tokens back in their order, each rank its own
+            tokens = gathered.index_select(1, self._order(gathered.device)[1]).contiguous()
+            return (comm.scatter_to_ranks(tokens, 1, self.tokens), *output[1:])
         if self.sequence_dim is not None:  # this rank's tokens of the whole output
             return (comm.scatter_to_ranks(gathered, self.sequence_dim, self.group), *output[1:])
         return (tag(gathered, WHOLE), *output[1:])

@@ -30,10 +30,7 @@ import torch
 from torch import nn
 
 from tpflow import comm
-from tpflow.global_tensor.segments import Segments, segment
-from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
-from tpflow.placement import Placement
+from tpflow.hf.mixer_split import HeadRanks, MixerStyle, SplitMixer, refuse_undivided
 from tpflow.plans.style import Plan
 
 __all__ = ["ScanChannels", "selective_scan_counts"]
@@ -113,42 +110,43 @@ class ScanChannels(MixerStyle):
             raise ValueError(f"{name!r} is a {type(module).__name__}; ScanChannels takes a Mamba-1 mixer (in_proj "
                              f"[x | z], a depthwise conv1d, x_proj to [dt | B | C] without a bias, dt_proj, A_log / "
                              f"D per channel, out_proj)")
-        inner, world = counts[0], plan.world
-        refuse_undivided(name, "inner channels (d_inner)", inner, world)
+        inner, world = counts[0], self.world(plan)
+        refuse_undivided(name, "inner channels (d_inner)", inner, world, self.said)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, world = plan.placement, plan.world
+        ranks = self.head_ranks(plan)
+        pl, world = plan.placement, ranks.world
         inner = selective_scan_counts(module)[0]
         for param in ("weight", "bias"):
             if getattr(module.in_proj, param) is not None:
-                segment(module.in_proj, param, Segments(0, (inner, inner), world), pl)
+                ranks.segment(module.in_proj, param, (inner, inner))
             for by_channel in (module.conv1d, module.dt_proj):
                 if getattr(by_channel, param) is not None:
-                    split_parameter(by_channel, param, 0, pl)
+                    ranks.split(by_channel, param, 0)
         for param in ("A_log", "D"):
-            split_parameter(module, param, 0, pl)
+            ranks.split(module, param, 0)
         for row in (module.x_proj, module.out_proj):
-            split_parameter(row, "weight", 1, pl)
+            ranks.split(row, "weight", 1)
         if module.out_proj.bias is not None:
-            broadcast_parameter(module.out_proj, "bias", pl)
+            ranks.broadcast(module.out_proj, "bias")
         norms = [getattr(module, n) for n in _ON_OUTPUTS if isinstance(getattr(module, n, None), nn.Module)]
         for norm in norms:  # on the summed dt / B / C, read by this rank's channels: their gradients summed
             for param, value in list(norm.named_parameters(recurse=False)):
                 if value is not None:
-                    broadcast_parameter(norm, param, pl)
+                    ranks.broadcast(norm, param)
         module.intermediate_size = inner // world
         if pl.coordinate() is not None:
-            SplitMixer(module, (module, *(getattr(module, n) for n in _PROJECTIONS), *norms), pl,
+            SplitMixer(module, (module, *(getattr(module, n) for n in _PROJECTIONS), *norms), ranks,
                        out_bias=module.out_proj, sequence_dim=self.sequence_dim)
-            _SummedScanInputs(module, pl)
+            _SummedScanInputs(module, ranks)
 
 
 class _SummedScanInputs:
     """x_proj's outputs summed over the ranks, forward and backward (each rank's channels read them whole), and the
     mixer called with ``training`` off (its unfused path: no fused kernel computing x_proj inside itself)."""
 
-    def __init__(self, module: nn.Module, pl: Placement) -> None:
-        self.group = pl.mesh.get_group(pl.ndim - 1) if pl.hierarchy[-1] > 1 else None
+    def __init__(self, module: nn.Module, ranks: HeadRanks) -> None:
+        self.group = ranks.group
         self.training: list[bool] = []  # per call in progress: the mixer's own flag
         module.x_proj.register_forward_hook(self.summed)
         if self.group is not None:

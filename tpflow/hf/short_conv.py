@@ -19,9 +19,7 @@ import dataclasses
 
 from torch import nn
 
-from tpflow.global_tensor.segments import Segments, segment
-from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import MixerStyle, SplitMixer, broadcast_parameter, refuse_undivided
+from tpflow.hf.mixer_split import MixerStyle, SplitMixer, refuse_undivided
 from tpflow.plans.style import Plan
 
 __all__ = ["ShortConvChannels", "short_conv_channels"]
@@ -90,19 +88,19 @@ class ShortConvChannels(MixerStyle):
         if width is None:
             raise ValueError(f"{name!r} is a {type(module).__name__}; ShortConvChannels takes a short-convolution "
                              f"mixer (in_proj [B | C | x], a depthwise conv over x's channels, out_proj)")
-        refuse_undivided(name, "short-convolution channels", width, plan.world)
+        refuse_undivided(name, "short-convolution channels", width, self.world(plan), self.said)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, world, width = plan.placement, plan.world, short_conv_channels(module)
+        ranks, pl, width = self.head_ranks(plan), plan.placement, short_conv_channels(module)
         for param in ("weight", "bias"):
             if getattr(module.in_proj, param) is not None:
-                segment(module.in_proj, param, Segments(0, (width, width, width), world), pl)
+                ranks.segment(module.in_proj, param, (width, width, width))
             if getattr(module.conv, param) is not None:  # (read by the mixer itself: conv.weight.squeeze(1))
-                split_parameter(module.conv, param, 0, pl)
-        split_parameter(module.out_proj, "weight", 1, pl)
+                ranks.split(module.conv, param, 0)
+        ranks.split(module.out_proj, "weight", 1)
         if module.out_proj.bias is not None:
-            broadcast_parameter(module.out_proj, "bias", pl)
+            ranks.broadcast(module.out_proj, "bias")
         if pl.coordinate() is not None:
-            SplitMixer(module, (module, module.in_proj, module.conv, module.out_proj), pl,
+            SplitMixer(module, (module, module.in_proj, module.conv, module.out_proj), ranks,
                        out_bias=module.out_proj if module.out_proj.bias is not None else None,
                        sequence_dim=self.sequence_dim)

@@ -28,10 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpflow import comm
-from tpflow.global_tensor.segments import Segments, keep_answering, segment
-from tpflow.hf.heads import split_parameter
-from tpflow.hf.mixer_split import Gathered, MixerStyle, SplitMixer, broadcast_parameter, sharing_group
-from tpflow.placement import Placement
+from tpflow.global_tensor.segments import Segments, keep_answering
+from tpflow.hf.mixer_split import Gathered, HeadRanks, MixerStyle, SplitMixer
 from tpflow.plans.style import Plan
 
 __all__ = ["StateSpaceHeads", "state_space_counts"]
@@ -120,15 +118,15 @@ class StateSpaceHeads(MixerStyle):
             raise ValueError(f"{name!r} is a {type(module).__name__}; StateSpaceHeads takes a Mamba-2 mixer (in_proj "
                              f"[z | x | B | C | dt], conv1d over [x | B | C], A_log / D / dt_bias per head)")
         heads, groups, _, _ = counts
-        world = plan.world
+        world = self.world(plan)
         if heads % world or (groups % world and world % groups):
             degrees = [d for d in range(1, heads + 1) if heads % d == 0 and (groups % d == 0 or d % groups == 0)]
             raise ValueError(f"{name!r} has {heads} state-space heads in {groups} groups, which do not split over "
-                             f"{world} tensor-parallel ranks (the heads must divide, and the groups divide or be a "
+                             f"{world} {self.said} (the heads must divide, and the groups divide or be a "
                              f"divisor of the ranks): use a degree among {degrees}")
         if (groups * counts[2]) % world:  # (a group's B / C rows, shared by the ranks of its heads, split over them)
             raise ValueError(f"{name!r}: its B / C rows ({groups} groups of a {counts[2]}-wide state) do not split "
-                             f"over {world} tensor-parallel ranks: use a degree that divides {groups * counts[2]}")
+                             f"over {world} {self.said}: use a degree that divides {groups * counts[2]}")
         kind = _norm_kind(getattr(module, "norm", None))
         if kind is None or (kind == "count" and module.norm.n_groups != groups):
             norm = type(getattr(module, "norm", None)).__name__
@@ -138,31 +136,29 @@ class StateSpaceHeads(MixerStyle):
             _refuse_fused_kernel(name, module)
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        pl, world = plan.placement, plan.world
+        ranks = self.head_ranks(plan)
+        pl, world = plan.placement, ranks.world
         keep_answering(plan.model)  # (FSDP2 may put its own parameters in place of the segmented ones)
         heads, groups, state, inner = state_space_counts(module)
-        segment(module.in_proj, "weight", Segments(0, (inner, inner, groups * state, groups * state, heads), world),
-                pl)
-        if module.in_proj.bias is not None:
-            segment(module.in_proj, "bias", Segments(0, (inner, inner, groups * state, groups * state, heads), world),
-                    pl)
+        for param in ("weight", "bias"):
+            if getattr(module.in_proj, param) is not None:
+                ranks.segment(module.in_proj, param, (inner, inner, groups * state, groups * state, heads))
         for param in ("weight", "bias"):
             if getattr(module.conv1d, param) is not None:
-                segment(module.conv1d, param, Segments(0, (inner, groups * state, groups * state), world), pl,
-                        read_by=module)
+                ranks.segment(module.conv1d, param, (inner, groups * state, groups * state), read_by=module)
         for param in _PER_HEAD:
-            split_parameter(module, param, 0, pl)
+            ranks.split(module, param, 0)
         if _norm_kind(module.norm) != "none":
-            split_parameter(module.norm, "weight", 0, pl)
-        split_parameter(module.out_proj, "weight", 1, pl)
+            ranks.split(module.norm, "weight", 0)
+        ranks.split(module.out_proj, "weight", 1)
         if module.out_proj.bias is not None:
-            broadcast_parameter(module.out_proj, "bias", pl)
+            ranks.broadcast(module.out_proj, "bias")
         for buffer, value in list(module.named_buffers(recurse=False)):  # Falcon-H1's multipliers of in_proj's rows
             if value.shape[-1] == module.in_proj.out_features and pl.coordinate() is not None:
                 module._buffers[buffer] = _rank_rows(value, (heads, groups, state, inner), world,
-                                                     pl.coordinate()[-1]).to(pl.device)
+                                                     ranks.index).to(pl.device)
         if pl.coordinate() is not None:
-            _split_hooks(module, (heads, groups, state, inner), pl, self.sequence_dim)
+            _split_hooks(module, (heads, groups, state, inner), ranks, self.sequence_dim)
 
 
 def _rank_rows(value: torch.Tensor, counts: tuple[int, int, int, int], world: int, index: int) -> torch.Tensor:
@@ -189,11 +185,11 @@ def _refuse_fused_kernel(name: str, module: nn.Module) -> None:
                          f"features: use a tensor-parallel degree that divides the mixer's {module.n_groups} groups")
 
 
-def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], pl: Placement, tokens: int | None) -> None:
+def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], ranks: HeadRanks, tokens: int | None) -> None:
     """The mixer's attributes sized for this rank's heads, and its hooks: a shared group's B / C rows gathered, the
     gated norm's squares summed over the ranks sharing a group (or its group count this rank's)."""
     heads, groups, state, inner = counts
-    world = pl.hierarchy[-1]
+    world = ranks.world
     own = max(groups // world, 1)
     module.num_heads, module.n_groups, module.intermediate_size = heads // world, own, inner // world
     module.conv_dim = inner // world + 2 * own * state
@@ -201,13 +197,13 @@ def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], pl: Place
         module.groups_time_state_size = own * state
     shared, gathered = None, []
     if world > groups:  # W / G ranks share each group: gather its B / C rows, sum the norm's squares
-        shared = sharing_group(pl, groups)
+        shared = ranks.sharing(groups)
         rows = (inner // world, inner // world, groups * state // world, groups * state // world, heads // world)
         gathered = [Gathered(module.in_proj, rows, (2, 3)), Gathered(module.conv1d, rows[1:4], (1, 2))]
         module.norm.forward = _SpanningNorm(module.norm, shared, world // groups)
     elif _norm_kind(module.norm) == "count":
         module.norm.n_groups = own
-    SplitMixer(module, (module, module.in_proj, module.conv1d, module.norm, module.out_proj), pl, shared=shared,
+    SplitMixer(module, (module, module.in_proj, module.conv1d, module.norm, module.out_proj), ranks, shared=shared,
                gathered=gathered, out_bias=module.out_proj, sequence_dim=tokens)
 
 
