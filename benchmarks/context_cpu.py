@@ -155,11 +155,17 @@ def _lines(label: str, rows: list[tuple], one_peak: float, one_time: float, worl
     return out
 
 
-def train(args) -> None:
+def _ranks() -> tuple[int, int, tpf.Placement]:
+    """One thread a rank, freed blocks out of the resident set (peaks measured by it); the world, this rank, and the
+    placement of every rank."""
     torch.set_num_threads(1)
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks leave the resident set
-    world, rank = dist.get_world_size(), dist.get_rank()
-    P = tpf.placement("cpu", list(range(world)))
+    world = dist.get_world_size()
+    return world, dist.get_rank(), tpf.placement("cpu", list(range(world)))
+
+
+def train(args) -> None:
+    world, rank, P = _ranks()
     lines = [f"# Context parallelism: {world} CPU rank(s), Llama hidden {args.hidden}, {args.layers} layers, "
              f"{HEADS} heads of {HEAD_DIM} ({KV_HEADS} kv), vocabulary {VOCAB}, fp32, batch 1", "",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py train --tokens "
@@ -282,10 +288,7 @@ def _balance_table(tokens: int) -> list[str]:
 
 
 def packed(args) -> None:
-    torch.set_num_threads(1)
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks leave the resident set
-    world, rank = dist.get_world_size(), dist.get_rank()
-    P = tpf.placement("cpu", list(range(world)))
+    world, rank, P = _ranks()
     tokens = args.tokens[0]
     lines = [f"# Context parallelism over packed documents and a sliding window: {world} CPU rank(s), Llama / Mistral "
              f"hidden {args.hidden}, {args.layers} layers, {HEADS} heads of {HEAD_DIM} ({KV_HEADS} kv), vocabulary "
@@ -359,12 +362,9 @@ def _hybrid(shape: str, hidden: int):
 
 def mixers(args) -> None:
     """Hybrids whose linear attention or state spaces run head parallel, ring and Ulysses against one device."""
-    torch.set_num_threads(1)
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks leave the resident set
     from tpflow.hf.mixer_styles import mixer_style
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    P = tpf.placement("cpu", list(range(world)))
+    world, rank, P = _ranks()
     lines = [f"# Context parallelism through linear attention and state spaces (head parallel): {world} CPU rank(s), "
              f"hidden {args.hidden}, vocabulary {VOCAB}, fp32, batch 1", "",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py mixers --tokens "

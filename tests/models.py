@@ -5,6 +5,8 @@ projections with small-integer weights, so that sums over ranks are exact."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -149,6 +151,18 @@ def tiny_moe(kind: str, experts: str = "eager", dtype: torch.dtype = torch.float
         max_position_embeddings=64, **sizes)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, experts_implementation=experts).to(dtype)
+
+
+def adamw_steps(models: Sequence[nn.Module], ids: torch.Tensor, kwargs: dict, steps: int = 2) -> None:
+    """``steps`` AdamW steps of each causal LM's ``labels=`` loss (in ``kwargs``), called alike without a cache, with
+    clipping that bites (max norm 0.5); eps as ``train_lm``'s."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in models]
+    for _ in range(steps):
+        for m, opt in zip(models, opts):
+            m(ids, **kwargs, use_cache=False).loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
 
 
 def train_lm(model: nn.Module, ids: torch.Tensor, steps: int = 2) -> tuple[list[float], list[float]]:

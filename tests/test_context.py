@@ -19,7 +19,7 @@ import torch.distributed as dist
 import tpflow as tpf
 from tests import harness
 from tests.checks import within
-from tests.models import VOCAB, tiny_lm, train_lm
+from tests.models import VOCAB, adamw_steps, tiny_lm, train_lm
 
 pytest.importorskip("transformers")
 
@@ -350,6 +350,36 @@ def _right_padding() -> None:
         model(ids, attention_mask=inside, labels=inside_labels)
 
 
+def _counted_positions() -> None:
+    """RoBERTa's decoder, given no ``position_ids``, counts them itself from ``padding_idx + 1``, past the padding:
+    each rank is given its tokens' share of the whole rows' count (the model's own function), on a row padded on the
+    left, ring and Ulysses. Built bidirectional (``is_decoder=False``, as the zoo's), a padded row is refused by the
+    ring (naming Ulysses) and runs under Ulysses with the padding hidden from every query, as on one device."""
+    import transformers
+
+    from tpflow.models.zoo import tiny_config
+
+    for decoder in (True, False):
+        config = tiny_config("roberta")
+        config.is_decoder = decoder
+        ids = torch.randint(2, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+        ids[1, slice(0, 4) if decoder else slice(12, 16)] = config.pad_token_id  # left padding; right padding
+        mask = (ids != config.pad_token_id).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[1, 4] = -100  # (scored at the last padded position)
+        for kind in ("ring", "ulysses"):
+            torch.manual_seed(0)
+            ref = transformers.AutoModelForCausalLM.from_config(config).double()
+            model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                    plan=tpf.hf_plan(ref, context_parallel=kind))
+            if kind == "ring" and not decoder:
+                with within(60), pytest.raises(ValueError, match="is not causal: .*context_parallel='ulysses'"):
+                    model(ids, attention_mask=mask, labels=labels)
+                continue
+            _same_training(model, ref, ids, {"attention_mask": mask, "labels": labels},
+                           f"roberta {kind}, decoder {decoder}", TOL)
+
+
 def _packed_documents() -> None:
     """Documents packed into rows, their position_ids restarting at each (as DataCollatorWithFlattening gives them,
     labels -100 at each document's first token): Ulysses (under sdpa and eager) and the ring (its cut balanced by the
@@ -440,14 +470,7 @@ def _same_training(model, ref, ids: torch.Tensor, kwargs: dict, what: str, tol: 
     _equal(model, ref, what, tol, grads=True)
     model.zero_grad()
     ref.zero_grad()
-    # eps as train_lm's: a near-zero gradient's rounding must not become a whole lr-sized step
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref)]
-    for _ in range(2):
-        for m, opt in zip((model, ref), opts):
-            m(ids, **kwargs, use_cache=False).loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
+    adamw_steps((model, ref), ids, kwargs)  # (eps: a near-zero gradient's rounding is no lr-sized step)
     _equal(model, ref, what, tol, grads=False)
 
 
@@ -533,6 +556,10 @@ def test_whole_packed_and_padded_batches_match_one_device(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_padded_rows_match_one_device(world):
     harness.run(world, _right_padding)
+
+
+def test_positions_counted_past_the_padding_match_one_device():
+    harness.run(2, _counted_positions)
 
 
 @pytest.mark.parametrize("world", [2, 4])

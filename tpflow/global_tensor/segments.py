@@ -259,8 +259,9 @@ def _answer(t: torch.Tensor, segments: Segments) -> None:
 
 
 def _answer_gradient(param: torch.Tensor) -> None:
-    if param.grad is not None:
-        _answer(param.grad, param.__dict__[_SEGMENTS])
+    segments = param.__dict__.get(_SEGMENTS)  # (reduce_partial_gradients calls it for every parameter it sums)
+    if param.grad is not None and segments is not None:
+        _answer(param.grad, segments)
 
 
 def _answer_states(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -149,17 +149,16 @@ class _Context:
                              f"{parts} equal parts: {seq} tokens is not a multiple of {parts}; pad it to "
                              f"{math.ceil(seq / parts) * parts} (right padding with labels = {IGNORE} leaves the loss "
                              f"and the other tokens' logits as they are)")
+        counted = None  # positions the model counts its own way (RoBERTa's, past the padding), over the whole rows
         if named.get("position_ids") is None and self.own_positions is not None:
-            raise ValueError(f"{self.own_positions} counts positions its own way when none are given (from "
-                             f"padding_idx + 1, past the padding): context parallelism, which gives every rank its "
-                             f"tokens' global positions, needs them given: pass position_ids")
+            counted = self.counted_positions(module, ids, embeds)
         if labels is not None and self.own_loss:
             raise ValueError(f"{type(module).__name__} computes its labels= loss in its own code, on the logits of "
                              f"this rank's tokens against every label: under context parallelism compute the loss "
                              f"from .logits (a global tensor split over the sequence), or pass no labels")
         pads, documents, positions = read_documents(named, batch, seq, self.packing.reading(named, batch))
         positions = positions.to(tokens.device)
-        self.batch.documents = documents
+        self.batch.documents, self.batch.pads = documents, pads
         first = None if documents is None else first_keys(documents, self.kind)
         self.batch.first, self.batch.exchanges = first, {}
         self.batch.segments = tuple(self.cut(seq, first))
@@ -171,7 +170,7 @@ class _Context:
         if ids is None:
             tokens = self.whole_gradient(tokens)
         named["input_ids" if ids is not None else "inputs_embeds"] = _cut(tokens, layers)
-        named["position_ids"] = _cut(positions, layers)
+        named["position_ids"] = _cut(positions if counted is None else counted.to(positions.device), layers)
         named["use_cache"] = False
         if labels is not None:
             shift = named.get("shift_labels")
@@ -185,6 +184,20 @@ class _Context:
             named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
         self.reordered = False
         return (), named
+
+    def counted_positions(self, model: nn.Module, ids: torch.Tensor | None,
+                          embeds: torch.Tensor | None) -> torch.Tensor:
+        """The positions the model's embeddings count themselves when given none (from ``padding_idx + 1``, past the
+        padding: RoBERTa's), by their own function, over the whole rows: each rank gets its tokens' share of them."""
+        embeddings = model.get_submodule(self.own_positions.rpartition(".")[0])
+        padding = model.get_submodule(self.own_positions).padding_idx
+        count = getattr(embeddings, "create_position_ids_from_input_ids" if ids is not None else
+                        "create_position_ids_from_inputs_embeds", None)
+        if count is None:
+            raise ValueError(f"{self.own_positions} counts positions its own way when none are given, by a function "
+                             f"tpflow does not know: context parallelism, which gives every rank its tokens' global "
+                             f"positions, needs them given: pass position_ids")
+        return count(ids if ids is not None else embeds, padding)
 
     def whole_gradient(self, embeds: torch.Tensor) -> torch.Tensor:
         """``inputs_embeds`` made by plain trainable tensors (a soft prompt, a projector before the model) gets its

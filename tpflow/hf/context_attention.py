@@ -52,6 +52,8 @@ class Batch:
     Args:
         documents: ``[batch, seq]``, each token's document (packed documents: ``position_ids`` that restart; hidden
             padding), or None for one document a row.
+        pads: ``[batch, seq]``, the padded positions (on the right too, which causal attention needs no document
+            for), or None.
         segments: every rank's segments of the sequence in this batch (the ring's: head-tail, or balanced by work
             over packed documents).
         first: ``[batch, seq]``, each query's first visible key (its document's start), or None where every query
@@ -66,6 +68,7 @@ class Batch:
     """
 
     documents: torch.Tensor | None = None
+    pads: torch.Tensor | None = None
     segments: tuple[Segments, ...] = ()
     first: torch.Tensor | None = None
     exchanges: dict[tuple[int | None, int | None, bool], RingExchange] = dataclasses.field(default_factory=dict)
@@ -123,8 +126,12 @@ class _Attention:
         window = sliding_window if sliding_window is not None and sliding_window < seq else None
         chunk = _chunk(module, seq)
         causal = extra.get("is_causal", getattr(module, "is_causal", True))
+        documents = self.batch.documents
+        if not causal and documents is None and self.batch.pads is not None:  # right padding: every query sees it
+            documents = self.batch.pads.long()
         sinks = extra.get("s_aux")  # gpt-oss's: a logit per head in the softmax's denominator
-        if self.kind == "ring" and (window is not None or chunk is not None or self.batch.first is not None):
+        if self.kind == "ring" and (window is not None or chunk is not None or self.batch.first is not None
+                                    or documents is not None):
             if not causal:
                 raise ValueError(f"{self.name!r} is not causal: the ring splits packed documents, hidden padding, "
                                  f"sliding windows and chunks of causal attention only; use "
@@ -140,7 +147,7 @@ class _Attention:
                 sinks=self._rank_heads(sinks, qkv[0])), group)
         else:
             out = ulysses_attention(q, k, v, lambda *qkv: self._whole(module, *qkv, causal, scaling, sliding_window,
-                                                                      softcap, sinks, chunk), group)
+                                                                      softcap, sinks, chunk, documents), group)
         return out.transpose(1, 2), None
 
     def _rank_heads(self, per_head: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
@@ -151,13 +158,14 @@ class _Attention:
         rank = dist.get_rank(context_group(self.placement))
         return per_head[rank * q.shape[1]:(rank + 1) * q.shape[1]]
 
-    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap, sinks, chunk) -> torch.Tensor:
+    def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap, sinks, chunk,
+               documents) -> torch.Tensor:
         """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
         the flash kernels causal by the module, eager by a mask made for the whole sequence; what first keys cannot
         say (padding inside a row, attention that is not causal) by a mask that keeps each token in its document,
         window and chunk (eager and sdpa). The module is seen through ``_RankHeads``: this rank's key/value groups
         and sinks."""
-        seq, documents, mask = q.shape[2], self.batch.documents, None
+        seq, mask = q.shape[2], None
         window = sliding_window is not None and sliding_window < seq
         if documents is not None or window or chunk is not None:
             if self.original not in ("eager", "sdpa"):
