@@ -270,7 +270,6 @@ class SplitMixer:
     Example::
 
         >>> from tpflow.hf.heads import split_parameter
-from tpflow.layers.regions import WHOLE, tag
         >>> P = tpf.placement("cpu", ranks=[0, 1])
         >>> _ = torch.manual_seed(0)
         >>> mixer = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))

@@ -52,7 +52,7 @@ def mixer_style(module: nn.Module) -> Style | None:
         >>> model = Mamba2ForCausalLM(Mamba2Config(vocab_size=64, hidden_size=16, num_heads=4, head_dim=8,
         ...                                        state_size=4, n_groups=2, num_hidden_layers=1))
         >>> mixer_style(model.backbone.layers[0].mixer), mixer_style(model.backbone.layers[0].norm)
-        (StateSpaceHeads(sequence_parallel=False), None)
+        (StateSpaceHeads(sequence_parallel=False, context=False), None)
     """
     return next((style() for takes, style in _KNOWN if takes(module)), None)
 
@@ -75,7 +75,7 @@ def with_mixers(model: nn.Module, plan: dict[str, object]) -> dict[str, object]:
         >>> model = Mamba2ForCausalLM(Mamba2Config(vocab_size=64, hidden_size=16, num_heads=4, head_dim=8,
         ...                                        state_size=4, n_groups=2, num_hidden_layers=2))
         >>> with_mixers(model, {"backbone.layers.*.mixer.in_proj": "colwise_gather_output"})
-        {'backbone.layers.*.mixer': StateSpaceHeads(sequence_parallel=False)}
+        {'backbone.layers.*.mixer': StateSpaceHeads(sequence_parallel=False, context=False)}
     """
     found = {name: style for name, m in model.named_modules() if (style := mixer_style(m)) is not None}
     if not found:
@@ -120,7 +120,7 @@ def mixers_within(mixer: nn.Module) -> dict[str, Style]:
         >>> model = Mamba2ForCausalLM(Mamba2Config(vocab_size=64, hidden_size=16, num_heads=4, head_dim=8,
         ...                                        state_size=4, n_groups=2, num_hidden_layers=1))
         >>> mixers_within(model.backbone.layers[0])           # the layer: its mixer inside, by name
-        {'.mixer': StateSpaceHeads(sequence_parallel=False)}
+        {'.mixer': StateSpaceHeads(sequence_parallel=False, context=False)}
     """
     found = {f".{n}" if n else "": style for n, m in mixer.named_modules() if (style := mixer_style(m)) is not None}
     if not found or "" in found:
