@@ -7,6 +7,7 @@ whole (a group's B / C, a key head's q / k) stored split over those ranks and ga
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -250,6 +251,12 @@ class Gathered:
     at: tuple[int, ...]
 
 
+@functools.lru_cache(maxsize=8)  # every mixer layer of a batch reads its cut; a packed batch has its own
+def _sequence_order(segments: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    at = torch.tensor([p for parts in segments for a, n in parts for p in range(a, a + n)], device=device)
+    return torch.argsort(at), at
+
+
 class SplitMixer:
     """A split mixer's hooks (see the module docstring): ``modules`` (the mixer and its submodules) read their own
     parameters as local blocks around each call of ``mixer``; ``gathered`` rows are gathered over ``shared``; an
@@ -325,10 +332,8 @@ class SplitMixer:
 
     def _order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Under context parallelism: where each position of the sequence sits in the context ranks' tokens
-        gathered rank after rank, and each of those tokens' position."""
-        positions = [p for parts in self.context.segments for a, n in parts for p in range(a, a + n)]
-        at = torch.tensor(positions, device=device)
-        return torch.argsort(at), at
+        gathered rank after rank, and each of those tokens' position (made once per batch's cut)."""
+        return _sequence_order(self.context.segments, device)
 
     def _whole_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every context rank's tokens along ``dim``, in sequence order (the gradient: reduce-scattered back)."""
