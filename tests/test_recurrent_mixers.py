@@ -20,6 +20,7 @@ CASES = [
     Case("recurrent_gemma", {}, "RecurrentGemmaRglru.forward", 1, 2, 64),  # (the RG-LRU's input)
     Case("rwkv", {}, "rwkv_linear_attention", 2, 2, 64),  # (the WKV recurrence's keys)
     Case("xlstm", {}, "xLSTMMultiHeadLayerNorm.forward", 1, 2, 4),  # (the memory's output, by head)
+    Case("minimax", {"block_size": 4}, "apply_mask_to_padding_states", 0, 2, 192),  # lightning: 4 heads' q, k, v
 ]
 
 

@@ -51,6 +51,7 @@ from tpflow.hf.context_attention import (
     register,
 )
 from tpflow.hf.context_batch import IGNORE, PackedDocuments, first_keys, read_documents
+from tpflow.hf.context_indexer import attach_indexer
 from tpflow.hf.mixer_styles import mixer_style, mixers_within
 from tpflow.hf.mixers import is_attention, own_loss, own_positions, unsplit_mixers
 from tpflow.ops import ulysses_degrees
@@ -435,4 +436,5 @@ class ContextParallel(Style):
         batch = plan.shared("context batch", Batch)
         if is_attention(module):  # (a mixer split by heads beside it gathers the sequence itself)
             attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation, batch)
+            attach_indexer(module, name, plan.placement, batch)
         plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given, batch))

@@ -7,17 +7,20 @@ implementation (sdpa or eager) on whole sequences of the rank's heads."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpflow import comm
 from tpflow.ops.bounded_ring import RingExchange, bounded_attention, bounded_ring_attention, pieces, ring_exchange
 from tpflow.ops.context_attention import Segments, ring_attention, ulysses_attention
 from tpflow.placement import Placement
+from tpflow.sbp import chunk_bounds
 
-__all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_group", "register"]
+__all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_group", "register", "visible"]
 
 IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
 _STATE = "_tpflow_context"
@@ -92,6 +95,17 @@ class Batch:
             self.exchanges[key] = ring_exchange(segments, first)
         return self.exchanges[key]
 
+    def order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each position of the sequence sits among the context ranks' tokens gathered rank after rank, and
+        each of those tokens' position (what puts a gathered sequence in order, and back)."""
+        return _sequence_order(self.segments, device)
+
+
+@functools.lru_cache(maxsize=8)  # every layer of a batch reads its cut; a packed batch has its own
+def _sequence_order(segments: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    at = torch.tensor([p for parts in segments for a, n in parts for p in range(a, a + n)], device=device)
+    return torch.argsort(at), at
+
 
 class _Attention:
     """One attention module's context-parallel attention (transformers calls it through ``IMPLEMENTATION``)."""
@@ -130,6 +144,9 @@ class _Attention:
         if not causal and documents is None and self.batch.pads is not None:  # right padding: every query sees it
             documents = self.batch.pads.long()
         sinks = extra.get("s_aux")  # gpt-oss's: a logit per head in the softmax's denominator
+        if extra.get("indices") is not None:  # sparse attention: the keys an indexer picked for each query
+            return self._sparse(module, q, k, v, extra["indices"], causal, scaling, window, softcap, sinks, chunk,
+                                documents).transpose(1, 2), None
         if self.kind == "ring" and (window is not None or chunk is not None or self.batch.first is not None
                                     or documents is not None):
             if not causal:
@@ -158,8 +175,37 @@ class _Attention:
         rank = dist.get_rank(context_group(self.placement))
         return per_head[rank * q.shape[1]:(rank + 1) * q.shape[1]]
 
+    def _sparse(self, module, q, k, v, indices, causal, scaling, window, softcap, sinks, chunk,
+                documents) -> torch.Tensor:
+        """Attention over the keys an indexer picked for each of this rank's queries (``indices``: ``[B, q, top-k]``,
+        global positions), by the model's own attention under a mask: Ulysses' whole sequences of this rank's heads
+        (every rank's picks gathered), or the ring's queries against every rank's keys and values gathered (which
+        a pick of single keys leaves no block of the ring to skip); ``[B, h, q, D]`` out."""
+        group, world = context_group(self.placement), self.placement.hierarchy[0]
+        at = self.batch.order(q.device)[1]
+        if self.kind == "ulysses":
+            picked = comm.all_gather(indices.contiguous(), 1, chunk_bounds(len(at), world), group) \
+                if world > 1 else indices
+            return ulysses_attention(q, k, v, lambda *qkv: self._whole(
+                module, *qkv, causal, scaling, window, softcap, sinks, chunk, documents,
+                chosen=_chosen(picked, len(at))), group)
+        if self.original not in ("eager", "sdpa"):
+            raise ValueError(f"{self.name!r}: the ring runs sparse attention through eager or sdpa attention (a mask "
+                             f"of the picked keys), not {self.original!r}: load the model with one of them")
+        rank = dist.get_rank(group) if world > 1 else 0
+        mine = at[rank * q.shape[2]:(rank + 1) * q.shape[2]]
+        k, v = (comm.gather_shared(t.contiguous(), 2, len(at), group) if world > 1 else t for t in (k, v))
+        seen = visible(mine, at, causal, window, chunk, documents) & _chosen(indices, len(at))[..., at]
+        own = {"num_key_value_groups": q.shape[1] // k.shape[1]}
+        extra = {} if sinks is None else {"s_aux": sinks}
+        out = _original(module, self.original)(_RankHeads(module, own), q, k, v, _mask(seen[:, None], self.original,
+                                                                                       q.dtype),
+                                               dropout=0.0, scaling=scaling, softcap=softcap, is_causal=False,
+                                               **extra)[0]
+        return out.transpose(1, 2)
+
     def _whole(self, module, q, k, v, causal, scaling, sliding_window, softcap, sinks, chunk,
-               documents) -> torch.Tensor:
+               documents, chosen: torch.Tensor | None = None) -> torch.Tensor:
         """The model's own attention on whole sequences of this rank's heads (``[B, h, S, D]`` in and out): sdpa and
         the flash kernels causal by the module, eager by a mask made for the whole sequence; what first keys cannot
         say (padding inside a row, attention that is not causal) by a mask that keeps each token in its document,
@@ -167,22 +213,14 @@ class _Attention:
         and sinks."""
         seq, mask = q.shape[2], None
         window = sliding_window is not None and sliding_window < seq
-        if documents is not None or window or chunk is not None:
+        if documents is not None or window or chunk is not None or chosen is not None:
             if self.original not in ("eager", "sdpa"):
-                raise ValueError(f"{self.name!r}: Ulysses runs padding inside a row, and masks of attention that is "
-                                 f"not causal, through eager or sdpa attention (a mask over the whole sequence), not "
-                                 f"{self.original!r}: load the model with one of them")
+                raise ValueError(f"{self.name!r}: Ulysses runs padding inside a row, masks of attention that is not "
+                                 f"causal and sparse attention's picked keys through eager or sdpa attention (a mask "
+                                 f"over the whole sequence), not {self.original!r}: load the model with one of them")
             at = torch.arange(seq, device=q.device)
-            seen = (at[:, None] >= at[None, :]) if causal else torch.ones(seq, seq, dtype=torch.bool, device=q.device)
-            if window:  # the last sliding_window keys, the query's own included (transformers' rule)
-                seen = seen & (at[:, None] - at[None, :] < sliding_window)
-            if chunk is not None:
-                seen = seen & (at[:, None] // chunk == at[None, :] // chunk)
-            seen = seen[None, None]
-            if documents is not None:
-                seen = seen & (documents[:, None, :, None] == documents[:, None, None, :])  # [B, 1, S, S]
-            mask = seen if self.original == "sdpa" else torch.zeros(seen.shape, dtype=q.dtype, device=q.device
-                                                                    ).masked_fill(~seen, torch.finfo(q.dtype).min)
+            seen = visible(at, at, causal, sliding_window if window else None, chunk, documents)
+            mask = _mask((seen if chosen is None else seen & chosen)[:, None], self.original, q.dtype)  # [B, 1, S, S]
         elif self.original == "eager" and causal:
             mask = torch.full((seq, seq), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
         own = {"num_key_value_groups": q.shape[1] // k.shape[1]}  # this rank's heads (kv heads maybe repeated)
@@ -193,6 +231,54 @@ class _Attention:
                                                sliding_window=sliding_window, softcap=softcap, is_causal=causal,
                                                **extra)[0]
         return out.transpose(1, 2)
+
+
+def visible(queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: int | None, chunk: int | None,
+            documents: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each query sees, by their global positions: causality, the last ``window`` keys (the query's own
+    included: transformers' rule), its ``chunk`` of the sequence, its document (``documents``: ``[B, S]``, each
+    token's, or None).
+
+    Args:
+        queries: ``[q]``, the queries' positions.
+        keys: ``[k]``, the keys' positions.
+        causal: whether a query sees no later key.
+        window: a sliding window, or None.
+        chunk: an attention chunk (Llama 4's), or None.
+        documents: each position's document, or None.
+
+    Returns:
+        ``[B, q, k]`` booleans (``B`` is 1 without documents).
+
+    Example::
+
+        >>> at = torch.arange(4)
+        >>> visible(at[2:], at, True, 2, None, None).int()
+        tensor([[[0, 1, 1, 0],
+                 [0, 0, 1, 1]]], dtype=torch.int32)
+    """
+    q, k = queries[:, None], keys[None, :]
+    seen = q >= k if causal else torch.ones(len(queries), len(keys), dtype=torch.bool, device=keys.device)
+    if window is not None:
+        seen = seen & (q - k < window)
+    if chunk is not None:
+        seen = seen & (q // chunk == k // chunk)
+    if documents is None:
+        return seen[None]
+    return seen & (documents[:, queries, None] == documents[:, None, keys])
+
+
+def _mask(seen: torch.Tensor, original: str, dtype: torch.dtype) -> torch.Tensor:
+    """``seen`` as ``original``'s attention takes its mask: booleans (sdpa), or 0 and the dtype's lowest (eager)."""
+    if original == "sdpa":
+        return seen
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+
+
+def _chosen(indices: torch.Tensor, seq: int) -> torch.Tensor:
+    """``[B, q, top-k]`` picked key positions as ``[B, q, seq]`` booleans."""
+    return torch.zeros(*indices.shape[:-1], seq, dtype=torch.bool, device=indices.device).scatter_(
+        -1, indices.long(), True)
 
 
 class _RankHeads:

@@ -7,7 +7,6 @@ whole (a group's B / C, a key head's q / k) stored split over those ranks and ga
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
@@ -251,12 +250,6 @@ class Gathered:
     at: tuple[int, ...]
 
 
-@functools.lru_cache(maxsize=8)  # every mixer layer of a batch reads its cut; a packed batch has its own
-def _sequence_order(segments: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    at = torch.tensor([p for parts in segments for a, n in parts for p in range(a, a + n)], device=device)
-    return torch.argsort(at), at
-
-
 class SplitMixer:
     """A split mixer's hooks (see the module docstring): ``modules`` (the mixer and its submodules) read their own
     parameters as local blocks around each call of ``mixer``; ``gathered`` rows are gathered over ``shared``; an
@@ -330,16 +323,11 @@ class SplitMixer:
             return (self._entering(args[0]), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._entering(kwargs["hidden_states"])}
 
-    def _order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under context parallelism: where each position of the sequence sits in the context ranks' tokens
-        gathered rank after rank, and each of those tokens' position (made once per batch's cut)."""
-        return _sequence_order(self.context.segments, device)
-
     def _whole_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every context rank's tokens along ``dim``, in sequence order (the gradient: reduce-scattered back)."""
         whole = comm.gather_shared(x.contiguous(), dim, x.shape[dim] * dist.get_world_size(self.tokens), self.tokens) \
             if self.tokens is not None else x
-        return whole.index_select(dim, self._order(x.device)[0])
+        return whole.index_select(dim, self.context.order(x.device)[0])
 
     def _entering(self, x: torch.Tensor) -> torch.Tensor:
         """The input whole (every rank's tokens gathered), its gradient summed (reduce-scattered to the tokens)."""
@@ -353,7 +341,7 @@ class SplitMixer:
     def _leaving(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum summed: whole, or this rank's tokens of the sum."""
         if self.context is not None:  # the context ranks' tokens back in their order, each rank its own, summed
-            y = y.index_select(1, self._order(y.device)[1]).contiguous()
+            y = y.index_select(1, self.context.order(y.device)[1]).contiguous()
             return comm.reduce_from_ranks(comm.reduce_scatter_to_ranks(y, 1, self.tokens), self.tensor)
         if self.sequence_dim is None:
             return tag(comm.reduce_from_ranks(y, self.group), WHOLE)

@@ -15,6 +15,7 @@ import re
 
 from torch import nn
 
+from tpflow.hf.context_indexer import is_split_indexer
 from tpflow.hf.heads import attention_heads
 
 __all__ = ["UNKNOWN", "is_attention", "layer_mixers", "own_loss", "own_positions", "unsplit_mixers"]
@@ -32,7 +33,8 @@ _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mi
         "Lightning": "linear attention", "Linear": "linear attention", "Recurrent": "a recurrence",
         "RwkvFeedForward": "a token shift (RWKV's channel mixing)", "Rwkv": "a recurrence (RWKV's time mixing)",
         "LSTM": "a recurrence (xLSTM)", "Retention": "a recurrence",
-        "Indexer": "a sparse-attention indexer, which picks each query's keys over the whole sequence"}
+        "Indexer": "a sparse-attention indexer tpflow does not split (not DeepSeek-V3.2's: one that reads no "
+                   "attention mask and keys through no key cache, such as DeepSeek-V4's over compressed keys)"}
 
 
 def is_attention(module: nn.Module) -> bool:
@@ -111,7 +113,7 @@ def layer_mixers(layer: nn.Module) -> list[tuple[str, str]]:
     for name, child in layer.named_children():
         attention = any(is_attention(m) for m in child.modules())
         convolves = any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in child.modules())
-        if any("Indexer" in type(m).__name__ for m in child.modules()):
+        if any("Indexer" in type(m).__name__ and not is_split_indexer(m) for m in child.modules()):
             found.append((name, _WHY["Indexer"]))
             continue
         shifts = any(isinstance(getattr(m, "time_shift", None), nn.ZeroPad2d) for m in child.modules())  # RWKV's

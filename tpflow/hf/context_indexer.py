@@ -1,0 +1,136 @@
+"""Context parallelism through sparse attention with an indexer (DeepSeek-V3.2's DSA; GLM-MoE-DSA, AXK2, dots.3 and
+HY-V4 alike): the indexer, the model's own code, scores this rank's queries against the keys of the whole sequence
+and picks each query's top-k among them, as one device picks; the attention module then passes the picked keys
+(global positions) to its attention (``indices=``), which ``tpflow.hf.context_attention`` runs over them.
+
+The indexer reads its keys through its key cache (``past_key_values.update_indexer``): under context parallelism it
+is handed ``IndexerKeys``, which gathers every context rank's keys in sequence order (without a gradient: the
+indexer runs under ``no_grad``), and, for the model's mask of this rank's tokens, what each of its queries sees of
+the whole sequence (causality, packed documents, the layer's window).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpflow import comm
+from tpflow.hf.context_attention import Batch, context_group, visible
+from tpflow.placement import Placement
+from tpflow.sbp import chunk_bounds
+
+__all__ = ["IndexerKeys", "attach_indexer", "is_split_indexer"]
+
+
+def is_split_indexer(module: nn.Module) -> bool:
+    """Whether ``module`` is a sparse-attention indexer context parallelism splits: one that takes the attention's
+    mask and reads its keys through the key cache (DeepSeek-V3.2's shape; DeepSeek-V4's, over compressed keys, is
+    not).
+
+    Args:
+        module: any module.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> is_split_indexer(nn.Linear(2, 2))
+        False
+    """
+    if "Indexer" not in type(module).__name__:
+        return False
+    names = inspect.signature(module.forward).parameters
+    return "attention_mask" in names and "past_key_values" in names
+
+
+class IndexerKeys:
+    """The key cache an indexer is handed under context parallelism: its ``update_indexer`` returns every context
+    rank's keys (``[B, S, D]`` of this rank's ``[B, s, D]``) in sequence order.
+
+    Args:
+        group: the context group (None: one rank).
+        order: where each position of the sequence sits among the ranks' tokens gathered rank after rank.
+
+    Example::
+
+        >>> keys = torch.randn(2, 4, 3)
+        >>> IndexerKeys(None, torch.tensor([0, 3, 1, 2])).update_indexer(keys, 0).equal(keys[:, [0, 3, 1, 2]])
+        True
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, order: torch.Tensor) -> None:
+        self.group, self.order = group, order
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if self.group is not None:
+            keys = comm.all_gather(keys.contiguous(), 1, chunk_bounds(len(self.order), dist.get_world_size(
+                self.group)), self.group)
+        return keys.index_select(1, self.order)
+
+
+class _Indexer:
+    """One indexer's pre-hook: the whole sequence's keys and each query's view of them in place of its rank's."""
+
+    def __init__(self, name: str, attention: nn.Module, placement: Placement, batch: Batch) -> None:
+        self.name, self.attention, self.placement, self.batch = name, attention, placement, batch
+        self.signature = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.signature = self.signature or inspect.signature(module.forward)
+        named = dict(self.signature.bind(*args, **kwargs).arguments)
+        if named.get("past_key_values") is not None:
+            raise ValueError(f"{self.name!r}: context parallelism trains on whole sequences; it keeps no key cache")
+        hidden = named["hidden_states"]
+        group, world = context_group(self.placement), self.placement.hierarchy[0]
+        order, at = self.batch.order(hidden.device)
+        rank, mine = (dist.get_rank(group) if world > 1 else 0), hidden.shape[1]
+        window = getattr(self.attention, "sliding_window", None)
+        named["attention_mask"] = visible(at[rank * mine:(rank + 1) * mine], torch.arange(len(at), device=at.device),
+                                          getattr(self.attention, "is_causal", True),
+                                          window if window is not None and window < len(at) else None, None,
+                                          self.batch.documents)
+        named["past_key_values"] = IndexerKeys(group if world > 1 else None, order)
+        return (), named
+
+
+def attach_indexer(attention: nn.Module, name: str, placement: Placement, batch: Batch) -> None:
+    """Give the split indexers inside ``attention`` (``is_split_indexer``) the whole sequence's keys under context
+    parallelism.
+
+    Args:
+        attention: an attention module.
+        name: its name in the model, for errors.
+        placement: the ``(context, tensor)`` placement.
+        batch: what the model's entry finds in each batch (its cut, its packed documents).
+
+    Example::
+
+        >>> attach_indexer(nn.Linear(2, 2), "layers.0.self_attn", tpf.placement("cpu", [[0], [1]]), Batch())
+    """
+    indexers = [(child, m) for child, m in attention.named_modules() if is_split_indexer(m)]
+    for child, module in indexers:
+        module.register_forward_pre_hook(_Indexer(f"{name}.{child}", attention, placement, batch), with_kwargs=True)
+    if indexers:
+        attention.register_forward_pre_hook(_NoMask(inspect.signature(attention.forward)), with_kwargs=True)
+
+
+class _NoMask:
+    """An attention module's pre-hook: transformers makes no mask for an attention implementation of its own (the
+    split one, which hides keys by their global positions), and the module slices the mask it hands its indexer:
+    a ``[1, 1, 1, 1]`` mask that hides nothing stands for it."""
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        self.var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        named = dict(self.signature.bind(*args, **kwargs).arguments)
+        named.update(named.pop(self.var_keyword, None) or {})
+        if named.get("attention_mask") is None:
+            device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            named["attention_mask"] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        return (), named
