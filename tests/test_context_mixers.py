@@ -33,6 +33,7 @@ CASES = [
     _delta_net("qwen3_next", 2, 4),  # interleaved projections; 2 key heads shared by 2 ranks each at 4
     _delta_net("qwen3_5_text", 2, 4),  # segmented projections
     _kimi(4),
+    Case("bailing_hybrid", {}, "chunk_kimi_delta_attention", 2, 2, 4),  # KDA with full-rank gates
     _case("nemotron_h", 8, 2),  # Mamba-2 in 2 groups, beside attention
     _case("bamba", 8, 1),
     _case("mamba2", 8, 8),  # no attention at all

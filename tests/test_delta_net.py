@@ -24,7 +24,8 @@ def _kimi(heads: int, **extra) -> Case:
 def test_delta_nets_split_by_heads_match_one_device(world):
     # 2 key heads of 2 value heads each: split at 2 ranks, each shared by 2 ranks at 4
     cases = [_delta_net("qwen3_next", 2, 4), _delta_net("qwen3_5_text", 2, 4), _delta_net("qwen3_5_moe_text", 2, 4),
-             _delta_net("olmo_hybrid", 2, 4), _kimi(4)]
+             _delta_net("olmo_hybrid", 2, 4), _kimi(4),
+             Case("bailing_hybrid", {}, "chunk_kimi_delta_attention", 2, 2, 4)]  # KDA, full-rank gates
     checked(world, cases)
 
 

@@ -187,10 +187,11 @@ def _split_hooks(module: nn.Module, counts: tuple, ranks: HeadRanks, tokens: int
 
 def kimi_delta_counts(module: nn.Module) -> tuple[int, int] | None:
     """``(heads, head width)`` of a Kimi delta attention (KDA) as transformers writes it: q / k / v projections of
-    ``heads * width`` features, a depthwise ``conv1d`` over ``[q | k | v]``, a forget gate of a low-rank projection
-    (``f_a_proj`` to one head's width, ``f_b_proj`` back to every head's) with ``dt_bias`` per feature and ``A_log``
-    per head, a ``b_proj`` per head, a low-rank output gate (``g_a_proj``, ``g_b_proj``), a per-head gated norm and an
-    ``o_proj``; None for any other module.
+    ``heads * width`` features, a depthwise ``conv1d`` over ``[q | k | v]``, a forget gate of a projection to every
+    head's features (low-rank: ``f_a_proj`` to one head's width, ``f_b_proj`` back, Kimi Linear's; or one
+    ``f_proj``, Bailing-hybrid's) with ``dt_bias`` per feature and ``A_log`` per head, a ``b_proj`` per head, an output
+    gate alike (``g_a_proj`` and ``g_b_proj``, or ``g_proj``), a per-head gated norm and an ``o_proj``; None for any
+    other module.
 
     Args:
         module: any module.
@@ -208,26 +209,39 @@ def kimi_delta_counts(module: nn.Module) -> tuple[int, int] | None:
     """
     heads, width = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
     gate = getattr(module, "forget_gate", None)
-    names = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")
     if not (isinstance(heads, int) and isinstance(width, int) and isinstance(gate, nn.Module)
-            and all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+            and all(isinstance(getattr(module, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "b_proj",
+                                                                              "o_proj"))
             and isinstance(getattr(module, "conv1d", None), nn.Conv1d)
-            and all(isinstance(getattr(gate, n, None), nn.Linear) for n in ("f_a_proj", "f_b_proj"))):
+            and _gate_projections(gate, "f") is not None and _gate_projections(module, "g") is not None):
         return None
-    features = heads * width
+    features, a_log = heads * width, getattr(gate, "A_log", None)
     if (module.q_proj.out_features != features or module.b_proj.out_features != heads
-            or module.conv1d.out_channels != 3 * features or getattr(gate.A_log, "shape", None) != (1, 1, heads, 1)
-            or getattr(gate.dt_bias, "shape", None) != (features,)):
+            or module.conv1d.out_channels != 3 * features or getattr(a_log, "numel", lambda: 0)() != heads
+            or getattr(gate.dt_bias, "shape", None) != (features,)
+            or _gate_projections(gate, "f")[-1].out_features != features
+            or _gate_projections(module, "g")[-1].out_features != features):
         return None
     return heads, width
 
 
+def _gate_projections(module: nn.Module, prefix: str) -> tuple[nn.Linear, ...] | None:
+    """A KDA gate's projections to every head's features: low-rank (``{prefix}_a_proj``, ``{prefix}_b_proj``) or one
+    (``{prefix}_proj``); None where it has neither."""
+    pair = tuple(getattr(module, f"{prefix}_{n}_proj", None) for n in ("a", "b"))
+    if all(isinstance(m, nn.Linear) for m in pair):
+        return pair
+    one = getattr(module, f"{prefix}_proj", None)
+    return (one,) if isinstance(one, nn.Linear) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class KimiDeltaHeads(MixerStyle):
-    """Plan style for a Kimi delta attention (``kimi_delta_counts``; Kimi Linear's KDA), split by heads: q / k / v,
-    ``b_proj``, the gates' second projections (``f_b_proj``, ``g_b_proj``) and the per-feature ``dt_bias`` by their
-    heads' features, ``A_log`` by heads, the convolution over ``[q | k | v]`` per segment, ``o_proj`` a row split; the
-    gates' first projections (to one head's width) and the norm's weight (one head's width) whole on every rank.
+    """Plan style for a Kimi delta attention (``kimi_delta_counts``; Kimi Linear's KDA, Bailing-hybrid's), split by
+    heads: q / k / v, ``b_proj``, the gates' projections to every head's features (``f_b_proj`` and ``g_b_proj``, or
+    ``f_proj`` and ``g_proj``) and the per-feature ``dt_bias`` by their heads' features, ``A_log`` by heads, the
+    convolution over ``[q | k | v]`` per segment, ``o_proj`` a row split; low-rank gates' first projections (to one
+    head's width) and the norm's weight (one head's width) whole on every rank.
 
     Args:
         sequence_parallel: its input this rank's tokens, gathered on entry, its output reduce-scattered back to them
@@ -261,20 +275,28 @@ class KimiDeltaHeads(MixerStyle):
         keep_answering(plan.model)  # (FSDP2 may put its own parameters in place of the segmented ones)
         heads, width = kimi_delta_counts(module)
         gate = module.forget_gate
-        for layer in (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_b_proj, gate.f_b_proj):
-            ranks.split(layer, "weight", 0)
-        ranks.segment(module.conv1d, "weight", (heads * width,) * 3, read_by=module)
+        forget, output = _gate_projections(gate, "f"), _gate_projections(module, "g")
+        for layer in (module.q_proj, module.k_proj, module.v_proj, module.b_proj, output[-1], forget[-1]):
+            for param in ("weight", "bias"):
+                if getattr(layer, param) is not None:
+                    ranks.split(layer, param, 0)
+        for param in ("weight", "bias"):
+            if getattr(module.conv1d, param) is not None:
+                ranks.segment(module.conv1d, param, (heads * width,) * 3, read_by=module)
         ranks.split(gate, "dt_bias", 0)
-        ranks.split(gate, "A_log", 2)
-        for layer in (module.g_a_proj, gate.f_a_proj, module.o_norm):
+        ranks.split(gate, "A_log", gate.A_log.shape.index(heads))
+        for layer in (*output[:-1], *forget[:-1], module.o_norm):
             for param, _ in layer.named_parameters(recurse=False):
                 ranks.broadcast(layer, param)
         ranks.split(module.o_proj, "weight", 1)
+        if module.o_proj.bias is not None:
+            ranks.broadcast(module.o_proj, "bias")
         if pl.coordinate() is None:
             return
         module.num_heads, module.qkv_dim = heads // world, heads // world * width
         module.conv_dim = 3 * module.qkv_dim
         gate.num_heads, gate.qkv_dim = module.num_heads, module.qkv_dim
-        modules = (module.q_proj, module.k_proj, module.v_proj, module.b_proj, module.g_a_proj, module.g_b_proj,
-                   module.conv1d, gate, gate.f_a_proj, gate.f_b_proj, module.o_norm, module.o_proj)
-        SplitMixer(module, modules, ranks, sequence_dim=self.sequence_dim)
+        modules = (module.q_proj, module.k_proj, module.v_proj, module.b_proj, *output, module.conv1d, gate, *forget,
+                   module.o_norm, module.o_proj)
+        SplitMixer(module, modules, ranks, out_bias=module.o_proj if module.o_proj.bias is not None else None,
+                   sequence_dim=self.sequence_dim)
