@@ -44,6 +44,7 @@ CASES = [
     Case("rwkv", {}, "rwkv_linear_attention", 2, 2, 64),
     Case("xlstm", {}, "xLSTMMultiHeadLayerNorm.forward", 1, 2, 4),
     Case("minimax", {"block_size": 4}, "apply_mask_to_padding_states", 0, 2, 192),  # lightning attention, blocks of 4
+    Case("zamba", {}, "causal_conv1d_fn", 0, 1, 128),  # Mamba in independent heads
 ]
 GRID = ["qwen3_next", "nemotron_h", "kimi_linear", "rwkv"]  # checked 2 x 2 too
 

@@ -21,6 +21,7 @@ CASES = [
     Case("rwkv", {}, "rwkv_linear_attention", 2, 2, 64),  # (the WKV recurrence's keys)
     Case("xlstm", {}, "xLSTMMultiHeadLayerNorm.forward", 1, 2, 4),  # (the memory's output, by head)
     Case("minimax", {"block_size": 4}, "apply_mask_to_padding_states", 0, 2, 192),  # lightning: 4 heads' q, k, v
+    Case("zamba", {}, "causal_conv1d_fn", 0, 1, 128),  # Mamba in independent heads
 ]
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from torch import nn
 
 from tpflow.hf.delta_net import DeltaNetHeads, KimiDeltaHeads, delta_net_counts, kimi_delta_counts
+from tpflow.hf.head_scans import HeadScans, head_scan_counts
 from tpflow.hf.lightning import LightningHeads, lightning_counts
 from tpflow.hf.mixers import layer_mixers
 from tpflow.hf.mlstm import MatrixMemoryHeads, mlstm_counts
@@ -36,6 +37,7 @@ _KNOWN: list[tuple[Callable[[nn.Module], object], Callable[[], Style]]] = [
     (kimi_delta_counts, KimiDeltaHeads),  # Kimi delta attention
     (selective_scan_counts, ScanChannels),  # Mamba-1
     (lightning_counts, LightningHeads),  # MiniMax's lightning attention
+    (head_scan_counts, HeadScans),  # Zamba's Mamba in independent heads
 ]
 
 

@@ -68,8 +68,10 @@ _FAMILY = {
     "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},  # as its checkpoints (unset, 0 by default)
     "dots3_note_text": {"head_dim": 16},  # its sliding layers' heads: qk_nope_head_dim + qk_rope_head_dim wide
     "dots3_note": {"text_config": {"head_dim": 16}},
-    # its hybrid layers share one attention block, tied from the first to the others: two of them
-    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # its hybrid layers share one attention block, tied from the first to the others: two of them; its Mamba heads
+    # split over 4 ranks
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+              "n_mamba_heads": 4},
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "git": {"num_image_with_embedding": 0},  # text only: no image tokens for its loss to skip
     "xmod": {"default_language": "en_XX"},
