@@ -18,14 +18,14 @@ MATRIX = ROOT / "docs" / "models.md"
 REPRESENTATIVE = {
     2: ("llama",            # transformers' plan; context and expert parallelism
         "phi3",             # fused q / k / v under context parallelism
-        "qwen3_next",       # a hybrid: its mixers read a replicated weight outside its module; context refused
+        "qwen3_next",       # a hybrid: its mixers read a replicated weight outside its module; context head parallel
         "deepseek_v2",      # MLA: mla_kv_a_proj
         "granite_swa",      # local_params, sinks split with the heads
-        "minimax",          # lightning attention: context refused
+        "minimax",          # lightning attention split by heads, its norm over every head; context head parallel
         "doge",             # a per-head projection: tensor refused; a mask of its own: context refused
         "mixtral",          # experts split or shared out
         "llama4_text",      # experts taking sorted rows, stored transposed without saying so
-        "nemotron_h",       # ungated experts (up_proj); a hybrid: context refused
+        "nemotron_h",       # ungated experts (up_proj); a hybrid: context head parallel
         "opt",              # tpflow's own plan (SplitHeads)
         "bert",             # tpflow's own plan, BERT's layout and its head's tied bias
         "persimmon",        # fused q / k / v viewed head by head

@@ -35,6 +35,7 @@ import inspect
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -107,7 +108,7 @@ class _Context:
         self.same_inputs = InputCheck(type(model).__name__, placement, axis=0, kind="context-parallel")
         self.packing = packing
         self.own_positions, self.own_loss = own_positions(model), own_loss(model)
-        self.reordered = False
+        self.reordered, self.own_labels = False, None
         model.register_forward_pre_hook(self.enter, with_kwargs=True)
         model.register_forward_hook(self.leave)
 
@@ -153,10 +154,6 @@ class _Context:
         counted = None  # positions the model counts its own way (RoBERTa's, past the padding), over the whole rows
         if named.get("position_ids") is None and self.own_positions is not None:
             counted = self.counted_positions(module, ids, embeds)
-        if labels is not None and self.own_loss:
-            raise ValueError(f"{type(module).__name__} computes its labels= loss in its own code, on the logits of "
-                             f"this rank's tokens against every label: under context parallelism compute the loss "
-                             f"from .logits (a global tensor split over the sequence), or pass no labels")
         pads, documents, positions = read_documents(named, batch, seq, self.packing.reading(named, batch))
         positions = positions.to(tokens.device)
         self.batch.documents, self.batch.pads = documents, pads
@@ -173,13 +170,18 @@ class _Context:
         named["input_ids" if ids is not None else "inputs_embeds"] = _cut(tokens, layers)
         named["position_ids"] = _cut(positions if counted is None else counted.to(positions.device), layers)
         named["use_cache"] = False
-        if labels is not None:
+        self.own_labels = None
+        if labels is not None and self.own_loss:  # its own loss, of this rank's logits (contiguous) and labels
+            if pads is not None and bool((labels[pads] != IGNORE).any()):
+                raise ValueError(_PADS_LABELLED)
+            self.own_labels, self.own_count = _cut(labels, contiguous(self.world, seq)[self.rank]), \
+                (labels != IGNORE).sum()
+            named["labels"] = self.own_labels
+        elif labels is not None:
             shift = named.get("shift_labels")
             shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:] if shift is None else shift
             if pads is not None and bool((shift[pads] != IGNORE).any()):
-                raise ValueError(f"the padding carries labels: give the padded positions labels = {IGNORE} (as "
-                                 f"DataCollatorForLanguageModeling does), which one device's masked attention and "
-                                 f"context parallelism's causal attention then score alike")
+                raise ValueError(_PADS_LABELLED)
             if named.get("num_items_in_batch") is None:
                 named["num_items_in_batch"] = (shift != IGNORE).sum()
             named["shift_labels"] = _cut(shift, contiguous(self.world, seq)[self.rank])
@@ -234,12 +236,39 @@ class _Context:
             raise RuntimeError("the ring's head-tail parts never reached the output head's forward (the model "
                                "computed its logits some other way): its loss and logits would be out of order")
         group = context_group(self.placement)
+        if getattr(output, "loss", None) is not None and self.own_labels is not None:
+            output.loss = self.own_share(module, output.loss, output.logits)
         if getattr(output, "loss", None) is not None:
             output.loss = comm.reduce_from_ranks(output.loss, group)
         logits = getattr(output, "logits", None)
         if isinstance(logits, torch.Tensor):
             output.logits = self._global(logits)
         return output
+
+    def own_share(self, model: nn.Module, loss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a loss the model computes in its own code (on this rank's tokens alone), where every
+        rank finds it the mean of its tokens' cross-entropy against their labels (``labels`` unshifted, as
+        BART-family decoders and Whisper's score them): its tokens' sum over every rank's count."""
+        if isinstance(logits, DTensor):
+            raise ValueError(f"{type(model).__name__} computes its labels= loss in its own code, which a vocabulary "
+                             f"split over the tensor ranks would give it in parts: compute the loss from .logits, or "
+                             f"pass no labels")
+        labels = self.own_labels
+        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                                 ignore_index=IGNORE, reduction="sum")
+        count = (labels != IGNORE).sum()
+        tol = 1e-2 if logits.element_size() < 4 else 1e-5
+        mean = bool(count == 0 or torch.allclose(summed.detach() / count, loss.detach().to(summed.dtype), rtol=tol))
+        agreed = torch.tensor([float(mean)])
+        group = context_group(self.placement)
+        if self.world > 1:
+            dist.all_reduce(agreed, dist.ReduceOp.MIN, group=group)  # every rank raises, or none
+        if not agreed.item():
+            raise ValueError(f"{type(model).__name__} computes its labels= loss in its own code, and it is not the "
+                             f"mean of its tokens' cross-entropy against their labels (which context parallelism "
+                             f"sums over the ranks): compute the loss from .logits (a global tensor split over the "
+                             f"sequence), or pass no labels")
+        return summed / self.own_count.to(summed.device)
 
     def _global(self, logits: torch.Tensor) -> DTensor:
         """This rank's contiguous part of the logits as a global tensor split over the sequence (and over the
@@ -252,6 +281,10 @@ class _Context:
         return from_local(local, self.logits_placement, (split(1), split(2) if vocab_split else broadcast),
                           shape=shape, sync_data=False)
 
+
+_PADS_LABELLED = (f"the padding carries labels: give the padded positions labels = {IGNORE} (as "
+                  f"DataCollatorForLanguageModeling does), which one device's masked attention and context "
+                  f"parallelism's causal attention then score alike")
 
 _GENERATE = ("a model parallelized with context_parallel splits whole sequences over its ranks, and decoding runs one "
              "token at a time (past_key_values, logits_to_keep): generate with a model parallelized by "
@@ -275,6 +308,23 @@ def _leaves(t: torch.Tensor) -> tuple[list[str], bool]:
             continue
         stack.extend(fn for fn, _ in node.next_functions)
     return plain, global_
+
+
+class _CountedFromZero:
+    """A position embedding's pre-hook: the positions a decoder counts itself from the sequence's length (BART's
+    family: ``arange(seq)``, whatever ``position_ids`` it is given), which on a rank's part of the sequence would
+    count from 0, become its tokens' global positions (one device's count)."""
+
+    def __init__(self, context: _Context) -> None:
+        self.context = context
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        given = kwargs.get("position_ids")
+        if not isinstance(given, torch.Tensor) or given.ndim != 1 or not bool(
+                (given == torch.arange(len(given), device=given.device)).all()):
+            return args, kwargs
+        at = self.context.batch.order(given.device)[1]
+        return args, {**kwargs, "position_ids": at[self.context.rank * len(given):(self.context.rank + 1) * len(given)]}
 
 
 class _NoGenerate:
@@ -337,6 +387,10 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
         raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "
                          f"so context parallelism cannot run it")
     context = _Context(model, kind, placement, logits_placement, batch, packing)
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "embed_positions" and "position_ids" in inspect.signature(
+                module.forward).parameters:
+            module.register_forward_pre_hook(_CountedFromZero(context), with_kwargs=True)
     if kind == "ring":
         _head(model).register_forward_pre_hook(context.to_contiguous)
     model.generate = _NoGenerate()

@@ -139,7 +139,9 @@ class _Attention:
                                  f"split ({_UNSPLIT[key]})")
         window = sliding_window if sliding_window is not None and sliding_window < seq else None
         chunk = _chunk(module, seq)
-        causal = extra.get("is_causal", getattr(module, "is_causal", True))
+        # (a decoder's attention is causal by the mask its model makes, whatever the module says: BigBird-Pegasus')
+        decoder = bool(getattr(getattr(module, "config", None), "is_decoder", False))
+        causal = extra.get("is_causal", getattr(module, "is_causal", True) or decoder)
         documents = self.batch.documents
         if not causal and documents is None and self.batch.pads is not None:  # right padding: every query sees it
             documents = self.batch.pads.long()

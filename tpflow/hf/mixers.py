@@ -24,7 +24,7 @@ UNKNOWN = "a token mixer tpflow does not know"
 
 # children that work token by token, by their class names; anything else in a decoder layer must be attention
 _TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropout|Identity|Linear$|Embedding|Act|"
-                        r"GELU|SiLU|ReLU|Rotary|HyperConnection|Intermediate|Output$")
+                        r"GELU|SiLU|ReLU|Rotary|HyperConnection|Intermediate|Output$|AltUp|Laurel")
 _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mixer": "a state space",
         "DeltaNet": "linear attention (a delta rule's state)",
         "DeltaAttention": "linear attention (a delta rule's state)",

@@ -1,0 +1,65 @@
+"""Context parallelism on the decoders of encoder-decoder families run as causal LMs (BART's family, Pegasus,
+BigBird-Pegasus, Whisper): the ``labels=`` loss they compute in their own code (each rank's tokens' mean, made a
+share of every rank's count), the positions their decoders count from zero whatever ``position_ids`` they are given
+(each rank's tokens given their global ones), attention causal by the mask the model makes though its module says
+otherwise (BigBird-Pegasus'). Against one device, fp64, ring and Ulysses at 2 and 4 ranks: the logits, the loss,
+every gradient and every parameter after two AdamW steps with clipping; an own loss that is not a mean of the tokens'
+cross-entropy is refused on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpflow as tpf
+from tests import harness
+from tests.test_context_mixers import SEQ, _same_training
+
+pytest.importorskip("transformers")
+
+TYPES = ["bart", "pegasus", "bigbird_pegasus", "blenderbot-small", "whisper"]
+
+
+def _decoders(kinds: list[str]) -> None:
+    from tpflow.models.zoo import tiny_model
+
+    P = tpf.placement("cpu", ranks=list(range(dist.get_world_size())))
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    labels = ids.masked_fill(torch.arange(SEQ) % 5 == 0, -100)  # (unshifted: these decoders score them as given)
+    for kind in kinds:
+        for cut in ("ring", "ulysses"):
+            ref = tiny_model(kind)
+            model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=tpf.hf_plan(ref, context_parallel=cut))
+            _same_training(model, ref, ids, {"labels": labels}, f"{kind} {cut}")
+
+
+def test_decoders_with_their_own_loss_and_positions_match_one_device():
+    harness.run(2, _decoders, TYPES, timeout=900)
+    harness.run(4, _decoders, ["bart", "bigbird_pegasus"], timeout=900)
+
+
+def _other_loss() -> None:
+    from transformers import BartForCausalLM
+
+    from tpflow.models.zoo import tiny_config
+
+    class Doubled(BartForCausalLM):  # an own loss that is not the tokens' mean: twice it
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+            out.loss = out.loss * 2
+            return out
+
+    model = Doubled(tiny_config("bart")).double()
+    model = tpf.parallelize(model, placement=tpf.placement("cpu", ranks=[0, 1]),
+                            plan=tpf.hf_plan(model, context_parallel="ring"))
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"Doubled computes its labels= loss in its own code, and it is not the mean "
+                                         r"of its tokens' cross-entropy"):
+        model(ids, labels=ids)
+
+
+def test_an_own_loss_that_is_not_a_mean_is_refused_on_every_rank():
+    harness.run(2, _other_loss)
