@@ -154,9 +154,7 @@ class DeltaNetHeads(MixerStyle):
             ranks.split(module, param, 0)
         for param, _ in _norm(module).named_parameters(recurse=False):
             ranks.broadcast(_norm(module), param)
-        ranks.split(_out(module), "weight", 1)
-        if _out(module).bias is not None:
-            ranks.broadcast(_out(module), "bias")
+        ranks.split_inputs(_out(module))
         if pl.coordinate() is not None:
             _split_hooks(module, (keys, values, k_dim, v_dim, projections), ranks, self.sequence_dim)
 
@@ -276,10 +274,7 @@ class KimiDeltaHeads(MixerStyle):
         heads, width = kimi_delta_counts(module)
         gate = module.forget_gate
         forget, output = _gate_projections(gate, "f"), _gate_projections(module, "g")
-        for layer in (module.q_proj, module.k_proj, module.v_proj, module.b_proj, output[-1], forget[-1]):
-            for param in ("weight", "bias"):
-                if getattr(layer, param) is not None:
-                    ranks.split(layer, param, 0)
+        ranks.split_outputs(module.q_proj, module.k_proj, module.v_proj, module.b_proj, output[-1], forget[-1])
         for param in ("weight", "bias"):
             if getattr(module.conv1d, param) is not None:
                 ranks.segment(module.conv1d, param, (heads * width,) * 3, read_by=module)
@@ -288,9 +283,7 @@ class KimiDeltaHeads(MixerStyle):
         for layer in (*output[:-1], *forget[:-1], module.o_norm):
             for param, _ in layer.named_parameters(recurse=False):
                 ranks.broadcast(layer, param)
-        ranks.split(module.o_proj, "weight", 1)
-        if module.o_proj.bias is not None:
-            ranks.broadcast(module.o_proj, "bias")
+        out_bias = ranks.split_inputs(module.o_proj)
         if pl.coordinate() is None:
             return
         module.num_heads, module.qkv_dim = heads // world, heads // world * width
@@ -298,5 +291,4 @@ class KimiDeltaHeads(MixerStyle):
         gate.num_heads, gate.qkv_dim = module.num_heads, module.qkv_dim
         modules = (module.q_proj, module.k_proj, module.v_proj, module.b_proj, *output, module.conv1d, gate, *forget,
                    module.o_norm, module.o_proj)
-        SplitMixer(module, modules, ranks, out_bias=module.o_proj if module.o_proj.bias is not None else None,
-                   sequence_dim=self.sequence_dim)
+        SplitMixer(module, modules, ranks, out_bias=out_bias, sequence_dim=self.sequence_dim)

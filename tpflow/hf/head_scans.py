@@ -97,17 +97,11 @@ class HeadScans(MixerStyle):
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         ranks, pl = self.head_ranks(plan), plan.placement
         heads, width = head_scan_counts(module)
-        for layer in (module.in_proj, module.conv1d):
-            for param in ("weight", "bias"):
-                if getattr(layer, param) is not None:
-                    ranks.split(layer, param, 0)
+        ranks.split_outputs(module.in_proj, module.conv1d)
         for param in _PER_HEAD:
             ranks.split(module, param, 0)
-        ranks.split(module.out_proj, "weight", 1)
-        if module.out_proj.bias is not None:
-            ranks.broadcast(module.out_proj, "bias")
+        out_bias = ranks.split_inputs(module.out_proj)
         module.n_mamba_heads, module.intermediate_size = heads // ranks.world, heads // ranks.world * width
         if pl.coordinate() is not None:
-            SplitMixer(module, (module, module.in_proj, module.conv1d, module.out_proj), ranks,
-                       out_bias=module.out_proj if module.out_proj.bias is not None else None,
+            SplitMixer(module, (module, module.in_proj, module.conv1d, module.out_proj), ranks, out_bias=out_bias,
                        sequence_dim=self.sequence_dim)

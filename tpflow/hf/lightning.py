@@ -150,18 +150,11 @@ class LightningHeads(MixerStyle):
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         ranks, pl = self.head_ranks(plan), plan.placement
         heads, _ = lightning_counts(module)
-        for linear in (module.qkv_proj, module.output_gate):
-            for param in ("weight", "bias"):
-                if getattr(linear, param) is not None:
-                    ranks.split(linear, param, 0)
-        ranks.split(module.norm, "weight", 0)
-        ranks.split(module.out_proj, "weight", 1)
-        if module.out_proj.bias is not None:
-            ranks.broadcast(module.out_proj, "bias")
+        ranks.split_outputs(module.qkv_proj, module.output_gate, module.norm)
+        out_bias = ranks.split_inputs(module.out_proj)
         module.num_attention_heads = heads // ranks.world
         if pl.coordinate() is not None:
             module.norm.forward = _SpanningRMSNorm(module.norm, ranks.group, ranks.world)
             _RankDecays(module, ranks.index, heads // ranks.world)
             SplitMixer(module, (module.qkv_proj, module.output_gate, module.norm, module.out_proj), ranks,
-                       out_bias=module.out_proj if module.out_proj.bias is not None else None,
-                       sequence_dim=self.sequence_dim)
+                       out_bias=out_bias, sequence_dim=self.sequence_dim)

@@ -168,6 +168,22 @@ class HeadRanks:
         """``broadcast_parameter``: whole on every rank."""
         broadcast_parameter(module, name, self.placement)
 
+    def split_outputs(self, *layers: nn.Module) -> None:
+        """Each layer's weight and bias (where it has one) split along dim 0: its outputs are the heads' features."""
+        for layer in layers:
+            for name in ("weight", "bias"):
+                if getattr(layer, name, None) is not None:
+                    self.split(layer, name, 0)
+
+    def split_inputs(self, layer: nn.Linear) -> nn.Linear | None:
+        """A linear layer reading the heads' features: its weight split along dim 1 (its output a partial sum), its
+        bias whole; returns ``layer`` where it has a bias (``SplitMixer``'s ``out_bias``: added once), else None."""
+        self.split(layer, "weight", 1)
+        if layer.bias is None:
+            return None
+        self.broadcast(layer, "bias")
+        return layer
+
     def sharing(self, parts: int) -> dist.ProcessGroup:
         """The group of this rank and the neighbours sharing its part when the heads' ranks are cut in ``parts``
         parts of consecutive ranks (``sharing_group``)."""

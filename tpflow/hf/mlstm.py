@@ -123,9 +123,7 @@ class MatrixMemoryHeads(MixerStyle):
         for param in ("weight", "bias"):
             if getattr(module.multihead_norm, param, None) is not None:
                 ranks.split(module.multihead_norm, param, 0)
-        ranks.split(module.out_proj, "weight", 1)
-        if module.out_proj.bias is not None:
-            ranks.broadcast(module.out_proj, "bias")
+        ranks.split_inputs(module.out_proj)
         module.config = copy.copy(module.config)  # (the model's, shared by every layer)
         module.config.num_heads = module.multihead_norm.num_heads = heads // world
         module.qk_dim, module.v_dim = qk // world, v // world

@@ -110,19 +110,13 @@ class RecurrentHeads(MixerStyle):
         ranks = self.head_ranks(plan)
         pl, world = plan.placement, ranks.world
         heads, width = recurrent_block_counts(module)
-        for linear in (module.linear_x, module.linear_y, module.conv_1d):
-            for param in ("weight", "bias"):
-                if getattr(linear, param) is not None:
-                    ranks.split(linear, param, 0)
+        ranks.split_outputs(module.linear_x, module.linear_y, module.conv_1d)
         for param in ("recurrent_param", *_GATES):
             ranks.split(module.rg_lru, param, 0)
-        ranks.split(module.linear_out, "weight", 1)
-        if module.linear_out.bias is not None:
-            ranks.broadcast(module.linear_out, "bias")
+        out_bias = ranks.split_inputs(module.linear_out)
         module.lru_width = module.hidden_size = width // world  # (it sizes its conv state by hidden_size)
         module.conv_1d.in_channels = module.conv_1d.out_channels = module.conv_1d.groups = width // world
         module.rg_lru.num_attention_heads = heads // world
         if pl.coordinate() is not None:
             SplitMixer(module, (module.linear_x, module.linear_y, module.conv_1d, module.rg_lru, module.linear_out),
-                       ranks, out_bias=module.linear_out if module.linear_out.bias is not None else None,
-                       sequence_dim=self.sequence_dim)
+                       ranks, out_bias=out_bias, sequence_dim=self.sequence_dim)

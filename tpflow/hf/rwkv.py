@@ -113,14 +113,9 @@ def channel_mixing_widths(module: nn.Module) -> tuple[int, int] | None:
 def _split_in_place(module: nn.Module, ranks: HeadRanks, by_output: tuple[str, ...], by_input: tuple[str, ...]) -> None:
     """Split ``module``'s linear layers ``by_output`` by their output features and ``by_input`` by their input
     features (a bias of those whole); make its token-shift mixes broadcast global tensors."""
-    for n in by_output:
-        for param in ("weight", "bias"):
-            if getattr(getattr(module, n), param) is not None:
-                ranks.split(getattr(module, n), param, 0)
+    ranks.split_outputs(*(getattr(module, n) for n in by_output))
     for n in by_input:
-        ranks.split(getattr(module, n), "weight", 1)
-        if getattr(module, n).bias is not None:
-            ranks.broadcast(getattr(module, n), "bias")
+        ranks.split_inputs(getattr(module, n))
     for n in _MIXES:
         if isinstance(getattr(module, n, None), nn.Parameter):
             ranks.broadcast(module, n)

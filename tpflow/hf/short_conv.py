@@ -97,10 +97,7 @@ class ShortConvChannels(MixerStyle):
                 ranks.segment(module.in_proj, param, (width, width, width))
             if getattr(module.conv, param) is not None:  # (read by the mixer itself: conv.weight.squeeze(1))
                 ranks.split(module.conv, param, 0)
-        ranks.split(module.out_proj, "weight", 1)
-        if module.out_proj.bias is not None:
-            ranks.broadcast(module.out_proj, "bias")
+        out_bias = ranks.split_inputs(module.out_proj)
         if pl.coordinate() is not None:
-            SplitMixer(module, (module, module.in_proj, module.conv, module.out_proj), ranks,
-                       out_bias=module.out_proj if module.out_proj.bias is not None else None,
+            SplitMixer(module, (module, module.in_proj, module.conv, module.out_proj), ranks, out_bias=out_bias,
                        sequence_dim=self.sequence_dim)

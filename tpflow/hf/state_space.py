@@ -150,9 +150,7 @@ class StateSpaceHeads(MixerStyle):
             ranks.split(module, param, 0)
         if _norm_kind(module.norm) != "none":
             ranks.split(module.norm, "weight", 0)
-        ranks.split(module.out_proj, "weight", 1)
-        if module.out_proj.bias is not None:
-            ranks.broadcast(module.out_proj, "bias")
+        ranks.split_inputs(module.out_proj)
         for buffer, value in list(module.named_buffers(recurse=False)):  # Falcon-H1's multipliers of in_proj's rows
             if value.shape[-1] == module.in_proj.out_features and pl.coordinate() is not None:
                 module._buffers[buffer] = _rank_rows(value, (heads, groups, state, inner), world,
