@@ -409,6 +409,8 @@ class ContextParallel(Style):
             holding two parts of the sequence (head-tail) so causal work is balanced; ``"ulysses"``: an all-to-all
             turns the sequence split into a split of the heads around the model's own attention
             (``tpflow.ops.ulysses_attention``), the heads (per tensor-parallel rank) a multiple of the ranks.
+        layers_whole: the plan splits nothing in the layers by heads (``hf_plan`` of a model it finds nothing to
+            split in): context parallelism alone, a tensor axis refused.
 
     Example::
 
@@ -431,6 +433,7 @@ class ContextParallel(Style):
     """
 
     kind: str = "ring"
+    layers_whole: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     @property
     def one_batch(self) -> bool:
@@ -478,6 +481,11 @@ class ContextParallel(Style):
                              f"parts become contiguous; {type(model).__name__} has none: use context_parallel="
                              f"'ulysses'")
         context, tensor = plan.named.hierarchy
+        if self.layers_whole and tensor > 1:
+            raise ValueError(f"tpflow splits nothing in {type(model).__name__}'s layers by heads (no tensor-parallel "
+                             f"plan of its own, none tpflow can read off them), so its {tensor} tensor-parallel ranks "
+                             f"would each hold and compute them whole: use context parallelism alone, on a 1-D "
+                             f"placement")
         counts = heads.attention_heads(module) if is_attention(module) else None
         if self.kind == "ulysses" and counts is not None:
             local, kv = counts[0] // tensor, max(counts[1] // tensor, 1)  # this tensor rank's

@@ -117,10 +117,17 @@ def layer_mixers(layer: nn.Module) -> list[tuple[str, str]]:
             found.append((name, _WHY["Indexer"]))
             continue
         shifts = any(isinstance(getattr(m, "time_shift", None), nn.ZeroPad2d) for m in child.modules())  # RWKV's
-        tokenwise = _TOKENWISE.search(type(child).__name__) and not (convolves or shifts)
+        tokenwise = (_TOKENWISE.search(type(child).__name__) or _tokenwise_sequence(child)) and not (
+            convolves or shifts)
         if convolves or shifts or not (attention or tokenwise or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
             found.append((name, _why(child)))
     return found
+
+
+def _tokenwise_sequence(module: nn.Module) -> bool:
+    """An ``nn.Sequential`` of token-wise layers alone (CTRL's feed-forward: linear, ReLU, linear)."""
+    return isinstance(module, nn.Sequential) and len(module) > 0 and all(
+        _TOKENWISE.search(type(m).__name__) for m in module)
 
 
 def own_positions(model: nn.Module) -> str | None:

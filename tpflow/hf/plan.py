@@ -225,6 +225,18 @@ def _tied(model: nn.Module, name: str) -> bool:
                                       if not n.startswith(name + "."))
 
 
+def _planned(model: nn.Module, context: ContextParallel | None) -> dict[str, object]:
+    """tpflow's own plan for ``model`` (``planned``); under context parallelism, where it finds nothing to split by
+    heads, none (the context entries alone: the weights whole, as on a 1-D placement; a tensor axis beside them is
+    refused, ``ContextParallel.check``)."""
+    try:
+        return planned(model)
+    except ValueError:
+        if context is None:
+            raise
+        return {}
+
+
 def _check_layers_found(model: nn.Module, own: dict[str, object], names: list[str], ends: set) -> None:
     """Refuse a model none of whose layers the plan's layer patterns (all but the embedding's and the head's) name:
     ``plan="auto"`` would split the embedding and the head, found by their getters, and run every layer whole on
@@ -320,7 +332,9 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     _check_layers_found(model, own, names, {embedding, head})  # (its own names, before tpflow fills in what they miss)
     # transformers ships none: tpflow's, read off the module tree (or a sentence naming why not); else what its own
     # leaves out of the layers: tpflow's entries, or Replicated ones saying why it stays whole
-    own = with_mixers(model, with_left_out(model, own) if own else planned(model))  # mixers split by heads
+    own = with_mixers(model, with_left_out(model, own) if own else _planned(model, context))  # mixers split by heads
+    if context is not None and not own:  # nothing to split by heads: context parallelism alone
+        context = dataclasses.replace(context, layers_whole=True)
     if sequence_parallel:
         _refuse_sequence_split(model, own)
     plan: dict[str, Style] = {}
