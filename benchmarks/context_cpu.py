@@ -5,6 +5,7 @@ ring's transfer hidden behind its compute on an emulated slow link.
     python -m tpflow.launch --nproc_per_node 1 benchmarks/context_cpu.py overlap [--tokens 4096]
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py packed [--tokens 8192] [--window 512]
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py mixers [--tokens 8192 16384 32768]
+    python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py sparse [--tokens 4096 8192] [--top 2048]
 
 ``train``: a Hugging Face Llama of tiny width (hidden ``--hidden``, 4 heads of 16, 2 key/value heads, ``--layers``
 layers, vocabulary 512, fp32, one sequence of ``--tokens``) by its own ``labels=`` loss, three ways side by side:
@@ -40,6 +41,9 @@ same measurements as ``train``; the minimum bytes add, per mixer, the hidden sta
 reduce-scattered out, forward and backward ((W - 1) x a rank's tokens x hidden a ring pass; gloo's reduce-scatter
 is an all-reduce underneath, two passes), and count the all-reduce of the parameters left whole alone (the mixers'
 are split).
+
+``sparse``: a DeepSeek-V3.2-shaped model (latent attention with a sparse-attention indexer picking ``--top`` keys a
+query, ``tpflow.hf.context_indexer``), the same measurements as ``train`` but for a minimum of bytes.
 
 Each run is appended to ``benchmarks/results/context_<mode>_<cpu>_<date>.md``.
 """
@@ -396,14 +400,57 @@ def mixers(args) -> None:
         print(f"appended to {write('context_mixers', lines, args.out)}")
 
 
+def _sparse_model(hidden: int, top: int):
+    """A DeepSeek-V3.2-shaped model, ``hidden`` wide, fp32: 2 dense layers of latent attention (rope 8 + nope 16 key
+    dims against 16 value dims, as 64 + 128 against 128), each with a sparse-attention indexer (2 heads of 32) picking
+    ``top`` keys a query."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(0)
+    return DeepseekV32ForCausalLM(DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
+        qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=HEAD_DIM // 2, v_head_dim=HEAD_DIM, index_n_heads=2,
+        index_head_dim=32, index_topk=top, mlp_layer_types=["dense", "dense"],
+        layer_types=["indexed_attention", "indexed_attention"], max_position_embeddings=1 << 17,
+        attn_implementation="sdpa"))
+
+
+def sparse(args) -> None:
+    """Sparse attention with an indexer (DeepSeek-V3.2's), ring and Ulysses against one device."""
+    world, rank, P = _ranks()
+    lines = [f"# Context parallelism through sparse attention with an indexer: {world} CPU rank(s), hidden "
+             f"{args.hidden}, top-{args.top} keys a query, vocabulary {VOCAB}, fp32, batch 1", "",
+             f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py sparse --tokens "
+             f"{' '.join(map(str, args.tokens))} --hidden {args.hidden} --top {args.top} --reps {args.reps}`", "",
+             "Bytes sent a step against none for one device (no minimum column): the ring gathers each layer's keys "
+             "and values whole (and reduce-scatters their gradients), Ulysses all-to-alls q / k / v / out and "
+             "gathers the picks; both gather the indexer's keys.", "", TABLE[0].format("tokens"), TABLE[1]]
+    ref = _sparse_model(args.hidden, args.top)
+    for tokens in args.tokens:
+        ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))
+        one_peak, one_time, one_loss = _one_device(ref, ids, args.reps, use_cache=False)
+        rows = [("one device", one_peak, one_time, 0, 0, 0.0)]
+        for kind in ("ring", "ulysses"):
+            model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=tpf.hf_plan(ref, context_parallel=kind))
+            peak, seconds, sent, loss = _measure(model, ids, args.reps, active=True, use_cache=False)
+            rows.append(_slowest(kind, peak, seconds, sent, 0, loss - one_loss))
+        lines += _lines(f"{tokens:,}", rows, one_peak, one_time, world)
+    lines.append("")
+    if rank == 0:
+        print("\n".join(lines))
+        print(f"appended to {write('context_sparse', lines, args.out)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["train", "overlap", "packed", "mixers"])
+    parser.add_argument("mode", choices=["train", "overlap", "packed", "mixers", "sparse"])
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--top", type=int, default=2048)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if args.mode == "train":
@@ -418,6 +465,10 @@ def main() -> None:
         args.tokens = args.tokens or [8192, 16384, 32768]
         tpf.init_distributed()
         mixers(args)
+    elif args.mode == "sparse":
+        args.tokens = args.tokens or [4096, 8192]
+        tpf.init_distributed()
+        sparse(args)
     else:
         args.tokens = (args.tokens or [4096])[0]
         if tpf.get_rank() == 0:  # under the launcher; one process is enough

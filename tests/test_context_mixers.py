@@ -117,7 +117,7 @@ def _mixers(kinds: list[str], tensor: int) -> None:
             split = [(n, p) for n, p in mixers if not all(x.is_replicate() for x in p.placements)]
             assert all(p.to_local().numel() * world == p.numel() for _, p in split), what  # 1 / W of each
             assert sum(p.numel() for _, p in split) >= 0.8 * sum(p.numel() for _, p in mixers), what  # (gates whole)
-            assert share(model, ref) < 1, what
+            assert share(model, ref) < 1 or world == 1, what
 
 
 def _in_mixer(model: torch.nn.Module, name: str) -> bool:
@@ -134,6 +134,7 @@ def test_mixers_run_head_parallel_and_match_one_device(world):
 
 def test_mixers_on_context_by_tensor_grid_match_one_device():
     harness.run(4, _mixers, GRID, 2, timeout=600)
+    harness.run(1, _mixers, GRID[:2], 1, timeout=600)  # a context axis of one rank: nothing gathered, nothing split
 
 
 def _refusals() -> None:

@@ -95,6 +95,18 @@ class Batch:
             self.exchanges[key] = ring_exchange(segments, first)
         return self.exchanges[key]
 
+    @property
+    def in_order(self) -> bool:
+        """Whether every rank's tokens, gathered rank after rank, are the sequence in order (Ulysses' contiguous
+        parts): nothing to put in order."""
+        at = 0
+        for parts in self.segments:
+            for start, length in parts:
+                if start != at:
+                    return False
+                at += length
+        return True
+
     def order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each position of the sequence sits among the context ranks' tokens gathered rank after rank, and
         each of those tokens' position (what puts a gathered sequence in order, and back)."""

@@ -343,7 +343,7 @@ class SplitMixer:
         """Every context rank's tokens along ``dim``, in sequence order (the gradient: reduce-scattered back)."""
         whole = comm.gather_shared(x.contiguous(), dim, x.shape[dim] * dist.get_world_size(self.tokens), self.tokens) \
             if self.tokens is not None else x
-        return whole.index_select(dim, self.context.order(x.device)[0])
+        return whole if self.context.in_order else whole.index_select(dim, self.context.order(x.device)[0])
 
     def _entering(self, x: torch.Tensor) -> torch.Tensor:
         """The input whole (every rank's tokens gathered), its gradient summed (reduce-scattered to the tokens)."""
@@ -357,7 +357,9 @@ class SplitMixer:
     def _leaving(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum summed: whole, or this rank's tokens of the sum."""
         if self.context is not None:  # the context ranks' tokens back in their order, each rank its own, summed
-            y = y.index_select(1, self.context.order(y.device)[1]).contiguous()
+            if not self.context.in_order:
+                y = y.index_select(1, self.context.order(y.device)[1])
+            y = y.contiguous()
             return comm.reduce_from_ranks(comm.reduce_scatter_to_ranks(y, 1, self.tokens), self.tensor)
         if self.sequence_dim is None:
             return tag(comm.reduce_from_ranks(y, self.group), WHOLE)

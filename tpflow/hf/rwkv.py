@@ -247,7 +247,9 @@ class _ChannelMixing(SplitMixer):
             return output
         gathered = comm.gather_from_ranks(output[0], output[0].ndim - 1, self.hidden, self.group)
         if self.context is not None:  # the context ranks' tokens back in their order, each rank its own
-            tokens = gathered.index_select(1, self.context.order(gathered.device)[1]).contiguous()
+            tokens = gathered if self.context.in_order else gathered.index_select(
+                1, self.context.order(gathered.device)[1])
+            tokens = tokens.contiguous()
             return (comm.scatter_to_ranks(tokens, 1, self.tokens), *output[1:])
         if self.sequence_dim is not None:  # this rank's tokens of the whole output
             return (comm.scatter_to_ranks(gathered, self.sequence_dim, self.group), *output[1:])
