@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch.distributed as dist
 from torch import nn
 
 from tpflow.global_tensor.segments import keep_answering
@@ -155,22 +156,24 @@ class DeltaNetHeads(MixerStyle):
         for param, _ in _norm(module).named_parameters(recurse=False):
             ranks.broadcast(_norm(module), param)
         ranks.split_inputs(_out(module))
+        shared = ranks.sharing(keys) if ranks.world > keys else None  # (every rank makes the group)
         if pl.coordinate() is not None:
-            _split_hooks(module, (keys, values, k_dim, v_dim, projections), ranks, self.sequence_dim)
+            _split_hooks(module, (keys, values, k_dim, v_dim, projections), ranks, shared, self.sequence_dim)
 
 
-def _split_hooks(module: nn.Module, counts: tuple, ranks: HeadRanks, tokens: int | None) -> None:
+def _split_hooks(module: nn.Module, counts: tuple, ranks: HeadRanks, shared: dist.ProcessGroup | None,
+                 tokens: int | None) -> None:
     """The DeltaNet's attributes sized for this rank's heads, and its hooks: a shared key head's q / k rows
-    gathered over the ranks holding its value heads."""
+    gathered over ``shared``, the ranks holding its value heads."""
     keys, values, k_dim, v_dim, projections = counts
     world = ranks.world
     own = max(keys // world, 1)
     module.num_k_heads, module.num_v_heads = own, values // world
     module.key_dim, module.value_dim = own * k_dim, values // world * v_dim
     module.conv_dim = 2 * module.key_dim + module.value_dim
-    shared, gathered = None, []
+    gathered = []
     if world > keys:
-        shared, share = ranks.sharing(keys), world // keys
+        share = world // keys
         q = k_dim // share
         gathered = [Gathered(module.conv1d, (q, q, module.value_dim), (0, 1))]
         if projections == _INTERLEAVED:

@@ -84,14 +84,14 @@ def refuse_undivided(name: str, what: str, count: int, world: int,
 def sharing_group(pl: Placement, parts: int) -> dist.ProcessGroup:
     """The process group of this rank and the neighbours that share its part when the tensor-parallel ranks are cut
     in ``parts`` parts of consecutive ranks (a state space's B / C group, a key head): the tensor-parallel group for
-    one part. Every rank of the world calls it alike (it makes groups).
+    one part. Every rank of the world calls it alike (it makes groups); a rank outside ``pl`` gets None.
 
     Args:
         pl: the placement; its last axis is the tensor-parallel one, a multiple of ``parts``.
         parts: the parts.
 
     Returns:
-        The group.
+        The group, or None outside ``pl``.
 
     Example::
 
@@ -101,9 +101,15 @@ def sharing_group(pl: Placement, parts: int) -> dist.ProcessGroup:
     """
     world = pl.hierarchy[-1]
     if parts == 1:
-        return pl.mesh.get_group(pl.ndim - 1)
+        return pl.mesh.get_group(pl.ndim - 1) if pl.coordinate() is not None else None
     ranks = torch.tensor(pl.flat_ranks).reshape(*pl.hierarchy[:-1], parts, world // parts)
-    return placement(pl.type, ranks=ranks.tolist()).mesh.get_group(pl.ndim)
+    parted = placement(pl.type, ranks=ranks.tolist())  # (its groups made on every rank, in the same order)
+    return parted.mesh.get_group(pl.ndim) if parted.coordinate() is not None else None
+
+
+def _flat(pl: Placement) -> Placement:
+    """``pl``'s ranks as one axis, in its flat order."""
+    return placement(pl.type, ranks=pl.flat_ranks)
 
 
 class HeadRanks:
@@ -132,13 +138,15 @@ class HeadRanks:
         self.world = math.prod(placement.hierarchy[a] for a in self.axes)
         coord = placement.coordinate()
         self.index = None if coord is None else nested_index(coord, placement.hierarchy, self.axes)
+        # the flat placement of every rank of the grid: its group made on every rank of the world, in the same order
+        self.flat = placement if context is None else _flat(placement)
         self.group = None if coord is None or self.world == 1 else self._group()
 
     def _group(self) -> dist.ProcessGroup:
         """The group of the heads' ranks, in flat order (every rank of the placement under context parallelism)."""
         if self.context is None:
             return self.placement.mesh.get_group(self.placement.ndim - 1)
-        return placement(self.placement.type, ranks=self.placement.flat_ranks).mesh.get_group(0)
+        return self.flat.mesh.get_group(0)
 
     def coordinate(self) -> tuple[int, ...] | None:
         return self.placement.coordinate()
@@ -184,12 +192,10 @@ class HeadRanks:
         self.broadcast(layer, "bias")
         return layer
 
-    def sharing(self, parts: int) -> dist.ProcessGroup:
+    def sharing(self, parts: int) -> dist.ProcessGroup | None:
         """The group of this rank and the neighbours sharing its part when the heads' ranks are cut in ``parts``
-        parts of consecutive ranks (``sharing_group``)."""
-        if self.context is None:
-            return sharing_group(self.placement, parts)
-        return sharing_group(placement(self.placement.type, ranks=self.placement.flat_ranks), parts)
+        parts of consecutive ranks (``sharing_group``: every rank of the world calls it alike; None outside)."""
+        return sharing_group(self.flat, parts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -155,8 +156,9 @@ class StateSpaceHeads(MixerStyle):
             if value.shape[-1] == module.in_proj.out_features and pl.coordinate() is not None:
                 module._buffers[buffer] = _rank_rows(value, (heads, groups, state, inner), world,
                                                      ranks.index).to(pl.device)
+        shared = ranks.sharing(groups) if world > groups else None  # (every rank makes the group)
         if pl.coordinate() is not None:
-            _split_hooks(module, (heads, groups, state, inner), ranks, self.sequence_dim)
+            _split_hooks(module, (heads, groups, state, inner), ranks, shared, self.sequence_dim)
 
 
 def _rank_rows(value: torch.Tensor, counts: tuple[int, int, int, int], world: int, index: int) -> torch.Tensor:
@@ -183,9 +185,10 @@ def _refuse_fused_kernel(name: str, module: nn.Module) -> None:
                          f"features: use a tensor-parallel degree that divides the mixer's {module.n_groups} groups")
 
 
-def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], ranks: HeadRanks, tokens: int | None) -> None:
-    """The mixer's attributes sized for this rank's heads, and its hooks: a shared group's B / C rows gathered, the
-    gated norm's squares summed over the ranks sharing a group (or its group count this rank's)."""
+def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], ranks: HeadRanks,
+                 shared: dist.ProcessGroup | None, tokens: int | None) -> None:
+    """The mixer's attributes sized for this rank's heads, and its hooks: a shared group's B / C rows gathered over
+    ``shared`` (the ranks sharing it), the gated norm's squares summed over them (or its group count this rank's)."""
     heads, groups, state, inner = counts
     world = ranks.world
     own = max(groups // world, 1)
@@ -193,9 +196,8 @@ def _split_hooks(module: nn.Module, counts: tuple[int, int, int, int], ranks: He
     module.conv_dim = inner // world + 2 * own * state
     if hasattr(module, "groups_time_state_size"):
         module.groups_time_state_size = own * state
-    shared, gathered = None, []
+    gathered = []
     if world > groups:  # W / G ranks share each group: gather its B / C rows, sum the norm's squares
-        shared = ranks.sharing(groups)
         rows = (inner // world, inner // world, groups * state // world, groups * state // world, heads // world)
         gathered = [Gathered(module.in_proj, rows, (2, 3)), Gathered(module.conv1d, rows[1:4], (1, 2))]
         module.norm.forward = _SpanningNorm(module.norm, shared, world // groups)
