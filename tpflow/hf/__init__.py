@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from tpflow.hf import frameworks
-from tpflow.hf.context import ContextParallel
+from tpflow.hf.context_style import ContextParallel
 from tpflow.hf.frameworks import adopt
 from tpflow.hf.head_columns import HeadColumns
 from tpflow.hf.in_place import BlocksParallel, Conv1DParallel

@@ -39,7 +39,8 @@ import re
 from torch import nn
 
 from tpflow.hf.adapters import wrapped_model
-from tpflow.hf.context import ContextParallel, refuse_unsplit
+from tpflow.hf.context import refuse_unsplit
+from tpflow.hf.context_style import ContextParallel
 from tpflow.hf.head_columns import with_heads
 from tpflow.hf.heads import attention_heads
 from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
