@@ -13,7 +13,8 @@ every layer, attention included, the model's own code unchanged.
   key / value blocks around the ring, with the module's scaling and softcap; ``bounded_ring_attention`` where
   queries see keys from a first one on) or ``ulysses_attention`` around the model's original implementation (sdpa
   or eager; ``bounded_attention`` for documents, windows and chunks), on whole sequences of the rank's heads
-  (``tpflow.hf.context_attention``).
+  (``tpflow.hf.context_attention``). Attention a model computes in its own code runs head parallel instead, its masks
+  made for the whole sequence (``tpflow.hf.own_attention``).
 - ``inputs_embeds`` made by plain trainable tensors before the model (a soft prompt, a projector) gets its whole
   gradient on every rank (summed over the context ranks in the backward), as one device computes it.
 - Before the head, a ring's parts (head-tail, or balanced) are exchanged into contiguous ones (an all-to-all of the
@@ -30,6 +31,7 @@ decode with.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 
@@ -49,7 +51,16 @@ from tpflow.hf.context_attention import (
 )
 from tpflow.hf.context_batch import IGNORE, PackedDocuments, first_keys, read_documents
 from tpflow.hf.mixer_styles import mixer_style, mixers_within
-from tpflow.hf.mixers import is_attention, own_loss, own_positions, unsplit_mixers
+from tpflow.hf.mixers import (
+    UNKNOWN,
+    head_parallel_attentions,
+    interface_attention,
+    is_attention,
+    own_loss,
+    own_positions,
+    unsplit_mixers,
+)
+from tpflow.hf.own_attention import whole_masks
 from tpflow.ops.context_attention import balanced, contiguous, head_tail, regroup
 from tpflow.placement import Placement
 from tpflow.plans.inputs import InputCheck
@@ -60,7 +71,8 @@ __all__ = ["context_parallel", "output_head", "refuse_unsplit"]
 
 def refuse_unsplit(model: nn.Module) -> None:
     """Raise, naming them, where ``model``'s layers mix tokens other than by attention context parallelism splits
-    (or hold no attention it can split at all).
+    (or hold no attention it can split at all); an attention computed in the model's own code (``own_attention``)
+    runs head parallel, but not beside attention run through transformers' ``AttentionInterface``.
 
     Args:
         model: a Hugging Face model.
@@ -71,15 +83,24 @@ def refuse_unsplit(model: nn.Module) -> None:
         >>> refuse_unsplit(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
         ...                                              num_hidden_layers=1, num_attention_heads=4)))
     """
-    unsplit = [m for m in unsplit_mixers(model) if not mixers_within(model.get_submodule(m.partition(" ")[0]))]
+    own = head_parallel_attentions(model)
+    unsplit = [m for m in unsplit_mixers(model) if not mixers_within(model.get_submodule(m.partition(" ")[0]))
+               and not (m.endswith(UNKNOWN) and any(f"{a}.".startswith(m.partition(" ")[0] + ".") for a in own))]
     if unsplit:  # (a mixer tpflow splits by heads runs head parallel: every token gathered, heads split over the ranks)
         raise ValueError(f"context parallelism splits the sequence over the ranks, and {type(model).__name__}'s "
                          f"layers mix tokens other than by attention it can split, which each rank would run on its "
                          f"part of the sequence without the earlier tokens: {'; '.join(unsplit[:3])}. Train it with "
                          f"tensor or data parallelism")
-    if not any(is_attention(m) or mixer_style(m) is not None for m in model.modules()):
+    interface = [n for n, m in model.named_modules() if interface_attention(m)]
+    if own and interface:
+        raise ValueError(f"{type(model).__name__} computes attention in its own code ({own[0]}), which context "
+                         f"parallelism runs head parallel, and through transformers' AttentionInterface "
+                         f"({interface[0]}), which it runs by a ring or Ulysses, with masks of another length: it "
+                         f"runs one kind or the other. Train it with tensor or data parallelism")
+    if not own and not any(is_attention(m) or mixer_style(m) is not None for m in model.modules()):
         raise ValueError(f"context parallelism splits attention run through transformers' AttentionInterface, and "
                          f"{type(model).__name__} has none: train it with tensor or data parallelism")
+
 
 # what a model may pass its attention that the split cannot honour: the keyword, and why
 
@@ -147,8 +168,11 @@ class _Context:
         counted = None  # positions the model counts its own way (RoBERTa's, past the padding), over the whole rows
         if named.get("position_ids") is None and self.own_positions is not None:
             counted = self.counted_positions(module, ids, embeds)
+        mask = named.get("attention_mask")
         pads, documents, positions = read_documents(named, batch, seq, self.packing.reading(named, batch))
         positions = positions.to(tokens.device)
+        self.batch.positions, self.batch.masks_made = positions, False
+        self.batch.mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
         self.batch.documents, self.batch.pads = documents, pads
         first = None if documents is None else first_keys(documents, self.kind)
         self.batch.first, self.batch.exchanges = first, {}
@@ -305,19 +329,35 @@ def _leaves(t: torch.Tensor) -> tuple[list[str], bool]:
 
 class _CountedFromZero:
     """A position embedding's pre-hook: the positions a decoder counts itself from the sequence's length (BART's
-    family: ``arange(seq)``, whatever ``position_ids`` it is given), which on a rank's part of the sequence would
-    count from 0, become its tokens' global positions (one device's count)."""
+    family: ``arange(seq)``, whatever ``position_ids`` it is given; MVP's and RoFormer's, given none, from its input's
+    shape),
+    which on a rank's part of the sequence would count from 0, become its tokens' global positions (one device's
+    count)."""
 
     def __init__(self, context: _Context) -> None:
         self.context = context
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         given = kwargs.get("position_ids")
+        shape = args[0].shape if args and isinstance(args[0], torch.Tensor) else args[0] if args and isinstance(
+            args[0], torch.Size) else None  # (the ids, or RoFormer's input_ids_shape)
+        if given is None and shape is not None and len(shape) >= 2 and _counts_from_zero(type(module)):
+            given = torch.arange(shape[1], device=self.context.batch.positions.device)
         if not isinstance(given, torch.Tensor) or given.ndim != 1 or not bool(
                 (given == torch.arange(len(given), device=given.device)).all()):
             return args, kwargs
         at = self.context.batch.order(given.device)[1]
         return args, {**kwargs, "position_ids": at[self.context.rank * len(given):(self.context.rank + 1) * len(given)]}
+
+
+@functools.cache
+def _counts_from_zero(kind: type) -> bool:
+    """Whether a position embedding's forward, given no positions, counts them itself (``torch.arange``), not from
+    its input's padding (M2M100's, which context parallelism's positions would replace)."""
+    try:
+        return "arange" in inspect.getsource(kind.forward)
+    except (OSError, TypeError):
+        return False
 
 
 class _NoGenerate:
@@ -390,12 +430,15 @@ def context_parallel(model: nn.Module, kind: str, placement: Placement, logits_p
     register()
     _own_config(model)
     packing = PackedDocuments(model)  # read under the model's own attention implementation
-    if any(is_attention(m) for m in model.modules()):  # (a state space alone has none: its mixers run head parallel)
+    interface = any(interface_attention(m) for m in model.modules())
+    if interface:  # (a state space alone, or attention in the model's own code, has none: they run head parallel)
         model.set_attn_implementation(IMPLEMENTATION)
-    if any(is_attention(m) for m in model.modules()) and model.config._attn_implementation != IMPLEMENTATION:
+    if interface and model.config._attn_implementation != IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, "
                          f"so context parallelism cannot run it")
     context = _Context(model, kind, placement, logits_placement, batch, packing)
+    if head_parallel_attentions(model):  # (their masks made for the whole sequence: after its config is its own)
+        whole_masks(model, batch)
     for name, module in model.named_modules():
         if name.rpartition(".")[2] == "embed_positions" and "position_ids" in inspect.signature(
                 module.forward).parameters:

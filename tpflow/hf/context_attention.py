@@ -63,6 +63,10 @@ class Batch:
             sees the keys from the row's start (or, under Ulysses, where the documents are not runs of tokens).
         exchanges: the ``RingExchange`` of this batch for each (sliding window, attention chunk, whole sequences on
             one rank) (None: none), made by the first layer that needs it.
+        positions: ``[batch, seq]``, the whole sequence's ``position_ids`` (given or counted).
+        mask: ``[batch, seq]``, the whole ``attention_mask`` given, or None.
+        masks_made: whether the model made its masks for the whole sequence in this call
+            (``tpflow.hf.own_attention.whole_masks``).
 
     Example::
 
@@ -75,6 +79,9 @@ class Batch:
     segments: tuple[Segments, ...] = ()
     first: torch.Tensor | None = None
     exchanges: dict[tuple[int | None, int | None, bool], RingExchange] = dataclasses.field(default_factory=dict)
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    masks_made: bool = False
 
     def exchange(self, q: torch.Tensor, window: int | None, chunk: int | None, alone: bool = False) -> RingExchange:
         """The exchange for a sliding window of ``window`` tokens and attention chunks of ``chunk`` (Llama 4's;

@@ -12,7 +12,7 @@ from tpflow.hf import heads
 from tpflow.hf.context import context_parallel, output_head, refuse_unsplit
 from tpflow.hf.context_attention import ULYSSES_ORIGINALS, Batch, attach
 from tpflow.hf.context_indexer import attach_indexer
-from tpflow.hf.mixers import is_attention
+from tpflow.hf.mixers import interface_attention
 from tpflow.ops import ulysses_degrees
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan, Style
@@ -90,7 +90,7 @@ class ContextParallel(Style):
         plan.shared("context mixers", lambda: refuse_unsplit(model))
         kinds = {entry.kind for entry in plan.distinct() if isinstance(entry, ContextParallel)}
         missed = [n for n, m in plan.modules.items()
-                  if is_attention(m) and not any(isinstance(p, ContextParallel) for p in plan.styles_of(n))]
+                  if interface_attention(m) and not any(isinstance(p, ContextParallel) for p in plan.styles_of(n))]
         if len(kinds) > 1 or missed:
             raise ValueError(f"context parallelism splits the sequence through every attention module alike: plan "
                              f"each with the same tpf.ContextParallel entry (got kinds {sorted(kinds)}; unplanned: "
@@ -110,7 +110,7 @@ class ContextParallel(Style):
                              f"plan of its own, none tpflow can read off them), so its {tensor} tensor-parallel ranks "
                              f"would each hold and compute them whole: use context parallelism alone, on a 1-D "
                              f"placement")
-        counts = heads.attention_heads(module) if is_attention(module) else None
+        counts = heads.attention_heads(module) if interface_attention(module) else None
         if self.kind == "ulysses" and counts is not None:
             local, kv = counts[0] // tensor, max(counts[1] // tensor, 1)  # this tensor rank's
             if context not in ulysses_degrees(local, kv):
@@ -120,7 +120,8 @@ class ContextParallel(Style):
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         batch = plan.shared("context batch", Batch)
-        if is_attention(module):  # (a mixer split by heads beside it gathers the sequence itself)
+        if interface_attention(module):  # (a mixer split by heads, or attention in the model's own code, beside it
+            # gathers the sequence itself)
             attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation, batch)
             attach_indexer(module, name, plan.placement, batch)
         plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given, batch))

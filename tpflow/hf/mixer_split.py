@@ -288,6 +288,8 @@ class SplitMixer:
         gathered: the rows gathered.
         out_bias: the output projection, whose bias is whole, or None.
         sequence_dim: the dim of the tokens each rank holds of the mixer's input and output, or None (every token).
+        exit: the module whose output is the mixer's partial sum, where not ``mixer`` itself (an attention whose
+            output projection sits beside it: BERT's ``attention.output.dense`` after ``attention.self``).
 
     Example::
 
@@ -306,7 +308,8 @@ class SplitMixer:
 
     def __init__(self, mixer: nn.Module, modules: Sequence[nn.Module], ranks: HeadRanks, *,
                  shared: dist.ProcessGroup | None = None, gathered: Sequence[Gathered] = (),
-                 out_bias: nn.Module | None = None, sequence_dim: int | None = None) -> None:
+                 out_bias: nn.Module | None = None, sequence_dim: int | None = None,
+                 exit: nn.Module | None = None) -> None:
         pl, self.context = ranks.placement, ranks.context
         self.sequence_dim = 1 if self.context is not None else sequence_dim
         self.group, self.first, self.axes = ranks.group, ranks.index == 0, ranks.axes
@@ -318,7 +321,7 @@ class SplitMixer:
         self.shared, self.gathered, self.out_bias = shared, list(gathered), out_bias
         self.share = dist.get_world_size(shared) if shared is not None else 1
         mixer.register_forward_pre_hook(self.before, with_kwargs=True)
-        mixer.register_forward_hook(self.after, always_call=True)
+        (mixer if exit is None else exit).register_forward_hook(self.after, always_call=True)
 
     def _gather(self, t: torch.Tensor, rows: Gathered) -> torch.Tensor:
         pieces = list(t.split(rows.sizes, 0))
@@ -340,21 +343,22 @@ class SplitMixer:
             self.out_bias.__dict__["bias"] = self.out_bias.__dict__["bias"] * int(self.first)
         positions = kwargs.get("position_ids")
         if self.context is not None and isinstance(positions, torch.Tensor):  # (RG-LRU resets at position 0)
-            kwargs = {**kwargs, "position_ids": self._whole_sequence(positions, positions.ndim - 1)}
+            kwargs = {**kwargs, "position_ids": self.whole_sequence(positions, positions.ndim - 1)}
         if args:
             return (self._entering(args[0]), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._entering(kwargs["hidden_states"])}
 
-    def _whole_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every context rank's tokens along ``dim``, in sequence order (the gradient: reduce-scattered back)."""
+    def whole_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every context rank's tokens along ``dim``, in sequence order (the gradient: reduce-scattered back),
+        contiguous (code that views it: GPT-2's ``Conv1D``)."""
         whole = comm.gather_shared(x.contiguous(), dim, x.shape[dim] * dist.get_world_size(self.tokens), self.tokens) \
             if self.tokens is not None else x
-        return whole if self.context.in_order else whole.index_select(dim, self.context.order(x.device)[0])
+        return whole.contiguous() if self.context.in_order else whole.index_select(dim, self.context.order(x.device)[0])
 
     def _entering(self, x: torch.Tensor) -> torch.Tensor:
         """The input whole (every rank's tokens gathered), its gradient summed (reduce-scattered to the tokens)."""
         if self.context is not None:
-            return comm.copy_to_ranks(self._whole_sequence(x, 1), self.tensor)
+            return comm.copy_to_ranks(self.whole_sequence(x, 1), self.tensor)
         if self.sequence_dim is None:
             return comm.copy_to_ranks(x, self.group)
         dim, ranks = self.sequence_dim, 1 if self.group is None else dist.get_world_size(self.group)

@@ -3,6 +3,9 @@
 (a convolution over the sequence, a state space, linear attention, a recurrence), which a rank holding part of the
 sequence would run without the earlier tokens' state and get silently wrong.
 
+Attention a model computes in its own code (``own_attention``: GPT-J's, BLOOM's, the BERT family's) is told apart
+from it: context parallelism runs it head parallel.
+
 Each decoder layer's children are read by what they are: attention (``is_attention``), a norm, a linear layer, an
 MLP or a mixture of experts (token-wise), dropout; any other child, or any of them holding a convolution or a token
 shift (RWKV's channel mixing reads the token before), is a mixer context parallelism cannot split, refused by name.
@@ -18,9 +21,13 @@ from torch import nn
 from tpflow.hf.context_indexer import is_split_indexer
 from tpflow.hf.heads import attention_heads
 
-__all__ = ["UNKNOWN", "is_attention", "layer_mixers", "own_loss", "own_positions", "unsplit_mixers"]
+__all__ = ["HEAD_COUNTS", "UNKNOWN", "head_parallel_attentions", "interface_attention", "is_attention",
+           "layer_mixers", "own_attention", "own_loss", "own_positions", "unsplit_mixers"]
 
 UNKNOWN = "a token mixer tpflow does not know"
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # an attention module's head count, by name
+# what an attention's forward calls when it runs through transformers' AttentionInterface
+_INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "eager_attention_forward")
 
 # children that work token by token, by their class names; anything else in a decoder layer must be attention
 _TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropout|Identity|Linear$|Embedding|Act|"
@@ -60,6 +67,84 @@ def is_attention(module: nn.Module) -> bool:
     if attention_heads(module) is not None:
         return True
     return all(hasattr(module, name) for name in ("config", "layer_idx", "scaling", "is_causal"))
+
+
+def own_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is an attention module that computes its attention in its own code (GPT-J's ``_attn``,
+    BLOOM's ``baddbmm`` with ALiBi, BERT's self-attention), not through transformers' ``AttentionInterface``: an
+    ``*Attention`` of softmax attention (not linear attention, a state space, an indexer), with a head count,
+    projections (``nn.Linear`` or GPT-2's ``Conv1D``), and a forward that calls no attention implementation.
+    Context parallelism cannot put its ring inside such code: it runs it head parallel.
+
+    Args:
+        module: any module.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> from transformers import GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM
+        >>> gptj = GPTJForCausalLM(GPTJConfig(vocab_size=64, n_embd=16, n_layer=1, n_head=4, rotary_dim=4))
+        >>> llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=1, num_attention_heads=4))
+        >>> own_attention(gptj.transformer.h[0].attn), own_attention(llama.model.layers[0].self_attn)
+        (True, False)
+    """
+    if "Attention" not in type(module).__name__ or _why(module) != UNKNOWN:
+        return False
+    if not any(isinstance(getattr(module, a, None), int) for a in HEAD_COUNTS):
+        return False
+    if not any(isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D" for c in module.children()):
+        return False
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return not any(call in source for call in _INTERFACE)
+
+
+def interface_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is an attention module run through transformers' ``AttentionInterface`` (``is_attention``
+    and not ``own_attention``), whose attention context parallelism replaces by its ring or Ulysses.
+
+    Args:
+        module: any module.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> from transformers import GPTJConfig, GPTJForCausalLM
+        >>> gptj = GPTJForCausalLM(GPTJConfig(vocab_size=64, n_embd=16, n_layer=1, n_head=4, rotary_dim=4))
+        >>> is_attention(gptj.transformer.h[0].attn), interface_attention(gptj.transformer.h[0].attn)
+        (True, False)
+    """
+    return is_attention(module) and not own_attention(module)
+
+
+def head_parallel_attentions(model: nn.Module) -> list[str]:
+    """The attention modules of ``model``'s layers that compute their attention in their own code
+    (``own_attention``), which context parallelism runs head parallel; their names.
+
+    Args:
+        model: a Hugging Face model.
+
+    Returns:
+        The names, in the model's order.
+
+    Example::
+
+        >>> from transformers import GPTJConfig, GPTJForCausalLM
+        >>> head_parallel_attentions(GPTJForCausalLM(GPTJConfig(vocab_size=64, n_embd=16, n_layer=2, n_head=4,
+        ...                                                      rotary_dim=4)))
+        ['transformer.h.0.attn', 'transformer.h.1.attn']
+    """
+    found = {f"{list_name}.{index}{'.' if name else ''}{name}": None for list_name, layers in model.named_modules()
+             if isinstance(layers, nn.ModuleList) for index, layer in enumerate(layers)
+             for name, m in layer.named_modules() if own_attention(m)}
+    return list(found)
 
 
 def _why(module: nn.Module) -> str:

@@ -49,6 +49,7 @@ from tpflow.hf.mixer_split import MixerStyle
 from tpflow.hf.mixer_styles import mixer_style, mixers_within, with_mixers
 from tpflow.hf.mixers import is_attention, unsplit_mixers
 from tpflow.hf.multi_query import MultiQueryColumns
+from tpflow.hf.own_attention import with_own_attention
 from tpflow.hf.planner import planned
 from tpflow.hf.styles import hf_style
 from tpflow.hf.summed import SummedParameters
@@ -397,4 +398,5 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             if is_attention(module):
                 plan.update(dict.fromkeys(_attention_only(model, re.sub(r"\.\d+(?=\.|$)", ".*", name), names),
                                           context))
-    return with_heads(model, plan)
+    plan = with_heads(model, plan)
+    return plan if context is None else with_own_attention(model, plan, context)  # (its heads over every rank)

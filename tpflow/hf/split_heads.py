@@ -16,17 +16,16 @@ from torch import nn
 
 from tpflow.hf.heads import attention_heads, reuse_kept_head, split_per_head
 from tpflow.hf.heads import check as check_heads
-from tpflow.hf.mixers import is_attention
+from tpflow.hf.mixers import HEAD_COUNTS, is_attention
 from tpflow.plans.style import Plan, Style
 
-__all__ = ["BIASES", "QKV", "SplitHeads", "head_counts"]
+__all__ = ["BIASES", "QKV", "OnRankHeads", "RankBias", "SplitHeads", "head_counts", "share_heads"]
 
 # separate q / k / v projections, by the names models give them
 QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("query_proj", "key_proj", "value_proj"),
        ("Wq", "Wk", "Wv"), ("project_q", "project_k", "project_v"), ("q_lin", "k_lin", "v_lin"))
 BIASES = ("alibi", "position_bias")  # a bias for every head, made outside the attention and passed in
-_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "kv_heads")
+_KVHEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads")
 _WIDTHS = ("embed_dim", "all_head_size", "inner_dim", "split_size", "hidden_size")  # heads x head_dim
 _HEAD_DIMS = ("head_dim", "head_size", "attention_head_size")
 _QUERIES = ("q_proj", "q_b_proj")  # the projection that splits an attention's heads (MLA's from its latent)
@@ -57,7 +56,7 @@ class SplitHeads(Style):
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         heads, kv, _ = head_counts(module)
         if heads is None:
-            raise ValueError(f"{name!r}: SplitHeads needs the module's head count (one of {_HEADS})")
+            raise ValueError(f"{name!r}: SplitHeads needs the module's head count (one of {HEAD_COUNTS})")
         counts = attention_heads(module)
         if counts is not None:  # q / k / v projections: the degrees that divide their heads named
             check_heads(name, counts, plan.world)
@@ -74,35 +73,72 @@ class SplitHeads(Style):
         _per_head_left_whole(name, module, plan, {heads, kv})
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        heads, kv, width = head_counts(module)
         world = plan.world
-        for attr in _HEADS:
-            if getattr(module, attr, None) == heads:
-                setattr(module, attr, heads // world)
-        for attr in _KV_HEADS:  # (fewer than the ranks: each rank keeps its one key/value head whole)
-            if getattr(module, attr, None) == kv:
-                setattr(module, attr, max(kv // world, 1))
-        for attr in _WIDTHS:
-            if width is not None and getattr(module, attr, None) == width:
-                setattr(module, attr, width // world)
-        if getattr(module, "num_key_value_groups", None) == heads // kv:  # query heads per key/value head
-            module.num_key_value_groups = heads // world // max(kv // world, 1)
+        heads = share_heads(module, world)
         if is_attention(module) and any(hasattr(module, q) for q in _QUERIES):  # transformers' own kind
             split_per_head(module, heads, plan.placement)  # its own per-head parameters (gpt-oss's sinks)
         reuse_kept_head(module, world)
-        module.forward = _OnRankHeads(module, name)
-        given = [b for b in BIASES if b in inspect.signature(type(module).forward).parameters]
-        if given and plan.placement.coordinate() is not None:
-            index = list(inspect.signature(type(module).forward).parameters).index(given[0]) - 1  # (after self)
-            module.register_forward_pre_hook(_RankBias(given[0], index, heads, world, plan.placement.coordinate()[-1]),
-                                             with_kwargs=True)
+        module.forward = OnRankHeads(module, name)
+        coord = plan.placement.coordinate()
+        bias = RankBias.of(module, heads, world, None if coord is None else coord[-1])
+        if bias is not None:
+            module.register_forward_pre_hook(bias, with_kwargs=True)
+
+
+def share_heads(module: nn.Module, world: int) -> int:
+    """Make an attention module's head counts (``num_heads``, ``num_key_value_heads``, ``embed_dim``, ...) its share of
+    ``world`` ranks' (a key/value head fewer than the ranks kept whole), so that its code viewing its projections by
+    them reads a rank's heads; returns its whole head count.
+
+    Args:
+        module: the attention module, changed in place.
+        world: the ranks its heads split over.
+
+    Returns:
+        Its query heads before the split.
+
+    Example::
+
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> attention = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=4)).transformer.h[0].attn
+        >>> share_heads(attention, 2), attention.num_heads, attention.embed_dim
+        (4, 2, 8)
+    """
+    heads, kv, width = head_counts(module)
+    for attr in HEAD_COUNTS:
+        if getattr(module, attr, None) == heads:
+            setattr(module, attr, heads // world)
+    for attr in _KVHEAD_COUNTS:  # (fewer than the ranks: each rank keeps its one key/value head whole)
+        if getattr(module, attr, None) == kv:
+            setattr(module, attr, max(kv // world, 1))
+    for attr in _WIDTHS:
+        if width is not None and getattr(module, attr, None) == width:
+            setattr(module, attr, width // world)
+    if getattr(module, "num_key_value_groups", None) == heads // kv:  # query heads per key/value head
+        module.num_key_value_groups = heads // world // max(kv // world, 1)
+    return heads
 
 
 @dataclasses.dataclass(frozen=True)
-class _RankBias:
-    """This rank's heads' part of a bias the model made for every head and passes to the attention (by keyword or
-    at ``index``): ALiBi's ``[batch x heads, 1, keys]`` (BLOOM's, Falcon's), MPT's ``[heads, 1, keys]``, or
-    ``[batch, heads, queries, keys]``."""
+class RankBias:
+    """A forward pre-hook: this rank's heads' part of a bias the model made for every head and passes to the attention
+    (by keyword or at ``index``): ALiBi's ``[batch x heads, 1, keys]`` (BLOOM's, Falcon's), MPT's
+    ``[heads, 1, keys]``, or ``[batch, heads, queries, keys]``.
+
+    Args:
+        name: the keyword (``BIASES``).
+        index: its position among the forward's arguments (after ``self``).
+        heads: the module's whole head count.
+        world: the ranks its heads split over.
+        rank: this rank's index among them.
+
+    Example::
+
+        >>> bias = RankBias("alibi", 2, heads=4, world=2, rank=1)
+        >>> alibi = torch.arange(8.).view(8, 1, 1)                      # [batch 2 x heads 4, 1, keys 1]
+        >>> bias(nn.Identity(), (), {"alibi": alibi})[1]["alibi"].flatten().tolist()
+        [2.0, 3.0, 6.0, 7.0]
+    """
 
     name: str
     index: int
@@ -131,6 +167,16 @@ class _RankBias:
             return args, {**kwargs, self.name: bias}
         return (*args[:self.index], bias, *args[self.index + 1:]), kwargs
 
+    @classmethod
+    def of(cls, module: nn.Module, heads: int, world: int, rank: int | None) -> RankBias | None:
+        """The hook for the bias ``module``'s forward takes (``BIASES``), or None where it takes none (or this rank,
+        ``rank`` None, holds no heads)."""
+        parameters = list(inspect.signature(type(module).forward).parameters)
+        given = [b for b in BIASES if b in parameters]
+        if not given or rank is None:
+            return None
+        return cls(given[0], parameters.index(given[0]) - 1, heads, world, rank)  # (after self)
+
 
 def _per_head_left_whole(name: str, module: nn.Module, plan: Plan, counts: set[int | None]) -> None:
     """Refuse an attention module whose heads split beside a linear child that makes a value per head and is not
@@ -156,9 +202,23 @@ def _keeps_heads(module: nn.Module, world: int) -> bool:
     return bool(getattr(module, "is_kv_shared_layer", False)) and isinstance(kv, int) and world % kv == 0
 
 
-class _OnRankHeads:
+class OnRankHeads:
     """An attention module's forward on this rank's heads: a shape error there (code that reshapes by its input's
-    whole width, which no head count says) becomes a sentence naming the module and the way out."""
+    whole width, which no head count says) becomes a sentence naming the module and the way out.
+
+    Args:
+        module: the attention module (its class's forward is called).
+        name: its name, for the error.
+
+    Example::
+
+        >>> attention = nn.Linear(4, 4)
+        >>> attention.forward = OnRankHeads(attention, "attn")
+        >>> attention(torch.ones(2, 3))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: 'attn' (Linear) failed on this rank's heads (mat1 and mat2 shapes cannot be multiplied ...
+    """
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module, self.name = module, name
@@ -191,9 +251,9 @@ def head_counts(module: nn.Module) -> tuple[int | None, int | None, int | None]:
         (4, 4, 16)
     """
     config = getattr(module, "config", None)  # a module that keeps no count of its own reads its config's
-    heads = next((getattr(m, a) for m in (module, config) for a in _HEADS if isinstance(getattr(m, a, None), int)),
+    heads = next((getattr(m, a) for m in (module, config) for a in HEAD_COUNTS if isinstance(getattr(m, a, None), int)),
                  None)
-    kv = next((getattr(m, a) for m in (module, config) for a in _KV_HEADS if isinstance(getattr(m, a, None), int)),
+    kv = next((getattr(m, a) for m in (module, config) for a in _KVHEAD_COUNTS if isinstance(getattr(m, a, None), int)),
               heads)
     head_dim = next((getattr(module, a) for a in _HEAD_DIMS if isinstance(getattr(module, a, None), int)), None)
     triple = next((t for t in QKV if all(isinstance(getattr(module, n, None), nn.Linear) for n in t)), None)
