@@ -27,7 +27,7 @@ CASES = [
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_short_convolutions_and_recurrent_blocks_split_match_one_device(world):
-    checked(world, CASES)
+    checked(world, CASES if world > 1 else CASES[:2])  # (one rank: the split's bookkeeping, nothing split)
 
 
 def _rwkv_under_sequence_parallelism() -> None:

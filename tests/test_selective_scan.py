@@ -118,7 +118,8 @@ def _split_matches_one_device(cases: list[Case], folder: str, sequence_parallel:
 def test_mamba1_mixers_split_by_channels_match_one_device(world):
     folder = tempfile.mkdtemp()
     try:
-        shares = run(world, _split_matches_one_device, CASES, folder, timeout=600)[0]
+        shares = run(world, _split_matches_one_device, CASES if world > 1 else CASES[:1], folder,  # (one rank:
+                     timeout=600)[0]  # the split's bookkeeping, nothing split)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if world == 2:

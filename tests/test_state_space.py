@@ -45,7 +45,7 @@ def test_mamba2_mixers_split_by_heads_match_one_device(world):
     # group shared by the ranks of its heads (1; 2 at 4 ranks), each family's own norm, a hybrid's attention and MoE
     cases = [_case("mamba2", 8, 8), _case("mamba2", 8, 2), _case("nemotron_h", 8, 8), _case("falcon_h1", 8, 8),
              _case("falcon_h1", 8, 1), _case("bamba", 8, 1), _case("granitemoehybrid", 8, 1), _case("zamba2", 8, 1)]
-    checked(world, cases)
+    checked(world, cases if world > 1 else cases[:2])  # (one rank: the split's bookkeeping, nothing split)
 
 
 def test_mamba2_mixers_split_over_three_ranks():

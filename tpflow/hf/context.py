@@ -58,6 +58,7 @@ from tpflow.hf.mixers import (
     is_attention,
     own_loss,
     own_positions,
+    runs_head_parallel,
     unsplit_mixers,
 )
 from tpflow.hf.own_attention import whole_masks
@@ -85,7 +86,7 @@ def refuse_unsplit(model: nn.Module) -> None:
     """
     own = head_parallel_attentions(model)
     unsplit = [m for m in unsplit_mixers(model) if not mixers_within(model.get_submodule(m.partition(" ")[0]))
-               and not (m.endswith(UNKNOWN) and any(f"{a}.".startswith(m.partition(" ")[0] + ".") for a in own))]
+               and not (m.endswith(UNKNOWN) and runs_head_parallel(model.get_submodule(m.partition(" ")[0])))]
     if unsplit:  # (a mixer tpflow splits by heads runs head parallel: every token gathered, heads split over the ranks)
         raise ValueError(f"context parallelism splits the sequence over the ranks, and {type(model).__name__}'s "
                          f"layers mix tokens other than by attention it can split, which each rank would run on its "
@@ -329,8 +330,8 @@ def _leaves(t: torch.Tensor) -> tuple[list[str], bool]:
 
 class _CountedFromZero:
     """A position embedding's pre-hook: the positions a decoder counts itself from the sequence's length (BART's
-    family: ``arange(seq)``, whatever ``position_ids`` it is given; MVP's and RoFormer's, given none, from its input's
-    shape),
+    family: ``arange(seq)``, whatever ``position_ids`` it is given; MVP's and RoFormer's, given none, from their
+    input's shape),
     which on a rank's part of the sequence would count from 0, become its tokens' global positions (one device's
     count)."""
 
@@ -341,8 +342,10 @@ class _CountedFromZero:
         given = kwargs.get("position_ids")
         shape = args[0].shape if args and isinstance(args[0], torch.Tensor) else args[0] if args and isinstance(
             args[0], torch.Size) else None  # (the ids, or RoFormer's input_ids_shape)
-        if given is None and shape is not None and len(shape) >= 2 and _counts_from_zero(type(module)):
-            given = torch.arange(shape[1], device=self.context.batch.positions.device)
+        local = sum(n for _, n in self.context.batch.segments[self.context.rank])
+        if given is None and shape is not None and len(shape) >= 2 and shape[1] == local and _counts_from_zero(
+                type(module)):
+            given = torch.arange(local, device=self.context.batch.positions.device)
         if not isinstance(given, torch.Tensor) or given.ndim != 1 or not bool(
                 (given == torch.arange(len(given), device=given.device)).all()):
             return args, kwargs

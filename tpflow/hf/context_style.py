@@ -12,7 +12,8 @@ from tpflow.hf import heads
 from tpflow.hf.context import context_parallel, output_head, refuse_unsplit
 from tpflow.hf.context_attention import ULYSSES_ORIGINALS, Batch, attach
 from tpflow.hf.context_indexer import attach_indexer
-from tpflow.hf.mixers import interface_attention
+from tpflow.hf.mixers import head_parallel_attentions, interface_attention
+from tpflow.hf.own_attention import OwnAttentionHeads
 from tpflow.ops import ulysses_degrees
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan, Style
@@ -88,6 +89,7 @@ class ContextParallel(Style):
             raise ValueError(f"context parallelism splits the sequence through every layer already: drop the "
                              f"sequence-parallel entries {sequence}")
         plan.shared("context mixers", lambda: refuse_unsplit(model))
+        plan.shared("attention in its own code", lambda: _refuse_unplanned_heads(plan))
         kinds = {entry.kind for entry in plan.distinct() if isinstance(entry, ContextParallel)}
         missed = [n for n, m in plan.modules.items()
                   if interface_attention(m) and not any(isinstance(p, ContextParallel) for p in plan.styles_of(n))]
@@ -125,3 +127,19 @@ class ContextParallel(Style):
             attach(module, name, self.kind, plan.placement, plan.model.config._attn_implementation, batch)
             attach_indexer(module, name, plan.placement, batch)
         plan.at_end("context", lambda: context_parallel(plan.model, self.kind, plan.placement, plan.given, batch))
+
+
+def _refuse_unplanned_heads(plan: Plan) -> None:
+    """Raise where an attention the model computes in its own code is not planned head parallel
+    (``OwnAttentionHeads``, on it or on its parent): it would attend over this rank's part of the sequence alone."""
+    def planned(name: str) -> bool:
+        parent, _, child = name.rpartition(".")
+        return any(isinstance(s, OwnAttentionHeads) for s in plan.styles_of(name)) or any(
+            isinstance(s, OwnAttentionHeads) and s.heads == child for s in plan.styles_of(parent))
+
+    missed = [n for n in head_parallel_attentions(plan.model) if not planned(n)]
+    if missed:
+        raise ValueError(f"context parallelism runs attention a model computes in its own code head parallel "
+                         f"(tpflow.hf.own_attention.OwnAttentionHeads, which tpf.hf_plan(model, context_parallel=...) "
+                         f"writes), and the plan gives {missed[:3]} none: each rank would attend over its part of the "
+                         f"sequence alone. Plan the model with tpf.hf_plan")

@@ -322,6 +322,8 @@ class SplitMixer:
         self.share = dist.get_world_size(shared) if shared is not None else 1
         mixer.register_forward_pre_hook(self.before, with_kwargs=True)
         (mixer if exit is None else exit).register_forward_hook(self.after, always_call=True)
+        if exit is not None:  # (the mixer raising before its exit ran: the parameters themselves again)
+            mixer.register_forward_hook(self.abandoned, always_call=True)
 
     def _gather(self, t: torch.Tensor, rows: Gathered) -> torch.Tensor:
         pieces = list(t.split(rows.sizes, 0))
@@ -374,6 +376,11 @@ class SplitMixer:
         if self.sequence_dim is None:
             return tag(comm.reduce_from_ranks(y, self.group), WHOLE)
         return comm.reduce_scatter_to_ranks(y.contiguous(), self.sequence_dim, self.group)
+
+    def abandoned(self, mixer: nn.Module, args: tuple, output: object) -> None:
+        if output is None:  # (raised: no output)
+            for m, reads in self.reads:
+                reads.leave(m)
 
     def after(self, mixer: nn.Module, args: tuple, output: object) -> object:
         for m, reads in self.reads:

@@ -13,6 +13,7 @@ shift (RWKV's channel mixing reads the token before), is a mixer context paralle
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
@@ -22,7 +23,8 @@ from tpflow.hf.context_indexer import is_split_indexer
 from tpflow.hf.heads import attention_heads
 
 __all__ = ["HEAD_COUNTS", "UNKNOWN", "head_parallel_attentions", "interface_attention", "is_attention",
-           "layer_mixers", "own_attention", "own_loss", "own_positions", "unsplit_mixers"]
+           "layer_mixers", "own_attention", "own_loss", "own_positions", "projection", "runs_head_parallel",
+           "unsplit_mixers"]
 
 UNKNOWN = "a token mixer tpflow does not know"
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head")  # an attention module's head count, by name
@@ -95,13 +97,36 @@ def own_attention(module: nn.Module) -> bool:
         return False
     if not any(isinstance(getattr(module, a, None), int) for a in HEAD_COUNTS):
         return False
-    if not any(isinstance(c, nn.Linear) or type(c).__name__ == "Conv1D" for c in module.children()):
-        return False
+    return any(projection(c) for c in module.children()) and not _calls_interface(type(module))
+
+
+@functools.cache
+def _calls_interface(kind: type) -> bool:
+    """Whether ``kind``'s forward calls transformers' ``AttentionInterface`` (or cannot be read)."""
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(kind.forward)
     except (OSError, TypeError):
-        return False
-    return not any(call in source for call in _INTERFACE)
+        return True
+    return any(call in source for call in _INTERFACE)
+
+
+def projection(module: nn.Module) -> bool:
+    """Whether ``module`` is a projection: an ``nn.Linear`` or GPT-2's ``Conv1D`` (``y = x @ W + b``, ``W`` stored
+    ``[in, out]``).
+
+    Args:
+        module: any module.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> from transformers.pytorch_utils import Conv1D
+        >>> projection(nn.Linear(4, 4)), projection(Conv1D(4, 4)), projection(nn.LayerNorm(4))
+        (True, True, False)
+    """
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def interface_attention(module: nn.Module) -> bool:
@@ -145,6 +170,30 @@ def head_parallel_attentions(model: nn.Module) -> list[str]:
              if isinstance(layers, nn.ModuleList) for index, layer in enumerate(layers)
              for name, m in layer.named_modules() if own_attention(m)}
     return list(found)
+
+
+def runs_head_parallel(module: nn.Module) -> bool:
+    """Whether context parallelism runs ``module`` (a decoder layer's child ``layer_mixers`` does not know) head
+    parallel as a whole: an attention computed in its own code (``own_attention``), or a wrapper whose only token
+    mixers are such attention (BERT's ``attention``: ``self`` beside the token-wise ``output``).
+
+    Args:
+        module: a layer's child.
+
+    Returns:
+        True or False.
+
+    Example::
+
+        >>> from transformers import MambaConfig, MambaForCausalLM
+        >>> model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1))
+        >>> runs_head_parallel(model.backbone.layers[0].mixer)
+        False
+    """
+    if own_attention(module):
+        return True
+    inner = layer_mixers(module)
+    return bool(inner) and all(why == UNKNOWN and runs_head_parallel(module.get_submodule(n)) for n, why in inner)
 
 
 def _why(module: nn.Module) -> str:

@@ -27,7 +27,8 @@ from torch import nn
 from tpflow.hf.context_attention import Batch
 from tpflow.hf.in_place import BlocksParallel, Conv1DParallel
 from tpflow.hf.mixer_split import MixerStyle, SplitMixer, refuse_undivided
-from tpflow.hf.mixers import head_parallel_attentions, own_attention
+from tpflow.hf.mixers import head_parallel_attentions, own_attention, projection
+from tpflow.hf.multi_query import MultiQueryColumns
 from tpflow.hf.split_heads import OnRankHeads, RankBias, SplitHeads, head_counts, share_heads
 from tpflow.plans.linear import ColumnParallel, RowParallel
 from tpflow.plans.style import Plan, Stacked, Style
@@ -38,13 +39,14 @@ _MASKS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_bid
           "create_chunked_causal_mask")  # transformers' mask functions, as a model's module imports them
 _LOCAL = ("residual",)  # passed as it is: BLOOM's residual (this rank's tokens, added after the output projection)
 _WHOLE_POSITIONS = ("position_embeddings", "sinusoidal_pos")  # per token, along dim -2
+_CROSS = ("key_value_states", "encoder_hidden_states", "kv")  # another sequence's keys: cross-attention
 
 
 def _kind(style: Style) -> tuple[str, int]:
     """A projection entry's ``(kind, parts)``: ``"column"`` (its output features split) or ``"row"``."""
     if isinstance(style, (BlocksParallel, Conv1DParallel)):
         return style.kind, style.parts
-    if type(style).__name__ == "MultiQueryColumns":
+    if isinstance(style, MultiQueryColumns):
         raise ValueError("a multi-query projection (Falcon's query_key_value: one key/value head for every query "
                          "head) has no key/value heads to split with its queries: context parallelism cannot run "
                          "its attention head parallel; train it with tensor or data parallelism")
@@ -59,7 +61,7 @@ def _kind(style: Style) -> tuple[str, int]:
 def _out_dim(layer: nn.Module) -> int:
     """The dim of a projection's weight that its output features run along: GPT-2's ``Conv1D`` stores it
     transposed."""
-    return 1 if type(layer).__name__ == "Conv1D" else 0
+    return 0 if isinstance(layer, nn.Linear) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,18 +105,18 @@ class OwnAttentionHeads(MixerStyle):
             raise ValueError(f"{name!r}: an attention runs head parallel with its projections split and exactly one "
                              f"output projection (a row split); its entries are {self.layers}")
         planned = {id(module.get_submodule(rel)) for rel, _ in self.layers}
-        left = [n for n, m in attention.named_modules() if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
-                and id(m) not in planned]
+        left = [n for n, m in attention.named_modules() if projection(m) and id(m) not in planned]
         if left:
             raise ValueError(f"{name!r}: its projections {left} are not split with its heads: plan them with the "
                              f"others (a column or row split)")
         rows = [rel.rpartition(".")[2] for rel, style in self.layers if _kind(style)[0] == "row"]
-        own = [n for n, p in attention.named_parameters(recurse=False)  # (but its output projection's bias kept
-               if not (n == f"{rows[0]}_bias" and p.ndim == 1)]  # apart, added after it: GPT-NeoX-Japanese's)
-        if own:
-            raise ValueError(f"{name!r}: {type(attention).__name__} holds parameters of its own ({own}), which "
-                             f"tpflow cannot give each rank its heads' share of: train it with tensor or data "
-                             f"parallelism")
+        owners = {n: m for n, m in attention.named_modules()}
+        own = [n for n, p in attention.named_parameters() if id(owners[n.rpartition(".")[0]]) not in planned
+               and not (n == f"{rows[0]}_bias" and p.ndim == 1)]  # (but its output projection's bias kept apart,
+        if own:  # added after it: GPT-NeoX-Japanese's)
+            raise ValueError(f"{name!r}: {type(attention).__name__} holds parameters beside its projections "
+                             f"({own}), which tpflow cannot give each rank its heads' share of: train it with tensor "
+                             f"or data parallelism")
         heads, kv, _ = head_counts(attention)
         world = self.world(plan)
         refuse_undivided(name, "attention heads", heads, world, self.said)
@@ -202,6 +204,13 @@ class WholeArguments:
             raise ValueError(f"{self.name!r} computes its attention in its own code on {hidden.shape[1]} tokens, "
                              f"where the model was given {whole} (it adds tokens of its own: a prompt): context "
                              f"parallelism cannot cut them. Train it with tensor or data parallelism")
+        cross = [k for k in _CROSS if named.get(k) is not None]
+        if cross or named.get("output_attentions") is True:
+            raise ValueError(f"{self.name!r} computes its attention in its own code, which context parallelism runs "
+                             f"head parallel over the model's own sequence: "
+                             f"{'cross-attention to ' + cross[0] if cross else 'output_attentions=True'} (every "
+                             f"head's weights, or another sequence's keys) is not supported; train it with tensor or "
+                             f"data parallelism")
         if (self.batch.pads is not None or self.batch.documents is not None) and not self.batch.masks_made:
             raise ValueError(f"{self.name!r} computes its attention in its own code, and the model made its mask "
                              f"without transformers' create_causal_mask (and its kin), which context parallelism "
@@ -231,8 +240,13 @@ class WholeArguments:
         if key == "cache_position":
             return torch.arange(whole, device=value.device)
         if key == "alibi":  # made again by the model's own function, for every key (and every head: RankBias cuts)
+            build = getattr(self.namespace, "build_alibi_tensor", None)
+            if build is None:
+                raise ValueError(f"{self.name!r} takes ALiBi biases its model makes by a function tpflow does not "
+                                 f"know (no build_alibi_tensor beside it), which context parallelism cannot make for "
+                                 f"the whole sequence: train it with tensor or data parallelism")
             mask = self.batch.mask if self.batch.mask is not None else torch.ones(hidden.shape[0], whole)
-            return self.namespace.build_alibi_tensor(mask.to(value.device), self.heads, value.dtype)
+            return build(mask.to(value.device), self.heads, value.dtype)
         if "mask" in key and value.ndim >= 2 and value.shape[-1] == whole:
             return value
         if strict and "mask" in key:
@@ -273,9 +287,15 @@ class _WholeMask:
         whole = sum(n for parts in batch.segments for _, n in parts)
         rows = embeds.shape[0]
         named["inputs_embeds"] = embeds[:, :1].expand(rows, whole, *embeds.shape[2:])
+        given = [k for k in ("encoder_hidden_states", "or_mask_function", "and_mask_function")
+                 if named.get(k) is not None]
+        if given:
+            raise ValueError(f"the model makes its mask with {given[0]} (cross-attention, or a mask of its own "
+                             f"beside the causal one), which context parallelism cannot make for the whole "
+                             f"sequence: train it with tensor or data parallelism")
         named["attention_mask"] = None if batch.mask is None else batch.mask.to(embeds.device)
-        if "position_ids" in self.signature.parameters:
-            named["position_ids"] = batch.positions.to(embeds.device)
+        if named.get("position_ids") is not None:  # (packed documents, read from them only where one device does)
+            named["position_ids"] = batch.positions.to(embeds.device) if batch.documents is not None else None
         if isinstance(named.get("cache_position"), torch.Tensor):
             named["cache_position"] = torch.arange(whole, device=embeds.device)
         blocks = named.get("block_sequence_ids")
@@ -313,6 +333,7 @@ def whole_masks(model: nn.Module, batch: Batch) -> None:
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else config):
             _BATCHES[id(c)] = (weakref.ref(c), batch)
+            weakref.finalize(c, _BATCHES.pop, id(c), None)
     for namespace in {sys.modules[type(m).__module__] for m in model.modules()}:
         for name in _MASKS:
             found = getattr(namespace, name, None)
@@ -382,6 +403,8 @@ def _projections(pattern: str, hits: dict[str, list[str]], plan: dict[str, Style
     under it, {projection pattern: the modules it matched there})``; the attention's parent where its output
     projection is not inside it."""
     for outer in (False, True):
+        if outer and not _wrapped(pattern):
+            break
         roots = [n.rpartition(".")[0] if outer else n for n in hits[pattern]]
         layers = {p: {n for n in hits[p] if any(n.startswith(r + ".") for r in roots)} for p in plan if p != pattern}
         layers = {p: within for p, within in layers.items() if within and all(_projection(s) for s in plan[p].styles)}
@@ -392,9 +415,15 @@ def _projections(pattern: str, hits: dict[str, list[str]], plan: dict[str, Style
                      f"split: context parallelism cannot run it head parallel")
 
 
+def _wrapped(pattern: str) -> bool:
+    """Whether the modules ``pattern`` matches sit in a wrapper of their own (BERT's ``attention``), not right in a
+    layer (an item of a ``ModuleList``), whose other projections (the MLP's) are not the attention's."""
+    parent = pattern.rpartition(".")[0].rpartition(".")[2]
+    return bool(parent) and parent != "*" and not parent.isdigit()
+
+
 def _projection(style: Style) -> bool:
-    return isinstance(style, (ColumnParallel, RowParallel, BlocksParallel, Conv1DParallel)) or type(
-        style).__name__ == "MultiQueryColumns"
+    return isinstance(style, (ColumnParallel, RowParallel, BlocksParallel, Conv1DParallel, MultiQueryColumns))
 
 
 def _relative(p: str, hits: dict[str, list[str]], enclosing: str, attentions: list[str], heads: str) -> str:
