@@ -11,6 +11,7 @@ the whole sequence (causality, packed documents, the layer's window).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -27,8 +28,8 @@ __all__ = ["IndexerKeys", "attach_indexer", "is_split_indexer"]
 
 def is_split_indexer(module: nn.Module) -> bool:
     """Whether ``module`` is a sparse-attention indexer context parallelism splits: one that takes the attention's
-    mask and reads its keys through the key cache (DeepSeek-V3.2's shape; DeepSeek-V4's, over compressed keys, is
-    not).
+    mask and reads its keys through the key cache (DeepSeek-V3.2's shape; DeepSeek-V4's and Qwen4-Exp's, over keys
+    pooled in blocks, are not).
 
     Args:
         module: any module.
@@ -41,7 +42,7 @@ def is_split_indexer(module: nn.Module) -> bool:
         >>> is_split_indexer(nn.Linear(2, 2))
         False
     """
-    if "Indexer" not in type(module).__name__:
+    if "Indexer" not in type(module).__name__ or hasattr(module, "compress_ratio"):  # (keys pooled in blocks)
         return False
     names = inspect.signature(module.forward).parameters
     return "attention_mask" in names and "past_key_values" in names
@@ -115,7 +116,8 @@ def attach_indexer(attention: nn.Module, name: str, placement: Placement, batch:
     for child, module in indexers:
         module.register_forward_pre_hook(_Indexer(f"{name}.{child}", attention, placement, batch), with_kwargs=True)
     if indexers:
-        attention.register_forward_pre_hook(_NoMask(inspect.signature(attention.forward)), with_kwargs=True)
+        forward = functools.partial(type(attention).forward, attention)  # (its class's: a wrapper may stand for it)
+        attention.register_forward_pre_hook(_NoMask(inspect.signature(forward)), with_kwargs=True)
 
 
 class _NoMask:

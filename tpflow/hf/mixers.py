@@ -33,7 +33,7 @@ _INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "eager_attention
 
 # children that work token by token, by their class names; anything else in a decoder layer must be attention
 _TOKENWISE = re.compile(r"Norm|MLP|Mlp|FeedForward|Moe|MoE|Expert|FFN|Ffn|Dropout|Identity|Linear$|Embedding|Act|"
-                        r"GELU|SiLU|ReLU|Rotary|HyperConnection|Intermediate|Output$|AltUp|Laurel")
+                        r"GELU|SiLU|ReLU|Rotary|HyperConnection|GatedResidual|Intermediate|Output$|AltUp|Laurel")
 _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mixer": "a state space",
         "DeltaNet": "linear attention (a delta rule's state)",
         "DeltaAttention": "linear attention (a delta rule's state)",
@@ -42,8 +42,8 @@ _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mi
         "Lightning": "linear attention", "Linear": "linear attention", "Recurrent": "a recurrence",
         "RwkvFeedForward": "a token shift (RWKV's channel mixing)", "Rwkv": "a recurrence (RWKV's time mixing)",
         "LSTM": "a recurrence (xLSTM)", "Retention": "a recurrence",
-        "Indexer": "a sparse-attention indexer tpflow does not split (not DeepSeek-V3.2's: one that reads no "
-                   "attention mask and keys through no key cache, such as DeepSeek-V4's over compressed keys)"}
+        "Indexer": "a sparse-attention indexer tpflow does not split (not DeepSeek-V3.2's: one over keys pooled in "
+                   "blocks, DeepSeek-V4's and Qwen4-Exp's)"}
 
 
 def is_attention(module: nn.Module) -> bool:
