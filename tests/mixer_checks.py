@@ -1,7 +1,8 @@
 """Checks of token mixers split over the ranks (state spaces, linear attention, recurrences) on transformers' own
 models, run on every rank by ``tests.harness.run``: against one device, the logits, the loss, the gradient norm and
-every parameter after AdamW steps with clipping, ``generate``'s greedy tokens, the recurrence's inputs (each rank runs
-its share of heads), ``save_pretrained`` read back on one device bitwise, and the share of values a rank holds."""
+every parameter after AdamW steps with clipping, ``generate``'s greedy tokens (at 1 and 2 ranks), the recurrence's
+inputs (each rank runs its share of heads), ``save_pretrained`` read back on one device bitwise, and the share of
+values a rank holds."""
 
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def matches_one_device(cases: list[Case], folder: str, sequence_parallel: bool =
         ref.eval()
         prompt = ids[:, :5]
         kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-        assert torch.equal(model.generate(prompt, **kwargs), ref.generate(prompt, **kwargs)), case.kind
+        if world <= 2:  # (the caches of this rank's heads: generated at 1 and 2 ranks, the suite's time spared at 4)
+            assert torch.equal(model.generate(prompt, **kwargs), ref.generate(prompt, **kwargs)), case.kind
         where = os.path.join(folder, f"{case.kind}-{world}")
         model.save_pretrained(where)
         whole = tpf.full_state_dict(model)

@@ -5,8 +5,9 @@ and RoFormer's (sinusoidal positions it counts from zero), head parallel over ev
 tensor) grid (the ring) or of 4 context ranks (Ulysses), by turns, trained with labels against one device: the
 logits, the loss, every gradient and every parameter after two AdamW steps with clipping. A left-padded batch's mask
 is made for the whole sequence by the model's own function, and packed documents are kept apart where one device
-keeps them apart; a model that makes no mask by transformers' functions is refused at its first padded batch, a
-plan that does not run its heads over every rank and Falcon's multi-query projection at the plan, XLM's mask of a rank's tokens at the first forward, on every rank."""
+keeps them apart. Refused, on every rank: a model that makes no mask by transformers' functions, at its first
+padded batch; a plan that does not run the heads over every rank, and Falcon's multi-query projection, at the plan;
+XLM's mask of a rank's tokens at the first forward."""
 
 from __future__ import annotations
 
