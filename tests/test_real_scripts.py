@@ -75,8 +75,8 @@ def _run_clm_rank(layout: str, folder: str, batch: int, lora: bool) -> dict:
     return {"first": first, "resumed": resumed}
 
 
-@pytest.mark.parametrize("world, layout, lora", [(2, "1d", False), (4, "1d", False), (4, "2x2", False),
-                                                 (2, "1d", True), (4, "2x2", True)])
+@pytest.mark.parametrize("world, layout, lora", [(2, "1d", False), (4, "2x2", False), (2, "1d", True),
+                                                 (4, "2x2", True)])  # (4 ranks in a row: the 2 x 2 grid's axes hold it)
 def test_run_clm_trains_evaluates_saves_and_resumes_as_one_process(tmp_path, world, layout, lora):
     rows = 2 if layout == "2x2" else 1
     batch = 2
