@@ -331,9 +331,8 @@ def _leaves(t: torch.Tensor) -> tuple[list[str], bool]:
 class _CountedFromZero:
     """A position embedding's pre-hook: the positions a decoder counts itself from the sequence's length (BART's
     family: ``arange(seq)``, whatever ``position_ids`` it is given; MVP's and RoFormer's, given none, from their
-    input's shape),
-    which on a rank's part of the sequence would count from 0, become its tokens' global positions (one device's
-    count)."""
+    input's shape), which on a rank's part of the sequence would count from 0, become its tokens' global positions
+    (one device's count)."""
 
     def __init__(self, context: _Context) -> None:
         self.context = context
