@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tests.checks import ints
 from tpflow.bench.workloads import LLAMA_PLAN, DecoderLayer, RMSNorm
@@ -153,32 +154,91 @@ def tiny_moe(kind: str, experts: str = "eager", dtype: torch.dtype = torch.float
     return transformers.AutoModelForCausalLM.from_config(config, experts_implementation=experts).to(dtype)
 
 
+class ShardAdamW:
+    """torch's AdamW with clipping by the whole gradients' norm, stepped on each parameter's local shard: the same
+    arithmetic as on the DTensors, without DTensor's sharding propagation, which a new model's first steps pay per
+    op and shape (on CPU most of a short test's time). The norm sums each shard's squares over the mesh dimensions
+    its gradient is split on. The optimizer on the DTensors themselves, as users step it: tests/test_hf.py,
+    test_fsdp.py, test_frameworks.py and the real scripts.
+
+    Args:
+        model: its parameters (DTensors or plain tensors), in the same order on every rank.
+        adamw: ``torch.optim.AdamW``'s settings.
+    """
+
+    def __init__(self, model: nn.Module, **adamw) -> None:
+        with torch.no_grad():
+            self.params = list(model.parameters())
+            self.local = [_local(p) for p in self.params]
+        self.opt = torch.optim.AdamW(self.local, **adamw)
+
+    def step(self, max_norm: float) -> float:
+        """Clip to ``max_norm`` by the whole norm, step, and clear the gradients; returns the norm before clipping."""
+        with torch.no_grad():
+            grads = [(_local(p.grad), p.grad) for p in self.params if p.grad is not None]
+            norm = _whole_norm([g for g, _ in grads], [whole for _, whole in grads])
+            scale = min(max_norm / (norm + 1e-6), 1.0)
+            for local, p in zip(self.local, self.params, strict=True):
+                assert local.data_ptr() == _local(p).data_ptr(), "a parameter's storage was replaced"
+                local.grad = None if p.grad is None else _local(p.grad).mul_(scale)
+            self.opt.step()
+            for local, p in zip(self.local, self.params, strict=True):
+                local.grad = p.grad = None
+        return norm
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t  # (under no_grad: the DTensor's own storage)
+
+
+def _whole_norm(locals_: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
+    """The 2-norm of the whole gradients from their local shards, summed in fp64 (a partial gradient, which no
+    backward leaves here, fails)."""
+    sums: dict[tuple, torch.Tensor] = {}
+    for local, grad in zip(locals_, grads, strict=True):
+        placements = grad.placements if isinstance(grad, DTensor) else ()
+        assert not any(p.is_partial() for p in placements), f"a partial gradient: {placements}"
+        key = (grad.device_mesh, tuple(d for d, p in enumerate(placements) if not p.is_replicate())) if placements else ()
+        sums[key] = sums.get(key, 0) + local.double().pow(2).sum()
+    total = 0.0
+    for key, sq in sums.items():  # (the same keys in the same order on every rank: the parameters' order)
+        for dim in key[1] if key else ():
+            torch.distributed.all_reduce(sq, group=key[0].get_group(dim))
+        total += float(sq)
+    return total ** 0.5
+
+
 def adamw_steps(models: Sequence[nn.Module], ids: torch.Tensor, kwargs: dict, steps: int = 2) -> None:
     """``steps`` AdamW steps of each causal LM's ``labels=`` loss (in ``kwargs``), called alike without a cache, with
-    clipping that bites (max norm 0.5); eps as ``train_lm``'s."""
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in models]
+    clipping that bites (max norm 0.5); eps as ``train_lm``'s (``ShardAdamW``)."""
+    opts = [ShardAdamW(m, lr=1e-2, eps=1e-4) for m in models]
     for _ in range(steps):
         for m, opt in zip(models, opts):
             m(ids, **kwargs, use_cache=False).loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
+            opt.step(0.5)
 
 
-def train_lm(model: nn.Module, ids: torch.Tensor, steps: int = 2) -> tuple[list[float], list[float]]:
+def train_lm(model: nn.Module, ids: torch.Tensor, steps: int = 2, on_dtensors: bool = False
+             ) -> tuple[list[float], list[float]]:
     """AdamW steps of a causal LM's ``labels=`` loss with clipping that bites (max norm 0.5); each step's loss and
-    norm before clipping."""
+    norm before clipping. ``on_dtensors``: torch's optimizer and ``clip_grad_norm_`` on the parameters as they are
+    (else ``ShardAdamW``, the same arithmetic on the local shards)."""
     # eps: a near-zero gradient's rounding (the norms compute in fp32) must not become a whole lr-sized step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    settings = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-4}
+    opt = torch.optim.AdamW(model.parameters(), **settings) if on_dtensors else ShardAdamW(model, **settings)
     losses, norms = [], []
     for _ in range(steps):
         loss = model(ids, labels=ids).loss
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
+        if on_dtensors:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        else:
+            norm = opt.step(0.5)
         losses.append(loss.item())
-        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        norms.append(norm)
     return losses, norms
 
 

@@ -41,7 +41,7 @@ def _fsdp_matches_one_device(kind, layout):
     row = shard[0] * (P[data].hierarchy[1] if len(shard) > 1 else 1) + (shard[1] if len(shard) > 1 else 0)
     rows = len(P[data].flat_ranks)
     mine = ids.tensor_split(rows)[row]  # each data-parallel rank its own rows, the tensor-parallel ranks the same
-    losses, norms = (torch.tensor(v, dtype=torch.float64) for v in train_lm(model, mine, steps=3))
+    losses, norms = (torch.tensor(v, dtype=torch.float64) for v in train_lm(model, mine, steps=3, on_dtensors=True))
     ref_losses, ref_norms = (torch.tensor(v, dtype=torch.float64) for v in train_lm(ref, ids, steps=3))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, losses)

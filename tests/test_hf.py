@@ -46,7 +46,7 @@ def _check(kind, ref, model, ids, generate=True):
     # HF's loss takes logits.float(): fp32 for these fp64 models, where tpflow's vocabulary-parallel kernels and
     # torch's log_softmax round differently (~1e-8 in the gradients)
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-6, atol=1e-6, msg=f"{kind}: loss")
-    (losses, norms), (losses_ref, norms_ref) = train_lm(model, ids), train_lm(ref, ids)
+    (losses, norms), (losses_ref, norms_ref) = train_lm(model, ids, on_dtensors=True), train_lm(ref, ids)
     assert min(norms_ref) > 0.5, f"{kind}: clipping should bite"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-6, atol=1e-6,
                                msg=f"{kind}: losses")
