@@ -198,7 +198,8 @@ def _whole_norm(locals_: list[torch.Tensor], grads: list[torch.Tensor]) -> float
     for local, grad in zip(locals_, grads, strict=True):
         placements = grad.placements if isinstance(grad, DTensor) else ()
         assert not any(p.is_partial() for p in placements), f"a partial gradient: {placements}"
-        key = (grad.device_mesh, tuple(d for d, p in enumerate(placements) if not p.is_replicate())) if placements else ()
+        split = tuple(d for d, p in enumerate(placements) if not p.is_replicate())
+        key = (grad.device_mesh, split) if placements else ()
         sums[key] = sums.get(key, 0) + local.double().pow(2).sum()
     total = 0.0
     for key, sq in sums.items():  # (the same keys in the same order on every rank: the parameters' order)

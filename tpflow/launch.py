@@ -285,4 +285,10 @@ def _run(torchrun, args: list[str]) -> int:
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launcher = sys.argv[1:2] != [_WORKER]  # (read first: a worker's script gets its own sys.argv)
+    status = main()
+    if launcher:  # the launcher's own process ran no user code: it ends at once (tearing down torch's modules would
+        sys.stdout.flush()  # take it a second more)
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -86,6 +87,13 @@ class _SplitLogits(DTensor):
         return out
 
 
+@functools.cache
+def _eager(fn):
+    """``fn`` that dynamo does not trace: disabled at first use, not as a decorator, so importing tpflow spares
+    importing dynamo (half a second, and as much again when the process exits)."""
+    return torch.compiler.disable(fn)
+
+
 class _Loss:
     """A Hugging Face model's ``loss_function`` under the loss's mode: what routes ``labels=`` when the forward is
     compiled (the hooks above do not run there). It runs eagerly, a graph break: dynamo does not trace a
@@ -94,8 +102,10 @@ class _Loss:
     def __init__(self, model: nn.Module, loss_function) -> None:
         self.model, self.loss_function = model, loss_function
 
-    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
+        return _eager(_Loss.run)(self, *args, **kwargs)
+
+    def run(self, *args, **kwargs):
         if getattr(self.model, _STATE).mode is not None:  # eager: the hooks entered it already
             return self.loss_function(*args, **kwargs)
         with vocab_parallel_loss():
