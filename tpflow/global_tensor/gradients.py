@@ -17,14 +17,20 @@ gradients the backward left partial before the step (``clip_grad_norm_``, ``Grad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tpflow import comm, config
-from tpflow.global_tensor.reducer import deferred, summed_axes, watch
+from tpflow.global_tensor.reducer import (
+    deferred,
+    gradient_replaced,
+    register_gradient_replaced_hook,
+    summed_axes,
+    watch,
+)
 
 __all__ = ["HOOK", "adopt", "clip_grad_norm_", "deferred", "reduce_partial_gradients",
            "register_gradient_replaced_hook", "scale_grad", "summed_axes", "watch"]
@@ -86,26 +92,6 @@ def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGrad.apply(x, factor)
 
 
-_REPLACED: list[Callable[[torch.Tensor], None]] = []
-
-
-def register_gradient_replaced_hook(hook: Callable[[torch.Tensor], None]) -> None:
-    """Call ``hook(param)`` each time ``reduce_partial_gradients`` gives a parameter a new gradient tensor (its sum):
-    what a parameter's gradient carries beside its values (a segmented parameter's gathers in stored order,
-    ``tpflow.global_tensor.segments``) is given to the new one.
-
-    Args:
-        hook: called with the parameter.
-
-    Example::
-
-        >>> register_gradient_replaced_hook(lambda param: None)
-        >>> _REPLACED.pop() is not None
-        True
-    """
-    _REPLACED.append(hook)
-
-
 @torch.no_grad()
 def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int | None = None) -> None:
     """Sum the partial-sum gradients of ``params`` where the parameter is broadcast, bucket by bucket.
@@ -161,8 +147,7 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor], bucket_bytes: int |
                 offset += block.numel()
                 p.grad = DTensor.from_local(block, mesh, summed, run_check=False, shape=p.grad.shape,
                                             stride=p.grad.stride())
-                for hook in _REPLACED:
-                    hook(p)
+                gradient_replaced(p)
 
 
 @torch.no_grad()

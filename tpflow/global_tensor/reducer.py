@@ -29,7 +29,7 @@ import contextlib
 import hashlib
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +48,41 @@ _ORDER = "_tpflow_adopted"  # the order tpflow adopted a parameter in: the same 
 _KEY = "_tpflow_grad_key"  # a parameter's last gradient layout object, and its bucket key
 _numbers = itertools.count()
 _LAYOUTS = 8  # layouts kept per mesh, layout and dtype: models (or parts of one) whose backwards take turns
+
+
+_REPLACED: list[Callable[[torch.Tensor], None]] = []
+
+
+def register_gradient_replaced_hook(hook: Callable[[torch.Tensor], None]) -> None:
+    """Call ``hook(param)`` each time the backward's buckets or ``reduce_partial_gradients`` give a parameter a new
+    gradient tensor (its sum): what a parameter's gradient carries beside its values (a segmented parameter's
+    gathers in stored order, ``tpflow.global_tensor.segments``) is given to the new one.
+
+    Args:
+        hook: called with the parameter.
+
+    Example::
+
+        >>> register_gradient_replaced_hook(lambda param: None)
+        >>> _REPLACED.pop() is not None
+        True
+    """
+    _REPLACED.append(hook)
+
+
+def gradient_replaced(param: torch.Tensor) -> None:
+    """Run the hooks ``register_gradient_replaced_hook`` registered, for ``param``, whose gradient was just replaced
+    by its sum.
+
+    Args:
+        param: the parameter.
+
+    Example::
+
+        >>> gradient_replaced(torch.nn.Parameter(torch.zeros(2)))
+    """
+    for hook in _REPLACED:
+        hook(param)
 
 
 def summed_axes(p: torch.Tensor) -> tuple[int, ...]:
@@ -247,6 +282,7 @@ class _Backward:
                     view = flat[offset:offset + block.numel()].view(block.shape)
                     p.grad = placed(view, layout.summed_layout(p, g, summed))
                     offset += block.numel()
+                    gradient_replaced(p)
         finally:
             self._reset()
 

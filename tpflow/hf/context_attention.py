@@ -103,6 +103,12 @@ class Batch:
         return self.exchanges[key]
 
     @property
+    def padded_before_tokens(self) -> bool:
+        """Whether a row has padding before one of its tokens (on the left, or inside): where a state space or a
+        linear attention, which zero the padding's states on one device, would carry it into theirs."""
+        return self.pads is not None and bool((self.pads[:, :-1] & ~self.pads[:, 1:]).any())
+
+    @property
     def in_order(self) -> bool:
         """Whether every rank's tokens, gathered rank after rank, are the sequence in order (Ulysses' contiguous
         parts): nothing to put in order."""

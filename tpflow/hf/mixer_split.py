@@ -26,8 +26,14 @@ from tpflow.placement import Placement, nested_index, placement
 from tpflow.plans.style import Plan, Style
 from tpflow.sbp import broadcast, split
 
-__all__ = ["Gathered", "HeadRanks", "MixerStyle", "SplitMixer", "broadcast_parameter", "refuse_undivided",
+__all__ = ["PADDED", "Gathered", "HeadRanks", "MixerStyle", "SplitMixer", "broadcast_parameter", "refuse_undivided",
            "sharing_group"]
+
+
+PADDED = ("{} carries a state from token to token, which one device may keep the padding out of by its mask; "
+          "under context parallelism it gets no padding mask, and padding before a row's tokens would reach their "
+          "state: pad the rows on the right, pack them (position_ids restarting at each document), or train with "
+          "tensor parallelism")
 
 
 def broadcast_parameter(module: nn.Module, name: str, pl: Placement) -> None:
@@ -290,6 +296,8 @@ class SplitMixer:
         sequence_dim: the dim of the tokens each rank holds of the mixer's input and output, or None (every token).
         exit: the module whose output is the mixer's partial sum, where not ``mixer`` itself (an attention whose
             output projection sits beside it: BERT's ``attention.output.dense`` after ``attention.self``).
+        masked: the mixer is given masks of the whole sequence (attention in the model's own code): padding before
+            a row's tokens is allowed under context parallelism, which a recurrence (``PADDED``) refuses.
 
     Example::
 
@@ -309,8 +317,8 @@ class SplitMixer:
     def __init__(self, mixer: nn.Module, modules: Sequence[nn.Module], ranks: HeadRanks, *,
                  shared: dist.ProcessGroup | None = None, gathered: Sequence[Gathered] = (),
                  out_bias: nn.Module | None = None, sequence_dim: int | None = None,
-                 exit: nn.Module | None = None) -> None:
-        pl, self.context = ranks.placement, ranks.context
+                 exit: nn.Module | None = None, masked: bool = False) -> None:
+        pl, self.context, self.masked = ranks.placement, ranks.context, masked
         self.sequence_dim = 1 if self.context is not None else sequence_dim
         self.group, self.first, self.axes = ranks.group, ranks.index == 0, ranks.axes
         if self.context is not None:  # the sequence over the context axis, the heads' sums over the tensor axis
@@ -343,6 +351,8 @@ class SplitMixer:
                     rows.module.__dict__[n] = self._gather(rows.module.__dict__[n], rows)
         if self.out_bias is not None and "bias" in self.out_bias.__dict__:  # added once (its gradient summed)
             self.out_bias.__dict__["bias"] = self.out_bias.__dict__["bias"] * int(self.first)
+        if self.context is not None and not self.masked and self.context.padded_before_tokens:
+            raise ValueError(PADDED.format(type(mixer).__name__))
         positions = kwargs.get("position_ids")
         if self.context is not None and isinstance(positions, torch.Tensor):  # (RG-LRU resets at position 0)
             kwargs = {**kwargs, "position_ids": self.whole_sequence(positions, positions.ndim - 1)}

@@ -157,7 +157,7 @@ class OwnAttentionHeads(MixerStyle):
         if ranks.index is None:
             return
         attention.forward = OnRankHeads(attention, f"{name}.{self.heads}" if self.heads else name)
-        split = SplitMixer(attention, (attention, *layers), ranks, out_bias=out_bias, exit=row)
+        split = SplitMixer(attention, (attention, *layers), ranks, out_bias=out_bias, exit=row, masked=True)
         whole = WholeArguments(attention, split, ranks.context, heads, ranks.coordinate()[0], name)
         attention.register_forward_pre_hook(whole, with_kwargs=True)
         bias = RankBias.of(attention, heads, ranks.world, ranks.index)

@@ -51,6 +51,7 @@ from tpflow.hf.mixers import is_attention, unsplit_mixers
 from tpflow.hf.multi_query import MultiQueryColumns
 from tpflow.hf.own_attention import with_own_attention
 from tpflow.hf.planner import planned
+from tpflow.hf.state_passing import StatePassing
 from tpflow.hf.styles import hf_style
 from tpflow.hf.summed import SummedParameters
 from tpflow.plans.experts import ExpertParallel, ExpertTensorParallel
@@ -277,7 +278,7 @@ def _fuse_alike(model: nn.Module, plan: dict[str, Style], names: list[str]) -> N
 
 def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = True,
             vocab_parallel: bool | None = None, expert_parallel: bool | str = False,
-            context_parallel: str | None = None) -> dict[str, Style]:
+            context_parallel: str | None = None, mixers: str = "head_parallel") -> dict[str, Style]:
     """The plan ``parallelize(model, plan="auto")`` applies: the Hugging Face model's own, as tpflow entries, or, for
     a model transformers ships no plan for, tpflow's, read off its layers (``tpflow.hf.planner``). What each model
     type of transformers' registry gets, tensor, context and expert parallel, is in ``docs/models.md``
@@ -303,6 +304,11 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             attention included (``tpf.ContextParallel``): over a 1-D placement's ranks (the weights whole on every
             rank), or over a 2-D placement's first axis, the second tensor parallel. Training and scoring only
             (``generate`` needs a plan without it); not with ``sequence_parallel``.
+        mixers: under ``context_parallel``, how token mixers other than attention (state spaces, linear attention)
+            run: ``"head_parallel"`` (the default; every mixer tpflow splits by heads): the sequence gathered around
+            each, its heads split over every rank; ``"state_passing"`` (gated DeltaNets): each rank runs the mixer
+            on its own tokens, its heads split over the tensor axis alone, the state the tokens before them leave
+            handed over (``tpflow.hf.state_passing``).
 
     Returns:
         Module-name patterns mapped to entries (``tpf.ColumnParallel``, ``tpf.RowParallel``, ...), which
@@ -322,8 +328,10 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
     if inner is not model:  # a PEFT model: the wrapped model's plan, under the wrapper's names
         return {f"{prefix}.{pattern}": entry for pattern, entry in hf_plan(
             inner, sequence_parallel=sequence_parallel, fuse=fuse, vocab_parallel=vocab_parallel,
-            expert_parallel=expert_parallel, context_parallel=context_parallel).items()}
+            expert_parallel=expert_parallel, context_parallel=context_parallel, mixers=mixers).items()}
     own = _model_plan(model)
+    if mixers not in ("head_parallel", "state_passing") or (mixers != "head_parallel" and context_parallel is None):
+        raise ValueError(f"mixers={mixers!r}: use 'head_parallel' or 'state_passing', under context_parallel")
     if context_parallel is not None and sequence_parallel:
         raise ValueError("context_parallel splits the sequence through every layer already: drop sequence_parallel")
     context = None if context_parallel is None else ContextParallel(context_parallel)  # the kind checked first
@@ -361,9 +369,12 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             entry = ExpertParallel(axis=expert_parallel if isinstance(expert_parallel, str) else None)
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
-        if isinstance(entry, MixerStyle):  # a token mixer split by heads: every token gathered on entry
-            entry = dataclasses.replace(entry, sequence_parallel=sequence_parallel, context=context is not None)
-            entry = entry if context is None else Stacked((entry, context))  # head parallel over every rank
+        if isinstance(entry, MixerStyle):  # a token mixer split by heads: every token gathered on entry, or with
+            passing = context is not None and mixers == "state_passing"  # state passing this rank's tokens alone
+            entry = dataclasses.replace(entry, sequence_parallel=sequence_parallel,
+                                        context=context is not None and not passing)
+            entry = entry if context is None else Stacked((entry, StatePassing(), context) if passing else
+                                                          (entry, context))  # (head parallel: over every rank)
         parent = pattern.rpartition(".")[0]
         if any(parent == block or parent.startswith(block + ".") for block in blocks):
             pass  # in a mixture of experts' block: it runs on every token under sequence parallelism
