@@ -5,6 +5,7 @@ ring's transfer hidden behind its compute on an emulated slow link.
     python -m tpflow.launch --nproc_per_node 1 benchmarks/context_cpu.py overlap [--tokens 4096]
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py packed [--tokens 8192] [--window 512]
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py mixers [--tokens 8192 16384 32768]
+        [--shapes qwen3.5 nemotron-h]
     python -m tpflow.launch --nproc_per_node W benchmarks/context_cpu.py sparse [--tokens 4096 8192] [--top 2048]
 
 ``train``: a Hugging Face Llama of tiny width (hidden ``--hidden``, 4 heads of 16, 2 key/value heads, ``--layers``
@@ -36,11 +37,12 @@ a Mistral with a sliding window of ``--window`` tokens on one sequence: the ring
 whole-sequence ring (the window set to none), and its loss against one device's.
 
 ``mixers``: a Qwen3.5-shaped hybrid (3 gated-DeltaNet layers, then attention) and a Nemotron-H-shaped one (Mamba-2
-and MLP layers, one attention layer), ``--hidden`` wide, their mixers head parallel (``tpflow.hf.mixer_split``): the
-same measurements as ``train``; the minimum bytes add, per mixer, the hidden states all-gathered in and
-reduce-scattered out, forward and backward ((W - 1) x a rank's tokens x hidden a ring pass; gloo's reduce-scatter
-is an all-reduce underneath, two passes), and count the all-reduce of the parameters left whole alone (the mixers'
-are split).
+and MLP layers, one attention layer), ``--hidden`` wide, their mixers head parallel (``tpflow.hf.mixer_split``) and,
+for the DeltaNets, passing their state too (``tpflow.hf.state_passing``): the same measurements as ``train``; the
+minimum bytes add, per mixer, the hidden states all-gathered in and reduce-scattered out, forward and backward
+((W - 1) x a rank's tokens x hidden a ring pass; gloo's reduce-scatter is an all-reduce underneath, two passes), or
+under state passing its fragments' summaries and halos gathered forward and reduce-scattered backward, and count the
+all-reduce of the parameters left whole (the mixers' too under state passing: split over the tensor axis alone).
 
 ``sparse``: a DeepSeek-V3.2-shaped model (latent attention with a sparse-attention indexer picking ``--top`` keys a
 query, ``tpflow.hf.context_indexer``), the same measurements as ``train`` but for a minimum of bytes.
@@ -364,16 +366,28 @@ def _hybrid(shape: str, hidden: int):
         chunk_size=128))
 
 
+def _passed(config, slots: int) -> int:
+    """The bytes one rank's pieces of a state-passing DeltaNet's gathers hold (``tpflow.hf.state_passing``): each of
+    its ``slots`` fragments' summary ``[F | M]`` (value heads x k x (v + k), fp32) and its halo (the convolution's
+    channels x its k - 1 tokens, fp32), batch 1."""
+    k, v = config.linear_key_head_dim, config.linear_value_head_dim
+    heads, channels = config.linear_num_value_heads, 2 * config.linear_num_key_heads * k + \
+        config.linear_num_value_heads * v
+    return slots * 4 * (heads * k * (v + k) + channels * (config.linear_conv_kernel_dim - 1))
+
+
 def mixers(args) -> None:
     """Hybrids whose linear attention or state spaces run head parallel, ring and Ulysses against one device."""
     from tpflow.hf.mixer_styles import mixer_style
 
     world, rank, P = _ranks()
-    lines = [f"# Context parallelism through linear attention and state spaces (head parallel): {world} CPU rank(s), "
+    lines = [f"# Context parallelism through linear attention and state spaces (head parallel; the DeltaNets passing "
+             f"their state too): {world} CPU rank(s), "
              f"hidden {args.hidden}, vocabulary {VOCAB}, fp32, batch 1", "",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py mixers --tokens "
-             f"{' '.join(map(str, args.tokens))} --hidden {args.hidden} --reps {args.reps}`", ""]
-    for shape in ("qwen3.5", "nemotron-h"):
+             f"{' '.join(map(str, args.tokens))} --hidden {args.hidden} --reps {args.reps} --shapes "
+             f"{' '.join(args.shapes)}`", ""]
+    for shape in args.shapes:
         ref = _hybrid(shape, args.hidden)
         kinds = [type(m).__name__ for m in ref.modules() if mixer_style(m) is not None]
         attention = sum(1 for t in ref.config.layer_types if t == "full_attention")
@@ -384,15 +398,21 @@ def mixers(args) -> None:
             ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))
             one_peak, one_time, one_loss = _one_device(ref, ids, args.reps, use_cache=False)
             rows = [("one device", one_peak, one_time, 0, 0, 0.0)]
-            for kind in ("ring", "ulysses"):
-                model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=tpf.hf_plan(ref, context_parallel=kind))
+            modes = ("head_parallel", "state_passing") if shape == "qwen3.5" else ("head_parallel",)
+            for mode, kind in ((m, k) for m in modes for k in ("ring", "ulysses")):
+                plan = tpf.hf_plan(ref, context_parallel=kind, mixers=mode)
+                model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=plan)
                 peak, seconds, sent, loss = _measure(model, ids, args.reps, active=True, use_cache=False)
                 whole = sum(p.numel() for p in model.parameters() if p.to_local().numel() == p.numel())
                 minimum = _minimum(kind, tokens, world, args.hidden, attention, whole)
                 # each mixer: the hidden states all-gathered in (1 ring pass), reduce-scattered out (2 on gloo),
-                # and both again backward
-                minimum += len(kinds) * 6 * (world - 1) * (tokens // world) * args.hidden * 4
-                rows.append(_slowest(kind, peak, seconds, sent, minimum, loss - one_loss))
+                # and both again backward; under state passing its fragments' summaries and halos, all-gathered
+                # forward and reduce-scattered backward
+                per_pass = (world - 1) * (tokens // world) * args.hidden * 4 * 2 if mode == "head_parallel" else \
+                    (world - 1) * _passed(ref.config, 2 if kind == "ring" else 1)
+                minimum += len(kinds) * 3 * per_pass
+                said = kind if mode == "head_parallel" else f"{kind}, state passing"
+                rows.append(_slowest(said, peak, seconds, sent, minimum, loss - one_loss))
             lines += _lines(f"{tokens:,}", rows, one_peak, one_time, world)
         lines.append("")
     if rank == 0:
@@ -451,6 +471,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--top", type=int, default=2048)
+    parser.add_argument("--shapes", nargs="+", choices=["qwen3.5", "nemotron-h"], default=["qwen3.5", "nemotron-h"])
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if args.mode == "train":

@@ -58,8 +58,9 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection, faults: str
             conn.send(("ok", fn(*args)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
-        finally:  # the next test's frameworks see the world, whatever this one parallelized
-            tpflow.hf.frameworks.view.forget()
+        finally:  # the next test's frameworks see the world, whatever this one parallelized; one thread a rank again
+            tpflow.hf.frameworks.view.forget()  # (accelerate's state sets torch's threads to the cores: two ranks of
+            torch.set_num_threads(1)  # two threads each on two cores spin against each other, every later test 3-5x)
 
 
 class Pool:

@@ -1,11 +1,11 @@
 """State passing (``tpf.hf_plan(model, context_parallel=..., mixers="state_passing")``): gated DeltaNets (Qwen3-Next's
-interleaved projections, Qwen3.5's segmented ones) run on each rank's own tokens, their heads split over the tensor
-axis alone, the convolution's halo and the delta rule's state handed over from the fragments before. Against one
-device, fp64 (the delta rule computes in fp32 on both): the logits, the loss, every gradient and every parameter
-after two AdamW steps with clipping, on whole and packed batches, under the ring's head-tail cut and the balanced
-cut of packed documents and Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2 context x tensor; each rank's
-recurrence sees its own tokens alone; what state passing cannot run is refused by name, and rows padded on the left
-(which neither mode hands a mixer's padding mask) in both modes."""
+interleaved projections, Qwen3.5's segmented ones) and Kimi Linear's delta attention run on each rank's own tokens,
+their heads split over the tensor axis alone, the convolution's halo and the delta rule's state handed over from the
+fragments before. Against one device, fp64 (the delta rule computes in fp32 on both): the logits, the loss, every
+gradient and every parameter after two AdamW steps with clipping, on whole and packed batches, under the ring's
+head-tail cut and the balanced cut of packed documents and Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2
+context x tensor; each rank's recurrence sees its own tokens alone; what state passing cannot run is refused by name,
+and rows padded on the left (which neither mode hands a mixer's padding mask) in both modes."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from tests import harness
 from tests.mixer_checks import scan_shapes
 from tests.test_context import _placement
 from tests.test_context_mixers import SEQ, _batches, _same_training
-from tests.test_delta_net import _delta_net
+from tests.test_delta_net import _delta_net, _kimi
 
 pytest.importorskip("transformers")
 
-CASES = [_delta_net("qwen3_next", 2, 4), _delta_net("qwen3_5_text", 2, 4)]
+CASES = [_delta_net("qwen3_next", 2, 4), _delta_net("qwen3_5_text", 2, 4), _kimi(4)]
 
 
 def _passing(tensor: int) -> None:

@@ -306,7 +306,7 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             (``generate`` needs a plan without it); not with ``sequence_parallel``.
         mixers: under ``context_parallel``, how token mixers other than attention (state spaces, linear attention)
             run: ``"head_parallel"`` (the default; every mixer tpflow splits by heads): the sequence gathered around
-            each, its heads split over every rank; ``"state_passing"`` (gated DeltaNets): each rank runs the mixer
+            each, its heads split over every rank; ``"state_passing"`` (gated DeltaNets, KDA): each rank runs the mixer
             on its own tokens, its heads split over the tensor axis alone, the state the tokens before them leave
             handed over (``tpflow.hf.state_passing``).
 

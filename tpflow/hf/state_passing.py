@@ -1,6 +1,6 @@
-"""State passing: context parallelism through a gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-Hybrid) with each rank on
-its own tokens (``tpf.hf_plan(model, context_parallel=..., mixers="state_passing")``), where head parallelism
-gathers the sequence around the mixer.
+"""State passing: context parallelism through a gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-Hybrid) or a Kimi delta
+attention (Kimi Linear, Bailing-hybrid) with each rank on its own tokens (``tpf.hf_plan(model, context_parallel=...,
+mixers="state_passing")``), where head parallelism gathers the sequence around the mixer.
 
 The mixer runs the model's own code on this rank's fragments of the sequence (the ring's head and tail parts, or
 Ulysses' one part), its heads split over the tensor-parallel ranks alone. While it runs, two functions of its
@@ -8,12 +8,12 @@ modeling module are wrapped:
 
 - the short convolution (``causal_conv1d_fn``): each fragment gets the ``k - 1`` tokens before it (its halo), from
   the fragments' tails gathered over the context ranks;
-- the chunked delta rule (``torch_chunk_gated_delta_rule``, or the kernel transformers put in its place): its state
-  after a fragment is affine in the state before it, ``S_end = M S_0 + F``. Each fragment runs once from
-  ``S_0 = [0 | I]`` with ``v = [v | 0]`` (``k`` identity columns beside its values: the columns evolve apart), its
-  final state ``[F | M]``; the fragments' summaries are gathered over the context ranks and combined in sequence
-  order, in fp32, the same on every rank (``S_{j+1} = M_j S_j + F_j``); each fragment runs again from its incoming
-  state.
+- the chunked delta rule (``torch_chunk_gated_delta_rule``, KDA's ``chunk_kimi_delta_attention``, or the kernel
+  transformers put in its place): its state after a fragment is affine in the state before it,
+  ``S_end = M S_0 + F``. Each fragment runs once from ``S_0 = [0 | I]`` with ``v = [v | 0]`` (``k`` identity columns
+  beside its values: the columns evolve apart), its final state ``[F | M]``; the fragments' summaries are gathered
+  over the context ranks and combined in sequence order, in fp32, the same on every rank
+  (``S_{j+1} = M_j S_j + F_j``); each fragment runs again from its incoming state.
 
 The gathers' backward reduce-scatters their gradient: the backward is autograd's, through the same composition. A
 layer sends one summary per fragment (heads x k x (v + k) values) and the halos, whatever the sequence's length.
@@ -32,14 +32,14 @@ from torch import nn
 
 from tpflow import comm
 from tpflow.hf.context_attention import Batch, context_group
-from tpflow.hf.delta_net import delta_net_counts
+from tpflow.hf.delta_net import delta_net_counts, kimi_delta_counts
 from tpflow.hf.mixer_split import PADDED
 from tpflow.placement import Placement
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["StatePassing"]
 
-_CONV, _RULE = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
+_CONV, _RULES = "causal_conv1d_fn", ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
 _RUNNING: list[_Fragments] = []  # the state-passing mixers running now (the innermost last)
 _WRAPPED: set[str] = set()  # the modeling modules whose functions are wrapped (once: others may wrap them after)
 
@@ -166,9 +166,10 @@ class _States:
 
 @dataclasses.dataclass(frozen=True)
 class StatePassing(Style):
-    """Plan style for a gated DeltaNet under context parallelism, each rank running it on its own tokens with the
-    state the tokens before them leave (see the module docstring); ``tpf.hf_plan(model, context_parallel=...,
-    mixers="state_passing")`` stacks it on each mixer's tensor-parallel entry, beside ``ContextParallel``.
+    """Plan style for a gated DeltaNet or a Kimi delta attention under context parallelism, each rank running it on
+    its own tokens with the state the tokens before them leave (see the module docstring); ``tpf.hf_plan(model,
+    context_parallel=..., mixers="state_passing")`` stacks it on each mixer's tensor-parallel entry, beside
+    ``ContextParallel``.
 
     Example::
 
@@ -185,17 +186,20 @@ class StatePassing(Style):
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         found = sys.modules[type(module).__module__]
-        if delta_net_counts(module) is None or not all(hasattr(found, f) for f in (_CONV, _RULE)):
-            raise ValueError(f"{name!r} ({type(module).__name__}): state passing runs gated DeltaNets whose modeling "
-                             f"module calls {_CONV} and {_RULE} (Qwen3-Next, Qwen3.5, OLMo-Hybrid); other mixers run "
-                             f"head parallel: use mixers='head_parallel'")
+        if (delta_net_counts(module) is None and kimi_delta_counts(module) is None) or not hasattr(found, _CONV) or \
+                not any(hasattr(found, f) for f in _RULES):
+            raise ValueError(f"{name!r} ({type(module).__name__}): state passing runs gated DeltaNets and Kimi delta "
+                             f"attention whose modeling module calls {_CONV} and {' or '.join(_RULES)} (Qwen3-Next, "
+                             f"Qwen3.5, OLMo-Hybrid, Kimi Linear, Bailing-hybrid); other mixers run head parallel: use "
+                             f"mixers='head_parallel'")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
         found = sys.modules[type(module).__module__]
         if found.__name__ not in _WRAPPED:
             _WRAPPED.add(found.__name__)
-            for attr, wrapper in ((_CONV, _Halo), (_RULE, _States)):
-                setattr(found, attr, wrapper(getattr(found, attr)))
+            setattr(found, _CONV, _Halo(getattr(found, _CONV)))
+            for rule in (r for r in _RULES if hasattr(found, r)):
+                setattr(found, rule, _States(getattr(found, rule)))
         _Passing(module, plan.placement, plan.shared("context batch", Batch))
 
 
