@@ -19,7 +19,7 @@ import tpflow as tpf
 from tests import harness
 from tests.mixer_checks import scan_shapes
 from tests.test_context import _placement
-from tests.test_context_mixers import SEQ, _batches, _same_training
+from tests.test_context_mixers import SEQ, _batches, _in_mixer, _same_training
 from tests.test_delta_net import _delta_net, _kimi
 
 pytest.importorskip("transformers")
@@ -46,6 +46,9 @@ def _passing(tensor: int) -> None:
                 assert shapes and {(s[1], s[case.dim]) for s in shapes} == {(SEQ * tensor // world,
                                                                             case.heads // tensor)}, (what, shapes)
                 _same_training(model, ref, ids, kwargs, f"{what}, {batch}")
+            mixers = [p for n, p in model.named_parameters() if _in_mixer(ref, n)]
+            held = sum(p.to_local().numel() for p in mixers) / sum(p.numel() for p in mixers)
+            assert held <= 1 / tensor + 0.1, (what, held)  # heads split by tensor (low-rank gates whole)
 
 
 @pytest.mark.parametrize("world", [2, 4])
