@@ -367,22 +367,27 @@ def _hybrid(shape: str, hidden: int):
 
 
 def _passed(config, slots: int) -> int:
-    """The bytes one rank's pieces of a state-passing DeltaNet's gathers hold (``tpflow.hf.state_passing``): each of
-    its ``slots`` fragments' summary ``[F | M]`` (value heads x k x (v + k), fp32) and its halo (the convolution's
-    channels x its k - 1 tokens, fp32), batch 1."""
-    k, v = config.linear_key_head_dim, config.linear_value_head_dim
-    heads, channels = config.linear_num_value_heads, 2 * config.linear_num_key_heads * k + \
-        config.linear_num_value_heads * v
-    return slots * 4 * (heads * k * (v + k) + channels * (config.linear_conv_kernel_dim - 1))
+    """The bytes one rank's pieces of a state-passing mixer's gathers hold (``tpflow.hf.state_passing``), batch 1,
+    fp32: each of its ``slots`` fragments' summary (a DeltaNet's ``[F | M]``: value heads x k x (v + k); a Mamba-2
+    scan's: heads x (head dim + 1) x state) and its halo (the convolution's channels x its k - 1 tokens)."""
+    if hasattr(config, "linear_key_head_dim"):  # a gated DeltaNet
+        k, v = config.linear_key_head_dim, config.linear_value_head_dim
+        heads, channels = config.linear_num_value_heads, 2 * config.linear_num_key_heads * k + \
+            config.linear_num_value_heads * v
+        return slots * 4 * (heads * k * (v + k) + channels * (config.linear_conv_kernel_dim - 1))
+    heads, dim, size = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size
+    channels = heads * dim + 2 * config.n_groups * size
+    return slots * 4 * (heads * (dim + 1) * size + channels * (config.conv_kernel - 1))
 
 
 def mixers(args) -> None:
-    """Hybrids whose linear attention or state spaces run head parallel, ring and Ulysses against one device."""
+    """Hybrids whose linear attention or state spaces run head parallel or pass their state, ring and Ulysses,
+    against one device."""
     from tpflow.hf.mixer_styles import mixer_style
 
     world, rank, P = _ranks()
-    lines = [f"# Context parallelism through linear attention and state spaces (head parallel; the DeltaNets passing "
-             f"their state too): {world} CPU rank(s), "
+    lines = [f"# Context parallelism through linear attention and state spaces (head parallel, and passing their "
+             f"state): {world} CPU rank(s), "
              f"hidden {args.hidden}, vocabulary {VOCAB}, fp32, batch 1", "",
              f"Command: `python -m tpflow.launch --nproc_per_node {world} benchmarks/context_cpu.py mixers --tokens "
              f"{' '.join(map(str, args.tokens))} --hidden {args.hidden} --reps {args.reps} --shapes "
@@ -398,8 +403,7 @@ def mixers(args) -> None:
             ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))
             one_peak, one_time, one_loss = _one_device(ref, ids, args.reps, use_cache=False)
             rows = [("one device", one_peak, one_time, 0, 0, 0.0)]
-            modes = ("head_parallel", "state_passing") if shape == "qwen3.5" else ("head_parallel",)
-            for mode, kind in ((m, k) for m in modes for k in ("ring", "ulysses")):
+            for mode, kind in ((m, k) for m in ("head_parallel", "state_passing") for k in ("ring", "ulysses")):
                 plan = tpf.hf_plan(ref, context_parallel=kind, mixers=mode)
                 model = tpf.parallelize(copy.deepcopy(ref), placement=P, plan=plan)
                 peak, seconds, sent, loss = _measure(model, ids, args.reps, active=True, use_cache=False)

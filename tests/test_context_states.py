@@ -1,11 +1,14 @@
 """State passing (``tpf.hf_plan(model, context_parallel=..., mixers="state_passing")``): gated DeltaNets (Qwen3-Next's
-interleaved projections, Qwen3.5's segmented ones) and Kimi Linear's delta attention run on each rank's own tokens,
-their heads split over the tensor axis alone, the convolution's halo and the delta rule's state handed over from the
-fragments before. Against one device, fp64 (the delta rule computes in fp32 on both): the logits, the loss, every
-gradient and every parameter after two AdamW steps with clipping, on whole and packed batches, under the ring's
-head-tail cut and the balanced cut of packed documents and Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2
-context x tensor; each rank's recurrence sees its own tokens alone; what state passing cannot run is refused by name,
-and rows padded on the left (which neither mode hands a mixer's padding mask) in both modes."""
+interleaved projections, Qwen3.5's segmented ones), Kimi Linear's delta attention, Mamba-2 (Nemotron-H, Bamba,
+Mamba2, Falcon-H1, Granite-4.0-H, Zamba2), Mamba-1 (Jamba, Falcon-Mamba, Mamba, Zamba's heads) and LFM2's short
+convolutions run on each rank's own tokens, their heads split over the tensor axis alone, the convolution's halo and
+the recurrence's state handed over from the fragments before. Against one device, fp64 (the delta rule and Mamba-2's
+scan compute in fp32 on both): the logits, the loss, every gradient and every parameter after two AdamW steps with
+clipping, on whole and packed batches, under the ring's head-tail cut and the balanced cut of packed documents and
+Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2 context x tensor; each rank's recurrence sees its own tokens
+alone; what state passing cannot run is refused by name, and rows padded on the left (which neither mode hands a
+mixer's padding mask) in both modes. CASES run at every layout; the families that share another's scan at one
+layout each (BY_TURNS)."""
 
 from __future__ import annotations
 
@@ -17,23 +20,33 @@ import torch.distributed as dist
 
 import tpflow as tpf
 from tests import harness
-from tests.mixer_checks import scan_shapes
+from tests.mixer_checks import Case, scan_shapes
 from tests.test_context import _placement
 from tests.test_context_mixers import SEQ, _batches, _in_mixer, _same_training
 from tests.test_delta_net import _delta_net, _kimi
+from tests.test_state_space import _case
 
 pytest.importorskip("transformers")
 
-CASES = [_delta_net("qwen3_next", 2, 4), _delta_net("qwen3_5_text", 2, 4), _kimi(4)]
+CASES = [_delta_net("qwen3_next", 2, 4),  # interleaved projections
+         _kimi(4),
+         _case("nemotron_h", 8, 2, chunk_size=4),  # Mamba-2 in 2 groups beside attention, chunks of 4
+         Case("jamba", {}, "mamba_selective_scan", 0, 1, 128)]  # Mamba-1 beside attention and experts
+BY_TURNS = {"2x1": [_case("bamba", 8, 1), _case("mamba2", 8, 8, chunk_size=4), Case("mamba", {}, "mamba_selective_scan", 0, 1, 96),
+                    Case("lfm2", {}, "causal_conv1d_fn", 0, 1, 64)],  # short convolutions: the halo alone
+            "4x1": [_case("falcon_h1", 8, 2), Case("falcon_mamba", {}, "mamba_selective_scan", 0, 1, 96),
+                    Case("zamba", {}, "causal_conv1d_fn", 0, 1, 128)],  # (Zamba's Mamba-1 in independent heads)
+            "2x2": [_delta_net("qwen3_5_text", 2, 4),  # segmented projections, split over the tensor axis
+                    _case("granitemoehybrid", 8, 2), _case("zamba2", 8, 2, chunk_size=4)]}
 
 
 def _passing(tensor: int) -> None:
     """Each case under the ring or Ulysses (by turns: the other at the other world size), on whole and packed rows:
-    trained as one device; each call of the delta rule reads this rank's heads (split over the tensor axis) and its
-    own tokens, never the whole sequence."""
+    trained as one device; each call of the recurrence (or convolution) reads this rank's heads or channels (split
+    over the tensor axis) and its own tokens, never the whole sequence."""
     world = dist.get_world_size()
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(CASES + BY_TURNS[f"{world // tensor}x{tensor}"]):
         for kind in [("ring", "ulysses")[(i + world // 2 + tensor) % 2]]:
             ref = case.model()
             model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
@@ -43,8 +56,9 @@ def _passing(tensor: int) -> None:
                 shapes = scan_shapes(ref, case)  # (the modeling module's function: the model's calls alone here)
                 with torch.no_grad():
                     model(ids, **kwargs, use_cache=False)
-                assert shapes and {(s[1], s[case.dim]) for s in shapes} == {(SEQ * tensor // world,
-                                                                            case.heads // tensor)}, (what, shapes)
+                tokens = 1 if case.dim > 1 else -1  # ([batch, tokens, heads, ...] or [batch, channels, tokens])
+                assert shapes and {(s[tokens], s[case.dim]) for s in shapes} == {(SEQ * tensor // world,
+                                                                                 case.heads // tensor)}, (what, shapes)
                 _same_training(model, ref, ids, kwargs, f"{what}, {batch}")
             mixers = [p for n, p in model.named_parameters() if _in_mixer(ref, n)]
             held = sum(p.to_local().numel() for p in mixers) / sum(p.numel() for p in mixers)
@@ -63,14 +77,14 @@ def test_delta_nets_pass_their_state_on_a_context_by_tensor_grid():
 def _refused() -> None:
     from tests.test_context_mixers import CASES as MIXERS
 
-    qwen, mamba = CASES[0].model(), next(c for c in MIXERS if c.kind == "mamba2").model()
+    qwen, rglru = CASES[0].model(), next(c for c in MIXERS if c.kind == "recurrent_gemma").model()
     with pytest.raises(ValueError, match="under context_parallel"):
         tpf.hf_plan(qwen, mixers="state_passing")
     with pytest.raises(ValueError, match="use 'head_parallel' or 'state_passing'"):
         tpf.hf_plan(qwen, context_parallel="ring", mixers="states")
     with pytest.raises(ValueError, match="other mixers run head parallel: use mixers='head_parallel'"):
-        tpf.parallelize(mamba, placement=_placement(1),
-                        plan=tpf.hf_plan(mamba, context_parallel="ring", mixers="state_passing"))
+        tpf.parallelize(rglru, placement=_placement(1),
+                        plan=tpf.hf_plan(rglru, context_parallel="ring", mixers="state_passing"))
     ids = torch.randint(0, 64, (2, SEQ))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding (labels -100 there and at the first real token, scored at the last padded one)
