@@ -13,6 +13,7 @@ layout each (BY_TURNS)."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ CASES = [_delta_net("qwen3_next", 2, 4),  # interleaved projections
          _kimi(4),
          _case("nemotron_h", 8, 2, chunk_size=4),  # Mamba-2 in 2 groups beside attention, chunks of 4
          Case("jamba", {}, "mamba_selective_scan", 0, 1, 128)]  # Mamba-1 beside attention and experts
-BY_TURNS = {"2x1": [_case("bamba", 8, 1), _case("mamba2", 8, 8, chunk_size=4), Case("mamba", {}, "mamba_selective_scan", 0, 1, 96),
+BY_TURNS = {"2x1": [_case("bamba", 8, 1), _case("mamba2", 8, 8, chunk_size=4),
+                    Case("mamba", {}, "mamba_selective_scan", 0, 1, 96),
                     Case("lfm2", {}, "causal_conv1d_fn", 0, 1, 64)],  # short convolutions: the halo alone
             "4x1": [_case("falcon_h1", 8, 2), Case("falcon_mamba", {}, "mamba_selective_scan", 0, 1, 96),
                     Case("zamba", {}, "causal_conv1d_fn", 0, 1, 128)],  # (Zamba's Mamba-1 in independent heads)
@@ -74,13 +76,66 @@ def test_delta_nets_pass_their_state_on_a_context_by_tensor_grid():
     harness.run(4, _passing, 2, timeout=900)
 
 
+def _rule_calls(model: torch.nn.Module, given: list[tuple] | None = None, part: slice = slice(None)) -> list[tuple]:
+    """Record each call of the delta rule of ``model``'s modeling module: its query, key, value, g, beta and output (a
+    list, filled as they come); with ``given`` (another run's record), each call's inputs replaced by those of the
+    same call there, cut to ``part`` of the tokens. The recorder stays until the module is recorded again."""
+    module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    rule = getattr(module.torch_chunk_gated_delta_rule, "__wrapped_rule__", None) or module.torch_chunk_gated_delta_rule
+    calls: list[tuple] = []
+
+    def recorded(query, key, value, g, beta, **kwargs):
+        if given is not None:
+            query, key, value, g, beta = (t[:, part] for t in given[len(calls)][:5])
+        out = rule(query, key, value, g=g, beta=beta, **kwargs)
+        calls.append((query, key, value, g, beta, out[0]))
+        return out
+
+    recorded.__wrapped_rule__ = rule
+    module.torch_chunk_gated_delta_rule = recorded
+    return calls
+
+
+def _serial() -> None:
+    """``mixers="state_passing_serial"``: the state handed from rank to rank in sequence order. Each recurrence of
+    CASES trained as one device (one cut each), and, given one device's inputs on a sequence whose Ulysses parts start on
+    the delta rule's chunks of 64 tokens, the delta rule's outputs bitwise one device's (at 4 ranks, where combining
+    the summaries in parallel is off by their rounding)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    for i, case in enumerate(c for c in CASES if c.kind != "kimi_linear"):  # (KDA: the delta rule's path)
+        kind = ("ring", "ulysses")[(i + world // 2) % 2]
+        ref = case.model()
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                plan=tpf.hf_plan(ref, context_parallel=kind, mixers="state_passing_serial"))
+        for batch, kwargs in _batches(ids):
+            _same_training(model, ref, ids, kwargs, f"{case.kind} {kind} serial, {world} ranks, {batch}")
+    ref = CASES[0].model()
+    model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                            plan=tpf.hf_plan(ref, context_parallel="ulysses", mixers="state_passing_serial"))
+    long = torch.randint(0, 64, (1, 64 * world), generator=torch.Generator().manual_seed(4))
+    part = slice(64 * rank, 64 * (rank + 1))
+    with torch.no_grad():
+        whole = _rule_calls(ref)
+        ref(long, use_cache=False)
+        split = _rule_calls(ref, whole, part)
+        model(long, use_cache=False)
+    assert len(split) == len(whole) > 0
+    for got, want in zip(split, whole):
+        assert torch.equal(got[-1], want[-1][:, part]), (rank, (got[-1] - want[-1][:, part]).abs().max())
+
+
+def test_serial_state_passing_is_one_device_bitwise_on_chunk_boundaries():
+    harness.run(4, _serial, timeout=900)
+
+
 def _refused() -> None:
     from tests.test_context_mixers import CASES as MIXERS
 
     qwen, rglru = CASES[0].model(), next(c for c in MIXERS if c.kind == "recurrent_gemma").model()
     with pytest.raises(ValueError, match="under context_parallel"):
         tpf.hf_plan(qwen, mixers="state_passing")
-    with pytest.raises(ValueError, match="use 'head_parallel' or 'state_passing'"):
+    with pytest.raises(ValueError, match="use 'head_parallel', 'state_passing', 'state_passing_serial'"):
         tpf.hf_plan(qwen, context_parallel="ring", mixers="states")
     with pytest.raises(ValueError, match="other mixers run head parallel: use mixers='head_parallel'"):
         tpf.parallelize(rglru, placement=_placement(1),

@@ -63,6 +63,8 @@ from tpflow.plans.vocab import VocabParallel
 
 __all__ = ["hf_plan"]
 
+_MIXERS = ("head_parallel", "state_passing", "state_passing_serial")  # hf_plan's modes for mixers under context
+
 
 # Base-model plans for models whose own leaves their layers whole: gpt-oss ships none (its attention sinks, one per
 # head, are split with the heads by parallelize)
@@ -306,9 +308,11 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             (``generate`` needs a plan without it); not with ``sequence_parallel``.
         mixers: under ``context_parallel``, how token mixers other than attention (state spaces, linear attention)
             run: ``"head_parallel"`` (the default; every mixer tpflow splits by heads): the sequence gathered around
-            each, its heads split over every rank; ``"state_passing"`` (gated DeltaNets, KDA): each rank runs the mixer
-            on its own tokens, its heads split over the tensor axis alone, the state the tokens before them leave
-            handed over (``tpflow.hf.state_passing``).
+            each, its heads split over every rank; ``"state_passing"`` (gated DeltaNets, KDA, Mamba-2, Mamba-1, short
+            convolutions): each rank runs the mixer on its own tokens, its heads split over the tensor axis alone,
+            the state the tokens before them leave handed over (``tpflow.hf.state_passing``);
+            ``"state_passing_serial"``: the same, the state handed from rank to rank in sequence order (one
+            device's arithmetic, each rank waiting for those before it).
 
     Returns:
         Module-name patterns mapped to entries (``tpf.ColumnParallel``, ``tpf.RowParallel``, ...), which
@@ -330,8 +334,8 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             inner, sequence_parallel=sequence_parallel, fuse=fuse, vocab_parallel=vocab_parallel,
             expert_parallel=expert_parallel, context_parallel=context_parallel, mixers=mixers).items()}
     own = _model_plan(model)
-    if mixers not in ("head_parallel", "state_passing") or (mixers != "head_parallel" and context_parallel is None):
-        raise ValueError(f"mixers={mixers!r}: use 'head_parallel' or 'state_passing', under context_parallel")
+    if mixers not in _MIXERS or (mixers != "head_parallel" and context_parallel is None):
+        raise ValueError(f"mixers={mixers!r}: use {', '.join(map(repr, _MIXERS))}, under context_parallel")
     if context_parallel is not None and sequence_parallel:
         raise ValueError("context_parallel splits the sequence through every layer already: drop sequence_parallel")
     context = None if context_parallel is None else ContextParallel(context_parallel)  # the kind checked first
@@ -370,10 +374,11 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
         if isinstance(entry, ColumnParallel):
             entry = dataclasses.replace(entry, fuse=fuse and not entry.gather_output)
         if isinstance(entry, MixerStyle):  # a token mixer split by heads: every token gathered on entry, or with
-            passing = context is not None and mixers == "state_passing"  # state passing this rank's tokens alone
+            passing = context is not None and mixers != "head_parallel"  # state passing this rank's tokens alone
             entry = dataclasses.replace(entry, sequence_parallel=sequence_parallel,
                                         context=context is not None and not passing)
-            entry = entry if context is None else Stacked((entry, StatePassing(), context) if passing else
+            passed = StatePassing(serial=mixers == "state_passing_serial")
+            entry = entry if context is None else Stacked((entry, passed, context) if passing else
                                                           (entry, context))  # (head parallel: over every rank)
         parent = pattern.rpartition(".")[0]
         if any(parent == block or parent.startswith(block + ".") for block in blocks):

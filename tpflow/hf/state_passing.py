@@ -39,25 +39,22 @@ import sys
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tpflow import comm
-from tpflow.hf.context_attention import Batch, context_group
+from tpflow.hf.context_attention import Batch
 from tpflow.hf.delta_net import delta_net_counts, kimi_delta_counts
+from tpflow.hf.fragments import CONV, RUNNING, Fragments, Halo, Passing, wrap_functions
 from tpflow.hf.head_scans import head_scan_counts
-from tpflow.hf.mixer_split import PADDED
 from tpflow.hf.selective_scan import selective_scan_counts
 from tpflow.hf.short_conv import short_conv_channels
 from tpflow.hf.state_space import state_space_counts
-from tpflow.placement import Placement
 from tpflow.plans.style import Plan, Style
 
 __all__ = ["StatePassing"]
 
-_CONV, _FUSED = "causal_conv1d_fn", "mamba2_split_conv1d_scan_combined"
+_FUSED = "mamba2_split_conv1d_scan_combined"
 _DELTA_RULES, _CHUNK_SCAN, _SELECTIVE_SCAN = (("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
                                               "mamba2_chunk_scan", "mamba_selective_scan")
 # each mixer state passing runs (found by what it is, as the tensor-parallel styles find it) and the recurrences its
@@ -65,87 +62,9 @@ _DELTA_RULES, _CHUNK_SCAN, _SELECTIVE_SCAN = (("torch_chunk_gated_delta_rule", "
 _KINDS: list[tuple[Callable[[nn.Module], object], tuple[str, ...]]] = [
     (delta_net_counts, _DELTA_RULES), (kimi_delta_counts, _DELTA_RULES), (state_space_counts, (_CHUNK_SCAN,)),
     (selective_scan_counts, (_SELECTIVE_SCAN,)), (head_scan_counts, (_SELECTIVE_SCAN,)), (short_conv_channels, ())]
-_RUNNING: list[_Fragments] = []  # the state-passing mixers running now (the innermost last)
-_WRAPPED: set[str] = set()  # the modeling modules whose functions are wrapped (once: others may wrap them after)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Fragments:
-    """This rank's fragments of the sequence and every rank's, as the gathers lay them out."""
-
-    local: tuple[tuple[int, int, int], ...]  # (offset among this rank's tokens, start in the sequence, length)
-    order: tuple[tuple[int, int], ...]  # every fragment in sequence order: (its rank, its index there)
-    runs: tuple[tuple[int, int, int], ...]  # every fragment in sequence order: (start, end, its slot in a gather)
-    slots: int  # fragments per rank in a gather (the most any rank holds)
-    rank: int
-    group: dist.ProcessGroup | None
-
-    def halo(self, start: int, k: int) -> list[int]:
-        """Where the ``k`` tokens before ``start`` (those there are) sit among the fragments' gathered tails of
-        ``k`` tokens each (a fragment's tail holds every token of it a later fragment's halo can need)."""
-        at = []
-        for p in range(max(start - k, 0), start):
-            _, end, slot = next(run for run in self.runs if run[0] <= p < run[1])
-            at.append(slot * k + k - (end - p))
-        return at
-
-    def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's ``pieces`` (one per fragment) stacked, padded to ``slots`` and gathered over the context
-        ranks: ``[ranks * slots, ...]``, rank after rank (the backward reduce-scatters the gradient)."""
-        stacked = torch.stack(pieces + [torch.zeros_like(pieces[0])] * (self.slots - len(pieces)))
-        world = 1 if self.group is None else dist.get_world_size(self.group)
-        return comm.gather_shared(stacked, 0, self.slots * world, self.group)
-
-
-@functools.lru_cache(maxsize=8)
-def _fragments(segments: tuple, rank: int, group: dist.ProcessGroup | None) -> _Fragments:
-    runs = [_coalesced(parts) for parts in segments]
-    slots = max(len(r) for r in runs)
-    order = sorted((start, n, r, i) for r, parts in enumerate(runs) for i, (start, n) in enumerate(parts))
-    local, at = [], 0
-    for start, n in runs[rank]:
-        local.append((at, start, n))
-        at += n
-    return _Fragments(tuple(local), tuple((r, i) for _, _, r, i in order),
-                      tuple((start, start + n, r * slots + i) for start, n, r, i in order), slots, rank, group)
-
-
-def _coalesced(parts) -> list[tuple[int, int]]:
-    """Segments laid end to end, runs that continue each other in the sequence merged."""
-    runs: list[tuple[int, int]] = []
-    for start, n in parts:
-        if runs and runs[-1][0] + runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((start, n))
-    return runs
-
-
-class _Halo:
-    """The modeling module's short convolution, each fragment with the ``k - 1`` tokens before it."""
-
-    def __init__(self, original) -> None:
-        self.original = original
-
-    def __call__(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 activation: str | None = None, **kwargs) -> torch.Tensor:
-        if not _RUNNING:
-            return self.original(hidden_states, weight, bias, activation, **kwargs)
-        frags, k, x = _RUNNING[-1], weight.shape[-1] - 1, hidden_states  # x: [batch, channels, tokens]
-        if not k:
-            return self.original(x, weight, bias, activation, **kwargs)
-        tails = frags.gather([F.pad(x[:, :, max(at, at + n - k):at + n], (max(k - n, 0), 0))
-                              for at, _, n in frags.local])  # [ranks * slots, batch, channels, k]
-        tails = tails.permute(1, 2, 0, 3).flatten(2)  # [batch, channels, ranks * slots * k]
-        out = []
-        for at, start, n in frags.local:
-            halo = tails[:, :, frags.halo(start, k)]  # (none at the sequence's start: the graph reaches the gather)
-            piece = torch.cat((halo, x[:, :, at:at + n]), 2)
-            out.append(self.original(piece, weight, bias, activation, **kwargs)[:, :, -n:])
-        return torch.cat(out, 2)
-
-
-def _handed_over(frags: _Fragments, summaries: list[torch.Tensor], start: torch.Tensor,
+def _handed_over(frags: Fragments, summaries: list[torch.Tensor], start: torch.Tensor,
                  step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
     """The state each of this rank's fragments starts from: every fragment's summary gathered over the context ranks
     and combined from ``start`` in sequence order by ``step(summary, state)``, alike on every rank."""
@@ -160,9 +79,38 @@ def _handed_over(frags: _Fragments, summaries: list[torch.Tensor], start: torch.
     return [incoming[i] for i in range(len(frags.local))]
 
 
-def _summary(run: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """A fragment's summary run, its activations recomputed in the backward rather than kept."""
-    return checkpoint(run, use_reentrant=False) if torch.is_grad_enabled() else run()
+Run = Callable[[int, int, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _passed(frags: Fragments, summary: Callable[[int, int], torch.Tensor], run: Run, start: torch.Tensor,
+            step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dim: int, inputs: tuple[torch.Tensor, ...],
+            recompute: bool = True) -> torch.Tensor:
+    """This rank's outputs of a recurrence, its fragments concatenated along ``dim``: ``run(at, n, state, final)``
+    runs the fragment of ``n`` tokens at ``at`` from ``state`` (its outputs, and its final state when ``final``);
+    ``summary(at, n)`` is its ``[F | M]``, which ``step`` applies to a state; ``inputs``, the recurrence's.
+
+    In parallel, each fragment's summary (with ``recompute``, its activations recomputed in the backward rather
+    than kept) gathered and combined, then each fragment run from its incoming state. Serially, the fragments run in
+    sequence order, each from the state the one before it leaves, handed from its rank to every rank (the state one
+    device has there: bitwise its outputs where the fragments start on the recurrence's chunk boundaries)."""
+    if not frags.serial:
+        recompute = recompute and torch.is_grad_enabled()
+        summaries = [checkpoint(summary, at, n, use_reentrant=False) if recompute else summary(at, n)
+                     for at, _, n in frags.local]
+        return torch.cat([run(at, n, state, False)[0] for (at, _, n), state in
+                          zip(frags.local, _handed_over(frags, summaries, start, step))], dim)
+    out, state, last = {}, start, frags.order[-1]
+    # (every rank's piece of each hand-over reads the inputs and the state before: on every rank alike, the backward
+    # runs every hand-over's gather, in sequence order reversed, before the gathers that made the inputs)
+    tie = sum(0 * t.sum() for t in inputs if t.requires_grad)
+    for r, i in frags.order:
+        if r == frags.rank:
+            at, _, n = frags.local[i]
+            out[i], final = run(at, n, state, (r, i) != last)
+        if (r, i) != last:
+            mine = final.float() if r == frags.rank else torch.zeros_like(state)
+            state = frags.handed(mine + 0 * state + tie, r)
+    return torch.cat([out[i] for i in range(len(frags.local))], dim) + 0 * state.sum()
 
 
 class _Rule:
@@ -173,7 +121,7 @@ class _Rule:
         functools.update_wrapper(self, original)
 
     def __call__(self, *args, **kwargs):
-        return self.passed(_RUNNING[-1], *args, **kwargs) if _RUNNING else self.original(*args, **kwargs)
+        return self.passed(RUNNING[-1], *args, **kwargs) if RUNNING else self.original(*args, **kwargs)
 
 
 def _refuse_state(name: str, *given) -> None:
@@ -183,10 +131,10 @@ def _refuse_state(name: str, *given) -> None:
 
 
 class _DeltaRule(_Rule):
-    """A chunked delta rule (gated DeltaNet, KDA): each fragment summarized from ``[0 | I]``, then run again from
-    its incoming state."""
+    """A chunked delta rule (gated DeltaNet, KDA): a fragment's summary, its final state from ``[0 | I]`` with ``k``
+    zero columns beside its values."""
 
-    def passed(self, frags: _Fragments, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args,
+    def passed(self, frags: Fragments, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args,
                initial_state: torch.Tensor | None = None, output_final_state: bool = False, **kwargs):
         if args or not {"g", "beta"} <= set(kwargs):
             raise ValueError("state passing reads the delta rule's g and beta by keyword, as transformers passes "
@@ -194,26 +142,27 @@ class _DeltaRule(_Rule):
         _refuse_state("the delta rule", initial_state, output_final_state, kwargs.get("cu_seqlens"))
         g, beta = kwargs.pop("g"), kwargs.pop("beta")
         batch, heads, (dk, dv) = value.shape[0], value.shape[2], (key.shape[-1], value.shape[-1])
-
-        def run(at: int, n: int, v: torch.Tensor, state: torch.Tensor, final: bool):
-            cut = slice(at, at + n)
-            return self.original(query[:, cut], key[:, cut], v, g=g[:, cut], beta=beta[:, cut], initial_state=state,
-                                 output_final_state=final, **kwargs)
-
         start = torch.cat((value.new_zeros(batch, heads, dk, dv, dtype=torch.float32),
                            torch.eye(dk, device=value.device).expand(batch, heads, dk, dk)), -1)
-        summaries = [_summary(lambda at=at, n=n: run(at, n, torch.cat((value[:, at:at + n], value.new_zeros(
-            batch, n, heads, dk)), -1), start, True)[1].float()) for at, _, n in frags.local]
-        incoming = _handed_over(frags, summaries, start[..., :dv], lambda s, state: s[..., dv:] @ state + s[..., :dv])
-        return torch.cat([run(at, n, value[:, at:at + n], state, False)[0]
-                          for (at, _, n), state in zip(frags.local, incoming)], 1), None
+
+        def run(at: int, n: int, state: torch.Tensor, final: bool, v: torch.Tensor | None = None):
+            cut = slice(at, at + n)
+            return self.original(query[:, cut], key[:, cut], value[:, cut] if v is None else v, g=g[:, cut],
+                                 beta=beta[:, cut], initial_state=state, output_final_state=final, **kwargs)
+
+        def summary(at: int, n: int) -> torch.Tensor:
+            v = torch.cat((value[:, at:at + n], value.new_zeros(batch, n, heads, dk)), -1)
+            return run(at, n, start, True, v)[1].float()
+
+        return _passed(frags, summary, run, start[..., :dv], lambda s, state: s[..., dv:] @ state + s[..., :dv],
+                       1, (query, key, value, g, beta)), None
 
 
 class _ChunkScan(_Rule):
-    """Mamba-2's chunked scan: each fragment summarized from ``[0 | 1]`` (the head's decay in one more row), then run
-    again from its incoming state."""
+    """Mamba-2's chunked scan: a fragment's summary, its final state from ``[0 | 1]`` (the head's decay in one more
+    head-dim row, beside a zero input)."""
 
-    def passed(self, frags: _Fragments, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+    def passed(self, frags: Fragments, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, *args, initial_states: torch.Tensor | None = None, return_final_states: bool = False,
                z: torch.Tensor | None = None, **kwargs):
         if args:
@@ -223,27 +172,28 @@ class _ChunkScan(_Rule):
         _refuse_state("the chunked scan", initial_states, return_final_states, kwargs.get("cu_seqlens"),
                       kwargs.get("seq_idx"))
         batch, heads, dim, size = x.shape[0], x.shape[2], x.shape[3], B.shape[-1]
-
-        def run(at: int, n: int, xs: torch.Tensor, state: torch.Tensor, gate: torch.Tensor | None, final: bool):
-            cut = slice(at, at + n)
-            return self.original(xs, dt[:, cut], A, B[:, cut], C[:, cut], **kwargs, z=gate, initial_states=state,
-                                 return_final_states=final)
-
         start = x.new_zeros(batch, heads, dim + 1, size, dtype=torch.float32)
         start[:, :, dim] = 1
-        summaries = [_summary(lambda at=at, n=n: run(at, n, torch.cat((x[:, at:at + n], x.new_zeros(
-            batch, n, heads, 1)), -1), start, None, True)[1].float()) for at, _, n in frags.local]
-        incoming = _handed_over(frags, summaries, start[:, :, :dim], lambda s, state: s[:, :, dim:] * state +
-                                s[:, :, :dim])
-        return torch.cat([run(at, n, x[:, at:at + n], state, None if z is None else z[:, at:at + n], False)
-                          for (at, _, n), state in zip(frags.local, incoming)], 1)
+
+        def run(at: int, n: int, state: torch.Tensor, final: bool, xs: torch.Tensor | None = None):
+            cut = slice(at, at + n)
+            out = self.original(x[:, cut] if xs is None else xs, dt[:, cut], A, B[:, cut], C[:, cut], **kwargs,
+                                z=None if z is None or xs is not None else z[:, cut], initial_states=state,
+                                return_final_states=final)
+            return out if final else (out, None)
+
+        def summary(at: int, n: int) -> torch.Tensor:
+            return run(at, n, start, True, torch.cat((x[:, at:at + n], x.new_zeros(batch, n, heads, 1)), -1))[1].float()
+
+        return _passed(frags, summary, run, start[:, :, :dim], lambda s, state: s[:, :, dim:] * state + s[:, :, :dim],
+                       1, (x, dt, B, C))
 
 
 class _SelectiveScan(_Rule):
-    """Mamba-1's selective scan (no initial state): each fragment run from zero, the incoming state's part of its
-    outputs added before the gate."""
+    """Mamba-1's selective scan (no initial state): a fragment run from zero, the incoming state's part of its
+    outputs, ``C_t . (exp(A * cumsum(dt)_t) S_0)``, added before the gate; its summary ``[F | exp(A * sum(dt))]``."""
 
-    def passed(self, frags: _Fragments, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+    def passed(self, frags: Fragments, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
                delta_bias: torch.Tensor | None = None, delta_softplus: bool = False, return_last_state: bool = False,
                **kwargs):
@@ -251,22 +201,30 @@ class _SelectiveScan(_Rule):
         wide, size = torch.promote_types(x.dtype, torch.float32), A.shape[-1]  # x, dt: [batch, channels, tokens]
         step = dt if delta_bias is None else dt + delta_bias.to(dt.dtype)[..., None]
         step = F.softplus(step) if delta_softplus else step
-        outputs, decays, summaries = [], [], []
-        for at, _, n in frags.local:
+
+        @functools.cache
+        def from_zero(at: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """The fragment's outputs from zero (ungated), final state and decays ``[batch, channels, tokens,
+            state]``."""
             cut = slice(at, at + n)
             y, last = self.original(x[..., cut], dt[..., cut], A, B[..., cut], C[..., cut], D=D, z=None,
                                     delta_bias=delta_bias, delta_softplus=delta_softplus, return_last_state=True,
                                     **kwargs)
             decay = torch.exp(A.to(wide)[None, :, None] * step[..., cut].to(wide).cumsum(-1)[..., None])
-            outputs.append(y), decays.append(decay)  # decay: [batch, channels, tokens, state]
-            summaries.append(torch.cat((last.to(wide), decay[:, :, -1]), -1))
-        incoming = _handed_over(frags, summaries, summaries[0].new_zeros(summaries[0].shape[:-1] + (size,)),
-                                lambda s, state: s[..., size:] * state + s[..., :size])
-        out = []
-        for (at, _, n), y, decay, state in zip(frags.local, outputs, decays, incoming):
+            return y, last.to(wide), decay
+
+        def run(at: int, n: int, state: torch.Tensor, final: bool):
+            y, last, decay = from_zero(at, n)
             y = y + torch.einsum("bctn,bcn,bnt->bct", decay, state, C[..., at:at + n].to(wide)).to(y.dtype)
-            out.append(y if z is None else y * F.silu(z[..., at:at + n]))
-        return torch.cat(out, -1)
+            return y if z is None else y * F.silu(z[..., at:at + n]), decay[:, :, -1] * state + last
+
+        def summary(at: int, n: int) -> torch.Tensor:
+            _, last, decay = from_zero(at, n)
+            return torch.cat((last, decay[:, :, -1]), -1)
+
+        start = x.new_zeros(x.shape[0], x.shape[1], size, dtype=wide)
+        return _passed(frags, summary, run, start, lambda s, state: s[..., size:] * state + s[..., :size], -1,
+                       (x, dt, B, C), recompute=False)  # (the summary is the run's own: nothing to recompute)
 
 
 class _Unfused:
@@ -277,10 +235,10 @@ class _Unfused:
         functools.update_wrapper(self, original)
 
     def __call__(self, *args, **kwargs):
-        return None if _RUNNING else self.original(*args, **kwargs)
+        return None if RUNNING else self.original(*args, **kwargs)
 
 
-_WRAPPERS = {_CONV: _Halo, _FUSED: _Unfused, _CHUNK_SCAN: _ChunkScan, _SELECTIVE_SCAN: _SelectiveScan,
+_WRAPPERS = {CONV: Halo, _FUSED: _Unfused, _CHUNK_SCAN: _ChunkScan, _SELECTIVE_SCAN: _SelectiveScan,
              **dict.fromkeys(_DELTA_RULES, _DeltaRule)}
 
 
@@ -289,7 +247,12 @@ class StatePassing(Style):
     """Plan style for a linear attention or state-space mixer under context parallelism, each rank running it on its
     own tokens with the state the tokens before them leave (see the module docstring); ``tpf.hf_plan(model,
     context_parallel=..., mixers="state_passing")`` stacks it on each mixer's tensor-parallel entry, beside
-    ``ContextParallel``.
+    ``ContextParallel`` (``mixers="state_passing_serial"``: ``serial=True``).
+
+    Args:
+        serial: hand the state from fragment to fragment in sequence order, each rank waiting for the ranks before
+            it (one device's arithmetic: bitwise its recurrence's outputs where the fragments start on the
+            recurrence's chunk boundaries), rather than combine every fragment's summary at once.
 
     Example::
 
@@ -301,44 +264,20 @@ class StatePassing(Style):
         ...     "full_attention"]))
         >>> plan = tpf.hf_plan(model, context_parallel="ring", mixers="state_passing")
         >>> plan["model.layers.*.linear_attn"].entries[1]
-        StatePassing()
+        StatePassing(serial=False)
     """
+
+    serial: bool = False
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         found = sys.modules[type(module).__module__]
         rules = next((rules for counts, rules in _KINDS if counts(module) is not None), None)
-        if rules is None or not hasattr(found, _CONV) or (rules and not any(hasattr(found, r) for r in rules)):
+        if rules is None or not hasattr(found, CONV) or (rules and not any(hasattr(found, r) for r in rules)):
             raise ValueError(f"{name!r} ({type(module).__name__}): state passing runs gated DeltaNets, Kimi delta "
-                             f"attention, Mamba-2, Mamba-1 and short convolutions whose modeling module calls {_CONV} "
+                             f"attention, Mamba-2, Mamba-1 and short convolutions whose modeling module calls {CONV} "
                              f"and, but for the convolutions, {', '.join(_DELTA_RULES)}, {_CHUNK_SCAN} or "
                              f"{_SELECTIVE_SCAN}; other mixers run head parallel: use mixers='head_parallel'")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        found = sys.modules[type(module).__module__]
-        if found.__name__ not in _WRAPPED:
-            _WRAPPED.add(found.__name__)
-            for function, wrapper in _WRAPPERS.items():
-                if hasattr(found, function):
-                    setattr(found, function, wrapper(getattr(found, function)))
-        _Passing(module, plan.placement, plan.shared("context batch", Batch))
-
-
-class _Passing:
-    """A mixer's hooks: its fragments of this call's sequence on the stack while it runs."""
-
-    def __init__(self, mixer: nn.Module, placement: Placement, batch: Batch) -> None:
-        self.batch, self.group = batch, context_group(placement)
-        self.rank = placement.coordinate()[0] if placement.coordinate() is not None else 0
-        mixer.register_forward_pre_hook(self.enter, with_kwargs=True)
-        mixer.register_forward_hook(self.leave, always_call=True)
-
-    def enter(self, mixer: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.batch.padded_before_tokens:
-            raise ValueError(PADDED.format(type(mixer).__name__))
-        if kwargs.get("cache_params") is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError(f"{type(mixer).__name__}: state passing runs without a cache (training and scoring)")
-        _RUNNING.append(_fragments(self.batch.segments, self.rank, self.group))
-
-    def leave(self, mixer: nn.Module, args: tuple, output: object) -> None:
-        if _RUNNING:
-            _RUNNING.pop()
+        wrap_functions(module, _WRAPPERS)
+        Passing(module, plan.placement, plan.shared("context batch", Batch), self.serial)

@@ -57,6 +57,8 @@ real ratios of head dims, experts per token and key/value heads: [models-ratios.
   above 1/W + 0.1, with a note naming the largest parts every rank holds whole and why (the plan's
   `Replicated(why=...)` entry, else the module's class);
 - **context (ring)**: `tpf.hf_plan(model, context_parallel="ring")` on a 1-D placement (the weights whole);
+- **context, state passing**: the same with `mixers="state_passing"`: linear attention and state spaces on each
+  rank's own tokens, their state handed over (n/a: no mixer passes its state);
 - **expert**: `tpf.hf_plan(model, expert_parallel=True)`: a mixture's experts shared out whole (n/a: no experts);
 - **transformers' tensor**: transformers' own tensor parallelism, the model saved and loaded by
   `from_pretrained(folder, tp_plan="auto")` (n/a: it ships no plan), checked alike: what tpflow's is compared with.

@@ -2,7 +2,9 @@
 matrix row holds.
 
 A mode is ``"tp"`` (``plan="auto"``: the model's own tensor-parallel plan, or tpflow's), ``"cp"`` (``hf_plan(
-context_parallel="ring")``: the sequence split over the ranks, the weights whole), ``"ep"`` (``hf_plan(
+context_parallel="ring")``: the sequence split over the ranks, the weights whole), ``"sp"`` (the same with
+``mixers="state_passing"``: linear attention and state spaces on each rank's own tokens, ``n/a`` for a model with
+none), ``"ep"`` (``hf_plan(
 expert_parallel=True)``: a mixture's experts shared out over the ranks whole, ``n/a`` for a dense model) or ``"hf"``
 (transformers' own tensor parallelism, ``from_pretrained(tp_plan="auto")``, ``n/a`` where it ships no plan: what
 tpflow's is compared with). The model and
@@ -31,7 +33,8 @@ from tpflow.placement import Placement
 
 __all__ = ["MODES", "Verdict", "check"]
 
-MODES = ("tp", "cp", "ep", "hf")
+MODES = ("tp", "cp", "sp", "ep", "hf")
+_CONTEXT = ("cp", "sp")  # the modes that split the sequence
 # relative to the largest value compared: logits to fp32's rounding (transformers' eager attention takes its softmax
 # in fp32 for fp64 models); gradients too, as the models' own loss takes logits.float(); parameters after AdamW,
 # whose normalized step magnifies a near-zero gradient's rounding, to a hundredth of a step
@@ -109,11 +112,11 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor):
 
 
 def _compare(mode: str, model: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor) -> None:
-    if mode != "cp" and not _split_somewhere(model):
+    if mode not in _CONTEXT and not _split_somewhere(model):
         raise _Wrong("no parameter is split: the model runs whole on every rank")
     out, grads = _train_step(model, ids)
     out_ref, grads_ref = _train_step(ref, ids)
-    if mode == "cp" and not (isinstance(out.logits, DTensor) and any(
+    if mode in _CONTEXT and not (isinstance(out.logits, DTensor) and any(
             pl.is_shard(1) for pl in out.logits.placements)):
         raise _Wrong("the logits are not split over the sequence: the model ran without context parallelism")
     _close("logits", out.logits, out_ref.logits, LOGITS_TOLERANCE)
@@ -126,7 +129,7 @@ def _compare(mode: str, model: torch.nn.Module, ref: torch.nn.Module, ids: torch
         _close(f"{name}'s gradient", g, grads_ref[name], noise=noise)
     for name, p in model.named_parameters():
         _close(f"{name} after AdamW", p.detach(), names[name].detach(), STEP_TOLERANCE)
-    if mode != "cp":
+    if mode not in _CONTEXT:
         model.eval()
         ref.eval()
         prompt = ids[:, :5]
@@ -171,7 +174,7 @@ def check(kind: str, mode: str, placement: Placement, ratios: bool = False) -> V
             return Verdict("failing", f"{'from_pretrained' if mode == 'hf' else 'parallelize'}: {type(e).__name__}: "
                                       f"{_first_line(e)}")
         if model is None:
-            return Verdict("n/a", "no experts")
+            return Verdict("n/a", "no experts" if mode == "ep" else "no mixer passes its state")
         held = _held(model, plan, placement) if mode == "tp" else {}
         try:
             _compare(mode, model, ref, ids)
@@ -195,13 +198,17 @@ def _held(model: torch.nn.Module, plan: dict, placement: Placement) -> dict[str,
 
 
 def _parallelized(ref: torch.nn.Module, mode: str, placement: Placement) -> tuple[torch.nn.Module | None, dict]:
-    """A copy of ``ref`` parallelized under ``mode`` by tpflow (None for expert parallelism without experts), and its
-    plan."""
+    """A copy of ``ref`` parallelized under ``mode`` by tpflow (None for expert parallelism without experts, state
+    passing without a mixer passing its state), and its plan."""
     import tpflow as tpf
+    from tpflow.hf.state_passing import StatePassing
 
     model = copy.deepcopy(ref)
-    plan = tpf.hf_plan(model, context_parallel="ring" if mode == "cp" else None, expert_parallel=mode == "ep")
-    if mode == "ep" and not any(isinstance(entry, tpf.ExpertParallel) for entry in plan.values()):
+    plan = tpf.hf_plan(model, context_parallel="ring" if mode in _CONTEXT else None, expert_parallel=mode == "ep",
+                       mixers="state_passing" if mode == "sp" else "head_parallel")
+    wanted = {"ep": tpf.ExpertParallel, "sp": StatePassing}.get(mode)
+    if wanted and not any(isinstance(s, wanted) for entry in plan.values() if isinstance(entry, tpf.Style)
+                          for s in entry.styles):
         return None, plan
     return tpf.parallelize(model, placement=placement, plan=plan), plan
 

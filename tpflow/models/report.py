@@ -12,7 +12,7 @@ __all__ = ["columns", "read_matrix", "read_verdicts", "render"]
 
 _SHORT = {"exact": "exact", "refused": "refused", "failing": "**failing**", "wrong": "**wrong**", "n/a": "n/a",
           "not built": "not built"}
-_NAMES = {"tp": "tensor", "held": "values held", "cp": "context (ring)", "ep": "expert",
+_NAMES = {"tp": "tensor", "held": "values held", "cp": "context (ring)", "sp": "context, state passing", "ep": "expert",
           "hf": "transformers' tensor"}
 
 
