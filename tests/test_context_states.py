@@ -98,9 +98,9 @@ def _rule_calls(model: torch.nn.Module, given: list[tuple] | None = None, part: 
 
 def _serial() -> None:
     """``mixers="state_passing_serial"``: the state handed from rank to rank in sequence order. Each recurrence of
-    CASES trained as one device (one cut each), and, given one device's inputs on a sequence whose Ulysses parts start on
-    the delta rule's chunks of 64 tokens, the delta rule's outputs bitwise one device's (at 4 ranks, where combining
-    the summaries in parallel is off by their rounding)."""
+    CASES trained as one device (one cut each), and, given one device's inputs on a sequence whose Ulysses parts
+    start on the delta rule's chunks of 64 tokens, the delta rule's outputs bitwise one device's (at 4 ranks, where
+    combining the summaries in parallel is off by their rounding)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
     for i, case in enumerate(c for c in CASES if c.kind != "kimi_linear"):  # (KDA: the delta rule's path)
