@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import functools
 import os
 import shutil
 import sys
@@ -69,6 +70,7 @@ def scan_shapes(ref: torch.nn.Module, case: Case) -> list[torch.Size]:
     if not hasattr(getattr(module, name), "seen"):
         original = getattr(module, name)
 
+        @functools.wraps(original)
         def recorded(*args, **kwargs):
             recorded.seen.append(args[case.arg].shape)
             return original(*args, **kwargs)

@@ -13,6 +13,7 @@ layout each (BY_TURNS)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 
 import pytest
@@ -68,20 +69,21 @@ def _passing(tensor: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_delta_nets_pass_their_state_and_match_one_device(world):
+def test_mixers_pass_their_state_and_match_one_device(world):
     harness.run(world, _passing, 1, timeout=900)
 
 
-def test_delta_nets_pass_their_state_on_a_context_by_tensor_grid():
+def test_mixers_pass_their_state_on_a_context_by_tensor_grid():
     harness.run(4, _passing, 2, timeout=900)
 
 
 def _rule_calls(model: torch.nn.Module, given: list[tuple] | None = None, part: slice = slice(None)) -> list[tuple]:
     """Record each call of the delta rule of ``model``'s modeling module: its query, key, value, g, beta and output (a
     list, filled as they come); with ``given`` (another run's record), each call's inputs replaced by those of the
-    same call there, cut to ``part`` of the tokens. The recorder stays until the module is recorded again."""
+    same call there, cut to ``part`` of the tokens. The recorder stays until the module is recorded again (or the
+    caller puts the function back)."""
     module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
-    rule = getattr(module.torch_chunk_gated_delta_rule, "__wrapped_rule__", None) or module.torch_chunk_gated_delta_rule
+    rule = getattr(module.torch_chunk_gated_delta_rule, "__wrapped_rule__", module.torch_chunk_gated_delta_rule)
     calls: list[tuple] = []
 
     def recorded(query, key, value, g, beta, **kwargs):
@@ -115,11 +117,16 @@ def _serial() -> None:
                             plan=tpf.hf_plan(ref, context_parallel="ulysses", mixers="state_passing_serial"))
     long = torch.randint(0, 64, (1, 64 * world), generator=torch.Generator().manual_seed(4))
     part = slice(64 * rank, 64 * (rank + 1))
+    module = sys.modules[type(ref.model.layers[0].linear_attn).__module__]
+    rule = module.torch_chunk_gated_delta_rule
     with torch.no_grad():
-        whole = _rule_calls(ref)
-        ref(long, use_cache=False)
-        split = _rule_calls(ref, whole, part)
-        model(long, use_cache=False)
+        try:
+            whole = _rule_calls(ref)
+            ref(long, use_cache=False)
+            split = _rule_calls(ref, whole, part)
+            model(long, use_cache=False)
+        finally:
+            module.torch_chunk_gated_delta_rule = rule
     assert len(split) == len(whole) > 0
     for got, want in zip(split, whole):
         assert torch.equal(got[-1], want[-1][:, part]), (rank, (got[-1] - want[-1][:, part]).abs().max())
@@ -151,6 +158,23 @@ def _refused() -> None:
                                 plan=tpf.hf_plan(model, context_parallel="ring", mixers=mode))
         with pytest.raises(ValueError, match="padding before a row.s tokens would reach their state"):
             model(ids, attention_mask=mask, labels=labels, use_cache=False)
+    # the delta rule replaced after parallelize (tpflow's wrapper lost): the mixer would run on this rank's tokens
+    # alone; parallelizing again wraps the new function
+    model = CASES[0].model()
+    model = tpf.parallelize(model, placement=_placement(1),
+                            plan=tpf.hf_plan(model, context_parallel="ring", mixers="state_passing"))
+    module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    wrapped = module.torch_chunk_gated_delta_rule
+    module.torch_chunk_gated_delta_rule = inspect.unwrap(wrapped)  # (transformers' own torch function)
+    try:
+        with pytest.raises(ValueError, match="ran without calling its modeling module.s torch_chunk_gated_delta_rule"):
+            model(ids, labels=ids, use_cache=False)
+        ref = CASES[0].model()
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                plan=tpf.hf_plan(ref, context_parallel="ring", mixers="state_passing"))
+        _same_training(model, ref, ids, {"labels": ids}, "wrapped again")
+    finally:
+        module.torch_chunk_gated_delta_rule = wrapped
 
 
 def test_what_state_passing_cannot_run_is_refused_by_name():

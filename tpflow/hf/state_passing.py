@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tpflow.hf.context_attention import Batch
 from tpflow.hf.delta_net import delta_net_counts, kimi_delta_counts
-from tpflow.hf.fragments import CONV, RUNNING, Fragments, Halo, Passing, wrap_functions
+from tpflow.hf.fragments import CONV, RUNNING, Fragments, Halo, Passing, running, wrap_functions
 from tpflow.hf.head_scans import head_scan_counts
 from tpflow.hf.selective_scan import selective_scan_counts
 from tpflow.hf.short_conv import short_conv_channels
@@ -55,6 +55,7 @@ from tpflow.plans.style import Plan, Style
 __all__ = ["StatePassing"]
 
 _FUSED = "mamba2_split_conv1d_scan_combined"
+RULE = "recurrence"  # what a mixer with one must call while it runs (``Passing``'s check): one of its kind's
 _DELTA_RULES, _CHUNK_SCAN, _SELECTIVE_SCAN = (("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
                                               "mamba2_chunk_scan", "mamba_selective_scan")
 # each mixer state passing runs (found by what it is, as the tensor-parallel styles find it) and the recurrences its
@@ -118,10 +119,14 @@ class _Rule:
 
     def __init__(self, original) -> None:
         self.original = original
-        functools.update_wrapper(self, original)
+        functools.update_wrapper(self, original, updated=())  # (not its attributes: a recorder's)
 
     def __call__(self, *args, **kwargs):
-        return self.passed(RUNNING[-1], *args, **kwargs) if RUNNING else self.original(*args, **kwargs)
+        now = running()
+        if now is None:
+            return self.original(*args, **kwargs)
+        with now.calling(RULE) as frags:
+            return self.passed(frags, *args, **kwargs)
 
 
 def _refuse_state(name: str, *given) -> None:
@@ -232,7 +237,7 @@ class _Unfused:
 
     def __init__(self, original) -> None:
         self.original = original
-        functools.update_wrapper(self, original)
+        functools.update_wrapper(self, original, updated=())  # (not its attributes: a recorder's)
 
     def __call__(self, *args, **kwargs):
         return None if RUNNING else self.original(*args, **kwargs)
@@ -271,7 +276,8 @@ class StatePassing(Style):
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         found = sys.modules[type(module).__module__]
-        rules = next((rules for counts, rules in _KINDS if counts(module) is not None), None)
+        rules = plan.shared(("state passing", name), lambda: next((rules for counts, rules in _KINDS
+                                                                  if counts(module) is not None), None))
         if rules is None or not hasattr(found, CONV) or (rules and not any(hasattr(found, r) for r in rules)):
             raise ValueError(f"{name!r} ({type(module).__name__}): state passing runs gated DeltaNets, Kimi delta "
                              f"attention, Mamba-2, Mamba-1 and short convolutions whose modeling module calls {CONV} "
@@ -279,5 +285,7 @@ class StatePassing(Style):
                              f"{_SELECTIVE_SCAN}; other mixers run head parallel: use mixers='head_parallel'")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
+        rules = plan.shared(("state passing", name), lambda: None)  # (check's: the split mixer counts otherwise)
         wrap_functions(module, _WRAPPERS)
-        Passing(module, plan.placement, plan.shared("context batch", Batch), self.serial)
+        Passing(module, plan.placement, plan.shared("context batch", Batch), self.serial, RULE if rules else CONV,
+                " or ".join(rules or (CONV,)))

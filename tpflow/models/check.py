@@ -42,6 +42,10 @@ LOGITS_TOLERANCE = 1e-6
 TOLERANCE = 5e-5  # (DeepSeek-V4 keeps its norms and hyper-connections in fp32)
 _FLOOR = 1e-6  # the least scale a comparison is relative to
 STEP_TOLERANCE = 1e-4
+# state passing's gradients: transformers' torch recurrences compute in fp32 on both sides, and state passing sums a
+# rank's fragments in another order; a gate's gradient (a sum over every token, whose terms cancel) magnifies that
+# rounding (Qwen3.5's A_log: 9.1e-5 at 2 ranks, 1.6e-4 at 4; 1.3e-7 with the delta rule in fp64 on both sides)
+PASSING_TOLERANCE = 1e-3
 _ROUNDING = 1e-8  # below fp32's (1.2e-7): a gradient's difference this small relative to the largest is rounding
 _SEQUENCE = 16  # a multiple of 2W for the ring at 2 and 4 ranks
 
@@ -126,7 +130,7 @@ def _compare(mode: str, model: torch.nn.Module, ref: torch.nn.Module, ids: torch
     # by that rounding alone: below fp32's rounding of the model's largest gradient, it is 0
     noise = _ROUNDING * max((g.abs().max().item() for g in grads_ref.values() if g is not None), default=0.0)
     for name, g in grads.items():
-        _close(f"{name}'s gradient", g, grads_ref[name], noise=noise)
+        _close(f"{name}'s gradient", g, grads_ref[name], PASSING_TOLERANCE if mode == "sp" else TOLERANCE, noise)
     for name, p in model.named_parameters():
         _close(f"{name} after AdamW", p.detach(), names[name].detach(), STEP_TOLERANCE)
     if mode not in _CONTEXT:
