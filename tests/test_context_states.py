@@ -31,15 +31,15 @@ from tests.test_state_space import _case
 pytest.importorskip("transformers")
 
 CASES = [_delta_net("qwen3_next", 2, 4),  # interleaved projections
-         _kimi(4),
          _case("nemotron_h", 8, 2, chunk_size=4),  # Mamba-2 in 2 groups beside attention, chunks of 4
          Case("jamba", {}, "mamba_selective_scan", 0, 1, 128)]  # Mamba-1 beside attention and experts
 BY_TURNS = {"2x1": [_case("bamba", 8, 1), _case("mamba2", 8, 8, chunk_size=4),
                     Case("mamba", {}, "mamba_selective_scan", 0, 1, 96),
-                    Case("lfm2", {}, "causal_conv1d_fn", 0, 1, 64)],  # short convolutions: the halo alone
-            "4x1": [_case("falcon_h1", 8, 2), Case("falcon_mamba", {}, "mamba_selective_scan", 0, 1, 96),
+                    Case("lfm2", {}, "causal_conv1d_fn", 0, 1, 64),  # short convolutions: the halo alone
                     Case("zamba", {}, "causal_conv1d_fn", 0, 1, 128)],  # (Zamba's Mamba-1 in independent heads)
+            "4x1": [_case("falcon_h1", 8, 2), Case("falcon_mamba", {}, "mamba_selective_scan", 0, 1, 96)],
             "2x2": [_delta_net("qwen3_5_text", 2, 4),  # segmented projections, split over the tensor axis
+                    _kimi(4),  # KDA's per-channel gates (the delta rule's path)
                     _case("granitemoehybrid", 8, 2), _case("zamba2", 8, 2, chunk_size=4)]}
 
 
@@ -105,7 +105,7 @@ def _serial() -> None:
     combining the summaries in parallel is off by their rounding)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    for i, case in enumerate(c for c in CASES if c.kind != "kimi_linear"):  # (KDA: the delta rule's path)
+    for i, case in enumerate(CASES):
         kind = ("ring", "ulysses")[(i + world // 2) % 2]
         ref = case.model()
         model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
