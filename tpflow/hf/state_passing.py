@@ -109,7 +109,7 @@ def _passed(frags: Fragments, summary: Callable[[int, int], torch.Tensor], run: 
             at, _, n = frags.local[i]
             out[i], final = run(at, n, state, (r, i) != last)
         if (r, i) != last:
-            mine = final.float() if r == frags.rank else torch.zeros_like(state)
+            mine = final.to(state.dtype) if r == frags.rank else torch.zeros_like(state)
             state = frags.handed(mine + 0 * state + tie, r)
     return torch.cat([out[i] for i in range(len(frags.local))], dim) + 0 * state.sum()
 
