@@ -232,12 +232,8 @@ class _SelectiveScan(_Rule):
                        (x, dt, B, C), recompute=False)  # (the summary is the run's own: nothing to recompute)
 
 
-class _Unfused:
+class _Unfused(_Rule):
     """Mamba-2's fused training kernel, declined (None: the model's unfused path) while a mixer passes its state."""
-
-    def __init__(self, original) -> None:
-        self.original = original
-        functools.update_wrapper(self, original, updated=())  # (not its attributes: a recorder's)
 
     def __call__(self, *args, **kwargs):
         return None if RUNNING else self.original(*args, **kwargs)

@@ -44,7 +44,7 @@ _FLOOR = 1e-6  # the least scale a comparison is relative to
 STEP_TOLERANCE = 1e-4
 # state passing's gradients: transformers' torch recurrences compute in fp32 on both sides, and state passing sums a
 # rank's fragments in another order; a gate's gradient (a sum over every token, whose terms cancel) magnifies that
-# rounding (Qwen3.5's A_log: 9.1e-5 at 2 ranks, 1.6e-4 at 4; 1.3e-7 with the delta rule in fp64 on both sides)
+# rounding (by hand, 2026-11-30: Qwen3.5's A_log 9.1e-5 at 2 ranks, 1.6e-4 at 4; 1.3e-7 with an fp64 delta rule)
 PASSING_TOLERANCE = 1e-3
 _ROUNDING = 1e-8  # below fp32's (1.2e-7): a gradient's difference this small relative to the largest is rounding
 _SEQUENCE = 16  # a multiple of 2W for the ring at 2 and 4 ranks
