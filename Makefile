@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40  # the slowest tests, named in CI's log (its budget is 15 minutes)
 
 # ruff's checks as pyproject.toml configures them (.ci/run runs this before the tests)
 lint: $(VENV)/.installed

@@ -1,13 +1,13 @@
 """State passing (``tpf.hf_plan(model, context_parallel=..., mixers="state_passing")``): gated DeltaNets (Qwen3-Next's
-interleaved projections, Qwen3.5's segmented ones), Kimi Linear's delta attention, Mamba-2 (Nemotron-H, Bamba,
-Mamba2, Falcon-H1, Granite-4.0-H, Zamba2), Mamba-1 (Jamba, Falcon-Mamba, Mamba, Zamba's heads) and LFM2's short
-convolutions run on each rank's own tokens, their heads split over the tensor axis alone, the convolution's halo and
-the recurrence's state handed over from the fragments before. Against one device, fp64 (the delta rule and Mamba-2's
-scan compute in fp32 on both): the logits, the loss, every gradient and every parameter after two AdamW steps with
-clipping, on whole and packed batches, under the ring's head-tail cut and the balanced cut of packed documents and
-Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2 context x tensor; each rank's recurrence sees its own tokens
-alone; what state passing cannot run is refused by name, and rows padded on the left (which neither mode hands a
-mixer's padding mask) in both modes. CASES run at every layout; the families that share another's scan at one
+interleaved projections, Qwen3.5's segmented ones), Kimi Linear's delta attention, Mamba-2 (Nemotron-H, Bamba, Mamba2,
+Falcon-H1, Granite-4.0-H, Zamba2), Mamba-1 (Jamba, Falcon-Mamba, Mamba, Zamba's heads), MiniMax's lightning attention
+and LFM2's short convolutions run on each rank's own tokens, their heads split over the tensor axis alone, the
+convolution's halo and the recurrence's state handed over from the fragments before. Against one device, fp64 (the delta
+rule and Mamba-2's scan compute in fp32 on both): the logits, the loss, every gradient and every parameter after two
+AdamW steps with clipping, on whole and packed batches, under the ring's head-tail cut and the balanced cut of packed
+documents and Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2 context x tensor; each rank's recurrence sees its
+own tokens alone; what state passing cannot run is refused by name, and rows padded on the left (which neither mode
+hands a mixer's padding mask) in both modes. CASES run at every layout; the families that share another's scan at one
 layout each (BY_TURNS)."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ BY_TURNS = {"2x1": [_case("bamba", 8, 1), _case("mamba2", 8, 8, chunk_size=4),
                     Case("mamba", {}, "mamba_selective_scan", 0, 1, 96),
                     Case("lfm2", {}, "causal_conv1d_fn", 0, 1, 64),  # short convolutions: the halo alone
                     Case("zamba", {}, "causal_conv1d_fn", 0, 1, 128)],  # (Zamba's Mamba-1 in independent heads)
-            "4x1": [_case("falcon_h1", 8, 2), Case("falcon_mamba", {}, "mamba_selective_scan", 0, 1, 96)],
+            "4x1": [_case("falcon_h1", 8, 2), Case("falcon_mamba", {}, "mamba_selective_scan", 0, 1, 96),
+                    Case("minimax", {"block_size": 4}, "apply_mask_to_padding_states", 0, 2, 192)],  # lightning
             "2x2": [_delta_net("qwen3_5_text", 2, 4),  # segmented projections, split over the tensor axis
                     _kimi(4),  # KDA's per-channel gates (the delta rule's path)
                     _case("granitemoehybrid", 8, 2), _case("zamba2", 8, 2, chunk_size=4)]}
@@ -45,16 +46,18 @@ BY_TURNS = {"2x1": [_case("bamba", 8, 1), _case("mamba2", 8, 8, chunk_size=4),
 
 def _passing(tensor: int) -> None:
     """Each case under the ring or Ulysses (by turns: the other at the other world size), on whole and packed rows:
-    trained as one device; each call of the recurrence (or convolution) reads this rank's heads or channels (split
-    over the tensor axis) and its own tokens, never the whole sequence."""
+    trained as one device; each call of the recurrence (or convolution, or MiniMax's masked q, k, v) reads this
+    rank's heads or channels (split over the tensor axis) and its own tokens, never the whole sequence. On the
+    context x tensor grid, the first case hands its state serially."""
     world = dist.get_world_size()
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
     for i, case in enumerate(CASES + BY_TURNS[f"{world // tensor}x{tensor}"]):
         for kind in [("ring", "ulysses")[(i + world // 2 + tensor) % 2]]:
+            mode = "state_passing_serial" if tensor == 2 and i == 0 else "state_passing"
             ref = case.model()
             model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(tensor),
-                                    plan=tpf.hf_plan(ref, context_parallel=kind, mixers="state_passing"))
-            what = f"{case.kind} {kind}, context {world // tensor} x tensor {tensor}"
+                                    plan=tpf.hf_plan(ref, context_parallel=kind, mixers=mode))
+            what = f"{case.kind} {kind} {mode}, context {world // tensor} x tensor {tensor}"
             for batch, kwargs in _batches(ids):
                 shapes = scan_shapes(ref, case)  # (the modeling module's function: the model's calls alone here)
                 with torch.no_grad():
@@ -139,7 +142,8 @@ def test_serial_state_passing_is_one_device_bitwise_on_chunk_boundaries():
 def _refused() -> None:
     from tests.test_context_mixers import CASES as MIXERS
 
-    qwen, rglru = CASES[0].model(), next(c for c in MIXERS if c.kind == "recurrent_gemma").model()
+    qwen, rglru, minimax = CASES[0].model(), *(next(c for c in MIXERS if c.kind == kind).model()
+                                               for kind in ("recurrent_gemma", "minimax"))
     with pytest.raises(ValueError, match="under context_parallel"):
         tpf.hf_plan(qwen, mixers="state_passing")
     with pytest.raises(ValueError, match="use 'head_parallel', 'state_passing', 'state_passing_serial'"):
@@ -147,6 +151,9 @@ def _refused() -> None:
     with pytest.raises(ValueError, match="other mixers run head parallel: use mixers='head_parallel'"):
         tpf.parallelize(rglru, placement=_placement(1),
                         plan=tpf.hf_plan(rglru, context_parallel="ring", mixers="state_passing"))
+    with pytest.raises(ValueError, match="lightning attention runs its blocks inline.*use mixers='state_passing'"):
+        tpf.parallelize(minimax, placement=_placement(1),
+                        plan=tpf.hf_plan(minimax, context_parallel="ring", mixers="state_passing_serial"))
     ids = torch.randint(0, 64, (2, SEQ))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding (labels -100 there and at the first real token, scored at the last padded one)

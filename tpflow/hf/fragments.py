@@ -130,6 +130,7 @@ class Running:
         fragments: its fragments of this call's sequence.
         called: the wrapped functions it called (what ``calling`` recorded).
         inside: a wrapped function runs: one it calls (a wrapper wrapped again) runs as the original.
+        held: what wrapped functions returned for the module's hooks to read.
 
     Example::
 
@@ -144,6 +145,7 @@ class Running:
     fragments: Fragments
     called: set[str] = dataclasses.field(default_factory=set)
     inside: bool = False  # a wrapped function runs: one it calls (a wrapper wrapped again) runs as the original
+    held: list[torch.Tensor] = dataclasses.field(default_factory=list)  # wrapped functions' outputs, for its hooks
 
     @contextlib.contextmanager
     def calling(self, function: str) -> Iterator[Fragments]:

@@ -308,9 +308,10 @@ def hf_plan(model: nn.Module, *, sequence_parallel: bool = False, fuse: bool = T
             (``generate`` needs a plan without it); not with ``sequence_parallel``.
         mixers: under ``context_parallel``, how token mixers other than attention (state spaces, linear attention)
             run: ``"head_parallel"`` (the default; every mixer tpflow splits by heads): the sequence gathered around
-            each, its heads split over every rank; ``"state_passing"`` (gated DeltaNets, KDA, Mamba-2, Mamba-1, short
-            convolutions): each rank runs the mixer on its own tokens, its heads split over the tensor axis alone,
-            the state the tokens before them leave handed over (``tpflow.hf.state_passing``);
+            each, its heads split over every rank; ``"state_passing"`` (gated DeltaNets, KDA, Mamba-2, Mamba-1,
+            MiniMax's lightning attention, short convolutions): each rank runs the mixer on its own tokens, its heads
+            split over the tensor axis alone, the state the tokens before them leave handed over
+            (``tpflow.hf.state_passing``);
             ``"state_passing_serial"``: the same, the state handed from rank to rank in sequence order (one
             device's arithmetic, each rank waiting for those before it).
 

@@ -2,7 +2,7 @@
 (``tpf.hf_plan(model, context_parallel=..., mixers="state_passing")``), where head parallelism gathers the sequence
 around the mixer. It runs gated DeltaNets (Qwen3-Next, Qwen3.5, OLMo-Hybrid), Kimi delta attention (Kimi Linear,
 Bailing-hybrid), Mamba-2 (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1, Zamba2, Mamba2), Mamba-1 (Mamba,
-Falcon-Mamba, Jamba, Zamba's heads) and LFM2's short convolutions.
+Falcon-Mamba, Jamba, Zamba's heads), MiniMax's lightning attention and LFM2's short convolutions.
 
 The mixer runs the model's own code on this rank's fragments of the sequence (the ring's head and tail parts, the
 balanced pieces of packed documents, or Ulysses' one part), its heads split over the tensor-parallel ranks alone.
@@ -20,6 +20,9 @@ While it runs, the functions of its modeling module that carry tokens forward ar
   - Mamba-1's selective scan (``mamba_selective_scan``, which takes no initial state): the fragment runs once from
     zero; ``M`` is its per-channel, per-state decay ``exp(A * sum(dt))``, and the incoming state's part of each
     output, ``C_t . (exp(A * cumsum(dt)_t) S_0)``, is added to the output from zero (before the ``z`` gate);
+  - MiniMax's lightning attention, whose blocks run inline in its forward (``_Lightning``): its masked q, k, v read
+    from ``apply_mask_to_padding_states``, its summary ``M = exp(-s n)`` per head, and each fragment's missing part
+    of the state, ``(q_t exp(-s (t + 1))) (S_0 - S_run)``, added where its outputs enter its norm;
 
   the fragments' summaries are gathered over the context ranks and combined in sequence order in at least fp32,
   the same on every rank (``S_{j+1} = M_j S_j + F_j``); each fragment of a delta rule or a Mamba-2 scan then runs
@@ -47,6 +50,7 @@ from tpflow.hf.context_attention import Batch
 from tpflow.hf.delta_net import delta_net_counts, kimi_delta_counts
 from tpflow.hf.fragments import CONV, RUNNING, Fragments, Halo, Passing, running, wrap_functions
 from tpflow.hf.head_scans import head_scan_counts
+from tpflow.hf.lightning import lightning_counts
 from tpflow.hf.selective_scan import selective_scan_counts
 from tpflow.hf.short_conv import short_conv_channels
 from tpflow.hf.state_space import state_space_counts
@@ -58,11 +62,13 @@ _FUSED = "mamba2_split_conv1d_scan_combined"
 RULE = "recurrence"  # what a mixer with one must call while it runs (``Passing``'s check): one of its kind's
 _DELTA_RULES, _CHUNK_SCAN, _SELECTIVE_SCAN = (("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"),
                                               "mamba2_chunk_scan", "mamba_selective_scan")
+_LIGHTNING_INPUTS = "apply_mask_to_padding_states"  # MiniMax's q, k, v as its lightning attention's blocks read them
 # each mixer state passing runs (found by what it is, as the tensor-parallel styles find it) and the recurrences its
-# modeling module must call (one of them), beside its short convolution
+# modeling module must call (one of them), beside its short convolution (MiniMax's lightning attention: none)
 _KINDS: list[tuple[Callable[[nn.Module], object], tuple[str, ...]]] = [
     (delta_net_counts, _DELTA_RULES), (kimi_delta_counts, _DELTA_RULES), (state_space_counts, (_CHUNK_SCAN,)),
-    (selective_scan_counts, (_SELECTIVE_SCAN,)), (head_scan_counts, (_SELECTIVE_SCAN,)), (short_conv_channels, ())]
+    (selective_scan_counts, (_SELECTIVE_SCAN,)), (head_scan_counts, (_SELECTIVE_SCAN,)), (short_conv_channels, ()),
+    (lightning_counts, (_LIGHTNING_INPUTS,))]
 
 
 def _handed_over(frags: Fragments, summaries: list[torch.Tensor], start: torch.Tensor,
@@ -239,6 +245,62 @@ class _Unfused(_Rule):
         return None if RUNNING else self.original(*args, **kwargs)
 
 
+class _Held(_Rule):
+    """A function whose output the module's hooks read (MiniMax's masked q, k, v), held on its ``Running``."""
+
+    def __call__(self, *args, **kwargs):
+        now, out = running(), self.original(*args, **kwargs)
+        if now is not None:
+            now.held.append(out)
+        return out
+
+
+class _Lightning:
+    """MiniMax's lightning attention, whose blocks run inline in its forward from a zero state on this rank's tokens
+    laid end to end: where its outputs enter its norm, each fragment's gets the part of the state it should have
+    started from that it did not, ``(q_t * exp(-s (t + 1))) (S_in - S_run)`` (``s`` its head's decay rate, ``t`` the
+    token's place in the fragment, ``S_run`` the state the blocks carried in from this rank's fragments before);
+    its summary ``[sum_t exp(-s (n - 1 - t)) k_t^T v_t | exp(-s n)]`` from the q, k, v its blocks read."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        module.norm.register_forward_pre_hook(self.corrected)
+
+    def corrected(self, norm: nn.Module, args: tuple) -> tuple | None:
+        now = running()
+        if now is None or len(now.held) != 1:  # (none held: its function replaced, which ``Passing`` names)
+            return None
+        with now.calling(RULE) as frags:
+            return (args[0] + self.correction(frags, now.held.pop()).to(args[0].dtype),) + args[1:]
+
+    def correction(self, frags: Fragments, qkv: torch.Tensor) -> torch.Tensor:
+        batch, tokens = qkv.shape[:2]
+        heads, dim, wide = self.module.num_attention_heads, self.module.head_dim, torch.promote_types(qkv.dtype,
+                                                                                                       torch.float32)
+        q, k, v = qkv.view(batch, tokens, heads, 3 * dim).to(wide).transpose(1, 2).split(dim, -1)  # [b, h, t, d]
+        rate = self.module.slope_rate.to(wide)  # [heads, 1, 1]: this rank's heads'
+
+        def decays(first: int, n: int) -> torch.Tensor:  # exp(-s * (first .. first + n - 1)): [heads, n, 1]
+            return torch.exp(-rate * torch.arange(first, first + n, device=q.device, dtype=wide)[:, None])
+
+        def summary(at: int, n: int) -> torch.Tensor:
+            keys = k[:, :, at:at + n] * decays(0, n).flip(1)
+            return torch.cat(((keys.transpose(-1, -2) @ v[:, :, at:at + n]),
+                              torch.exp(-rate * n).expand(batch, heads, dim, 1)), -1)
+
+        def step(made: torch.Tensor, state: torch.Tensor) -> torch.Tensor:  # [F | exp(-s n)] applied to a state
+            return made[..., -1:] * state + made[..., :-1]
+
+        start = q.new_zeros(batch, heads, dim, dim)
+        summaries = [checkpoint(summary, at, n, use_reentrant=False) if torch.is_grad_enabled() else summary(at, n)
+                     for at, _, n in frags.local]
+        carried, out = start, []
+        for (at, _, n), state, made in zip(frags.local, _handed_over(frags, summaries, start, step), summaries):
+            out.append((q[:, :, at:at + n] * decays(1, n)) @ (state - carried))
+            carried = step(made, carried)
+        return torch.cat(out, 2).transpose(1, 2).reshape(batch, tokens, heads * dim)
+
+
 _WRAPPERS = {CONV: Halo, _FUSED: _Unfused, _CHUNK_SCAN: _ChunkScan, _SELECTIVE_SCAN: _SelectiveScan,
              **dict.fromkeys(_DELTA_RULES, _DeltaRule)}
 
@@ -272,16 +334,28 @@ class StatePassing(Style):
 
     def check(self, name: str, module: nn.Module, plan: Plan) -> None:
         found = sys.modules[type(module).__module__]
-        rules = plan.shared(("state passing", name), lambda: next((rules for counts, rules in _KINDS
-                                                                  if counts(module) is not None), None))
-        if rules is None or not hasattr(found, CONV) or (rules and not any(hasattr(found, r) for r in rules)):
+        kind = plan.shared(("state passing", name), lambda: next((counts for counts, _ in _KINDS
+                                                                 if counts(module) is not None), None))
+        rules = dict(_KINDS).get(kind)
+        if kind is None or not (kind is lightning_counts or hasattr(found, CONV)) or (
+                rules and not any(hasattr(found, r) for r in rules)):
             raise ValueError(f"{name!r} ({type(module).__name__}): state passing runs gated DeltaNets, Kimi delta "
                              f"attention, Mamba-2, Mamba-1 and short convolutions whose modeling module calls {CONV} "
                              f"and, but for the convolutions, {', '.join(_DELTA_RULES)}, {_CHUNK_SCAN} or "
-                             f"{_SELECTIVE_SCAN}; other mixers run head parallel: use mixers='head_parallel'")
+                             f"{_SELECTIVE_SCAN}, and MiniMax's lightning attention; other mixers run head parallel: "
+                             f"use mixers='head_parallel'")
+        if kind is lightning_counts and self.serial:
+            raise ValueError(f"{name!r}: MiniMax's lightning attention runs its blocks inline from a zero state, so "
+                             f"state passing adds the incoming state's part to its outputs, never one device's "
+                             f"arithmetic as the serial mode promises: use mixers='state_passing'")
 
     def apply(self, name: str, module: nn.Module, plan: Plan) -> None:
-        rules = plan.shared(("state passing", name), lambda: None)  # (check's: the split mixer counts otherwise)
-        wrap_functions(module, _WRAPPERS)
+        kind = plan.shared(("state passing", name), lambda: None)  # (check's: the split mixer counts otherwise)
+        rules = dict(_KINDS)[kind]
+        if kind is lightning_counts:
+            wrap_functions(module, {_LIGHTNING_INPUTS: _Held})
+            _Lightning(module)
+        else:
+            wrap_functions(module, _WRAPPERS)
         Passing(module, plan.placement, plan.shared("context batch", Batch), self.serial, RULE if rules else CONV,
                 " or ".join(rules or (CONV,)))
