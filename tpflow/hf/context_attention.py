@@ -138,6 +138,7 @@ class _Attention:
     def __init__(self, name: str, kind: str, placement: Placement, original: str, batch: Batch) -> None:
         self.name, self.kind, self.placement, self.original, self.batch = name, kind, placement, original, batch
         self.used = False
+        self.picks_by_mask = False  # its mask: an indexer's picks over the whole sequence (``picks_by_mask``)
 
     def enter(self, module: nn.Module, args: tuple) -> None:
         self.used = False
@@ -171,9 +172,9 @@ class _Attention:
         if not causal and documents is None and self.batch.pads is not None:  # right padding: every query sees it
             documents = self.batch.pads.long()
         sinks = extra.get("s_aux")  # gpt-oss's: a logit per head in the softmax's denominator
-        if extra.get("indices") is not None:  # sparse attention: the keys an indexer picked for each query
-            return self._sparse(module, q, k, v, extra["indices"], causal, scaling, window, softcap, sinks, chunk,
-                                documents).transpose(1, 2), None
+        if extra.get("indices") is not None or extra.get("chosen") is not None:  # sparse attention: the keys an
+            return self._sparse(module, q, k, v, extra.get("indices"), extra.get("chosen"), causal, scaling, window,
+                                softcap, sinks, chunk, documents).transpose(1, 2), None  # indexer picked for each query
         if self.kind == "ring" and (window is not None or chunk is not None or self.batch.first is not None
                                     or documents is not None):
             if not causal:
@@ -202,27 +203,28 @@ class _Attention:
         rank = dist.get_rank(context_group(self.placement))
         return per_head[rank * q.shape[1]:(rank + 1) * q.shape[1]]
 
-    def _sparse(self, module, q, k, v, indices, causal, scaling, window, softcap, sinks, chunk,
+    def _sparse(self, module, q, k, v, indices, chosen, causal, scaling, window, softcap, sinks, chunk,
                 documents) -> torch.Tensor:
         """Attention over the keys an indexer picked for each of this rank's queries (``indices``: ``[B, q, top-k]``,
-        global positions), by the model's own attention under a mask: Ulysses' whole sequences of this rank's heads
-        (every rank's picks gathered), or the ring's queries against every rank's keys and values gathered (which
-        a pick of single keys leaves no block of the ring to skip); ``[B, h, q, D]`` out."""
+        global positions; or ``chosen``: ``[B, q, S]``, True at them), by the model's own attention under a mask:
+        Ulysses' whole sequences of this rank's heads (every rank's picks gathered), or the ring's queries against
+        every rank's keys and values gathered (which a pick of single keys leaves no block of the ring to skip);
+        ``[B, h, q, D]`` out."""
         group, world = context_group(self.placement), self.placement.hierarchy[0]
         at = self.batch.order(q.device)[1]
+        chosen = _chosen(indices, len(at)) if chosen is None else chosen
         if self.kind == "ulysses":
-            picked = comm.all_gather(indices.contiguous(), 1, chunk_bounds(len(at), world), group) \
-                if world > 1 else indices
+            picked = comm.all_gather(chosen.to(torch.uint8), 1, chunk_bounds(len(at), world), group).bool() \
+                if world > 1 else chosen
             return ulysses_attention(q, k, v, lambda *qkv: self._whole(
-                module, *qkv, causal, scaling, window, softcap, sinks, chunk, documents,
-                chosen=_chosen(picked, len(at))), group)
+                module, *qkv, causal, scaling, window, softcap, sinks, chunk, documents, chosen=picked), group)
         if self.original not in ("eager", "sdpa"):
             raise ValueError(f"{self.name!r}: the ring runs sparse attention through eager or sdpa attention (a mask "
                              f"of the picked keys), not {self.original!r}: load the model with one of them")
         rank = dist.get_rank(group) if world > 1 else 0
         mine = at[rank * q.shape[2]:(rank + 1) * q.shape[2]]
         k, v = (comm.gather_shared(t.contiguous(), 2, len(at), group) if world > 1 else t for t in (k, v))
-        seen = visible(mine, at, causal, window, chunk, documents) & _chosen(indices, len(at))[..., at]
+        seen = visible(mine, at, causal, window, chunk, documents) & chosen[..., at]
         own = {"num_key_value_groups": q.shape[1] // k.shape[1]}
         extra = {} if sinks is None else {"s_aux": sinks}
         out = _original(module, self.original)(_RankHeads(module, own), q, k, v, _mask(seen[:, None], self.original,
@@ -349,7 +351,9 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if state is None:
         raise RuntimeError(f"{type(module).__name__} runs tpflow's context-parallel attention, but parallelize gave it "
                            f"no tpf.ContextParallel entry: plan every attention module of the model")
-    if attention_mask is not None and not _only_causal(attention_mask):
+    if state.picks_by_mask and attention_mask is not None and attention_mask.dtype == torch.bool:
+        kwargs["chosen"] = attention_mask[:, 0].expand(query.shape[0], query.shape[2], -1)  # [B, q, S]
+    elif attention_mask is not None and not _only_causal(attention_mask):
         raise ValueError(f"{state.name!r} ({type(module).__name__}) passes its attention a mask it builds itself, "
                          f"which says more than causality (a learned or data-dependent mask, a 4-D mask given to the "
                          f"model): context parallelism, which makes each query's mask from the global positions, "
@@ -383,6 +387,25 @@ def register() -> None:
 
     AttentionInterface.register(IMPLEMENTATION, _attention)
 
+
+
+def picks_by_mask(module: nn.Module) -> None:
+    """From now on the attention module ``module`` (given its context-parallel attention by ``attach``) hands its
+    attention the keys its indexer picked as a boolean mask over the whole sequence, ``[B, 1, q, S]``
+    (Qwen4-Exp's), which the attention runs as sparse attention over them.
+
+    Args:
+        module: the attention module.
+
+    Example::
+
+        >>> from transformers import LlamaConfig
+        >>> from transformers.models.llama.modeling_llama import LlamaAttention
+        >>> attention = LlamaAttention(LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2), 0)
+        >>> attach(attention, "layers.0.self_attn", "ring", tpf.placement("cpu", [[0], [1]]), "sdpa", Batch())
+        >>> picks_by_mask(attention)
+    """
+    getattr(module, _STATE).picks_by_mask = True
 
 
 def attach(module: nn.Module, name: str, kind: str, placement: Placement, original: str, batch: Batch) -> None:

@@ -1,12 +1,15 @@
 """Context parallelism through sparse attention with an indexer (DeepSeek-V3.2's DSA; GLM-MoE-DSA, AXK2, dots.3 and
-HY-V4 alike): the indexer, the model's own code, scores this rank's queries against the keys of the whole sequence
-and picks each query's top-k among them, as one device picks; the attention module then passes the picked keys
-(global positions) to its attention (``indices=``), which ``tpflow.hf.context_attention`` runs over them.
+HY-V4 alike; Qwen4-Exp's, over keys pooled in blocks): the indexer, the model's own code, scores this rank's queries
+against the keys of the whole sequence and picks each query's top-k among them, as one device picks; the attention
+module then passes the picked keys (global positions) to its attention (``indices=``, or Qwen4-Exp's mask over the
+whole sequence), which ``tpflow.hf.context_attention`` runs over them.
 
 The indexer reads its keys through its key cache (``past_key_values.update_indexer``): under context parallelism it
 is handed ``IndexerKeys``, which gathers every context rank's keys in sequence order (without a gradient: the
 indexer runs under ``no_grad``), and, for the model's mask of this rank's tokens, what each of its queries sees of
-the whole sequence (causality, packed documents, the layer's window).
+the whole sequence (causality, packed documents, the layer's window). An indexer that pools its keys in blocks
+rotates each pooled key at its block's first position after the gather: it is handed the rotary tables of the whole
+sequence, with its queries' last (as one device's model hands them, the keys' positions then the queries').
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpflow import comm
-from tpflow.hf.context_attention import Batch, context_group, visible
+from tpflow.hf.context_attention import Batch, context_group, picks_by_mask, visible
 from tpflow.placement import Placement
 from tpflow.sbp import chunk_bounds
 
@@ -28,8 +31,8 @@ __all__ = ["IndexerKeys", "attach_indexer", "is_split_indexer"]
 
 def is_split_indexer(module: nn.Module) -> bool:
     """Whether ``module`` is a sparse-attention indexer context parallelism splits: one that takes the attention's
-    mask and reads its keys through the key cache (DeepSeek-V3.2's shape; DeepSeek-V4's and Qwen4-Exp's, over keys
-    pooled in blocks, are not).
+    mask and reads its keys through the key cache (DeepSeek-V3.2's shape, and Qwen4-Exp's over keys pooled in
+    blocks; DeepSeek-V4's, which pools its keys before any cache or mask, is not).
 
     Args:
         module: any module.
@@ -42,10 +45,16 @@ def is_split_indexer(module: nn.Module) -> bool:
         >>> is_split_indexer(nn.Linear(2, 2))
         False
     """
-    if "Indexer" not in type(module).__name__ or hasattr(module, "compress_ratio"):  # (keys pooled in blocks)
+    if "Indexer" not in type(module).__name__:
         return False
     names = inspect.signature(module.forward).parameters
-    return "attention_mask" in names and "past_key_values" in names
+    pooled = _pooled(module)
+    return "attention_mask" in names and "past_key_values" in names and (not pooled or "position_embeddings" in names)
+
+
+def _pooled(indexer: nn.Module) -> bool:
+    """Whether an indexer pools its keys in blocks (Qwen4-Exp's ``compress_ratio``), rotating them after its cache."""
+    return hasattr(indexer, "compress_ratio")
 
 
 class IndexerKeys:
@@ -94,7 +103,12 @@ class _Indexer:
                                           getattr(self.attention, "is_causal", True),
                                           window if window is not None and window < len(at) else None, None,
                                           self.batch.documents)
-        named["past_key_values"] = IndexerKeys(group if world > 1 else None, order)
+        named["past_key_values"] = keys = IndexerKeys(group if world > 1 else None, order)
+        if _pooled(module):  # (its mask [B, 1, q, S], as the model's; the rotary tables of the whole sequence,
+            # then its queries')
+            named["attention_mask"] = named["attention_mask"][:, None].expand(hidden.shape[0], -1, -1, -1)
+            named["position_embeddings"] = tuple(torch.cat((keys.update_indexer(t.contiguous(), 0), t), 1)
+                                                 for t in named["position_embeddings"])
         return (), named
 
 
@@ -115,6 +129,8 @@ def attach_indexer(attention: nn.Module, name: str, placement: Placement, batch:
     indexers = [(child, m) for child, m in attention.named_modules() if is_split_indexer(m)]
     for child, module in indexers:
         module.register_forward_pre_hook(_Indexer(f"{name}.{child}", attention, placement, batch), with_kwargs=True)
+        if _pooled(module):  # (its picks reach the attention as a mask over the whole sequence)
+            picks_by_mask(attention)
     if indexers:
         forward = functools.partial(type(attention).forward, attention)  # (its class's: a wrapper may stand for it)
         attention.register_forward_pre_hook(_NoMask(inspect.signature(forward)), with_kwargs=True)

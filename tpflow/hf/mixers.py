@@ -42,8 +42,8 @@ _WHY = {"Conv": "a convolution over the sequence", "Mamba": "a state space", "Mi
         "Lightning": "linear attention", "Linear": "linear attention", "Recurrent": "a recurrence",
         "RwkvFeedForward": "a token shift (RWKV's channel mixing)", "Rwkv": "a recurrence (RWKV's time mixing)",
         "LSTM": "a recurrence (xLSTM)", "Retention": "a recurrence",
-        "Indexer": "a sparse-attention indexer tpflow does not split (not DeepSeek-V3.2's: one over keys pooled in "
-                   "blocks, DeepSeek-V4's and Qwen4-Exp's)"}
+        "Indexer": "a sparse-attention indexer tpflow does not split (neither DeepSeek-V3.2's nor Qwen4-Exp's: one "
+                   "over keys its own compressors pool before any mask or cache, DeepSeek-V4's)"}
 
 
 def is_attention(module: nn.Module) -> bool:
