@@ -5,10 +5,10 @@ and LFM2's short convolutions run on each rank's own tokens, their heads split o
 convolution's halo and the recurrence's state handed over from the fragments before. Against one device, fp64 (the delta
 rule and Mamba-2's scan compute in fp32 on both): the logits, the loss, every gradient and every parameter after two
 AdamW steps with clipping, on whole and packed batches, under the ring's head-tail cut and the balanced cut of packed
-documents and Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2 context x tensor; each rank's recurrence sees its
-own tokens alone; what state passing cannot run is refused by name, and rows padded on the left (which neither mode
-hands a mixer's padding mask) in both modes. CASES run at every layout; the families that share another's scan at one
-layout each (BY_TURNS)."""
+documents and Ulysses' contiguous parts, at 2 and 4 ranks and 2 x 2 context x tensor (1 and 3 ranks: the ring); each
+rank's recurrence sees its own tokens alone; what state passing cannot run is refused by name, and rows padded on the
+left (which neither mode hands a mixer's padding mask) in both modes. CASES run at every layout; the families that share
+another's scan at one layout each (BY_TURNS)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,28 @@ def test_mixers_pass_their_state_and_match_one_device(world):
 
 def test_mixers_pass_their_state_on_a_context_by_tensor_grid():
     harness.run(4, _passing, 2, timeout=900)
+
+
+def _odd_world() -> None:
+    """One and three context ranks (the ring's 2 or 6 parts of 24 tokens, packed documents of 5, 15 and 4 tokens
+    cut in balanced pieces): CASES and MiniMax trained as one device, the first case serially."""
+    world = dist.get_world_size()
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in ([5, 15, 4], [12, 12])])
+    batches = [("whole", {"labels": ids}),
+               ("packed", {"position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)})]
+    for i, case in enumerate(CASES + BY_TURNS["4x1"][-1:]):
+        mode = "state_passing_serial" if i == 0 else "state_passing"
+        ref = case.model()
+        model = tpf.parallelize(copy.deepcopy(ref), placement=_placement(1),
+                                plan=tpf.hf_plan(ref, context_parallel="ring", mixers=mode))
+        for batch, kwargs in batches:
+            _same_training(model, ref, ids, kwargs, f"{case.kind} ring {mode}, {world} ranks, {batch}")
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_state_passing_on_one_and_three_ranks(world):
+    harness.run(world, _odd_world, timeout=900)
 
 
 def _rule_calls(model: torch.nn.Module, given: list[tuple] | None = None, part: slice = slice(None)) -> list[tuple]:
