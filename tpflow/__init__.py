@@ -15,13 +15,14 @@ those below it:
     hf                       the Hugging Face wing: parallelize's front door, hf_plan, heads, context
                              parallelism, PEFT, save_pretrained / generate, the trainers (adopt)
     pipeline                 stages, schedules as tables, the executor
+    rl                       reinforcement-learning post-training: log-probabilities on split vocabularies
     models                   the support matrix: every causal LM of transformers' registry checked (python -m)
     bench, launch            the benchmark harness; python -m tpflow.launch
 """
 
 from __future__ import annotations
 
-from tpflow import checkpoint, comm, config, hf, kernels, ops, pipeline, sbp
+from tpflow import checkpoint, comm, config, hf, kernels, ops, pipeline, rl, sbp
 from tpflow.checkpoint import full_state_dict, load_safetensors, meta_parameters, unique_state_dict
 from tpflow.global_tensor import (
     check_replicas,
@@ -94,6 +95,8 @@ __all__ = [  # noqa: RUF022  (grouped as the README's API table)
     "checkpoint", "meta_parameters", "load_safetensors", "unique_state_dict", "full_state_dict",
     # pipelines
     "pipeline", "Pipeline", "PipelineError", "Stage", "stage",
+    # reinforcement-learning post-training
+    "rl",
     # processes, checks, gradients, switches, the layers below
     "get_rank", "get_world_size", "init_distributed", "check_replicas", "gradients", "clip_grad_norm_",
     "config", "kernels", "ops", "comm",

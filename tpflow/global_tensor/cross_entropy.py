@@ -19,22 +19,35 @@ from tpflow.global_tensor.blocks import get_placement, get_sbp
 from tpflow.ops.cross_entropy import vocab_parallel_cross_entropy
 from tpflow.sbp import PartialSum, Split, chunk_bounds
 
-__all__ = ["cross_entropy", "vocab_parallel_loss"]
+__all__ = ["cross_entropy", "vocab_layout", "vocab_parallel_loss"]
 
 
-def _vocab_layout(logits: DTensor) -> tuple[int, object]:
-    """(the first class of this rank's block, the group splitting the classes or None), checked: the classes may
-    be split on the placement's last axis only, and nothing may be a partial sum."""
+def vocab_layout(logits: DTensor) -> tuple[int, object]:
+    """Where this rank's block of a global tensor's classes (its last dim) starts, and the group splitting them,
+    checked: the classes may be split on the placement's last axis only, and nothing may be a partial sum.
+
+    Args:
+        logits: a global tensor, the classes in its last dim.
+
+    Returns:
+        ``(the block's first class, the group splitting the classes or None)``.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> vocab_layout(tpf.randn(6, 11, placement=P, sbp=tpf.sbp.broadcast))
+        (0, None)
+    """
     pl, sbps, last = get_placement(logits), get_sbp(logits), Split(logits.ndim - 1)
     if any(isinstance(s, PartialSum) for s in sbps):
-        raise ValueError(f"cross_entropy: logits laid out as {sbps} hold partial sums: reduce them first "
+        raise ValueError(f"logits laid out as {sbps} hold partial sums: reduce them first "
                          f"(tpf.to_global(logits, sbp=...))")
     if any(s == last for s in sbps[:-1]):
-        raise ValueError(f"cross_entropy: logits laid out as {sbps} split the classes on a data axis: split them on "
+        raise ValueError(f"logits laid out as {sbps} split the classes on a data axis: split them on "
                          f"the placement's last axis only")
     coord = pl.coordinate()
     if coord is None:
-        raise ValueError(f"cross_entropy: this rank is not in the logits' placement {pl.ranks}")
+        raise ValueError(f"this rank is not in the logits' placement {pl.ranks}")
     if sbps[-1] != last or pl.hierarchy[-1] == 1:
         return 0, None
     return chunk_bounds(logits.shape[-1], pl.hierarchy[-1])[coord[-1]][0], pl.mesh.get_group(pl.ndim - 1)
@@ -73,7 +86,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         >>> loss = tpf.cross_entropy(logits, target, label_smoothing=0.1)
         >>> torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(whole, target, label_smoothing=0.1))
     """
-    start, group = (0, None) if not isinstance(logits, DTensor) else _vocab_layout(logits)
+    start, group = (0, None) if not isinstance(logits, DTensor) else vocab_layout(logits)
     classes = logits.shape[-1]
     local = logits.to_local() if isinstance(logits, DTensor) else logits
     target = target.to_local() if isinstance(target, DTensor) else target

@@ -23,7 +23,7 @@ from tpflow.kernels.autocast import autocast_operands
 from tpflow.kernels.cross_entropy import logit_grad, logit_stats
 from tpflow.kernels.epilogue import accumulate_dtype
 
-__all__ = ["REDUCTIONS", "linear_cross_entropy", "vocab_parallel_cross_entropy"]
+__all__ = ["REDUCTIONS", "check_targets", "linear_cross_entropy", "vocab_parallel_cross_entropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -34,6 +34,27 @@ def _check(target: torch.Tensor, rows: int, classes: int, ignore_index: int, smo
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {smoothing}")
+    check_targets(target, rows, classes, ignore_index)
+
+
+def check_targets(target: torch.Tensor, rows: int, classes: int, ignore_index: int) -> None:
+    """Raise unless ``target`` holds ``rows`` class indices in ``[0, classes)`` or ``ignore_index`` (an error on CPU;
+    a device-side assert on CUDA, which keeps the host from waiting).
+
+    Args:
+        target: the class indices.
+        rows: how many there must be.
+        classes: the number of classes.
+        ignore_index: a target that counts for nothing.
+
+    Example::
+
+        >>> check_targets(torch.tensor([0, 4, -100]), 3, 5, -100)
+        >>> check_targets(torch.tensor([5]), 1, 5, -100)
+        Traceback (most recent call last):
+        ...
+        ValueError: target 5 is outside the 5 classes [0, 5) and is not ignore_index (-100)
+    """
     if target.dtype not in (torch.int64, torch.int32) or target.shape != (rows,):
         raise ValueError(f"target must hold {rows} class indices (int64 or int32), got {target.dtype} "
                          f"{tuple(target.shape)}")

@@ -1,0 +1,68 @@
+"""``tpf.rl.logprobs``: what GRPO, DPO and on-policy distillation compute of a model's logits, each sampled token's
+log-probability under the sampler's temperature (and the distribution's entropy), on each rank's block of a
+vocabulary-parallel head's logits (``tpflow.ops.vocab_parallel_log_probs``): ``log_softmax(logits).gather(ids)`` on
+such logits would gather ``[tokens, vocabulary]`` on every rank, the memory the split was meant to save."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tpflow.global_tensor.cross_entropy import vocab_layout
+from tpflow.ops.log_probs import vocab_parallel_log_probs
+
+__all__ = ["logprobs"]
+
+
+def logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
+             ignore_index: int = -100, chunk: int = 256) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each token's log-probability, ``log_softmax(logits / temperature, -1).gather(-1, labels)``, and with
+    ``entropy`` the entropy of ``softmax(logits / temperature)`` at each position, differentiable, without the whole
+    vocabulary on any rank.
+
+    The logits are a model's output as it returns them: a global tensor split over the vocabulary (a
+    vocabulary-parallel head's, ``tpf.hf_plan(model, vocab_parallel=True)``), whole on every rank, or a plain tensor
+    (one device). Each rank reduces its block to four numbers per token, and one all-gather gives every rank every
+    token's log-probability; the backward writes only the block's gradient. Blocks of at most ``chunk`` tokens are
+    computed at once: beside the logits, a rank holds ``[chunk, vocabulary / W]`` at a time.
+
+    Args:
+        logits: ``[..., vocabulary]``, aligned with ``labels`` (for a causal LM's own tokens, the logits at
+            positions ``0 .. n - 2`` and the ids at ``1 .. n - 1``).
+        labels: ``[...]``: the token each position scores (a plain tensor, or a global one whose block is that), or
+            ``ignore_index``.
+        temperature: the logits are divided by it, as the sampler divided them; > 0.
+        entropy: also return each position's entropy.
+        ignore_index: a label whose log-probability is 0, with no gradient (a prompt's or padding's position).
+        chunk: positions computed at once.
+
+    Returns:
+        ``[...]`` log-probabilities (and ``[...]`` entropies), plain tensors, the same on every rank splitting the
+        vocabulary; fp32 (fp64 for fp64 logits).
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> whole, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+        >>> logits = tpf.tensor(whole, placement=P, sbp=tpf.sbp.split(2))     # 6 and 5 tokens of 11 per rank
+        >>> logp, entropy = tpf.rl.logprobs(logits, ids, temperature=0.8, entropy=True)
+        >>> want = torch.log_softmax(whole / 0.8, -1)
+        >>> torch.testing.assert_close(logp, want.gather(-1, ids[..., None])[..., 0])
+        >>> torch.testing.assert_close(entropy, -(want.exp() * want).sum(-1))
+    """
+    start, group = vocab_layout(logits) if isinstance(logits, DTensor) else (0, None)
+    vocabulary = logits.shape[-1]
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    labels = labels.to_local() if isinstance(labels, DTensor) else labels
+    if labels.shape != local.shape[:-1]:
+        raise ValueError(f"logprobs: labels {tuple(labels.shape)} must have the shape of the logits' positions on "
+                         f"this rank {tuple(local.shape[:-1])} (the vocabulary is the last dim; align them first: "
+                         f"logits[:, :-1] score ids[:, 1:])")
+    rows = local.reshape(math.prod(local.shape[:-1]), local.shape[-1])
+    logp, h = vocab_parallel_log_probs(rows, labels.reshape(-1), start=start, classes=vocabulary, group=group,
+                                       temperature=temperature, ignore_index=ignore_index, chunk=chunk)
+    logp = logp.reshape(labels.shape)
+    return (logp, h.reshape(labels.shape)) if entropy else logp
