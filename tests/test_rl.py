@@ -1,9 +1,10 @@
-"""``tpf.rl.logprobs``: each sampled token's log-probability and each position's entropy, computed as GRPO computes them
-(a causal LM's logits at positions 0 .. n - 2 against the ids at 1 .. n - 1, divided by the sampler's temperature, the
-prompt's positions ignored), on a parallelized model's logits split over the vocabulary or whole on every rank. Against
-one device, fp64: the log-probabilities, the entropies, and every parameter's gradient of a policy-gradient loss built
-of both (the experts' fp32 router rounds the MoE families' gradients), for Llama, Qwen3-MoE and gpt-oss at 1, 2 and 4
-ranks and a vocabulary the ranks do not divide evenly; bad input refused by name."""
+"""``tpf.rl.logprobs`` and ``tpf.rl.kl``: each sampled token's log-probability and each position's entropy, computed as
+GRPO computes them (a causal LM's logits at positions 0 .. n - 2 against the ids at 1 .. n - 1, divided by the sampler's
+temperature, the prompt's positions ignored), and on-policy distillation's KL divergence from a teacher's logits, on
+parallelized models' logits split over the vocabulary or whole on every rank. Against one device, fp64: the
+log-probabilities, the entropies, the KL divergences, and every parameter's gradient of a loss built of the three (the
+experts' fp32 router rounds the MoE families'), for Llama, Qwen3-MoE and gpt-oss at 1, 2 and 4 ranks and a vocabulary
+the ranks do not divide evenly; bad input refused by name."""
 
 from __future__ import annotations
 
@@ -28,21 +29,25 @@ def _model(kind: str) -> torch.nn.Module:
     return tiny_lm(kind) if kind == "llama" else tiny_moe(kind)
 
 
-def _scored(model: torch.nn.Module, ids: torch.Tensor, advantages: torch.Tensor,
+def _scored(model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor, advantages: torch.Tensor,
             split: bool = True) -> tuple[torch.Tensor, ...]:
-    """GRPO's per-token terms of ``model`` on ``ids``: log-probabilities and entropies of the completion's tokens,
-    and the policy-gradient loss of both, backward run (by ``tpf.rl.logprobs`` on a parallelized model, by torch's
-    ``log_softmax`` on one device)."""
+    """GRPO's per-token terms of ``model`` on ``ids`` (log-probabilities and entropies of the completion's tokens)
+    and on-policy distillation's (the KL divergence from ``teacher``), and a loss of the three, backward run: by
+    ``tpf.rl`` on parallelized models, by torch's ``log_softmax`` on one device."""
     logits = model(ids, use_cache=False).logits[:, :-1] / TEMPERATURE
+    with torch.no_grad():
+        taught = teacher(ids, use_cache=False).logits[:, :-1] / TEMPERATURE
     prompt = torch.arange(ids.shape[1] - 1) < PROMPT - 1
     if split:
         logp, entropy = tpf.rl.logprobs(logits, ids[:, 1:].masked_fill(prompt, -100), entropy=True, chunk=5)
+        kl = tpf.rl.kl(logits, taught, chunk=5)
     else:
-        every = torch.log_softmax(logits, -1)
+        every, other = torch.log_softmax(logits, -1), torch.log_softmax(taught, -1)
         logp = every.gather(-1, ids[:, 1:, None])[..., 0].masked_fill(prompt, 0.0)
         entropy = -(every.exp() * every).sum(-1)
-    (-(logp * advantages[:, None]).sum() - 0.01 * entropy.sum()).backward()
-    return logp.detach(), entropy.detach()
+        kl = (every.exp() * (every - other)).sum(-1)
+    (-(logp * advantages[:, None]).sum() - 0.01 * entropy.sum() + 0.1 * kl.sum()).backward()
+    return logp.detach(), entropy.detach(), kl.detach()
 
 
 def _logprobs(kinds: tuple[str, ...]) -> None:
@@ -53,19 +58,24 @@ def _logprobs(kinds: tuple[str, ...]) -> None:
     advantages = torch.tensor([1.0, -0.5], dtype=torch.float64)
     for kind in kinds:
         ref = _model(kind)
-        want = _scored(ref, ids, advantages, split=False)
+        teacher = copy.deepcopy(ref)
+        with torch.no_grad():
+            for p in teacher.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype) / 10)
+        want = _scored(ref, teacher, ids, advantages, split=False)
         for vocab_parallel in (True, False):
-            model = copy.deepcopy(ref)
+            plan = tpf.hf_plan(ref, vocab_parallel=vocab_parallel)
+            model, taught = copy.deepcopy(ref), copy.deepcopy(teacher)
             model.zero_grad(set_to_none=True)  # (the copy's gradients: one device's)
-            model = tpf.parallelize(model, placement=tpf.placement("cpu", ranks),
-                                    plan=tpf.hf_plan(ref, vocab_parallel=vocab_parallel))
+            model, taught = (tpf.parallelize(m, placement=tpf.placement("cpu", ranks), plan=plan)
+                             for m in (model, taught))
             what = f"{kind}, {len(ranks)} ranks, vocab_parallel={vocab_parallel}"
             if vocab_parallel and len(ranks) > 1:
                 assert tpf.get_sbp(model(ids[:, :2], use_cache=False).logits)[-1] == tpf.sbp.split(2), what
-            got = _scored(model, ids, advantages)
+            got = _scored(model, taught, ids, advantages)
             tol = 1e-10 if kind == "llama" else 1e-5  # (the experts' router's softmax is fp32 on one device too)
-            for g, w, name in zip(got, want, ("log-probabilities", "entropies")):
-                torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
+            for g, w, name in zip(got, want, ("log-probabilities", "entropies", "KL divergences")):
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
             assert (got[0][:, :PROMPT - 1] == 0).all(), what
             for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
                 if q.grad is None:
@@ -80,6 +90,21 @@ def test_logprobs_and_entropies_match_one_device(world):
     harness.run(world, _logprobs, FAMILIES if world == 2 else FAMILIES[:2], timeout=600)
 
 
+def _both_sides() -> None:
+    """``tpf.rl.kl``'s gradient in both logits (split unevenly: 6 and 5 of 11), against torch's."""
+    whole = [torch.randn(3, 4, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    split = [tpf.tensor(t, placement=tpf.placement("cpu", [0, 1]), sbp=tpf.sbp.split(2)).requires_grad_()
+             for t in whole]
+    weights = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    (tpf.rl.kl(*split, temperature=1.3, chunk=5) * weights).sum().backward()
+    for t in whole:
+        t.requires_grad_()
+    p, q = (torch.log_softmax(t / 1.3, -1) for t in whole)
+    ((p.exp() * (p - q)).sum(-1) * weights).sum().backward()
+    for got, want in zip(split, whole):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-12, atol=1e-12)
+
+
 def _refused() -> None:
     logits = tpf.randn(2, 4, 11, placement=tpf.placement("cpu", [0, 1]), sbp=tpf.sbp.split(2))
     labels = torch.zeros(2, 4, dtype=torch.long)
@@ -89,7 +114,10 @@ def _refused() -> None:
         tpf.rl.logprobs(logits, labels.index_fill(1, torch.tensor([2]), 11))
     with pytest.raises(ValueError, match=r"align them first: logits\[:, :-1\] score ids\[:, 1:\]"):
         tpf.rl.logprobs(logits, labels[:, 1:])
+    with pytest.raises(ValueError, match="must be laid out alike"):
+        tpf.rl.kl(logits, logits.full_tensor())
 
 
-def test_bad_input_is_refused_on_every_rank():
+def test_bad_input_is_refused_on_every_rank_and_kl_differentiates_both_sides():
     harness.run(2, _refused)
+    harness.run(2, _both_sides)

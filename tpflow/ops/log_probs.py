@@ -1,11 +1,14 @@
 """Per-token log-probabilities and entropies of logits split by classes (the vocabulary) across ranks, what RL
-post-training computes of its sampled tokens under the policy and a reference, on local blocks: no rank ever holds
-``[rows, classes]``, and no block larger than ``[chunk, classes / W]`` is made beside the logits themselves.
+post-training computes of its sampled tokens under the policy and a reference, and the KL divergence between two
+models' distributions (a teacher's, a reference's), on local blocks: no rank ever holds ``[rows, classes]``, and no
+block larger than ``[chunk, classes / W]`` is made beside the logits themselves.
 
     forward    z = logits / T, chunk by chunk: the block's max m, sum of exp s, sum of exp * z w, the target's z
                -> one all-gather of [4, rows] -> logsumexp, log p(target) = z_t - lse, entropy = lse - E_p[z]
     backward   d/dz = g_logp (onehot - p) - g_H p (z - lse + H), recomputed chunk by chunk from the saved
                logits and each row's lse and H (no communication)
+    kl         KL(p || q) = E_p[zp - zq] - lse_p + lse_q from [5, rows] (each side's max and sum of exp, and
+               sum of exp(zp) * (zp - zq)); d/dzp = p (zp - zq - E_p[zp - zq]), d/dzq = q - p
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.distributed as dist
 from tpflow import comm
 from tpflow.ops.cross_entropy import check_targets
 
-__all__ = ["vocab_parallel_log_probs"]
+__all__ = ["vocab_parallel_kl", "vocab_parallel_log_probs"]
 
 
 def _block_stats(z: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
@@ -33,19 +36,28 @@ def _block_stats(z: torch.Tensor, target: torch.Tensor, start: int) -> torch.Ten
     return torch.stack((m, e.sum(-1), (e * z).sum(-1), picked))
 
 
-def _combined(stats: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor]:
-    """Every rank's ``[4, rows]`` stats -> each row's logsumexp, target ``z`` and entropy over all classes."""
-    if group is not None and dist.get_world_size(group) > 1:
-        stats = comm.all_gather(stats[None], 0, [(r, r + 1) for r in range(dist.get_world_size(group))], group)
-    else:
-        stats = stats[None]
-    m, s, w, picked = stats.unbind(1)  # [W, rows] each
+def _gathered(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``[n, rows]`` stats, ``[W, n, rows]``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return stats[None]
+    return comm.all_gather(stats[None], 0, [(r, r + 1) for r in range(dist.get_world_size(group))], group)
+
+
+def _lse(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks' ``[W, rows]`` maxima, sums of ``exp(z - max)`` and of ``exp(z - max) * v`` -> each row's logsumexp
+    and ``E_softmax(z)[v]``."""
     top = m.max(0).values
     scale = torch.exp(m - top)  # an empty block: exp(-inf) = 0
     total = (s * scale).sum(0)
-    lse = top + torch.log(total)
-    return lse, picked.sum(0), lse - (w * scale).sum(0) / total
+    return top + torch.log(total), (w * scale).sum(0) / total
+
+
+def _combined(stats: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """Every rank's ``[4, rows]`` stats -> each row's logsumexp, target ``z`` and entropy over all classes."""
+    m, s, w, picked = _gathered(stats, group).unbind(1)  # [W, rows] each
+    lse, mean = _lse(m, s, w)
+    return lse, picked.sum(0), lse - mean
 
 
 class _LogProbs(torch.autograd.Function):
@@ -122,3 +134,76 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, *, star
         raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
     check_targets(target, logits.shape[0], classes, ignore_index)
     return _LogProbs.apply(logits, target, start, group, float(temperature), ignore_index, chunk)
+
+
+def _kl_stats(zp: torch.Tensor, zq: torch.Tensor) -> torch.Tensor:
+    """``[5, rows]``: each side's block max and sum of ``exp(z - max)``, and ``sum exp(zp - max) * (zp - zq)``."""
+    if zp.shape[1] == 0:
+        zero = zp.new_zeros(zp.shape[0])
+        return torch.stack((torch.full_like(zero, -torch.inf), zero, zero, torch.full_like(zero, -torch.inf), zero))
+    mp, mq = zp.max(-1).values, zq.max(-1).values
+    ep = torch.exp(zp - mp[:, None])
+    return torch.stack((mp, ep.sum(-1), (ep * (zp - zq)).sum(-1), mq, torch.exp(zq - mq[:, None]).sum(-1)))
+
+
+class _KL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p_logits, q_logits, group, temperature, chunk):
+        wide = torch.promote_types(p_logits.dtype, torch.float32)
+        stats = torch.cat([_kl_stats(p_logits[i:i + chunk].to(wide) / temperature,
+                                     q_logits[i:i + chunk].to(wide) / temperature)
+                           for i in range(0, p_logits.shape[0], chunk)], 1) if p_logits.shape[0] else \
+            p_logits.new_zeros(5, 0, dtype=wide)
+        mp, sp, w, mq, sq = _gathered(stats, group).unbind(1)
+        lse_p, mean = _lse(mp, sp, w)
+        lse_q = _lse(mq, sq, sq)[0]
+        kl = mean - lse_p + lse_q
+        ctx.save_for_backward(p_logits, q_logits, lse_p, lse_q, mean)
+        ctx.args = temperature, chunk
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        p_logits, q_logits, lse_p, lse_q, mean = ctx.saved_tensors
+        temperature, chunk = ctx.args
+        dp, dq = (torch.empty_like(t) if n else None for t, n in zip((p_logits, q_logits), ctx.needs_input_grad))
+        for i in range(0, p_logits.shape[0], chunk):
+            rows = slice(i, i + chunk)
+            zp, zq = (t[rows].to(lse_p.dtype) / temperature for t in (p_logits, q_logits))
+            p, g = torch.exp(zp - lse_p[rows, None]), grad[rows, None] / temperature
+            if dp is not None:
+                dp[rows] = (g * p * (zp - zq - mean[rows, None])).to(dp.dtype)
+            if dq is not None:
+                dq[rows] = (g * (torch.exp(zq - lse_q[rows, None]) - p)).to(dq.dtype)
+        return dp, dq, None, None, None
+
+
+def vocab_parallel_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, *, group: dist.ProcessGroup | None,
+                      temperature: float = 1.0, chunk: int = 256) -> torch.Tensor:
+    """Each row's ``KL(p || q)`` of ``p = softmax(whole p_logits / temperature)`` and ``q = softmax(whole q_logits /
+    temperature)``, from this rank's block of the classes of both (the same block), differentiable in both.
+
+    Args:
+        p_logits: ``[rows, block]``: the distribution the expectation is under (a student's, the policy's).
+        q_logits: ``[rows, block]``: the other (a teacher's, a reference's).
+        group: the ranks holding the other blocks (None: this rank holds every class).
+        temperature: both logits are divided by it, > 0.
+        chunk: rows of a block computed at once.
+
+    Returns:
+        ``[rows]`` in fp32 (fp64 for fp64 logits).
+
+    Example::
+
+        >>> x, y = torch.randn(6, 50, dtype=torch.float64), torch.randn(6, 50, dtype=torch.float64)
+        >>> p, q = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
+        >>> torch.testing.assert_close(vocab_parallel_kl(x, y, group=None), (p.exp() * (p - q)).sum(-1))
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
+    if p_logits.shape != q_logits.shape:
+        raise ValueError(f"the two logits must hold the same rows and classes, got {tuple(p_logits.shape)} and "
+                         f"{tuple(q_logits.shape)}")
+    return _KL.apply(p_logits, q_logits, group, float(temperature), chunk)

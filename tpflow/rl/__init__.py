@@ -1,8 +1,9 @@
 """Reinforcement-learning post-training on parallelized models: per-token log-probabilities and entropies of
-sampled tokens computed on the vocabulary-split logits a parallelized model returns, without gathering them."""
+sampled tokens, and the KL divergence between two models' distributions, computed on the vocabulary-split logits a
+parallelized model returns, without gathering them."""
 
 from __future__ import annotations
 
-from tpflow.rl.logprobs import logprobs
+from tpflow.rl.logprobs import kl, logprobs
 
-__all__ = ["logprobs"]
+__all__ = ["kl", "logprobs"]

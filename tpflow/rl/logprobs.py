@@ -1,7 +1,8 @@
-"""``tpf.rl.logprobs``: what GRPO, DPO and on-policy distillation compute of a model's logits, each sampled token's
-log-probability under the sampler's temperature (and the distribution's entropy), on each rank's block of a
-vocabulary-parallel head's logits (``tpflow.ops.vocab_parallel_log_probs``): ``log_softmax(logits).gather(ids)`` on
-such logits would gather ``[tokens, vocabulary]`` on every rank, the memory the split was meant to save."""
+"""``tpf.rl.logprobs`` and ``tpf.rl.kl``: what GRPO, DPO and on-policy distillation compute of a model's logits,
+each sampled token's log-probability under the sampler's temperature (and the distribution's entropy), and the KL
+divergence from a teacher's or a reference's distribution, on each rank's block of a vocabulary-parallel head's
+logits (``tpflow.ops.log_probs``): ``log_softmax(logits).gather(ids)`` on such logits would gather ``[tokens,
+vocabulary]`` on every rank, the memory the split was meant to save."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tpflow.global_tensor.cross_entropy import vocab_layout
-from tpflow.ops.log_probs import vocab_parallel_log_probs
+from tpflow.ops.log_probs import vocab_parallel_kl, vocab_parallel_log_probs
 
-__all__ = ["logprobs"]
+__all__ = ["kl", "logprobs"]
 
 
 def logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
@@ -66,3 +67,38 @@ def logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float =
                                        temperature=temperature, ignore_index=ignore_index, chunk=chunk)
     logp = logp.reshape(labels.shape)
     return (logp, h.reshape(labels.shape)) if entropy else logp
+
+
+def kl(logits: torch.Tensor, reference: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256) -> torch.Tensor:
+    """Each position's ``KL(p || q)``, ``p = softmax(logits / temperature)`` (the policy's, a student's) and ``q =
+    softmax(reference / temperature)`` (a reference model's, a teacher's), differentiable in both, without the whole
+    vocabulary on any rank: on-policy distillation's loss, or a KL penalty over the whole distribution.
+
+    Args:
+        logits: ``[..., vocabulary]``: a global tensor split over the vocabulary (or whole), or a plain tensor.
+        reference: the other model's, laid out alike (two models parallelized with the same plan and placement).
+        temperature: both are divided by it; > 0.
+        chunk: positions computed at once.
+
+    Returns:
+        ``[...]``, a plain tensor, the same on every rank splitting the vocabulary; fp32 (fp64 for fp64 logits).
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> a, b = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+        >>> got = tpf.rl.kl(*(tpf.tensor(t, placement=P, sbp=tpf.sbp.split(2)) for t in (a, b)))
+        >>> p, q = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+        >>> torch.testing.assert_close(got, (p.exp() * (p - q)).sum(-1))
+    """
+    layouts = [vocab_layout(t) if isinstance(t, DTensor) else (0, None) for t in (logits, reference)]
+    if layouts[0] != layouts[1] or logits.shape != reference.shape:
+        raise ValueError(f"kl: the logits {tuple(logits.shape)} and the reference {tuple(reference.shape)} must be "
+                         f"laid out alike (the same vocabulary block on this rank: parallelize both models with the "
+                         f"same plan and placement)")
+    p, q = (t.to_local() if isinstance(t, DTensor) else t for t in (logits, reference))
+    rows = math.prod(p.shape[:-1])
+    out = vocab_parallel_kl(p.reshape(rows, p.shape[-1]), q.reshape(rows, q.shape[-1]), group=layouts[0][1],
+                            temperature=temperature, chunk=chunk)
+    return out.reshape(p.shape[:-1])
