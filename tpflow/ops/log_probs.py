@@ -13,6 +13,9 @@ block larger than ``[chunk, classes / W]`` is made beside the logits themselves.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +23,19 @@ from tpflow import comm
 from tpflow.ops.cross_entropy import check_targets
 
 __all__ = ["vocab_parallel_kl", "vocab_parallel_log_probs"]
+
+
+def _pieces(t: torch.Tensor, chunk: int) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``t`` (``[..., block]``) in views of at most ``chunk`` rows, row-major, each with its rows' slice of the
+    flattened rows: a sliced block (``logits[:, :-1]``) is read where it lies, never copied whole to flatten it."""
+    if t.dim() == 2:
+        for i in range(0, t.shape[0], chunk):
+            yield slice(i, i + min(chunk, t.shape[0] - i)), t[i:i + chunk]
+        return
+    per = math.prod(t.shape[1:-1])
+    for b, sub in enumerate(t):
+        for rows, piece in _pieces(sub, chunk):
+            yield slice(b * per + rows.start, b * per + rows.stop), piece
 
 
 def _block_stats(z: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
@@ -64,9 +80,9 @@ class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, start, group, temperature, ignore_index, chunk):
         wide = torch.promote_types(logits.dtype, torch.float32)
-        stats = torch.cat([_block_stats(logits[i:i + chunk].to(wide) / temperature, target[i:i + chunk], start)
-                           for i in range(0, logits.shape[0], chunk)], 1) if logits.shape[0] else \
-            logits.new_zeros(4, 0, dtype=wide)
+        stats = torch.cat([logits.new_zeros(4, 0, dtype=wide)] + [
+            _block_stats(piece.to(wide) / temperature, target[rows], start) for rows, piece in _pieces(logits, chunk)],
+            1)
         lse, picked, entropy = _combined(stats, group)
         valid = target != ignore_index
         ctx.save_for_backward(logits, target, lse, entropy)
@@ -79,9 +95,8 @@ class _LogProbs(torch.autograd.Function):
         start, temperature, ignore_index, chunk = ctx.args
         grad = torch.empty_like(logits)
         valid = target != ignore_index
-        for i in range(0, logits.shape[0], chunk):
-            rows = slice(i, i + chunk)
-            z = logits[rows].to(lse.dtype) / temperature
+        for (rows, piece), (_, out) in zip(_pieces(logits, chunk), _pieces(grad, chunk)):
+            z = piece.to(lse.dtype) / temperature
             p = torch.exp(z - lse[rows, None])
             g = torch.zeros_like(z)
             if grad_logp is not None:
@@ -92,7 +107,7 @@ class _LogProbs(torch.autograd.Function):
                 g[mine, local[mine]] += g_t[mine]
             if grad_entropy is not None:
                 g -= grad_entropy[rows, None] * p * (z - lse[rows, None] + entropy[rows, None])
-            grad[rows] = (g / temperature).to(logits.dtype)
+            out.copy_(g / temperature)
         return grad, *(None,) * 6
 
 
@@ -107,8 +122,8 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, *, star
     gradient, ``chunk`` rows at a time.
 
     Args:
-        logits: ``[rows, block]``: classes ``[start, start + block)`` of each row.
-        target: ``[rows]`` class indices in ``[0, classes)``, or ``ignore_index``.
+        logits: ``[..., block]``: classes ``[start, start + block)`` of each row (a view is read where it lies).
+        target: ``[rows]``, the rows flattened: class indices in ``[0, classes)``, or ``ignore_index``.
         start: the block's first class.
         classes: the number of classes over all ranks.
         group: the ranks holding the other blocks (None: this rank holds every class).
@@ -117,7 +132,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, *, star
         chunk: rows of a block computed at once.
 
     Returns:
-        ``(log_probs, entropy)``, each ``[rows]`` in fp32 (fp64 for fp64 logits).
+        ``(log_probs, entropy)``, each ``[rows]`` (the rows flattened) in fp32 (fp64 for fp64 logits).
 
     Example::
 
@@ -132,7 +147,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, *, star
                          f"defined (sample with a temperature, or score at temperature=1.0)")
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
-    check_targets(target, logits.shape[0], classes, ignore_index)
+    check_targets(target, math.prod(logits.shape[:-1]), classes, ignore_index)
     return _LogProbs.apply(logits, target, start, group, float(temperature), ignore_index, chunk)
 
 
@@ -150,31 +165,29 @@ class _KL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p_logits, q_logits, group, temperature, chunk):
         wide = torch.promote_types(p_logits.dtype, torch.float32)
-        stats = torch.cat([_kl_stats(p_logits[i:i + chunk].to(wide) / temperature,
-                                     q_logits[i:i + chunk].to(wide) / temperature)
-                           for i in range(0, p_logits.shape[0], chunk)], 1) if p_logits.shape[0] else \
-            p_logits.new_zeros(5, 0, dtype=wide)
+        stats = torch.cat([p_logits.new_zeros(5, 0, dtype=wide)] + [
+            _kl_stats(p.to(wide) / temperature, q.to(wide) / temperature)
+            for (_, p), (_, q) in zip(_pieces(p_logits, chunk), _pieces(q_logits, chunk))], 1)
         mp, sp, w, mq, sq = _gathered(stats, group).unbind(1)
         lse_p, mean = _lse(mp, sp, w)
         lse_q = _lse(mq, sq, sq)[0]
-        kl = mean - lse_p + lse_q
         ctx.save_for_backward(p_logits, q_logits, lse_p, lse_q, mean)
         ctx.args = temperature, chunk
-        return kl
+        return mean - lse_p + lse_q
 
     @staticmethod
     def backward(ctx, grad):
         p_logits, q_logits, lse_p, lse_q, mean = ctx.saved_tensors
         temperature, chunk = ctx.args
         dp, dq = (torch.empty_like(t) if n else None for t, n in zip((p_logits, q_logits), ctx.needs_input_grad))
-        for i in range(0, p_logits.shape[0], chunk):
-            rows = slice(i, i + chunk)
-            zp, zq = (t[rows].to(lse_p.dtype) / temperature for t in (p_logits, q_logits))
+        outs = [_pieces(d, chunk) if d is not None else None for d in (dp, dq)]
+        for (rows, p_piece), (_, q_piece) in zip(_pieces(p_logits, chunk), _pieces(q_logits, chunk)):
+            zp, zq = (t.to(lse_p.dtype) / temperature for t in (p_piece, q_piece))
             p, g = torch.exp(zp - lse_p[rows, None]), grad[rows, None] / temperature
             if dp is not None:
-                dp[rows] = (g * p * (zp - zq - mean[rows, None])).to(dp.dtype)
+                next(outs[0])[1].copy_(g * p * (zp - zq - mean[rows, None]))
             if dq is not None:
-                dq[rows] = (g * (torch.exp(zq - lse_q[rows, None]) - p)).to(dq.dtype)
+                next(outs[1])[1].copy_(g * (torch.exp(zq - lse_q[rows, None]) - p))
         return dp, dq, None, None, None
 
 
@@ -184,14 +197,14 @@ def vocab_parallel_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, *, group: 
     temperature)``, from this rank's block of the classes of both (the same block), differentiable in both.
 
     Args:
-        p_logits: ``[rows, block]``: the distribution the expectation is under (a student's, the policy's).
-        q_logits: ``[rows, block]``: the other (a teacher's, a reference's).
+        p_logits: ``[..., block]``: the distribution the expectation is under (a student's, the policy's).
+        q_logits: ``[..., block]``: the other (a teacher's, a reference's).
         group: the ranks holding the other blocks (None: this rank holds every class).
         temperature: both logits are divided by it, > 0.
         chunk: rows of a block computed at once.
 
     Returns:
-        ``[rows]`` in fp32 (fp64 for fp64 logits).
+        ``[rows]``, the rows flattened, in fp32 (fp64 for fp64 logits).
 
     Example::
 

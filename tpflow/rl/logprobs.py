@@ -6,8 +6,6 @@ vocabulary]`` on every rank, the memory the split was meant to save."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -27,7 +25,8 @@ def logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float =
     vocabulary-parallel head's, ``tpf.hf_plan(model, vocab_parallel=True)``), whole on every rank, or a plain tensor
     (one device). Each rank reduces its block to four numbers per token, and one all-gather gives every rank every
     token's log-probability; the backward writes only the block's gradient. Blocks of at most ``chunk`` tokens are
-    computed at once: beside the logits, a rank holds ``[chunk, vocabulary / W]`` at a time.
+    computed at once: beside the logits (read where they lie, a slice of them too), a rank holds ``[chunk,
+    vocabulary / W]`` at a time.
 
     Args:
         logits: ``[..., vocabulary]``, aligned with ``labels`` (for a causal LM's own tokens, the logits at
@@ -62,8 +61,7 @@ def logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float =
         raise ValueError(f"logprobs: labels {tuple(labels.shape)} must have the shape of the logits' positions on "
                          f"this rank {tuple(local.shape[:-1])} (the vocabulary is the last dim; align them first: "
                          f"logits[:, :-1] score ids[:, 1:])")
-    rows = local.reshape(math.prod(local.shape[:-1]), local.shape[-1])
-    logp, h = vocab_parallel_log_probs(rows, labels.reshape(-1), start=start, classes=vocabulary, group=group,
+    logp, h = vocab_parallel_log_probs(local, labels.reshape(-1), start=start, classes=vocabulary, group=group,
                                        temperature=temperature, ignore_index=ignore_index, chunk=chunk)
     logp = logp.reshape(labels.shape)
     return (logp, h.reshape(labels.shape)) if entropy else logp
@@ -98,7 +96,4 @@ def kl(logits: torch.Tensor, reference: torch.Tensor, *, temperature: float = 1.
                          f"laid out alike (the same vocabulary block on this rank: parallelize both models with the "
                          f"same plan and placement)")
     p, q = (t.to_local() if isinstance(t, DTensor) else t for t in (logits, reference))
-    rows = math.prod(p.shape[:-1])
-    out = vocab_parallel_kl(p.reshape(rows, p.shape[-1]), q.reshape(rows, q.shape[-1]), group=layouts[0][1],
-                            temperature=temperature, chunk=chunk)
-    return out.reshape(p.shape[:-1])
+    return vocab_parallel_kl(p, q, group=layouts[0][1], temperature=temperature, chunk=chunk).reshape(p.shape[:-1])
