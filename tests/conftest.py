@@ -60,6 +60,8 @@ class Launches:
                     f"benchmarks/collective_cpu.py gloo --size 64 --reps 1 --out {self.folder('collectives')}",
                     f"benchmarks/vocab_cpu.py --vocab 101 --tokens 16 --hidden 8 --chunk 4 --reps 1 --out "
                     f"{self.folder('vocab')}",
+                    f"benchmarks/rl_cpu.py --vocab 101 --tokens 16 --hidden 8 --chunk 4 --reps 1 --out "
+                    f"{self.folder('rl')}",
                     f"benchmarks/loading_cpu.py --dir {self.folder('model')} --out {self.folder('loading')}",
                     f"benchmarks/context_cpu.py train --tokens 32 --hidden 16 --layers 1 --reps 1 --out "
                     f"{self.folder('context')}",

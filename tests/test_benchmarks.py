@@ -24,7 +24,7 @@ def test_pytest_benchmark_suites_run():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"),
+@pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"), (2, "rl"),
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
                                          (2, "context-packed"),
                                          (2, "decode"), (2, "shm"), (2, "heap"), (2, "loaded"), (2, "trainer"),
@@ -48,6 +48,8 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
                                         "whole-sequence ring"], text
         assert all(r[8] == "1.000" for r in rows if r[1] != "one device"), text
         assert all(abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows if r[1] in ("ring", "ulysses")), text
+    if name == "rl":  # both ways timed, with the same log-probabilities
+        assert text.count("| True |") == 2 and "| tpf.rl |" in text, text
     if name == "decode":  # tpflow's tokens equal transformers' and one device's
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "shm":  # both transports measured at every size
