@@ -20,7 +20,8 @@ from tpflow.ops.context_attention import Segments, ring_attention, ulysses_atten
 from tpflow.placement import Placement
 from tpflow.sbp import chunk_bounds
 
-__all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_group", "register", "visible"]
+__all__ = ["IMPLEMENTATION", "ULYSSES_ORIGINALS", "Batch", "attach", "context_group", "picks_by_mask", "register",
+           "visible"]
 
 IMPLEMENTATION = "tpflow_context"  # the attention implementation's name in transformers' AttentionInterface
 _STATE = "_tpflow_context"
