@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
-import time
+import functools
 
 import torch
 import torch.distributed as dist
 
 import tpflow as tpf
 from benchmarks.collective_cpu import write
-from benchmarks.vocab_cpu import reset_peak, resident
-from tpflow.bench.measure import every_rank, step_times
+from benchmarks.vocab_cpu import peak_and_time
 
 METHODS = ("gathered", "tpf.rl")
 TEMPERATURE = 0.7
@@ -71,27 +69,8 @@ def run(args) -> None:
         hidden = torch.randn(args.tokens, args.hidden, generator=gen).requires_grad_()
         target = torch.randint(0, vocab, (args.tokens,), generator=gen)
         block = args.tokens * -(-vocab // world) * 4
-        results = {}
-        for method, head in heads.items():
-            head.weight.requires_grad_(False)
-            _loss(method, head, hidden, target, args.chunk)[0].backward()  # warm-up: lazy set-up is not the loss's
-            hidden.grad = None
-            reset_peak()
-            before, _ = resident()
-            loss, logp = _loss(method, head, hidden, target, args.chunk)
-            loss.backward()
-            peak = resident()[1] - before
-            del loss
-            hidden.grad = None
-            head.weight.requires_grad_(True)
-            times = []
-            for _ in range(args.reps + 1):
-                start = time.perf_counter()
-                _loss(method, head, hidden, target, args.chunk)[0].backward()
-                times.append(time.perf_counter() - start)
-                hidden.grad = head.weight.grad = None
-            results[method] = (every_rank([float(peak)]).max().item(), statistics.median(step_times(times[1:])),
-                               logp)
+        results = {method: peak_and_time(functools.partial(_loss, method, head, hidden, target, args.chunk), head,
+                                         hidden, args.reps) for method, head in heads.items()}
         base_peak, base_time, base_logp = results["gathered"]
         for method, (peak, seconds, logp) in results.items():
             lines.append(f"| {vocab:,} | {method} | {peak / 2**20:,.0f} | {peak / base_peak:.3f} | "

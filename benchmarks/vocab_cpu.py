@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,47 @@ def _loss(method: str, head, hidden, target, chunk: int) -> torch.Tensor:
     return tpf.linear_cross_entropy(hidden, head, target, chunk=chunk)
 
 
+def _kept(method: str, head, hidden, target, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss, and its value kept."""
+    loss = _loss(method, head, hidden, target, chunk)
+    return loss, loss.detach()
+
+
+def peak_and_time(step: Callable[[], tuple[torch.Tensor, object]], head: torch.nn.Module, hidden: torch.Tensor,
+                  reps: int) -> tuple[float, float, object]:
+    """A head's loss measured as the module docstring says: the most host memory any rank gains over one forward +
+    backward of ``step`` (which returns the loss and a value to keep) with the head's weight frozen, the median time
+    of ``reps`` steps with it trained after a warm-up on the slowest rank, and the measured step's value.
+
+    Args:
+        step: computes the loss (from ``hidden``, through ``head``) and a value to keep.
+        head: the head, whose weight is frozen for the peak.
+        hidden: the head's input, whose gradient is dropped after each step.
+        reps: timed steps.
+
+    Returns:
+        ``(peak bytes, median seconds, value)``.
+    """
+    head.weight.requires_grad_(False)
+    step()[0].backward()  # warm-up: lazy set-up is not the loss's
+    hidden.grad = None
+    reset_peak()
+    before, _ = resident()
+    loss, value = step()
+    loss.backward()
+    peak = resident()[1] - before
+    del loss
+    hidden.grad = None
+    head.weight.requires_grad_(True)
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        step()[0].backward()
+        times.append(time.perf_counter() - start)
+        hidden.grad = head.weight.grad = None
+    return every_rank([float(peak)]).max().item(), statistics.median(step_times(times[1:])), value
+
+
 def _heads(vocab: int, hidden: int, P) -> dict:
     torch.manual_seed(0)
     vp = tpf.ColumnParallelLinear(hidden, vocab, bias=False, placement=P, global_output=True)
@@ -86,27 +129,9 @@ def run(args) -> None:
         target = torch.randint(0, vocab, (args.tokens,), generator=gen)
         results = {}
         for method in METHODS:
-            head = heads[method]
-            head.weight.requires_grad_(False)
-            _loss(method, head, hidden, target, args.chunk).backward()  # warm-up: lazy set-up is not the loss's
-            hidden.grad = None
-            reset_peak()
-            before, _ = resident()
-            loss = _loss(method, head, hidden, target, args.chunk)
-            loss.backward()
-            peak = resident()[1] - before
-            value = loss.item()
-            del loss
-            hidden.grad = None
-            head.weight.requires_grad_(True)
-            times = []
-            for _ in range(args.reps + 1):
-                start = time.perf_counter()
-                _loss(method, head, hidden, target, args.chunk).backward()
-                times.append(time.perf_counter() - start)
-                hidden.grad = head.weight.grad = None
-            peak_all = every_rank([float(peak)]).max().item()
-            results[method] = (peak_all, statistics.median(step_times(times[1:])), value)
+            step = functools.partial(_kept, method, heads[method], hidden, target, args.chunk)
+            peak, seconds, loss = peak_and_time(step, heads[method], hidden, args.reps)
+            results[method] = (peak, seconds, loss.item())
         base_peak, base_time, base_loss = results["gathered"]
         for method, (peak, seconds, value) in results.items():
             lines.append(f"| {vocab:,} | {method} | {peak / 2**20:,.0f} | {peak / base_peak:.3f} | "
