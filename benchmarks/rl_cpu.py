@@ -21,7 +21,6 @@ slowest rank. Each run is appended to ``benchmarks/results/rl_<cpu>_<date>.md``.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
 
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 import tpflow as tpf
 from benchmarks.collective_cpu import write
-from benchmarks.vocab_cpu import peak_and_time
+from benchmarks.vocab_cpu import head_arguments, peak_and_time
 
 METHODS = ("gathered", "tpf.rl")
 TEMPERATURE = 0.7
@@ -85,15 +84,9 @@ def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, nargs="+", default=[152064])
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results")
+    args = head_arguments(__doc__.splitlines()[0], [152064])
     tpf.init_distributed()
-    run(parser.parse_args())
+    run(args)
 
 
 if __name__ == "__main__":

@@ -143,16 +143,23 @@ def run(args) -> None:
         print(f"appended to {write('vocab', lines, args.out)}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 152064])
+def head_arguments(description: str, vocab: list[int]) -> argparse.Namespace:
+    """The command line of a benchmark of a vocabulary head: ``--vocab`` (default ``vocab``), ``--tokens``,
+    ``--hidden``, ``--chunk``, ``--reps``, ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--vocab", type=int, nargs="+", default=vocab)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = head_arguments(__doc__.splitlines()[0], [32000, 152064])
     tpf.init_distributed()
-    run(parser.parse_args())
+    run(args)
 
 
 if __name__ == "__main__":
