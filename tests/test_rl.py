@@ -3,8 +3,8 @@ GRPO computes them (a causal LM's logits at positions 0 .. n - 2 against the ids
 temperature, the prompt's positions ignored), and on-policy distillation's KL divergence from a teacher's logits, on
 parallelized models' logits split over the vocabulary or whole on every rank. Against one device, fp64: the
 log-probabilities, the entropies, the KL divergences, and every parameter's gradient of a loss built of the three (the
-experts' fp32 router rounds the MoE families'), for Llama, Qwen3-MoE and gpt-oss at 1, 2 and 4 ranks and a vocabulary
-the ranks do not divide evenly; bad input refused by name."""
+experts' fp32 router rounds the MoE families') and every parameter after two AdamW steps with clipping, for Llama,
+Qwen3-MoE and gpt-oss at 1, 2 and 4 ranks and a vocabulary the ranks do not divide evenly; bad input refused by name."""
 
 from __future__ import annotations
 
@@ -66,7 +66,6 @@ def _logprobs(kinds: tuple[str, ...]) -> None:
         for vocab_parallel in (True, False):
             plan = tpf.hf_plan(ref, vocab_parallel=vocab_parallel)
             model, taught = copy.deepcopy(ref), copy.deepcopy(teacher)
-            model.zero_grad(set_to_none=True)  # (the copy's gradients: one device's)
             model, taught = (tpf.parallelize(m, placement=tpf.placement("cpu", ranks), plan=plan)
                              for m in (model, taught))
             what = f"{kind}, {len(ranks)} ranks, vocab_parallel={vocab_parallel}"
@@ -83,6 +82,28 @@ def _logprobs(kinds: tuple[str, ...]) -> None:
                     continue
                 torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=tol, atol=tol,
                                            msg=lambda m, n=name, w=what: f"{w} {n}'s gradient: {m}")
+            alone = copy.deepcopy(ref)  # (deepcopy leaves the gradients behind)
+            for a, q in zip(alone.parameters(), ref.parameters(), strict=True):
+                a.grad = None if q.grad is None else q.grad.clone()
+            _same_steps(model, alone, taught, teacher, ids, advantages, what)
+
+
+def _same_steps(model, alone, taught, teacher, ids, advantages, what: str) -> None:
+    """Two AdamW steps with clipping that bites, from the gradients ``model`` and ``alone`` (one device's, the same
+    values) hold: every parameter as one device's after them."""
+    from tests.models import ShardAdamW
+    from tpflow.models.check import STEP_TOLERANCE
+
+    opts = [ShardAdamW(m, lr=1e-2, eps=1e-4) for m in (model, alone)]
+    for step in range(2):
+        if step:
+            _scored(model, taught, ids, advantages)
+            _scored(alone, teacher, ids, advantages, split=False)
+        for opt in opts:
+            opt.step(0.5)
+    for (name, p), q in zip(model.named_parameters(), alone.parameters(), strict=True):
+        off = (p.detach().full_tensor() - q.detach()).abs().max() / max(q.detach().abs().max().item(), 1e-6)
+        assert off <= STEP_TOLERANCE, f"{what} {name} after AdamW: {off:.1e} off"
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
