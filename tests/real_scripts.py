@@ -337,5 +337,7 @@ def trl_trainer(kind: str, model_path: str, output_dir: str, layout: str | None 
         tpf.adopt(trainer)  # the documented line
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
+    reference = getattr(trainer, "ref_model", None)  # GRPO's with beta > 0, DPO's: TRL builds it whole
     return {"history": [{k: v for k, v in h.items() if not k.endswith(("runtime", "per_second", "total_flos"))}
-                        for h in trainer.state.log_history], "params": whole(model), "held": held(model)}
+                        for h in trainer.state.log_history], "params": whole(model), "held": held(model),
+            "held_reference": None if reference is None else held(reference)}

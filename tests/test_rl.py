@@ -9,6 +9,7 @@ Qwen3-MoE and gpt-oss at 1, 2 and 4 ranks and a vocabulary the ranks do not divi
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -38,16 +39,23 @@ def _scored(model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor,
     with torch.no_grad():
         taught = teacher(ids, use_cache=False).logits[:, :-1] / TEMPERATURE
     prompt = torch.arange(ids.shape[1] - 1) < PROMPT - 1
+    hidden = model.model(ids, use_cache=False).last_hidden_state[:, :-1]  # for the head's product made in chunks
     if split:
-        logp, entropy = tpf.rl.logprobs(logits, ids[:, 1:].masked_fill(prompt, -100), entropy=True, chunk=5)
+        labels = ids[:, 1:].masked_fill(prompt, -100)
+        logp, entropy = tpf.rl.logprobs(logits, labels, entropy=True, chunk=5)
         kl = tpf.rl.kl(logits, taught, chunk=5)
+        fused = tpf.rl.linear_logprobs(hidden, model.get_output_embeddings(), labels, temperature=TEMPERATURE,
+                                       entropy=True, chunk=5)
     else:
         every, other = torch.log_softmax(logits, -1), torch.log_softmax(taught, -1)
         logp = every.gather(-1, ids[:, 1:, None])[..., 0].masked_fill(prompt, 0.0)
         entropy = -(every.exp() * every).sum(-1)
         kl = (every.exp() * (every - other)).sum(-1)
-    (-(logp * advantages[:, None]).sum() - 0.01 * entropy.sum() + 0.1 * kl.sum()).backward()
-    return logp.detach(), entropy.detach(), kl.detach()
+        again = torch.log_softmax(model.get_output_embeddings()(hidden) / TEMPERATURE, -1)
+        fused = again.gather(-1, ids[:, 1:, None])[..., 0].masked_fill(prompt, 0.0), -(again.exp() * again).sum(-1)
+    (-(logp * advantages[:, None]).sum() - 0.01 * entropy.sum() + 0.1 * kl.sum() - 0.3 * (fused[0] * advantages.flip(
+        0)[:, None]).sum() - 0.02 * fused[1].sum()).backward()
+    return logp.detach(), entropy.detach(), kl.detach(), fused[0].detach(), fused[1].detach()
 
 
 def _logprobs(kinds: tuple[str, ...]) -> None:
@@ -73,7 +81,8 @@ def _logprobs(kinds: tuple[str, ...]) -> None:
                 assert tpf.get_sbp(model(ids[:, :2], use_cache=False).logits)[-1] == tpf.sbp.split(2), what
             got = _scored(model, taught, ids, advantages)
             tol = 1e-10 if kind == "llama" else 1e-5  # (the experts' router's softmax is fp32 on one device too)
-            for g, w, name in zip(got, want, ("log-probabilities", "entropies", "KL divergences")):
+            for g, w, name in zip(got, want, ("log-probabilities", "entropies", "KL divergences",
+                                              "fused head's log-probabilities", "fused head's entropies")):
                 torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
             assert (got[0][:, :PROMPT - 1] == 0).all(), what
             for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
@@ -142,3 +151,49 @@ def _refused() -> None:
 def test_bad_input_is_refused_on_every_rank_and_kl_differentiates_both_sides():
     harness.run(2, _refused)
     harness.run(2, _both_sides)
+
+
+def _trl_fused_head() -> None:
+    """TRL's fused head (``add_fused_lm_head``, what its GRPO, DPO, KTO and SFT trainers score tokens with), routed
+    as ``tpf.adopt`` routes it, on a vocabulary-parallel Llama with a softcap and a logit scale: every output TRL
+    asks for and every gradient as TRL's own on one device, and the head never gathered whole."""
+    import trl.trainer.utils as utils
+    from torch.distributed.tensor import DTensor
+
+    from tests.models import VOCAB, tiny_lm
+    from tpflow.hf.frameworks.trl_heads import route_fused_heads
+
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    ref = tiny_lm("llama")
+    ref.config.final_logit_softcapping, ref.config.logit_scale = 3.0, 0.5
+    model = tpf.parallelize(copy.deepcopy(ref), placement=tpf.placement("cpu", [0, 1]), plan="auto")
+    for m in (ref, model):
+        utils.add_fused_lm_head(m, temperature=0.7, outputs=outputs)
+    route_fused_heads(model)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    for k in (4, 6):  # tokens that are the argmax after them (the logits at k do not see the token at k + 1)
+        with torch.no_grad():
+            ids[:, k + 1] = ref(input_ids=ids).logits[:, k].argmax(-1)
+    labels = ids.masked_fill(torch.arange(9) < 3, -100)
+    gathered = []
+    full_tensor = DTensor.full_tensor
+    with mock.patch.object(DTensor, "full_tensor", lambda t, **kw: gathered.append(t.shape) or full_tensor(t, **kw)):
+        got = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        (got.loss + (got.entropy * torch.linspace(0, 1, 8)).sum()).backward()
+    assert (VOCAB, ref.config.hidden_size) not in gathered, gathered
+    want = ref(input_ids=ids, labels=labels, fused_lm_head=True)
+    (want.loss + (want.entropy * torch.linspace(0, 1, 8)).sum()).backward()
+    for name in ("loss", *outputs):
+        if name == "is_top1":
+            assert torch.equal(got.is_top1, want.is_top1) and want.is_top1.any(), (got.is_top1, want.is_top1)
+        else:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6,  # TRL's fp32 statistics
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_trl_fused_head_scores_on_the_head_blocks():
+    pytest.importorskip("trl")
+    harness.run(2, _trl_fused_head)

@@ -113,7 +113,7 @@ def parallelize(model: nn.Module, *, placement: Placement, plan: Mapping[str, ob
     export_whole(model)
     if inner is not model:  # what a PEFT model's merge_and_unload gives back saves whole too
         export_whole(inner)
-        mark(inner, matched.batches)
+        mark(inner, matched.batches, (placement, plan))
     decode_alike(model, matched.placement)
-    mark(model, matched.batches)
+    mark(model, matched.batches, (placement, plan))
     return model

@@ -13,8 +13,10 @@ same matrix as the embedding, so a tied pair stays one parameter (``parallelize`
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -28,7 +30,7 @@ from tpflow.ops import cross_entropy as ops_ce
 from tpflow.placement import Placement
 from tpflow.sbp import Sbp, broadcast, chunk_bounds, split
 
-__all__ = ["VocabParallelEmbedding", "linear_cross_entropy", "ranks_without_rows"]
+__all__ = ["HeadBlocks", "VocabParallelEmbedding", "head_blocks", "linear_cross_entropy", "ranks_without_rows"]
 
 
 def ranks_without_rows(rows: int, ranks: int) -> list[int]:
@@ -285,28 +287,67 @@ def linear_cross_entropy(hidden: torch.Tensor, head: ColumnParallelLinear | nn.L
     """
     if isinstance(hidden, DTensor):
         raise TypeError("linear_cross_entropy takes the hidden states as a plain tensor, whole on every rank")
-    if isinstance(head, ColumnParallelLinear):
-        if head.sequence_parallel or head.gather_output or head.fused_group is not None:
-            raise ValueError(f"{head.label}: linear_cross_entropy computes the head itself from whole hidden states: "
-                             f"build it without sequence_parallel, gather_output or fusing")
-        weight, bias = head.local_blocks((True,) * (head.placement.ndim - 1))
-        start, group, classes = head.local_range(head.out_features)[0], head.group, head.out_features
-    elif isinstance(head, nn.Linear):
-        weight, bias, start, group, classes = head.weight, head.bias, 0, None, head.out_features
-        if isinstance(weight, DTensor):  # a head the plan left whole: its weight broadcast over a placement
-            if not all(p.is_replicate() for p in weight.placements):
-                raise ValueError(f"linear_cross_entropy: the head's weight is laid out as {weight.placements}; a head "
-                                 f"split over the vocabulary is a ColumnParallelLinear (plan it 'vocab'), any other "
-                                 f"head is whole on every rank")
-            weight, bias = weight.to_local(), None if bias is None else bias.to_local()
-    else:
-        raise TypeError(f"head must be a ColumnParallelLinear or an nn.Linear, got {type(head).__name__}")
+    weight, bias, start, group, classes = head_blocks(head, "linear_cross_entropy")
     if target.shape != hidden.shape[:-1]:
         raise ValueError(f"target {tuple(target.shape)} must have hidden's shape without its last dim "
                          f"{tuple(hidden.shape[:-1])}")
     return ops_ce.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1),
                                        start=start, classes=classes, group=group, ignore_index=ignore_index,
                                        label_smoothing=label_smoothing, reduction=reduction, chunk=chunk)
+
+
+class HeadBlocks(NamedTuple):
+    """This rank's block of a head split over the vocabulary (differentiable into its parameters) and where it lies.
+
+    Example::
+
+        >>> HeadBlocks(torch.ones(3, 2), None, 0, None, 3).classes
+        3
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    start: int  # the block's first class
+    group: dist.ProcessGroup | None  # the ranks holding the other blocks
+    classes: int  # the whole vocabulary
+
+
+def head_blocks(head: ColumnParallelLinear | nn.Linear, caller: str) -> HeadBlocks:
+    """This rank's block of ``head``'s weight and bias, for a product computed outside the head's forward from whole
+    hidden states (a fused loss, fused log-probabilities), checked.
+
+    Args:
+        head: a ``ColumnParallelLinear`` (split over the vocabulary; not sequence parallel, gathered or fused) or an
+            ``nn.Linear`` (one device's, or a head ``parallelize`` left whole: its weight broadcast).
+        caller: the function's name, for the errors.
+
+    Returns:
+        ``(weight, bias, start, group, classes)``.
+
+    Example::
+
+        >>> import tpflow as tpf
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> blocks = head_blocks(tpf.ColumnParallelLinear(16, 101, bias=False, placement=P), "f")
+        >>> tuple(blocks.weight.shape), blocks.start, blocks.classes          # on rank 1 of 2
+        ((50, 16), 51, 101)
+    """
+    if isinstance(head, ColumnParallelLinear):
+        if head.sequence_parallel or head.fused_group is not None:  # (gathering its output: only its forward's)
+            raise ValueError(f"{head.label}: {caller} computes the head itself from whole hidden states: build it "
+                             f"without sequence_parallel or fusing")
+        weight, bias = head.local_blocks((True,) * (head.placement.ndim - 1))
+        return HeadBlocks(weight, bias, head.local_range(head.out_features)[0], head.group, head.out_features)
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"head must be a ColumnParallelLinear or an nn.Linear, got {type(head).__name__}")
+    weight, bias = head.weight, head.bias
+    if isinstance(weight, DTensor):  # a head the plan left whole: its weight broadcast over a placement
+        if not all(p.is_replicate() for p in weight.placements):
+            raise ValueError(f"{caller}: the head's weight is laid out as {weight.placements}; a head split over the "
+                             f"vocabulary is a ColumnParallelLinear (plan it 'vocab'), any other head is whole on "
+                             f"every rank")
+        weight, bias = weight.to_local(), None if bias is None else bias.to_local()
+    return HeadBlocks(weight, bias, 0, None, head.out_features)
 
 
 def _check_sequence_dim(sequence_dim: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from tpflow import comm
 from tpflow.ops.cross_entropy import check_targets
 
-__all__ = ["vocab_parallel_kl", "vocab_parallel_log_probs"]
+__all__ = ["Combined", "combine", "log_prob_grad", "token_stats", "vocab_parallel_kl", "vocab_parallel_log_probs"]
 
 
 def _pieces(t: torch.Tensor, chunk: int) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -38,18 +39,60 @@ def _pieces(t: torch.Tensor, chunk: int) -> Iterator[tuple[slice, torch.Tensor]]
             yield slice(b * per + rows.start, b * per + rows.stop), piece
 
 
-def _block_stats(z: torch.Tensor, target: torch.Tensor, start: int) -> torch.Tensor:
-    """``[4, rows]``: the block's max, sum of ``exp(z - max)``, sum of ``exp(z - max) * z`` and the target's ``z``
-    (0 where the target is another rank's)."""
+class Combined(NamedTuple):
+    """Each row's numbers over all classes, from every rank's :func:`token_stats`; the last three only when the
+    stats carry their extras (else None).
+
+    Example::
+
+        >>> Combined(torch.zeros(2), torch.zeros(2), torch.ones(2)).top1 is None
+        True
+    """
+
+    lse: torch.Tensor  # logsumexp of z
+    picked: torch.Tensor  # the target's z
+    entropy: torch.Tensor
+    log_sum_sq: torch.Tensor | None = None  # log sum p^2
+    mean: torch.Tensor | None = None  # mean z over the classes
+    top1: torch.Tensor | None = None  # the target is the first argmax
+
+
+def token_stats(z: torch.Tensor, target: torch.Tensor, start: int, extras: bool = False) -> torch.Tensor:
+    """``[4, rows]`` numbers of a block ``z`` (``[rows, block]``, classes ``[start, start + block)``): its max, sum of
+    ``exp(z - max)``, sum of ``exp(z - max) * z`` and the target's ``z`` (0 where the target is another rank's); with
+    ``extras`` ``[7, rows]``, also the sum of ``z``, the sum of ``exp(2 (z - max))`` and the max over the classes
+    before the target (what TRL's fused heads report beside: the mean logit, ``log sum p^2``, whether the target is
+    the first argmax). :func:`combine` reads them.
+
+    Args:
+        z: ``[rows, block]``, the block's scaled logits (fp32 or fp64).
+        target: ``[rows]``, each row's class (any index: one outside the block picks nothing).
+        start: the block's first class.
+        extras: also the three numbers TRL's fused heads report.
+
+    Returns:
+        ``[4, rows]``, or ``[7, rows]`` with ``extras``.
+
+    Example::
+
+        >>> z, t = torch.tensor([[0.0, 2.0, 1.0]]), torch.tensor([4])      # this rank holds classes 3, 4, 5
+        >>> token_stats(z, t, start=3)[:, 0].tolist()[3]                   # class 4's z
+        2.0
+    """
+    rows = z.shape[0]
     if z.shape[1] == 0:  # (a rank holding no classes)
-        zero = z.new_zeros(z.shape[0])
-        return torch.stack((torch.full_like(zero, -torch.inf), zero, zero, zero))
+        zero, low = z.new_zeros(rows), z.new_full((rows,), -torch.inf)
+        return torch.stack((low, zero, zero, zero) + ((zero, zero, low) if extras else ()))
     m = z.max(-1).values
     e = torch.exp(z - m[:, None])
     local = target - start
     mine = (local >= 0) & (local < z.shape[1])
     picked = torch.where(mine, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
-    return torch.stack((m, e.sum(-1), (e * z).sum(-1), picked))
+    stats = (m, e.sum(-1), (e * z).sum(-1), picked)
+    if extras:
+        before = torch.arange(start, start + z.shape[1], device=z.device) < target[:, None]
+        stats += (z.sum(-1), (e * e).sum(-1), z.masked_fill(~before, -torch.inf).max(-1).values)
+    return torch.stack(stats)
 
 
 def _gathered(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -68,12 +111,74 @@ def _lse(m: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tenso
     return top + torch.log(total), (w * scale).sum(0) / total
 
 
-def _combined(stats: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor]:
-    """Every rank's ``[4, rows]`` stats -> each row's logsumexp, target ``z`` and entropy over all classes."""
-    m, s, w, picked = _gathered(stats, group).unbind(1)  # [W, rows] each
+def combine(stats: torch.Tensor, group: dist.ProcessGroup | None, classes: int) -> Combined:
+    """Every rank's :func:`token_stats` of its block of the same rows -> each row's numbers over all ``classes``
+    (one all-gather of the ``[4 or 7, rows]`` stats).
+
+    Args:
+        stats: this rank's :func:`token_stats`.
+        group: the ranks holding the other blocks (None: this rank holds every class).
+        classes: the number of classes over all ranks (for the mean; unused without extras).
+
+    Returns:
+        The rows' :class:`Combined` numbers, the same on every rank of ``group``.
+
+    Example::
+
+        >>> z, t = torch.randn(3, 10, dtype=torch.float64), torch.tensor([1, 5, 9])
+        >>> got = combine(token_stats(z, t, 0, extras=True), None, 10)
+        >>> torch.testing.assert_close(got.lse, z.logsumexp(-1))
+        >>> got.top1.tolist() == (z.argmax(-1) == t).tolist()
+        True
+    """
+    m, s, w, picked, *extras = _gathered(stats, group).unbind(1)  # [W, rows] each
     lse, mean = _lse(m, s, w)
-    return lse, picked.sum(0), lse - mean
+    picked = picked.sum(0)
+    if not extras:
+        return Combined(lse, picked, lse - mean)
+    total, squares, before = extras
+    top = m.max(0).values
+    log_sum_sq = torch.log((squares * torch.exp(2 * (m - top))).sum(0)) + 2 * (top - lse)
+    top1 = (picked >= top) & (picked > before.max(0).values)
+    return Combined(lse, picked, lse - mean, log_sum_sq, total.sum(0) / classes, top1)
+
+
+def log_prob_grad(z: torch.Tensor, target: torch.Tensor, start: int, valid: torch.Tensor, lse: torch.Tensor,
+                  entropy: torch.Tensor, grad_logp: torch.Tensor | None,
+                  grad_entropy: torch.Tensor | None) -> torch.Tensor:
+    """The gradient by a block ``z`` (``[rows, block]``, classes from ``start``) of the rows' log-probabilities of
+    ``target`` and entropies, given theirs (None: no gradient reaches that output):
+    ``g_logp (onehot - p) - g_H p (z - lse + H)``; rows not ``valid`` have no log-probability gradient.
+
+    Args:
+        z: ``[rows, block]``, the block's scaled logits.
+        target: ``[rows]``, each row's class.
+        start: the block's first class.
+        valid: ``[rows]``, the rows whose log-probability counts.
+        lse, entropy: ``[rows]``, each row's logsumexp of ``z`` and entropy over all classes (:func:`combine`'s).
+        grad_logp, grad_entropy: ``[rows]``, the outputs' gradients, or None.
+
+    Returns:
+        ``[rows, block]``, the gradient by ``z``.
+
+    Example::
+
+        >>> z = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+        >>> t, lse = torch.tensor([1, 3]), z.logsumexp(-1).detach()
+        >>> got = log_prob_grad(z.detach(), t, 0, t >= 0, lse, lse, torch.ones(2, dtype=torch.float64), None)
+        >>> torch.testing.assert_close(got, torch.autograd.grad(z.log_softmax(-1).gather(1, t[:, None]).sum(), z)[0])
+    """
+    p = torch.exp(z - lse[:, None])
+    g = torch.zeros_like(z)
+    if grad_logp is not None:
+        g_t = torch.where(valid, grad_logp, 0.0)
+        g -= g_t[:, None] * p
+        local = target - start
+        mine = valid & (local >= 0) & (local < z.shape[1])
+        g[mine, local[mine]] += g_t[mine]
+    if grad_entropy is not None:
+        g -= grad_entropy[:, None] * p * (z - lse[:, None] + entropy[:, None])
+    return g
 
 
 class _LogProbs(torch.autograd.Function):
@@ -81,9 +186,9 @@ class _LogProbs(torch.autograd.Function):
     def forward(ctx, logits, target, start, group, temperature, ignore_index, chunk):
         wide = torch.promote_types(logits.dtype, torch.float32)
         stats = torch.cat([logits.new_zeros(4, 0, dtype=wide)] + [
-            _block_stats(piece.to(wide) / temperature, target[rows], start) for rows, piece in _pieces(logits, chunk)],
+            token_stats(piece.to(wide) / temperature, target[rows], start) for rows, piece in _pieces(logits, chunk)],
             1)
-        lse, picked, entropy = _combined(stats, group)
+        lse, picked, entropy = combine(stats, group, 0)[:3]
         valid = target != ignore_index
         ctx.save_for_backward(logits, target, lse, entropy)
         ctx.args = start, temperature, ignore_index, chunk
@@ -96,17 +201,9 @@ class _LogProbs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         valid = target != ignore_index
         for (rows, piece), (_, out) in zip(_pieces(logits, chunk), _pieces(grad, chunk)):
-            z = piece.to(lse.dtype) / temperature
-            p = torch.exp(z - lse[rows, None])
-            g = torch.zeros_like(z)
-            if grad_logp is not None:
-                g_t = torch.where(valid[rows], grad_logp[rows], 0.0)
-                g -= g_t[:, None] * p
-                local = target[rows] - start
-                mine = valid[rows] & (local >= 0) & (local < z.shape[1])
-                g[mine, local[mine]] += g_t[mine]
-            if grad_entropy is not None:
-                g -= grad_entropy[rows, None] * p * (z - lse[rows, None] + entropy[rows, None])
+            g = log_prob_grad(piece.to(lse.dtype) / temperature, target[rows], start, valid[rows], lse[rows],
+                              entropy[rows], None if grad_logp is None else grad_logp[rows],
+                              None if grad_entropy is None else grad_entropy[rows])
             out.copy_(g / temperature)
         return grad, *(None,) * 6
 

@@ -4,6 +4,6 @@ parallelized model returns, without gathering them."""
 
 from __future__ import annotations
 
-from tpflow.rl.logprobs import kl, logprobs
+from tpflow.rl.logprobs import kl, linear_logprobs, logprobs
 
-__all__ = ["kl", "logprobs"]
+__all__ = ["kl", "linear_logprobs", "logprobs"]

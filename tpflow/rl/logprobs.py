@@ -7,12 +7,17 @@ vocabulary]`` on every rank, the memory the split was meant to save."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpflow.global_tensor.cross_entropy import vocab_layout
+from tpflow.kernels.autocast import autocast_operands
+from tpflow.layers.column import ColumnParallelLinear
+from tpflow.layers.vocab import head_blocks
+from tpflow.ops.linear_log_probs import linear_log_probs
 from tpflow.ops.log_probs import vocab_parallel_kl, vocab_parallel_log_probs
 
-__all__ = ["kl", "logprobs"]
+__all__ = ["kl", "linear_logprobs", "logprobs"]
 
 
 def logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False,
@@ -66,6 +71,59 @@ def logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float =
     logp = logp.reshape(labels.shape)
     return (logp, h.reshape(labels.shape)) if entropy else logp
 
+
+
+def linear_logprobs(hidden: torch.Tensor, head: ColumnParallelLinear | nn.Linear, labels: torch.Tensor, *,
+                    temperature: float = 1.0, entropy: bool = False, ignore_index: int = -100, chunk: int = 1024,
+                    logit_scale: float = 1.0, softcap: float | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs` of ``head(hidden)`` without its logits: the head's product made ``chunk`` tokens at a time on
+    each rank's block of the vocabulary and reduced at once, so no rank holds more than ``[chunk, vocabulary / W]``
+    of logits (the forward keeps none; the backward makes each chunk's again).
+
+    Args:
+        hidden: ``[..., H]``, the head's input (a causal LM's last hidden states, ``model.model(...)``), a plain
+            tensor, the same on every rank of the head's placement.
+        head: the model's head (``model.get_output_embeddings()``): a ``ColumnParallelLinear`` split over the
+            vocabulary, or an ``nn.Linear`` (one device's, or a head left whole).
+        labels: ``[...]``: the token each position scores, or ``ignore_index``.
+        temperature, entropy, ignore_index: as :func:`logprobs`'.
+        chunk: tokens whose logits are made at once.
+        logit_scale: the logits are multiplied by it first (a model's ``logit_scale``).
+        softcap: a model's ``final_logit_softcapping`` (``softcap * tanh(logits / softcap)``), or None.
+
+    Returns:
+        ``[...]`` log-probabilities (and ``[...]`` entropies), plain tensors, the same on every rank of the head's
+        placement; fp32 (fp64 for fp64 inputs). Under ``torch.autocast`` the product runs in autocast's dtype, as
+        ``F.linear``'s does.
+
+    Example::
+
+        >>> P = tpf.placement("cpu", ranks=[0, 1])
+        >>> _ = torch.manual_seed(0)
+        >>> head = tpf.ColumnParallelLinear(16, 101, bias=False, placement=P)   # a vocabulary-parallel lm_head
+        >>> hidden, ids = torch.randn(2, 5, 16), torch.randint(0, 101, (2, 5))
+        >>> logp = tpf.rl.linear_logprobs(hidden, head, ids, temperature=0.7)
+        >>> want = torch.log_softmax(hidden @ head.weight.full_tensor().T / 0.7, -1)   # what it never makes
+        >>> torch.testing.assert_close(logp, want.gather(-1, ids[..., None])[..., 0])
+    """
+    if isinstance(hidden, DTensor):
+        raise TypeError("linear_logprobs takes the hidden states as a plain tensor, whole on every rank of the "
+                        "head's placement (a model's last_hidden_state)")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"linear_logprobs: labels {tuple(labels.shape)} must have the hidden states' shape without "
+                         f"their last dim {tuple(hidden.shape[:-1])} (align them first: hidden[:, :-1] scores "
+                         f"ids[:, 1:])")
+    blocks = head_blocks(head, "linear_logprobs")
+    rows, (weight, bias) = hidden.reshape(-1, hidden.shape[-1]), blocks[:2]
+    device = hidden.device.type
+    rows, weight, bias = autocast_operands(device, rows, weight, bias)
+    with torch.autocast(device, enabled=False):
+        logp, h = linear_log_probs(rows, weight, bias, labels.reshape(-1), start=blocks.start,
+                                   classes=blocks.classes, group=blocks.group, temperature=temperature,
+                                   ignore_index=ignore_index, chunk=chunk, logit_scale=logit_scale, softcap=softcap)
+    logp = logp.reshape(labels.shape)
+    return (logp, h.reshape(labels.shape)) if entropy else logp
 
 def kl(logits: torch.Tensor, reference: torch.Tensor, *, temperature: float = 1.0, chunk: int = 256) -> torch.Tensor:
     """Each position's ``KL(p || q)``, ``p = softmax(logits / temperature)`` (the policy's, a student's) and ``q =

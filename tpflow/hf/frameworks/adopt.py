@@ -10,13 +10,15 @@ as their processes (``tpflow.hf.frameworks.view``). ``adopt`` adds what belongs 
   (``is_distributed_loading_by_transformers``, by which every rank also takes part in ``save_model``), accelerate's
   ``prepare`` leaves it as it is;
 - what the frameworks save of it is whole and in their own files (``tpflow.hf.frameworks.states``);
-- a PEFT model's ``save_pretrained`` writes PEFT's files.
+- a PEFT model's ``save_pretrained`` writes PEFT's files;
+- TRL's fused heads score tokens on the head's blocks, and a reference model TRL built whole is split as the policy
+  (``tpflow.hf.frameworks.trl_heads``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -24,21 +26,25 @@ from torch import nn
 
 from tpflow.hf.frameworks.rows import Rows, show
 from tpflow.hf.frameworks.states import TrainerCheckpoints, accelerate_hooks
+from tpflow.hf.frameworks.trl_heads import route_fused_heads, split_reference
 from tpflow.hf.frameworks.view import install
 from tpflow.placement import Placement
 
-__all__ = ["adopt", "mark", "placement_of"]
+__all__ = ["adopt", "mark", "placement_of", "split_as"]
 
 _PLACEMENT = "_tpflow_placement"  # what parallelize leaves on the model it changed
+_SPLIT_AS = "_tpflow_split_as"
 
 
-def mark(model: nn.Module, placement: Placement) -> None:
-    """Leave on ``model`` the placement ``parallelize`` split it over (the one its batches are read by), for ``adopt``
-    to read, and make its rows what the frameworks see (``rows.show``, ``view.install``).
+def mark(model: nn.Module, placement: Placement, split_as: tuple[Placement, Mapping[str, object]] | None = None
+         ) -> None:
+    """Leave on ``model`` the placement ``parallelize`` split it over (the one its batches are read by) and how it
+    split it, for ``adopt`` to read, and make its rows what the frameworks see (``rows.show``, ``view.install``).
 
     Args:
         model: the model ``parallelize`` changed.
         placement: the placement its data-parallel rows are read off.
+        split_as: ``parallelize``'s placement and plan (its entries), to split a trainer's reference model alike.
 
     Example::
 
@@ -48,6 +54,7 @@ def mark(model: nn.Module, placement: Placement) -> None:
         (2,)
     """
     object.__setattr__(model, _PLACEMENT, placement)
+    object.__setattr__(model, _SPLIT_AS, split_as)
     if show(placement) is not None:
         install()
 
@@ -69,6 +76,26 @@ def placement_of(model: nn.Module) -> Placement | None:
     for m in (model, getattr(model, "module", None), getattr(model, "base_model", None)):
         if m is not None and getattr(m, _PLACEMENT, None) is not None:
             return getattr(m, _PLACEMENT)
+    return None
+
+
+def split_as(model: nn.Module) -> tuple[Placement, Mapping[str, object]] | None:
+    """The placement and plan ``parallelize`` split ``model`` (or the model a wrapper holds) with, or None.
+
+    Args:
+        model: a model, or a wrapper holding one.
+
+    Returns:
+        ``(placement, plan)``, the plan as its entries; None when ``parallelize`` did not change it.
+
+    Example::
+
+        >>> split_as(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    for m in (model, getattr(model, "module", None), getattr(model, "base_model", None)):
+        if m is not None and getattr(m, _SPLIT_AS, None) is not None:
+            return getattr(m, _SPLIT_AS)
     return None
 
 
@@ -124,6 +151,10 @@ def adopt(trainer: Any, model: nn.Module | None = None) -> Any:
                          f"defined: parallelize over every rank")
     if wrapped_model(held)[0] is not held:  # a PEFT model (TRL's peft_config= makes one): PEFT's files, whole
         export_whole(held)
+    reference = getattr(trainer, "ref_model", None)
+    if isinstance(reference, nn.Module) and placement_of(reference) is None:  # TRL's, built whole: split as the policy
+        split_reference(reference, split_as(held))
+    route_fused_heads(wrapped_model(held)[0], reference)
     args = getattr(trainer, "args", None)
     if args is not None:
         _check_generation_batch(args, rows)
