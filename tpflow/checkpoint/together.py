@@ -46,6 +46,8 @@ class Meeting:
     Args:
         kind: what is called (``"save_pretrained"``), the roll call's first word and its key in the store.
         fix: what to do when ranks did not call it, the roll call's last sentence.
+        poll_s: the longest pause between two looks at the store while waiting (a meeting made many times a second,
+            a weight stream's per bucket, polls more often than a save's).
 
     Raises:
         RuntimeError: on every rank that came, when some ranks did not call it in time.
@@ -57,8 +59,8 @@ class Meeting:
         ...     pass                                                   # a rank raising here: every rank raises
     """
 
-    def __init__(self, kind: str, fix: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, fix: str, poll_s: float = 0.1) -> None:
+        self.kind, self.poll_s = kind, poll_s
         self.store = None
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
@@ -88,7 +90,7 @@ class Meeting:
             if time.monotonic() > deadline:
                 return None
             time.sleep(pause)
-            pause = min(2 * pause, 0.1)
+            pause = min(2 * pause, self.poll_s)
         return self.store.get(key).decode()
 
     def _missing(self, key: str) -> list[int]:

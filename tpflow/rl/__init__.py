@@ -5,5 +5,6 @@ parallelized model returns, without gathering them."""
 from __future__ import annotations
 
 from tpflow.rl.logprobs import kl, linear_logprobs, logprobs
+from tpflow.rl.weights import WeightMeta, Weights, weights
 
-__all__ = ["kl", "linear_logprobs", "logprobs"]
+__all__ = ["WeightMeta", "Weights", "kl", "linear_logprobs", "logprobs", "weights"]

@@ -1,0 +1,203 @@
+"""``tpf.rl.weights``: a parallelized model's weights streamed as an inference engine loads them. Against one device's
+``save_pretrained`` (the files' tensors, loaded back): the same names, dtypes and values, bitwise, for Llama, Qwen3,
+Qwen3-MoE (experts split, and shared out), gpt-oss and a DeepSeek-V3-shaped model at 1, 2 and 4 ranks, receiving
+on every rank or on one, in buckets no larger than asked (or a parameter alone, said); the engines' adapters
+(vLLM's ``load_weights``, TRL's ``update_named_params``, SGLang's ``update_weights_from_tensor``) duck-typed, a
+one-device model loading what vLLM's received; 100 syncs at 4 ranks with random per-rank delays; a rank missing a
+sync or a receiver failing refused on every rank, by name, within seconds."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import math
+import os
+import random
+import tempfile
+import time
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpflow as tpf
+from tests import harness
+
+pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
+BUCKET = 1 << 14  # 16 KiB: several buckets, and experts larger than one
+
+
+def _model(kind: str) -> torch.nn.Module:
+    from tests.models import tiny_lm, tiny_moe
+
+    return tiny_lm(kind) if kind in ("llama", "qwen3") else tiny_moe(kind)
+
+
+def _saved(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What one device's ``save_pretrained`` writes, read back (each rank writes its own: transformers writes on rank
+    0 of a world only)."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder, mock.patch.object(model, "should_save_on_this_rank",
+                                                                     lambda is_main_process: True, create=True):
+        model.save_pretrained(folder)
+        return {k: v for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))) for k, v in load_file(f).items()}
+
+
+def _streams_as_saved(kinds: tuple[str, ...]) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    placement = tpf.placement("cpu", list(range(world)))
+    for kind in kinds:
+        ref = _model(kind)
+        want = _saved(ref)
+        plans = {"experts split": tpf.hf_plan(ref)}
+        if kind not in ("llama", "qwen3") and world > 1:
+            plans["experts shared out"] = tpf.hf_plan(ref, expert_parallel=True)
+        for layout, plan in plans.items():
+            model = tpf.parallelize(copy.deepcopy(ref), placement=placement, plan=plan)
+            what = f"{kind}, {world} ranks, {layout}"
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                stream = tpf.rl.weights(model, bucket_bytes=BUCKET, receiver=None)
+            meta = stream.metadata()
+            got = list(stream)
+            assert [n for n, _ in got] == [m.name for m in meta], what
+            assert sorted(n for n, _ in got) == sorted(want), (what, set(want) ^ {n for n, _ in got})
+            for (name, t), m in zip(got, meta):
+                assert (t.dtype, tuple(t.shape)) == (m.dtype, m.shape) == (want[name].dtype, tuple(want[name].shape))
+                assert torch.equal(t, want[name]), f"{what}: {name}"
+            largest = max(math.prod(m.shape) * m.dtype.itemsize for m in meta)
+            assert (largest > BUCKET) == any("bucket of its own" in str(w.message) for w in said), what
+            # one receiver: the whole tensors on rank 0 alone, a bucket (or one parameter) at a time
+            held = []
+            one = tpf.rl.weights(model, bucket_bytes=BUCKET, dtype=torch.bfloat16)
+            one.sync(lambda items, last, held=held: held.append(list(items)))
+            items = [item for bucket in held for item in bucket]
+            assert [n for n, _ in items] == [m.name for m in meta], what
+            if rank == 0:
+                assert all(torch.equal(t, want[n].to(torch.bfloat16)) for n, t in items), what
+                sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in held]
+                assert all(s <= BUCKET or len(b) == 1 or _one_source(b) for s, b in zip(sizes, held)), (what, sizes)
+            else:
+                assert all(t is None for _, t in items), what
+
+
+def _one_source(bucket: list) -> bool:
+    """A bucket over ``BUCKET`` holds one parameter's checkpoint tensors (an experts' tensor: one per expert)."""
+    return len({n.rsplit(".experts.", 1)[0] + (".experts" if ".experts." in n else n) for n, _ in bucket}) == 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_stream_is_what_save_pretrained_writes(world):
+    harness.run(world, _streams_as_saved, FAMILIES, timeout=600)
+
+
+class _VLLMModel:
+    """vLLM's model as its worker reaches it: ``load_weights(iterable of (name, tensor))``."""
+
+    def load_weights(self, weights):
+        self.got = dict(weights)
+        return set(self.got)
+
+
+class _TRLClient:
+    """TRL's ``VLLMClient``: the metadata first, then the pairs in its order."""
+
+    def update_named_params(self, metadata, named_params):
+        self.metadata, self.got = metadata, list(named_params)
+
+
+class _SGLang:
+    """SGLang's ``Engine.update_weights_from_tensor``, a bucket per call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache=True):
+        self.calls.append(([n for n, _ in named_tensors], flush_cache))
+
+
+def _engines() -> None:
+    """Each adapter on a trained-looking Llama at 2 ranks; a one-device model loads vLLM's received weights with
+    ``load_state_dict`` and computes the parallelized model's logits."""
+    ref = _model("llama")
+    model = tpf.parallelize(copy.deepcopy(ref), placement=tpf.placement("cpu", [0, 1]), plan="auto")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    stream = tpf.rl.weights(model, bucket_bytes=BUCKET)
+    engine, client, sglang = _VLLMModel(), _TRLClient(), _SGLang()
+    stream.load_into(engine)
+    stream.update_named_params(client)
+    stream.update_weights_from_tensor(sglang)
+    names = [m.name for m in stream.metadata()]
+    ids = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(0))
+    logits = model(ids).logits.full_tensor()  # (every rank)
+    if dist.get_rank() != 0:
+        assert not hasattr(engine, "got") and not hasattr(client, "got") and not sglang.calls
+        return
+    ref.load_state_dict(engine.got)
+    torch.testing.assert_close(ref(ids).logits, logits, rtol=1e-12, atol=1e-12)
+    assert [tuple(m) for m in client.metadata] == [(m.name, "float64", list(m.shape)) for m in stream.metadata()]
+    assert [n for n, _ in client.got] == names
+    assert all(torch.equal(t, engine.got[n]) for n, t in client.got)
+    assert [n for call, _ in sglang.calls for n in call] == names and len(sglang.calls) == len(stream.buckets)
+    assert [flush for _, flush in sglang.calls] == [False] * (len(sglang.calls) - 1) + [True]
+
+
+def _hundred_syncs() -> None:
+    """100 syncs, every rank sleeping a random while before each and between items: the same tensors each time."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 30), torch.nn.ReLU(), torch.nn.Linear(30, 16))
+    model = tpf.parallelize(model, placement=tpf.placement("cpu", [0, 1, 2, 3]), plan={"0": "column", "2": "row"})
+    stream = tpf.rl.weights(model, bucket_bytes=2100)  # 2 buckets
+    rng = random.Random(dist.get_rank())
+    first = None
+    for _ in range(100):
+        time.sleep(rng.random() * 0.01)
+        got = []
+        for name, t in stream:
+            if rng.random() < 0.1:
+                time.sleep(rng.random() * 0.005)
+            got.append((name, t))
+        first = first or got
+        assert [n for n, _ in got] == [n for n, _ in first]
+        assert all((t is None and s is None) or torch.equal(t, s) for (_, t), (_, s) in zip(got, first))
+
+
+def test_engine_adapters_and_a_hundred_syncs_with_random_delays():
+    harness.run(2, _engines)
+    harness.run(4, _hundred_syncs, timeout=300)
+
+
+def _refused() -> None:
+    """A rank late to a sync by more than the roll call waits, and a receiver that fails in a bucket: every rank
+    raises, naming the rank."""
+    from tests.models import tiny_lm
+
+    model = tpf.parallelize(tiny_lm("llama", layers=1), placement=tpf.placement("cpu", [0, 1]), plan="auto")
+    stream = tpf.rl.weights(model, bucket_bytes=BUCKET)
+    with mock.patch("tpflow.checkpoint.together.ARRIVAL_S", 0.5):
+        if dist.get_rank() == 1:
+            time.sleep(2.0)  # elsewhere, then comes to the sync the others gave up on
+        with pytest.raises(RuntimeError, match="rank 1 did not call it within 0.5 s of rank 0: make every sync"):
+            list(stream)
+
+    def receive(items, last):
+        if dist.get_rank() == 0 and items[0][0].startswith("model.layers.0"):
+            raise ConnectionError("the engine went away")
+
+    with pytest.raises((RuntimeError, ConnectionError), match="the engine went away"):
+        stream.sync(receive)
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        tpf.rl.weights(model, bucket_bytes=0)
+    with pytest.raises(ValueError, match="receiver must be a rank of this world of 2"):
+        tpf.rl.weights(model, receiver=2)
+
+
+def test_a_missed_sync_and_a_failed_receiver_are_refused_on_every_rank():
+    harness.run(2, _refused, timeout=120)
