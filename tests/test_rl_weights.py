@@ -201,3 +201,48 @@ def _refused() -> None:
 
 def test_a_missed_sync_and_a_failed_receiver_are_refused_on_every_rank():
     harness.run(2, _refused, timeout=120)
+
+
+def _offloaded() -> None:
+    """A Llama at 2 ranks (its q / k / v and gate / up in fused storages) after an AdamW step: offloaded (every
+    parameter's, gradient's and optimizer state's storage emptied) and reloaded, then stepped again, bit for bit as
+    a twin never offloaded."""
+    from tests.models import tiny_lm
+
+    ref = tiny_lm("llama")
+    ids = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(0))
+    twins = []
+    for _ in range(2):
+        model = tpf.parallelize(copy.deepcopy(ref), placement=tpf.placement("cpu", [0, 1]), plan="auto")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        model(ids, labels=ids).loss.backward()  # gradients held too
+        twins.append((model, opt))
+    (model, opt), (twin, twin_opt) = twins
+    assert any(p.to_local().untyped_storage().nbytes() > p.to_local().nbytes for p in model.parameters())  # fused
+    tpf.offload(model, opt)
+    locals_ = [t.to_local() if hasattr(t, "to_local") else t for p in model.parameters() for t in (p, p.grad)] + [
+        v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
+    assert all(t.untyped_storage().size() == 0 for t in locals_)
+    with pytest.raises(RuntimeError, match="offloaded already"):
+        tpf.offload(model, opt)
+    with pytest.raises(ValueError, match="not the one offloaded"):
+        tpf.reload(model, twin_opt)
+    tpf.reload(model, opt)
+    with pytest.raises(RuntimeError, match="not offloaded"):
+        tpf.reload(model, opt)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.step()
+        o.zero_grad()
+        m(ids, labels=ids).loss.backward()
+        o.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    for s, t in zip(opt.state.values(), twin_opt.state.values(), strict=True):
+        assert all(torch.equal(tpf.to_local(s[k]) if hasattr(s[k], "to_local") else s[k],
+                               tpf.to_local(t[k]) if hasattr(t[k], "to_local") else t[k]) for k in s)
+
+
+def test_offload_and_reload_are_exact():
+    harness.run(2, _offloaded)

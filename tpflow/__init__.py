@@ -15,7 +15,8 @@ those below it:
     hf                       the Hugging Face wing: parallelize's front door, hf_plan, heads, context
                              parallelism, PEFT, save_pretrained / generate, the trainers (adopt)
     pipeline                 stages, schedules as tables, the executor
-    rl                       reinforcement-learning post-training: log-probabilities on split vocabularies
+    rl                       reinforcement-learning post-training: log-probabilities on split vocabularies,
+                             weights streamed to engines, device memory lent (offload, reload)
     models                   the support matrix: every causal LM of transformers' registry checked (python -m)
     bench, launch            the benchmark harness; python -m tpflow.launch
 """
@@ -73,6 +74,7 @@ from tpflow.plans import (
     VocabParallel,
     fsdp_ignored_params,
 )
+from tpflow.rl import offload, reload
 from tpflow.world import get_rank, get_world_size, init_distributed
 
 # the model-family entries are tpf.hf's, kept here as aliases
@@ -96,7 +98,7 @@ __all__ = [  # noqa: RUF022  (grouped as the README's API table)
     # pipelines
     "pipeline", "Pipeline", "PipelineError", "Stage", "stage",
     # reinforcement-learning post-training
-    "rl",
+    "rl", "offload", "reload",
     # processes, checks, gradients, switches, the layers below
     "get_rank", "get_world_size", "init_distributed", "check_replicas", "gradients", "clip_grad_norm_",
     "config", "kernels", "ops", "comm",

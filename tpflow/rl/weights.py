@@ -34,7 +34,13 @@ POLL_S = 0.002  # the ranks meet after every bucket: they look at the store this
 
 
 class WeightMeta(NamedTuple):
-    """One tensor of the stream: its checkpoint name, dtype and whole shape."""
+    """One tensor of the stream: its checkpoint name, dtype and whole shape.
+
+    Example::
+
+        >>> WeightMeta("lm_head.weight", torch.bfloat16, (101, 32)).shape
+        (101, 32)
+    """
 
     name: str
     dtype: torch.dtype
