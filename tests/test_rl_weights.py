@@ -246,3 +246,44 @@ def _offloaded() -> None:
 
 def test_offload_and_reload_are_exact():
     harness.run(2, _offloaded)
+
+
+def _resharded() -> None:
+    """Plans made from a Llama (2 key/value heads) and a Qwen3-MoE split over 2 of 4 ranks, for an engine of 1, 2
+    and 4 ranks: each rank's part as the same model split over that many ranks holds it (its local blocks; a
+    key/value head kept whole by all 4 ranks: the columns of the rank's head, which it computes), the experts one
+    tensor each in the checkpoint; a degree the heads do not split over refused."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for kind in ("llama", "qwen3_moe"):
+        ref = _model(kind)
+        saved = _saved(ref)
+        half = tpf.parallelize(copy.deepcopy(ref), placement=tpf.placement("cpu", [0, 1]), plan="auto")
+        for degree in (1, 2, 4):
+            plan = tpf.rl.reshard_plan(half, degree)
+            assert list(plan.parts) == [m.name for m in tpf.rl.weights(half).metadata()]
+            model = tpf.parallelize(copy.deepcopy(ref), placement=tpf.placement("cpu", list(range(degree))),
+                                    plan="auto")
+            if rank >= degree:
+                continue
+            held = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in model.state_dict().items()}
+            for name, whole in saved.items():
+                got = plan.part(name, whole, rank)
+                if name in held:
+                    want = held[name]
+                    if want.shape != got.shape and ("k_proj" in name or "v_proj" in name):  # kept whole: its head
+                        head = rank // (degree // 2)
+                        want = want[head * 16:(head + 1) * 16]
+                else:  # one expert's tensor: its part of the experts' tensor this rank holds
+                    layer, expert, proj = name.split(".mlp.experts.")[0], *name.split(".experts.")[1].split(".")[:2]
+                    fused = held[f"{layer}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"]
+                    half_rows = fused.shape[1] // 2
+                    want = {"gate_proj": fused[int(expert), :half_rows], "up_proj": fused[int(expert), half_rows:],
+                            "down_proj": fused[int(expert)]}[proj]
+                assert torch.equal(got, want), (kind, degree, rank, name, got.shape, want.shape)
+    with pytest.raises(ValueError, match="4 heads do not split over 3 ranks"):
+        tpf.rl.reshard_plan(half, 3)
+    assert world == 4
+
+
+def test_a_reshard_plan_gives_each_engine_rank_its_part():
+    harness.run(4, _resharded, timeout=300)

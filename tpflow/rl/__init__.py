@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from tpflow.rl.logprobs import kl, linear_logprobs, logprobs
 from tpflow.rl.offload import offload, reload
+from tpflow.rl.reshard import Part, ReshardPlan, reshard_plan
 from tpflow.rl.weights import WeightMeta, Weights, weights
 
-__all__ = ["WeightMeta", "Weights", "kl", "linear_logprobs", "logprobs", "offload", "reload", "weights"]
+__all__ = ["Part", "ReshardPlan", "WeightMeta", "Weights", "kl", "linear_logprobs", "logprobs", "offload", "reload",
+           "reshard_plan", "weights"]

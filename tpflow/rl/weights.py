@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from tpflow.checkpoint.together import Meeting
 
-__all__ = ["WeightMeta", "Weights", "weights"]
+__all__ = ["Source", "WeightMeta", "Weights", "checkpoint_tensors", "weights"]
 
 BUCKET_BYTES = 1 << 28  # 256 MiB: vLLM's and NeMo-RL's refit buffers are of this order
 POLL_S = 0.002  # the ranks meet after every bucket: they look at the store this often while waiting
@@ -47,20 +47,41 @@ class WeightMeta(NamedTuple):
     shape: tuple[int, ...]
 
 
-class _Source(NamedTuple):
-    """A state-dict entry of the model and the checkpoint tensors it becomes."""
+class Source(NamedTuple):
+    """A state-dict entry of the model and the checkpoint tensors it becomes.
+
+    Example::
+
+        >>> Source("w", torch.zeros(2), (WeightMeta("w", torch.float32, (2,)),)).made[0].name
+        'w'
+    """
 
     key: str
     tensor: torch.Tensor  # the model's (global) tensor
     made: tuple[WeightMeta, ...]
 
 
-def _checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype | None
-                      ) -> list[_Source]:
+def checkpoint_tensors(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype | None
+                      ) -> list[Source]:
     """The entries ``save_pretrained`` writes (tied ones once, the ignored ones left out), each with the checkpoint
-    tensors transformers' conversion makes of it, from shapes alone (meta tensors)."""
+    tensors transformers' conversion makes of it, from shapes alone (meta tensors): no communication.
+
+    Args:
+        model: a model (parallelized or not); a Hugging Face one is converted to its checkpoint's layout.
+        state: its ``state_dict(keep_vars=True)``.
+        dtype: the checkpoint tensors' dtype, or None for each entry's own.
+
+    Returns:
+        One :class:`Source` per entry written, in state-dict order.
+
+    Example::
+
+        >>> model = torch.nn.Linear(3, 2)
+        >>> [s.made[0].shape for s in checkpoint_tensors(model, model.state_dict(keep_vars=True), None)]
+        [(2, 3), (2,)]
+    """
     if not callable(getattr(type(model), "save_pretrained", None)):  # a plain module: its state dict as it is
-        return [_Source(k, t, (WeightMeta(k, dtype or t.dtype, tuple(t.shape)),)) for k, t in state.items()]
+        return [Source(k, t, (WeightMeta(k, dtype or t.dtype, tuple(t.shape)),)) for k, t in state.items()]
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -74,7 +95,7 @@ def _checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor], dtype: t
         meta = {key: torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")}
         made = revert_weight_conversion(model, meta)
         made_alone.update(made)
-        sources.append(_Source(key, t, tuple(WeightMeta(n, m.dtype, tuple(m.shape)) for n, m in made.items())))
+        sources.append(Source(key, t, tuple(WeightMeta(n, m.dtype, tuple(m.shape)) for n, m in made.items())))
     together = revert_weight_conversion(model, {s.key: torch.empty(s.tensor.shape, dtype=dtype or s.tensor.dtype,
                                                                    device="meta") for s in sources})
     if {n: (m.dtype, m.shape) for n, m in together.items()} != {n: (m.dtype, m.shape) for n, m in made_alone.items()}:
@@ -124,13 +145,13 @@ class Weights:
             raise ValueError("tpf.rl.weights streams a model's own weights: merge a PEFT model's adapters first "
                              "(model.merge_and_unload()), as engines load merged weights")
         self.model, self.dtype, self.bucket_bytes, self.receiver = model, dtype, bucket_bytes, receiver
-        self.sources = _checkpoint_names(model, model.state_dict(keep_vars=True), dtype)
+        self.sources = checkpoint_tensors(model, model.state_dict(keep_vars=True), dtype)
         self.buckets = self._buckets()
         self.syncs = 0
 
-    def _buckets(self) -> list[list[_Source]]:
+    def _buckets(self) -> list[list[Source]]:
         """The sources in buckets of at most ``bucket_bytes`` of checkpoint tensors, in order."""
-        buckets: list[list[_Source]] = [[]]
+        buckets: list[list[Source]] = [[]]
         used = 0
         for source in self.sources:
             size = sum(math.prod(m.shape) * m.dtype.itemsize for m in source.made)
@@ -156,7 +177,7 @@ class Weights:
     def _keeps(self) -> bool:
         return self.receiver is None or (dist.get_rank() if dist.is_initialized() else 0) == self.receiver
 
-    def _whole(self, source: _Source) -> dict[str, torch.Tensor]:
+    def _whole(self, source: Source) -> dict[str, torch.Tensor]:
         """One parameter gathered (every rank) and, on a receiving rank, turned into its checkpoint tensors."""
         value = source.tensor.detach()
         value = value.full_tensor() if isinstance(value, DTensor) else value
