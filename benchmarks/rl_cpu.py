@@ -11,6 +11,8 @@ both (``-mean(log p) - 0.01 mean(entropy)``), two ways:
                written for one device computes them
     tpf.rl     the head's logits stay split; ``tpf.rl.logprobs(..., entropy=True)`` (one all-gather of 4 numbers a
                token, ``--chunk`` tokens of a block at a time)
+    fused      no logits kept: ``tpf.rl.linear_logprobs(hidden, head, ...)`` makes ``--chunk`` tokens' block of them at
+               a time (in the backward again)
 
 ``peak``: the most host memory a rank gains over one forward + backward (the logits and everything computed from
 them; the hidden states' gradient), with the head's weight frozen, measured as ``benchmarks/vocab_cpu.py`` measures
@@ -31,12 +33,15 @@ import tpflow as tpf
 from benchmarks.collective_cpu import write
 from benchmarks.vocab_cpu import head_arguments, peak_and_time
 
-METHODS = ("gathered", "tpf.rl")
 TEMPERATURE = 0.7
 
 
 def _loss(method: str, head, hidden, target, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss, and the tokens' log-probabilities (detached)."""
+    if method == "fused":
+        logp, entropy = tpf.rl.linear_logprobs(hidden, head, target, temperature=TEMPERATURE, entropy=True,
+                                               chunk=chunk)
+        return -logp.mean() - 0.01 * entropy.mean(), logp.detach()
     logits = head(hidden)
     if method == "gathered":
         every = torch.log_softmax(logits / TEMPERATURE, -1)
@@ -63,7 +68,7 @@ def run(args) -> None:
         split = tpf.ColumnParallelLinear(args.hidden, vocab, bias=False, placement=P, global_output=True)
         gathered = tpf.ColumnParallelLinear(args.hidden, vocab, bias=False, placement=P, gather_output=True)
         gathered.weight = split.weight  # the same block of the same matrix
-        heads = {"gathered": gathered, "tpf.rl": split}
+        heads = {"gathered": gathered, "tpf.rl": split, "fused": split}
         gen = torch.Generator().manual_seed(1)
         hidden = torch.randn(args.tokens, args.hidden, generator=gen).requires_grad_()
         target = torch.randint(0, vocab, (args.tokens,), generator=gen)

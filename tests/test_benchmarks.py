@@ -48,8 +48,8 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
                                         "whole-sequence ring"], text
         assert all(r[8] == "1.000" for r in rows if r[1] != "one device"), text
         assert all(abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows if r[1] in ("ring", "ulysses")), text
-    if name == "rl":  # both ways timed, with the same log-probabilities
-        assert text.count("| True |") == 2 and "| tpf.rl |" in text, text
+    if name == "rl":  # the three ways timed, with the same log-probabilities
+        assert text.count("| True |") == 3 and "| tpf.rl |" in text and "| fused |" in text, text
     if name == "decode":  # tpflow's tokens equal transformers' and one device's
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "shm":  # both transports measured at every size
