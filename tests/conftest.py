@@ -62,6 +62,8 @@ class Launches:
                     f"{self.folder('vocab')}",
                     f"benchmarks/rl_cpu.py --vocab 101 --tokens 16 --hidden 8 --chunk 4 --reps 1 --out "
                     f"{self.folder('rl')}",
+                    f"benchmarks/rl_weights_cpu.py --hidden 96 --layers 1 --vocab 101 --bucket-mib 1 --reps 1 --out "
+                    f"{self.folder('rl-weights')}",
                     f"benchmarks/loading_cpu.py --dir {self.folder('model')} --out {self.folder('loading')}",
                     f"benchmarks/context_cpu.py train --tokens 32 --hidden 16 --layers 1 --reps 1 --out "
                     f"{self.folder('context')}",

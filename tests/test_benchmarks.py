@@ -25,6 +25,7 @@ def test_pytest_benchmark_suites_run():
 
 
 @pytest.mark.parametrize("nproc, name", [(2, "layers"), (2, "collectives"), (4, "pipeline"), (2, "vocab"), (2, "rl"),
+                                         (2, "rl-weights"),
                                          (4, "checks"), (2, "loading"), (2, "context"), (2, "context-overlap"),
                                          (2, "context-packed"),
                                          (2, "decode"), (2, "shm"), (2, "heap"), (2, "loaded"), (2, "trainer"),
@@ -50,6 +51,8 @@ def test_benchmark_scripts_run_under_the_launcher(nproc, name, launches):
         assert all(abs(float(r[9].rstrip(" |"))) < 1e-5 for r in rows if r[1] in ("ring", "ulysses")), text
     if name == "rl":  # the three ways timed, with the same log-probabilities
         assert text.count("| True |") == 3 and "| tpf.rl |" in text and "| fused |" in text, text
+    if name == "rl-weights":  # the three ways timed
+        assert all(f"| {way} |" in text for way in ("save_pretrained", "stream, rank 0", "stream, every rank")), text
     if name == "decode":  # tpflow's tokens equal transformers' and one device's
         assert "| 2 |" in text and text.rstrip().endswith("| True |"), text
     if name == "shm":  # both transports measured at every size
