@@ -4,8 +4,8 @@ host memory a rank gains during it, side by side.
     python -m tpflow.launch --nproc_per_node W benchmarks/rl_weights_cpu.py [--hidden 768] [--layers 6]
         [--vocab 32000] [--bucket-mib 64] [--reps 3]
 
-A Llama of ``--layers`` layers, ``--hidden`` wide (MLP 8/3 x, 12 heads, 4 key/value heads), vocabulary ``--vocab``, fp32,
-split over the W ranks (``plan="auto"``), refit three ways:
+A Llama of ``--layers`` layers, ``--hidden`` wide (MLP 8/3 x, 12 heads, 4 key/value heads), vocabulary ``--vocab``,
+fp32, split over the W ranks (``plan="auto"``), refit three ways:
 
     save_pretrained    every rank gathers, rank 0 writes the checkpoint (into a temporary folder), as a refit through
                        the disk does

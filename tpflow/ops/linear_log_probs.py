@@ -25,12 +25,12 @@ EXTRAS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # TRL's names, in the o
 
 def _scaled(y: torch.Tensor, scale: float, softcap: float | None, inv_t: float) -> tuple[torch.Tensor, torch.Tensor
                                                                                         | None]:
-    """``z`` of a block's logits ``y`` (fp32 or wider), and ``tanh`` of the softcap (None without one)."""
-    y = y * scale
+    """``z`` of a block's logits ``y`` (fp32 or wider, a fresh tensor: scaled in place), and ``tanh`` of the softcap
+    (None without one)."""
     if softcap is None:
-        return y * inv_t, None
-    t = torch.tanh(y / softcap)
-    return softcap * t * inv_t, t
+        return y.mul_(scale * inv_t), None
+    t = y.mul_(scale / softcap).tanh_()
+    return t * (softcap * inv_t), t
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -72,10 +72,10 @@ class _LinearLogProbs(torch.autograd.Function):
             z, t = _scaled(F.linear(h, w, b).to(wide), scale, softcap, inv_t)
             dy = log_prob_grad(z, target[rows], start, valid[rows], lse[rows], entropy[rows],
                                None if grad_logp is None else grad_logp[rows],
-                               None if grad_entropy is None else grad_entropy[rows]) * (inv_t * scale)
+                               None if grad_entropy is None else grad_entropy[rows]).mul_(inv_t * scale)
             del z
             if t is not None:
-                dy *= 1 - t * t
+                dy.mul_(t.square_().neg_().add_(1))  # d tanh = 1 - tanh^2
             dy = dy.to(dtype)  # the logits' gradient in the product's dtype, as autograd's would be
             if dh is not None:
                 dh[rows] = _wide_mm(dy, w, wide)

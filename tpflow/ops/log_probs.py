@@ -84,15 +84,20 @@ def token_stats(z: torch.Tensor, target: torch.Tensor, start: int, extras: bool 
         zero, low = z.new_zeros(rows), z.new_full((rows,), -torch.inf)
         return torch.stack((low, zero, zero, zero) + ((zero, zero, low) if extras else ()))
     m = z.max(-1).values
-    e = torch.exp(z - m[:, None])
+    e = (z - m[:, None]).exp_()  # the block's one temporary (the row sums below are products: no more)
     local = target - start
     mine = (local >= 0) & (local < z.shape[1])
     picked = torch.where(mine, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
-    stats = (m, e.sum(-1), (e * z).sum(-1), picked)
+    stats = (m, e.sum(-1), _row_dot(e, z), picked)
     if extras:
         before = torch.arange(start, start + z.shape[1], device=z.device) < target[:, None]
-        stats += (z.sum(-1), (e * e).sum(-1), z.masked_fill(~before, -torch.inf).max(-1).values)
+        stats += (z.sum(-1), _row_dot(e, e), z.masked_fill(~before, -torch.inf).max(-1).values)
     return torch.stack(stats)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Each row's ``sum(a * b)``, as a batched product: no ``[rows, block]`` temporary."""
+    return (a[:, None, :] @ b[:, :, None])[:, 0, 0]
 
 
 def _gathered(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -168,17 +173,17 @@ def log_prob_grad(z: torch.Tensor, target: torch.Tensor, start: int, valid: torc
         >>> got = log_prob_grad(z.detach(), t, 0, t >= 0, lse, lse, torch.ones(2, dtype=torch.float64), None)
         >>> torch.testing.assert_close(got, torch.autograd.grad(z.log_softmax(-1).gather(1, t[:, None]).sum(), z)[0])
     """
-    p = torch.exp(z - lse[:, None])
-    g = torch.zeros_like(z)
+    logp = z - lse[:, None]  # two [rows, block] buffers in all: log p (then the gradient) and p
+    p = logp.exp()
+    g = None if grad_entropy is None else logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
     if grad_logp is not None:
         g_t = torch.where(valid, grad_logp, 0.0)
-        g -= g_t[:, None] * p
+        p.mul_(g_t[:, None])
+        g = p.neg_() if g is None else g.sub_(p)
         local = target - start
         mine = valid & (local >= 0) & (local < z.shape[1])
         g[mine, local[mine]] += g_t[mine]
-    if grad_entropy is not None:
-        g -= grad_entropy[:, None] * p * (z - lse[:, None] + entropy[:, None])
-    return g
+    return torch.zeros_like(z) if g is None else g
 
 
 class _LogProbs(torch.autograd.Function):
@@ -204,7 +209,7 @@ class _LogProbs(torch.autograd.Function):
             g = log_prob_grad(piece.to(lse.dtype) / temperature, target[rows], start, valid[rows], lse[rows],
                               entropy[rows], None if grad_logp is None else grad_logp[rows],
                               None if grad_entropy is None else grad_entropy[rows])
-            out.copy_(g / temperature)
+            out.copy_(g.div_(temperature))
         return grad, *(None,) * 6
 
 

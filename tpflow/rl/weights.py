@@ -179,11 +179,14 @@ class Weights:
 
     def _whole(self, source: Source) -> dict[str, torch.Tensor]:
         """One parameter gathered (every rank) and, on a receiving rank, turned into its checkpoint tensors."""
-        value = source.tensor.detach()
-        value = value.full_tensor() if isinstance(value, DTensor) else value
+        param = source.tensor.detach()
+        value = param.full_tensor() if isinstance(param, DTensor) else param
         if not self._keeps():
             return {}
-        value = value.to(self.dtype) if self.dtype is not None else value.clone()  # not the parameter itself
+        value = value if self.dtype is None else value.to(self.dtype)
+        if value.untyped_storage().data_ptr() == (param.to_local() if isinstance(param, DTensor) else param
+                                                  ).untyped_storage().data_ptr():
+            value = value.clone()  # a whole parameter is its own gather: the engine gets a copy, not the parameter
         if len(source.made) == 1 and source.made[0].name == source.key:
             return {source.key: value}
         from transformers.core_model_loading import revert_weight_conversion
