@@ -230,8 +230,10 @@ class Weights:
                     whole.update(self._whole(source))
                 if whole and next(iter(whole.values())).is_cuda:
                     torch.cuda.current_stream().synchronize()  # the gathers done before the bucket is read
-                yield [(m.name, whole.get(m.name)) for s in bucket for m in s.made]
+                items = [(m.name, whole.get(m.name)) for s in bucket for m in s.made]
                 del whole
+                yield items
+                items.clear()  # the bucket's tensors go before the next one's gathers, whoever still holds the list
 
     # adapters: duck-typed, the engines need GPUs
 
