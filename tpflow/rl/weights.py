@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from tpflow.checkpoint.together import Meeting
+from tpflow.sbp import chunk_bounds
 
 __all__ = ["Source", "WeightMeta", "Weights", "checkpoint_tensors", "weights"]
 
@@ -106,6 +107,32 @@ def checkpoint_tensors(model: nn.Module, state: dict[str, torch.Tensor], dtype: 
     return sources
 
 
+def _gathered(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value, every rank calling. Split on one dim over a 1-D mesh, the blocks land straight in
+    one whole tensor (``all_gather_into_tensor`` for even rows; else each rank's block broadcast in turn, at most a
+    block in flight beside it); any other layout by ``full_tensor``, which may hold the whole twice for a moment."""
+    if not isinstance(param, DTensor):
+        return param
+    mesh, place = param.device_mesh, param.placements[0]
+    if mesh.ndim != 1 or type(place) is not Shard:
+        return param.full_tensor()
+    group, me, local = mesh.get_group(0), mesh.get_local_rank(0), param.to_local()
+    out = local.new_empty(param.shape)
+    bounds = chunk_bounds(param.shape[place.dim], mesh.size(0))
+    if place.dim == 0 and len({b - a for a, b in bounds}) == 1:
+        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+        return out
+    for r, (a, b) in enumerate(bounds):
+        if a == b:
+            continue
+        part = out.narrow(place.dim, a, b - a)
+        block = local.contiguous() if r == me else part if part.is_contiguous() else torch.empty_like(part)
+        dist.broadcast(block, group_src=r, group=group)
+        if block is not part:
+            part.copy_(block)
+    return out
+
+
 class Weights:
     """A parallelized model's weights as whole checkpoint tensors, streamed in buckets (``tpf.rl.weights``).
 
@@ -180,7 +207,7 @@ class Weights:
     def _whole(self, source: Source) -> dict[str, torch.Tensor]:
         """One parameter gathered (every rank) and, on a receiving rank, turned into its checkpoint tensors."""
         param = source.tensor.detach()
-        value = param.full_tensor() if isinstance(param, DTensor) else param
+        value = _gathered(param)
         if not self._keeps():
             return {}
         value = value if self.dtype is None else value.to(self.dtype)
