@@ -109,8 +109,9 @@ def checkpoint_tensors(model: nn.Module, state: dict[str, torch.Tensor], dtype: 
 
 def _gathered(param: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value, every rank calling. Split on one dim over a 1-D mesh, the blocks land straight in
-    one whole tensor (``all_gather_into_tensor`` for even rows; else each rank's block broadcast in turn, at most a
-    block in flight beside it); any other layout by ``full_tensor``, which may hold the whole twice for a moment."""
+    one whole tensor (NCCL's ``all_gather_into_tensor`` for even rows; else each rank's block broadcast in turn, at
+    most a block in flight beside it: gloo's ``all_gather_into_tensor`` gathers into a buffer of its own first);
+    any other layout by ``full_tensor``, which may hold the whole twice for a moment."""
     if not isinstance(param, DTensor):
         return param
     mesh, place = param.device_mesh, param.placements[0]
@@ -119,7 +120,7 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
     group, me, local = mesh.get_group(0), mesh.get_local_rank(0), param.to_local()
     out = local.new_empty(param.shape)
     bounds = chunk_bounds(param.shape[place.dim], mesh.size(0))
-    if place.dim == 0 and len({b - a for a, b in bounds}) == 1:
+    if local.is_cuda and place.dim == 0 and len({b - a for a, b in bounds}) == 1:
         dist.all_gather_into_tensor(out, local.contiguous(), group=group)
         return out
     for r, (a, b) in enumerate(bounds):
