@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tpflow import comm
 from tpflow.ops.cross_entropy import check_targets
-from tpflow.ops.log_probs import combine, log_prob_grad, token_stats
+from tpflow.ops.log_probs import check_settings, combine, log_prob_grad, token_stats
 
 __all__ = ["EXTRAS", "linear_log_probs"]
 
@@ -141,11 +141,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         >>> logp, entropy = linear_log_probs(h, w, None, t, start=0, classes=50, group=None, chunk=4)
         >>> torch.testing.assert_close(logp, torch.log_softmax(h @ w.T, -1).gather(1, t[:, None])[:, 0])
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}: log-probabilities of greedy decoding are not "
-                         f"defined (sample with a temperature, or score at temperature=1.0)")
-    if chunk < 1:
-        raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
+    check_settings(temperature, chunk)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:

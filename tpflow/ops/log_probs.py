@@ -23,7 +23,8 @@ import torch.distributed as dist
 from tpflow import comm
 from tpflow.ops.cross_entropy import check_targets
 
-__all__ = ["Combined", "combine", "log_prob_grad", "token_stats", "vocab_parallel_kl", "vocab_parallel_log_probs"]
+__all__ = ["Combined", "check_settings", "combine", "log_prob_grad", "token_stats", "vocab_parallel_kl",
+           "vocab_parallel_log_probs"]
 
 
 def _pieces(t: torch.Tensor, chunk: int) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -244,13 +245,27 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, *, star
         >>> torch.testing.assert_close(logp, want.gather(1, t[:, None])[:, 0])
         >>> torch.testing.assert_close(entropy, -(want.exp() * want).sum(-1))
     """
+    check_settings(temperature, chunk)
+    check_targets(target, math.prod(logits.shape[:-1]), classes, ignore_index)
+    return _LogProbs.apply(logits, target, start, group, float(temperature), ignore_index, chunk)
+
+
+def check_settings(temperature: float, chunk: int) -> None:
+    """Raise unless the temperature is positive and the chunk a positive number of rows.
+
+    Args:
+        temperature: a sampler's temperature.
+        chunk: rows computed at once.
+
+    Example::
+
+        >>> check_settings(0.7, 256)
+    """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}: log-probabilities of greedy decoding are not "
                          f"defined (sample with a temperature, or score at temperature=1.0)")
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
-    check_targets(target, math.prod(logits.shape[:-1]), classes, ignore_index)
-    return _LogProbs.apply(logits, target, start, group, float(temperature), ignore_index, chunk)
 
 
 def _kl_stats(zp: torch.Tensor, zq: torch.Tensor) -> torch.Tensor:
@@ -314,10 +329,7 @@ def vocab_parallel_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, *, group: 
         >>> p, q = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
         >>> torch.testing.assert_close(vocab_parallel_kl(x, y, group=None), (p.exp() * (p - q)).sum(-1))
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk < 1:
-        raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
+    check_settings(temperature, chunk)
     if p_logits.shape != q_logits.shape:
         raise ValueError(f"the two logits must hold the same rows and classes, got {tuple(p_logits.shape)} and "
                          f"{tuple(q_logits.shape)}")

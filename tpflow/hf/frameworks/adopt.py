@@ -73,10 +73,7 @@ def placement_of(model: nn.Module) -> Placement | None:
         >>> placement_of(torch.nn.Linear(2, 2)) is None
         True
     """
-    for m in (model, getattr(model, "module", None), getattr(model, "base_model", None)):
-        if m is not None and getattr(m, _PLACEMENT, None) is not None:
-            return getattr(m, _PLACEMENT)
-    return None
+    return _marked(model, _PLACEMENT)
 
 
 def split_as(model: nn.Module) -> tuple[Placement, Mapping[str, object]] | None:
@@ -93,9 +90,14 @@ def split_as(model: nn.Module) -> tuple[Placement, Mapping[str, object]] | None:
         >>> split_as(torch.nn.Linear(2, 2)) is None
         True
     """
+    return _marked(model, _SPLIT_AS)
+
+
+def _marked(model: nn.Module, mark_name: str) -> Any:
+    """What ``mark`` left under ``mark_name`` on ``model`` or the model a wrapper holds, or None."""
     for m in (model, getattr(model, "module", None), getattr(model, "base_model", None)):
-        if m is not None and getattr(m, _SPLIT_AS, None) is not None:
-            return getattr(m, _SPLIT_AS)
+        if m is not None and getattr(m, mark_name, None) is not None:
+            return getattr(m, mark_name)
     return None
 
 
