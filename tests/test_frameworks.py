@@ -221,7 +221,9 @@ def _sft_rank(reference: tuple, layout: str, folder: str, strategy: str) -> None
         losses, tokens, params = _sft(_parallel(layout, vocab_parallel=False), folder, BATCH // 2, strategy)
     torch.testing.assert_close(losses, reference[0], rtol=1e-6, atol=0)
     assert tokens == reference[1], (tokens, reference[1])
-    _equal(params, reference[2], 1e-8 if layout == "1d" else 1e-7)  # FSDP2 sums the rows' gradients in another order
+    # TRL's fused head computes the logits' statistics in fp32 (an fp64 model's too): on the vocabulary's blocks they
+    # are summed in another order, fp32's rounding after the steps (1e-7 .. 1e-6)
+    _equal(params, reference[2], 2e-6)
 
 
 @pytest.mark.parametrize("world, layout", [(2, "1d"), (4, "2x2")])

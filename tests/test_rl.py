@@ -117,7 +117,7 @@ def _same_steps(model, alone, taught, teacher, ids, advantages, what: str) -> No
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_logprobs_and_entropies_match_one_device(world):
-    harness.run(world, _logprobs, FAMILIES if world == 2 else FAMILIES[:2], timeout=600)
+    harness.run(world, _logprobs, FAMILIES, timeout=600)
 
 
 def _both_sides() -> None:

@@ -35,9 +35,9 @@ def _scaled(y: torch.Tensor, scale: float, softcap: float | None, inv_t: float) 
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, start, classes, group, shape, ignore_index, chunk, extras, dtype):
+    def forward(ctx, hidden, weight, bias, target, start, classes, group, shape, ignore_index, chunk, extras, dtypes):
         ctx.set_materialize_grads(False)  # an entropy only logged sends no gradient: none is computed for it
-        wide = torch.promote_types(dtype, torch.float32)
+        dtype, wide = dtypes  # the product's, the statistics'
         stats = [hidden.new_zeros(7 if extras else 4, 0, dtype=wide)]
         w, b = (None if t is None else t.to(dtype) for t in (weight, bias))
         for first in range(0, hidden.shape[0], chunk):
@@ -94,7 +94,7 @@ def _wide_mm(a: torch.Tensor, b: torch.Tensor, wide: torch.dtype) -> torch.Tenso
     before the chunks are summed)."""
     if a.dtype == wide:
         return a @ b
-    if a.is_cuda and wide == torch.float32:
+    if a.is_cuda and wide == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
         return torch.mm(a, b, out_dtype=wide)
     return a.to(wide) @ b.to(wide)
 
@@ -103,7 +103,7 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                      start: int, classes: int, group: dist.ProcessGroup | None, temperature: float = 1.0,
                      ignore_index: int = -100, chunk: int = 1024, logit_scale: float = 1.0,
                      softcap: float | None = None, extras: bool = False,
-                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+                     dtype: torch.dtype | None = None, stats: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """Each row's ``log_softmax(z).gather(target)`` and entropy of ``softmax(z)``, ``z = softcap * tanh(logit_scale *
     (hidden @ W.T + b) / softcap) / temperature`` (no tanh without a softcap), for a head whose rows are split over
     ``group``, ``chunk`` rows at a time, differentiable in ``hidden``, ``weight`` and ``bias``.
@@ -128,7 +128,9 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         extras: also return, without gradients, ``log sum p^2``, the mean of ``z`` over the classes and whether
             the target is the (first) argmax (``EXTRAS``).
         dtype: the product's (each chunk of ``hidden`` and the head cast to it; default ``hidden``'s): the
-            gradients are still summed in fp32 (fp64) and returned in their inputs' dtypes.
+            gradients are still summed in the statistics' dtype and returned in their inputs' dtypes.
+        stats: the dtype of the scaled logits, their statistics and the gradients' sums (default fp32, fp64 for
+            an fp64 product).
 
     Returns:
         ``(log_probs, entropy)``, each ``[rows]`` in fp32 (fp64 for fp64 inputs), then the ``EXTRAS`` with
@@ -149,6 +151,8 @@ def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                          f"{tuple(weight.shape)}")
     check_targets(target, hidden.shape[0], classes, ignore_index)
     shape = (float(logit_scale), None if softcap is None else float(softcap), 1.0 / float(temperature))
+    product = hidden.dtype if dtype is None else dtype
+    stats = torch.promote_types(product, torch.float32) if stats is None else stats
     return _LinearLogProbs.apply(hidden, weight, bias, target, start, classes, group, shape, ignore_index, chunk,
-                                 extras, hidden.dtype if dtype is None else dtype)
+                                 extras, (product, stats))
 

@@ -7,7 +7,8 @@ gathering a DTensor head whole on every rank first (``full_tensor``): the ``[voc
 gradient, on every rank. Under ``adopt``, TRL's forward runs as it is (its label shift, masks, loss and MoE
 auxiliary loss) but sees this rank's block of the head, and its tile kernel (``ChunkedLogProbFunction``) is
 ``tpflow.ops.linear_log_probs`` on that block: one all-gather of a few numbers per token, logits never larger than
-``[chunk, vocabulary / W]``. The product runs in TRL's dtype (autocast's, for every operand), as TRL's does.
+``[chunk, vocabulary / W]``. In TRL's dtypes: the product in autocast's (for every operand), the logits' statistics and
+the gradients' sums in fp32 (for an fp64 model too), as TRL's kernel computes them.
 
 A reference model TRL builds itself (``beta > 0``: from the policy's folder) is whole; ``adopt`` splits it with the
 policy's placement and plan, so that it holds its share and scores through the same split head.
@@ -117,11 +118,9 @@ def _apply(original: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torc
         logp, entropy, *extras = linear_log_probs(
             hidden, weight, bias, targets, start=blocks.start, classes=blocks.classes, group=blocks.group,
             temperature=temperature, chunk=CHUNK, logit_scale=logit_scale, softcap=softcap, extras=bool(wanted),
-            dtype=dtype)
-    named = dict(zip(EXTRAS, (t.float() if t.is_floating_point() else t for t in extras)))
-    # fp32, as TRL's (its statistics are fp32 whatever the product's dtype)
-    return logp.float(), entropy.float() if "entropy" in outputs else None, *(
-        named[n] if n in wanted else None for n in EXTRAS)
+            dtype=dtype, stats=torch.float32)
+    named = dict(zip(EXTRAS, extras))
+    return logp, entropy if "entropy" in outputs else None, *(named[n] if n in wanted else None for n in EXTRAS)
 
 
 def split_reference(reference: nn.Module, split_as: tuple[Placement, Mapping[str, object]] | None) -> None:
