@@ -148,8 +148,8 @@ def _parts(model: nn.Module, source: Source, degree: int) -> dict[str, list[Part
             ranks = chunk_bounds(source.tensor.shape[0], degree)
             parts[made.name] = [Part(made.name, None if a <= expert < b else 0, 0, 0) for a, b in ranks]
         else:
-            raise NotImplementedError(f"tpf.rl.reshard_plan: {source.key} split on dim {dim} becomes {made.name} "
-                                      f"{made.shape} in the checkpoint, whose split is not known here")
+            raise ValueError(f"tpf.rl.reshard_plan: {source.key} split on dim {dim} becomes {made.name} {made.shape} "
+                             f"in the checkpoint, whose split is not known here: send the engine whole tensors")
     return parts
 
 

@@ -101,9 +101,9 @@ def checkpoint_tensors(model: nn.Module, state: dict[str, torch.Tensor], dtype: 
                                                                    device="meta") for s in sources})
     if {n: (m.dtype, m.shape) for n, m in together.items()} != {n: (m.dtype, m.shape) for n, m in made_alone.items()}:
         joined = sorted(set(together) ^ set(made_alone))[:4]
-        raise NotImplementedError(f"tpf.rl.weights turns one parameter at a time into checkpoint tensors, but "
-                                  f"{type(model).__name__}'s conversion to its checkpoint layout joins several "
-                                  f"(around {joined}): stream it with save_original_format off, or save_pretrained")
+        raise ValueError(f"tpf.rl.weights turns one parameter at a time into checkpoint tensors, but "
+                         f"{type(model).__name__}'s conversion to its checkpoint layout joins several (around "
+                         f"{joined}): refit through save_pretrained, which converts the whole state dict at once")
     return sources
 
 
