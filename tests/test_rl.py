@@ -197,3 +197,22 @@ def _trl_fused_head() -> None:
 def test_trl_fused_head_scores_on_the_head_blocks():
     pytest.importorskip("trl")
     harness.run(2, _trl_fused_head)
+    from tpflow.hf.frameworks.trl_heads import route_fused_heads
+
+    model = torch.nn.Linear(2, 2)  # a forward of TRL's this route does not know is refused, not gathered unsaid
+    model.forward = _renamed_trl_forward(model)
+    with pytest.raises(ValueError, match="not the fused head tpflow routes"):
+        route_fused_heads(model)
+
+
+def _renamed_trl_forward(model: torch.nn.Module):
+    """A bound method whose code claims to be TRL's, under another name than its fused forward's."""
+    import types
+
+    import trl.trainer.utils as utils
+
+    def forward(self, x):
+        return x
+
+    forward.__code__ = forward.__code__.replace(co_filename=utils.__file__, co_name="_tiled_forward")
+    return types.MethodType(forward, model)

@@ -42,7 +42,13 @@ def _trl_forward(model: nn.Module) -> Any:
     """TRL's fused forward on ``model`` (``add_fused_lm_head``'s, bound as ``model.forward``), or None."""
     forward = model.__dict__.get("forward")
     code = getattr(getattr(forward, "__func__", None), "__code__", None)
-    return forward if code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename else None
+    if code is None or "trl" not in code.co_filename:
+        return None
+    if code.co_name != "_fused_forward":  # a TRL this module does not know: its head would be gathered, unsaid
+        raise ValueError(f"tpf.adopt: {type(model).__name__}'s forward is TRL's {code.co_name} "
+                         f"({code.co_filename}), not the fused head tpflow routes (add_fused_lm_head's "
+                         f"_fused_forward, TRL 1.16): use the TRL version pyproject.toml states")
+    return forward
 
 
 def route_fused_heads(*models: nn.Module | None) -> None:
